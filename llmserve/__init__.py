@@ -1,0 +1,1 @@
+"""llmserve: continuous-batching LLM serving over gRPC."""

@@ -1,0 +1,1 @@
+"""The worker: runs the model over a paged KV pool."""

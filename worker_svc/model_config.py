@@ -1,0 +1,77 @@
+"""Shape and hyperparameters of a Llama-family decoder (what the runner needs to know)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_context: int
+    tie_embeddings: bool
+    bos_token_id: int
+    eos_token_ids: tuple[int, ...]
+    name: str
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even for RoPE")
+
+
+def smollm2_135m_config() -> ModelConfig:
+    """SmolLM2-135M-Instruct, as its GGUF metadata describes it (for reference and tests)."""
+    return ModelConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        max_context=8192,
+        tie_embeddings=True,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        name="SmolLM2-135M-Instruct",
+    )
+
+
+def tiny_config() -> ModelConfig:
+    """A tiny random model of the SmolLM2 architecture and vocabulary, for fast tests."""
+    return ModelConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        max_context=2048,
+        tie_embeddings=True,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        name="tiny",
+    )

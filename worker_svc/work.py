@@ -1,0 +1,32 @@
+"""What the scheduler asks the worker to run: one request's tokens for one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingSettings:
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0  # 1 means off
+    top_k: int = 0  # 0 means off
+    seed: int | None = None  # None means a fresh random draw each time
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class WorkItem:
+    request_id: str
+    token_ids: list[int]  # tokens to process now
+    start_position: int  # position of token_ids[0]
+    block_table: list[int]  # KV block ids holding positions 0..start+len-1, in order
+    sample: bool = True  # False for a prompt chunk that doesn't reach the end
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    sample_index: int = 0  # number of tokens generated so far
+
+    @property
+    def end_position(self) -> int:
+        return self.start_position + len(self.token_ids)
