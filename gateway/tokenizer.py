@@ -289,7 +289,12 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids for `text`. Control tokens spelled in the text (`<|im_start|>`) are matched
         whole, as the chat template needs. A BOS is prepended only if the GGUF asks for it."""
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        try:
+            ids = self._backend.encode(text, add_special_tokens=False).ids
+        except TypeError as exc:
+            if isinstance(text, str):  # lone surrogates are not encodable text
+                raise ValueError("text contains lone surrogates (invalid Unicode)") from exc
+            raise
         if self._add_bos and self._bos_token_id is not None:
             return [self._bos_token_id, *ids]
         return ids

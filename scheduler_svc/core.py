@@ -210,7 +210,8 @@ class Scheduler:
     ) -> None:
         ws.pool.grow(seq.request_id, seq.num_computed + n)
         sample = seq.num_computed + n == seq.num_tokens
-        batch.items.append(Work(seq, seq.num_computed, n, sample))
+        table = ws.pool.table(seq.request_id)[: blocks_for(seq.num_computed + n, ws.spec.block_size)]
+        batch.items.append(Work(seq, seq.num_computed, n, sample, table))
         budgets[index] -= n
         self._planned[seq.request_id] = seq.num_computed + n
 

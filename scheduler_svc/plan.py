@@ -15,6 +15,7 @@ class Work:
     start: int
     num_tokens: int
     sample: bool  # the chunk reaches the end of the known tokens: a new token comes out
+    block_table: list[int] = field(default_factory=list)  # blocks for positions 0..start+n-1
 
     @property
     def token_ids(self) -> list[int]:

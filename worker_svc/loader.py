@@ -94,6 +94,8 @@ def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
         t = tensors[name]
         array = dequantize(t.data, t.tensor_type)  # numpy, shape reversed from GGUF's order
         array = np.ascontiguousarray(array, dtype=np.float32)
+        if not array.flags.writeable:  # unquantized tensors come straight from the mmap
+            array = array.copy()
         return torch.from_numpy(array.reshape([int(d) for d in reversed(t.shape)]))
 
     num_heads = int(value("llama.attention.head_count"))
@@ -113,7 +115,8 @@ def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rope_theta=float(value("llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(value("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        # stored as float32 (9.9999997e-06); round back to the value the model was trained with
+        rms_norm_eps=float(f"{value('llama.attention.layer_norm_rms_epsilon', 1e-5):.6g}"),
         max_context=int(value("llama.context_length", 2048)),
         tie_embeddings="output.weight" not in tensors,
         bos_token_id=int(value("tokenizer.ggml.bos_token_id", 1)),

@@ -1,0 +1,62 @@
+"""python -m gateway: the public gRPC API as a plain process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+
+import grpc
+
+from gateway.service import GatewayService
+from gateway.settings import GatewaySettings
+from gateway.tokenizer import Tokenizer, load_default_tokenizer
+from llmserve.flags import add_flags, from_args
+from llmserve.server import CHANNEL_OPTIONS, Server, setup_logging
+from llmserve.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+HELP = {
+    "scheduler": "address of the scheduler service",
+    "max_queued_requests": "refuse with RESOURCE_EXHAUSTED beyond this many waiting requests",
+    "max_queued_tokens": "refuse with RESOURCE_EXHAUSTED beyond this many waiting prompt tokens",
+}
+
+
+async def scheduler_status(stub, timeout: float = 180.0) -> scheduler_pb2.StatusReply:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            return await stub.Status(scheduler_pb2.StatusRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise SystemExit("the scheduler did not answer") from None
+            await asyncio.sleep(0.2)
+
+
+async def serve(settings: GatewaySettings) -> None:
+    log = setup_logging("gateway")
+    log.info("settings: %s", dataclasses.asdict(settings))
+    server = Server(
+        settings.host, settings.port, [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
+    )
+    tokenizer = (
+        Tokenizer.from_gguf(settings.tokenizer) if settings.tokenizer else load_default_tokenizer()
+    )
+    channel = grpc.aio.insecure_channel(settings.scheduler, options=CHANNEL_OPTIONS)
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    status = await scheduler_status(stub)
+    log.info(
+        "scheduler %s: model %s, context %d", settings.scheduler, status.model, status.max_context
+    )
+    service = GatewayService(settings, tokenizer, stub, status.max_context)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(service, server.server)
+    await server.run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = add_flags(argparse.ArgumentParser(prog="gateway"), GatewaySettings, HELP)
+    asyncio.run(serve(from_args(GatewaySettings, parser.parse_args(argv))))
+
+
+if __name__ == "__main__":
+    main()

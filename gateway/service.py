@@ -1,0 +1,213 @@
+"""The public Gateway service: validate, tokenize, apply queue limits, stream text back."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.settings import GatewaySettings
+from gateway.stops import StopMatcher
+from gateway.tokenizer import Tokenizer
+from gateway.validation import InvalidRequest, ValidatedParams, validate
+from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
+
+
+@dataclass(slots=True)
+class Tally:
+    """One request's progress, for usage figures."""
+
+    received: float = field(default_factory=time.monotonic)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    queue_time: float = 0.0
+    first_token_at: float | None = None
+    preemptions: int = 0
+
+    def usage(self) -> common_pb2.Usage:
+        now = time.monotonic()
+        ttft = (self.first_token_at - self.received) if self.first_token_at else 0.0
+        return common_pb2.Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            queue_time_s=self.queue_time,
+            time_to_first_token_s=ttft,
+            total_time_s=now - self.received,
+            preemptions=self.preemptions,
+        )
+
+
+class AdmissionQueue:
+    """The gateway's queue limits: requests and prompt tokens not yet admitted to a batch."""
+
+    def __init__(self, max_requests: int, max_tokens: int) -> None:
+        self.max_requests, self.max_tokens = max_requests, max_tokens
+        self.requests = self.tokens = 0
+
+    def refusal(self, tokens: int) -> str | None:
+        if self.requests >= self.max_requests:
+            return f"queue full: {self.requests} requests are waiting (limit {self.max_requests})"
+        if self.tokens + tokens > self.max_tokens:
+            return (
+                f"queue full: {self.tokens} prompt tokens are waiting and this request adds "
+                f"{tokens} (limit {self.max_tokens})"
+            )
+        return None
+
+    def enter(self, tokens: int) -> None:
+        self.requests += 1
+        self.tokens += tokens
+
+    def leave(self, tokens: int) -> None:
+        self.requests -= 1
+        self.tokens -= tokens
+
+
+class GatewayService(gateway_pb2_grpc.GatewayServicer):
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        tokenizer: Tokenizer,
+        scheduler,  # SchedulerStub
+        max_context: int,
+    ) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.max_context = max_context
+        self.queue = AdmissionQueue(settings.max_queued_requests, settings.max_queued_tokens)
+        self.observer = None  # metrics hook, set by the metrics module
+
+    async def Generate(self, request, context):
+        async for message in self._generate(request, context):
+            yield message
+
+    async def GenerateUnary(self, request, context):
+        text, ids = [], []
+        final = None
+        async for message in self._generate(request, context):
+            if message.HasField("delta"):
+                text.append(message.delta.text)
+                ids.extend(message.delta.token_ids)
+            else:
+                final = message.final
+        return gateway_pb2.GenerateResult(
+            request_id=final.request_id,
+            text="".join(text),
+            token_ids=ids,
+            finish_reason=final.finish_reason,
+            usage=final.usage,
+            error=final.error,
+        )
+
+    def _validate(self, request) -> ValidatedParams:
+        s = request.sampling
+        kind = request.WhichOneof("input")
+        messages = None
+        if kind == "chat":
+            messages = [(m.role, m.content) for m in request.chat.messages]
+        return validate(
+            prompt=request.prompt if kind == "prompt" else None,
+            messages=messages,
+            max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
+            temperature=s.temperature if s.HasField("temperature") else None,
+            top_p=s.top_p if s.HasField("top_p") else None,
+            top_k=s.top_k if s.HasField("top_k") else None,
+            stop=list(s.stop),
+            max_context=self.max_context,
+            default_max_tokens=self.settings.default_max_tokens,
+        )
+
+    def _tokenize(self, params: ValidatedParams) -> list[int]:
+        if params.messages is not None:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": r, "content": c} for r, c in params.messages]
+            )
+        else:
+            text = params.prompt or ""
+        return self.tokenizer.encode(text)
+
+    async def _generate(self, request, context) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        tally = Tally()
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            params = self._validate(request)
+            prompt_ids = self._tokenize(params)
+        except (InvalidRequest, ValueError) as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        if not prompt_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt has no tokens")
+        tally.prompt_tokens = len(prompt_ids)
+        refusal = self.queue.refusal(len(prompt_ids))
+        if refusal:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        submit = scheduler_pb2.SubmitRequest(
+            request_id=rid,
+            prompt_token_ids=prompt_ids,
+            sampling=common_pb2.SamplingParams(
+                max_tokens=params.max_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                ignore_eos=request.sampling.ignore_eos,
+                seed=request.sampling.seed if request.sampling.HasField("seed") else None,
+            ),
+        )
+        self.queue.enter(len(prompt_ids))
+        queued = True
+        call = self.scheduler.Submit(submit, timeout=context.time_remaining())
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_ids)
+        stops = StopMatcher(list(params.stop))
+        finish = common_pb2.FINISH_REASON_UNSPECIFIED
+        error = ""
+        try:
+            async for event in call:
+                if event.admitted and queued:
+                    self.queue.leave(len(prompt_ids))
+                    queued = False
+                    tally.queue_time = event.queue_time_s
+                if event.token_ids:
+                    tally.first_token_at = tally.first_token_at or time.monotonic()
+                    tally.completion_tokens += len(event.token_ids)
+                    text, hit = stops.push(detok.push(list(event.token_ids)))
+                    yield _delta(text, event.token_ids)
+                    if hit:
+                        finish = common_pb2.FINISH_REASON_STOP
+                        call.cancel()
+                        break
+                if event.finish_reason:
+                    finish, error, tally.preemptions = (
+                        event.finish_reason,
+                        event.error,
+                        event.preemptions,
+                    )
+            if finish == common_pb2.FINISH_REASON_ERROR:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, error or "generation failed")
+            if not stops.stopped:
+                tail, _ = stops.push(detok.flush())
+                tail += stops.flush()
+                if tail:
+                    yield _delta(tail, [])
+        except grpc.aio.AioRpcError as err:
+            await context.abort(err.code(), err.details() or "the scheduler failed")
+        finally:
+            if queued:
+                self.queue.leave(len(prompt_ids))
+            call.cancel()
+            if self.observer is not None:
+                self.observer(finish, tally)
+        yield gateway_pb2.GenerateResponse(
+            final=gateway_pb2.Final(
+                request_id=rid, finish_reason=finish, usage=tally.usage(), error=error
+            )
+        )
+
+
+def _delta(text: str, token_ids) -> gateway_pb2.GenerateResponse:
+    return gateway_pb2.GenerateResponse(
+        delta=gateway_pb2.TokenDelta(text=text, token_ids=list(token_ids))
+    )

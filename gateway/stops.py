@@ -1,0 +1,86 @@
+"""Stop strings over streamed text.
+
+`StopMatcher.push(delta)` returns the text that is safe to emit now and whether a stop string was
+hit. Text that could still turn out to be the start of a stop string is held back; when a stop is
+hit, the output ends just before the earliest occurrence of any stop string (the stop itself is
+not emitted) and everything after it is dropped.
+
+Matching is on str code points, so it works for any Unicode text; stop strings are matched as
+given (no normalization). The earliest match wins; among stops that start at the same place the
+emitted text is the same, and `matched` reports the one listed first.
+"""
+
+from __future__ import annotations
+
+__all__ = ["StopMatcher"]
+
+
+class StopMatcher:
+    """Find the first occurrence of any of `stops` in text that arrives in pieces."""
+
+    __slots__ = ("_stops", "_max_len", "_pending", "_done", "matched")
+
+    def __init__(self, stops: list[str]) -> None:
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        self._stops = tuple(dict.fromkeys(stops))  # de-duplicated, order kept
+        self._max_len = max((len(s) for s in self._stops), default=0)
+        self._pending = ""  # text received but not yet emitted
+        self._done = False
+        self.matched: str | None = None  # the stop string that was hit, if any
+
+    @property
+    def stopped(self) -> bool:
+        return self._done
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        """Add `delta`; return (text safe to emit now, whether a stop string was hit).
+
+        After a hit, further pushes return ("", True).
+        """
+        if self._done:
+            return "", True
+        if not self._stops:
+            return delta, False
+        # A stop that ends inside `delta` starts at most max_len - 1 chars before it, and every
+        # earlier position was already ruled out, so the search can start there.
+        start = max(0, len(self._pending) - self._max_len + 1)
+        text = self._pending + delta
+        hit = self._earliest(text, start)
+        if hit is not None:
+            index, stop = hit
+            self._done = True
+            self.matched = stop
+            self._pending = ""
+            return text[:index], True
+        keep = self._partial_suffix_len(text)
+        cut = len(text) - keep
+        self._pending = text[cut:]
+        return text[:cut], False
+
+    def flush(self) -> str:
+        """At end of stream: the held-back text (empty if a stop was hit)."""
+        if self._done:
+            return ""
+        out, self._pending = self._pending, ""
+        return out
+
+    def _earliest(self, text: str, start: int) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for stop in self._stops:
+            end = len(text) if best is None else best[0] + len(stop)
+            index = text.find(stop, start, end)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        return best
+
+    def _partial_suffix_len(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+        longest = 0
+        limit = min(len(text), self._max_len - 1)
+        for stop in self._stops:
+            for n in range(min(limit, len(stop) - 1), longest, -1):
+                if text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest

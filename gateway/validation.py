@@ -1,0 +1,211 @@
+"""Validation of a generate request, independent of protobuf and of the tokenizer.
+
+`validate(...)` checks every field a client sends and resolves the defaults; anything wrong raises
+`InvalidRequest` with a message that says which field is wrong and what is allowed, so the gateway
+can pass it straight to the client (gRPC INVALID_ARGUMENT).
+
+Decisions:
+* exactly one of `prompt` / `messages`. A prompt may be whitespace-only (it is valid text for the
+  model); only the empty string is refused.
+* chat messages: at least one; role is one of system/user/assistant; content must be a str and
+  MAY be empty (an empty system or assistant turn is legitimate and renders fine).
+* `max_tokens` unset -> `min(default_max_tokens, max_context)`; set -> 1..max_context. Whether
+  prompt + max_tokens fit the context is known only after tokenizing: see `check_fits`.
+* temperature: finite and >= 0 (0 means greedy); top_p in (0, 1]; top_k >= 0 (0 = disabled).
+* stop: at most 16 strings, each 1..256 characters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = [
+    "ALLOWED_ROLES",
+    "InvalidRequest",
+    "MAX_PROMPT_CHARS",
+    "MAX_STOP_CHARS",
+    "MAX_STOPS",
+    "ValidatedParams",
+    "check_fits",
+    "validate",
+]
+
+MAX_PROMPT_CHARS = 1_000_000  # prompt, or all message contents together
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+ALLOWED_ROLES = ("system", "user", "assistant")
+
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+DEFAULT_TOP_K = 0
+
+
+class InvalidRequest(ValueError):
+    """The request is malformed; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class ValidatedParams:
+    prompt: str | None
+    messages: tuple[tuple[str, str], ...] | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: tuple[str, ...]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_messages(messages: object) -> tuple[tuple[str, str], ...]:
+    if not isinstance(messages, list | tuple):
+        raise InvalidRequest("messages must be a list of (role, content) pairs")
+    if not messages:
+        raise InvalidRequest("messages is empty: send at least one message")
+    out: list[tuple[str, str]] = []
+    total = 0
+    for i, message in enumerate(messages):
+        if not isinstance(message, list | tuple) or len(message) != 2:
+            raise InvalidRequest(f"messages[{i}] must be a (role, content) pair")
+        role, content = message
+        if role not in ALLOWED_ROLES:
+            raise InvalidRequest(
+                f"messages[{i}].role is {role!r}; it must be one of {', '.join(ALLOWED_ROLES)}"
+            )
+        if not isinstance(content, str):
+            raise InvalidRequest(
+                f"messages[{i}].content must be a string, not {type(content).__name__}"
+            )
+        total += len(content)
+        out.append((role, content))
+    if total > MAX_PROMPT_CHARS:
+        raise InvalidRequest(
+            f"messages hold {total} characters in all; the limit is {MAX_PROMPT_CHARS}"
+        )
+    return tuple(out)
+
+
+def _check_stop(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if not isinstance(stop, list | tuple):
+        raise InvalidRequest("stop must be a list of strings")
+    if len(stop) > MAX_STOPS:
+        raise InvalidRequest(f"stop has {len(stop)} strings; at most {MAX_STOPS} are allowed")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str):
+            raise InvalidRequest(f"stop[{i}] must be a string, not {type(s).__name__}")
+        if not s:
+            raise InvalidRequest(f"stop[{i}] is empty; stop strings must be non-empty")
+        if len(s) > MAX_STOP_CHARS:
+            raise InvalidRequest(
+                f"stop[{i}] is {len(s)} characters long; the limit is {MAX_STOP_CHARS}"
+            )
+    return tuple(stop)
+
+
+def validate(
+    prompt: str | None,
+    messages: list[tuple[str, str]] | None,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    stop: list[str],
+    max_context: int,
+    default_max_tokens: int,
+) -> ValidatedParams:
+    """Check a generate request and resolve its defaults; raise InvalidRequest if it is bad."""
+    if max_context <= 0 or default_max_tokens <= 0:
+        raise ValueError("server misconfigured: max_context and default_max_tokens must be > 0")
+
+    if prompt is None and messages is None:
+        raise InvalidRequest("send either prompt or messages; neither was given")
+    if prompt is not None and messages is not None:
+        raise InvalidRequest("send either prompt or messages, not both")
+
+    checked_messages: tuple[tuple[str, str], ...] | None = None
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise InvalidRequest(f"prompt must be a string, not {type(prompt).__name__}")
+        if prompt == "":
+            raise InvalidRequest("prompt is empty; send at least one character")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise InvalidRequest(
+                f"prompt is {len(prompt)} characters long; the limit is {MAX_PROMPT_CHARS}"
+            )
+    else:
+        checked_messages = _check_messages(messages)
+
+    if max_tokens is None:
+        resolved_max_tokens = min(default_max_tokens, max_context)
+    else:
+        if not _is_int(max_tokens):
+            raise InvalidRequest(f"max_tokens must be an integer, not {type(max_tokens).__name__}")
+        if max_tokens <= 0:
+            raise InvalidRequest(f"max_tokens is {max_tokens}; it must be at least 1")
+        if max_tokens > max_context:
+            raise InvalidRequest(
+                f"max_tokens is {max_tokens}; it must be at most the model's context of "
+                f"{max_context} tokens"
+            )
+        resolved_max_tokens = max_tokens
+
+    if temperature is None:
+        resolved_temperature = DEFAULT_TEMPERATURE
+    else:
+        if not _is_number(temperature) or not math.isfinite(temperature):
+            raise InvalidRequest(f"temperature is {temperature!r}; it must be a finite number")
+        if temperature < 0:
+            raise InvalidRequest(
+                f"temperature is {temperature}; it must be >= 0 (0 means greedy decoding)"
+            )
+        resolved_temperature = float(temperature)
+
+    if top_p is None:
+        resolved_top_p = DEFAULT_TOP_P
+    else:
+        if not _is_number(top_p) or math.isnan(top_p) or not 0.0 < top_p <= 1.0:
+            raise InvalidRequest(f"top_p is {top_p!r}; it must be in (0, 1] (1 disables it)")
+        resolved_top_p = float(top_p)
+
+    if top_k is None:
+        resolved_top_k = DEFAULT_TOP_K
+    else:
+        if not _is_int(top_k):
+            raise InvalidRequest(f"top_k must be an integer, not {type(top_k).__name__}")
+        if top_k < 0:
+            raise InvalidRequest(f"top_k is {top_k}; it must be >= 0 (0 disables it)")
+        resolved_top_k = top_k
+
+    return ValidatedParams(
+        prompt=prompt,
+        messages=checked_messages,
+        max_tokens=resolved_max_tokens,
+        temperature=resolved_temperature,
+        top_p=resolved_top_p,
+        top_k=resolved_top_k,
+        stop=_check_stop(stop),
+    )
+
+
+def check_fits(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+    """After tokenizing: refuse a prompt that leaves no room, or prompt + max_tokens > context."""
+    if prompt_tokens >= max_context:
+        raise InvalidRequest(
+            f"the prompt is {prompt_tokens} tokens; it must be shorter than the model's context "
+            f"of {max_context} tokens"
+        )
+    if prompt_tokens + max_tokens > max_context:
+        raise InvalidRequest(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+            f"{prompt_tokens + max_tokens} exceeds the model's context of {max_context} tokens; "
+            f"lower max_tokens to at most {max_context - prompt_tokens}"
+        )

@@ -1,0 +1,72 @@
+"""Thin clients of the public Gateway API and the scheduler's Status, used by the CLI."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from llmserve.server import CHANNEL_OPTIONS
+from llmserve.v1 import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+
+FINISH_NAMES = {
+    common_pb2.FINISH_REASON_UNSPECIFIED: "unspecified",
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_CANCELLED: "cancelled",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+def make_request(
+    prompt: str | None = None,
+    messages: list[tuple[str, str]] | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    seed: int | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    stop: list[str] | None = None,
+    ignore_eos: bool = False,
+    request_id: str = "",
+) -> gateway_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, seed=seed, top_p=top_p, top_k=top_k,
+        stop=stop or [], ignore_eos=ignore_eos,
+    )
+    request = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
+    if messages is not None:
+        request.chat.messages.extend(gateway_pb2.ChatMessage(role=r, content=c) for r, c in messages)
+    else:
+        request.prompt = prompt or ""
+    return request
+
+
+def stream(
+    target: str, request: gateway_pb2.GenerateRequest, timeout: float | None = None
+) -> Iterator[gateway_pb2.GenerateResponse]:
+    with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        yield from gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=timeout)
+
+
+def status(target: str, timeout: float = 5.0) -> scheduler_pb2.StatusReply:
+    with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        return stub.Status(scheduler_pb2.StatusRequest(), timeout=timeout)
+
+
+def usage_dict(usage: common_pb2.Usage) -> dict[str, float | int]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "queue_time_s": round(usage.queue_time_s, 4),
+        "time_to_first_token_s": round(usage.time_to_first_token_s, 4),
+        "total_time_s": round(usage.total_time_s, 4),
+        "preemptions": usage.preemptions,
+    }

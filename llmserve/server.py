@@ -1,0 +1,90 @@
+"""What every service shares: an aio gRPC server with health, reflection and graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+CHANNEL_OPTIONS = SERVER_OPTIONS
+
+log = logging.getLogger("llmserve")
+
+
+def setup_logging(name: str) -> logging.Logger:
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s"
+    )
+    return logging.getLogger(name)
+
+
+class Server:
+    """An aio server whose health reports NOT_SERVING until `ready()` and again on SIGTERM."""
+
+    def __init__(self, host: str, port: int, service_names: list[str]) -> None:
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = service_names
+        reflection.enable_server_reflection(
+            [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+        )
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
+        self.address = f"{host}:{self.port}"
+        self.stopping = asyncio.Event()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def run(
+        self, on_ready: Callable[[], Awaitable[None]] | None = None, grace: float = 10.0
+    ) -> None:
+        """Start, call `on_ready`, serve until SIGTERM/SIGINT, then stop gracefully."""
+        await self.set_serving(False)
+        await self.server.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        if on_ready is not None:
+            await on_ready()
+        await self.set_serving(True)
+        log.info("serving on %s", self.address)
+        await self.stopping.wait()
+        log.info("stopping: NOT_SERVING, %.0f s grace for in-flight calls", grace)
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+
+async def wait_healthy(target: str, timeout: float, service: str = "") -> None:
+    """Poll a server's health until SERVING; raise TimeoutError after `timeout` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{target} not SERVING after {timeout:.0f} s")
+            await asyncio.sleep(0.1)

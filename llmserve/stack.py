@@ -1,0 +1,150 @@
+"""Start scheduler + N workers + gateway as plain processes on loopback; stop them all."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmserve.server import wait_healthy
+
+
+@dataclass(frozen=True, slots=True)
+class StackSettings:
+    model: str = "smollm2"
+    dtype: str = "bf16"
+    workers: int = 1
+    policy: str = "paged"
+    mode: str = "continuous"
+    token_budget: int = 256
+    max_running: int = 32
+    kv_capacity: int = 16384  # per worker
+    block_size: int = 16
+    chunked_prefill: bool = True
+    gateway_port: int = 50051
+    scheduler_port: int = 50052
+    worker_base_port: int = 50061
+    metrics_base_port: int = 0  # 0 = no metrics; else gateway=+0, scheduler=+1, workers=+2..
+    threads: int = 0  # torch threads per worker; 0 = all cores split among workers
+    max_queued_requests: int = 256
+    max_queued_tokens: int = 262144
+    default_max_tokens: int = 128
+
+    @property
+    def gateway(self) -> str:
+        return f"127.0.0.1:{self.gateway_port}"
+
+    @property
+    def scheduler(self) -> str:
+        return f"127.0.0.1:{self.scheduler_port}"
+
+    def worker_address(self, i: int) -> str:
+        return f"127.0.0.1:{self.worker_base_port + i}"
+
+    def metrics_port(self, offset: int) -> int:
+        return self.metrics_base_port + offset if self.metrics_base_port else 0
+
+
+@dataclass
+class Stack:
+    settings: StackSettings
+    log_dir: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def commands(self) -> dict[str, list[str]]:
+        s = self.settings
+        py = [sys.executable, "-m"]
+        threads = s.threads or max(1, (os.cpu_count() or 1) // s.workers)
+        cmds = {}
+        for i in range(s.workers):
+            cmds[f"worker{i}"] = [
+                *py, "worker_svc", "--port", str(s.worker_base_port + i), "--name", f"worker{i}",
+                "--model", s.model, "--dtype", s.dtype, "--kv-capacity", str(s.kv_capacity),
+                "--block-size", str(s.block_size), "--threads", str(threads),
+                "--metrics-port", str(s.metrics_port(2 + i)),
+            ]
+        cmds["scheduler"] = [
+            *py, "scheduler_svc", "--port", str(s.scheduler_port),
+            "--workers", ",".join(s.worker_address(i) for i in range(s.workers)),
+            "--policy", s.policy, "--mode", s.mode, "--token-budget", str(s.token_budget),
+            "--max-running", str(s.max_running), "--kv-capacity", str(s.kv_capacity),
+            "--chunked-prefill" if s.chunked_prefill else "--no-chunked-prefill",
+            "--metrics-port", str(s.metrics_port(1)),
+        ]
+        cmds["gateway"] = [
+            *py, "gateway", "--port", str(s.gateway_port), "--scheduler", s.scheduler,
+            "--max-queued-requests", str(s.max_queued_requests),
+            "--max-queued-tokens", str(s.max_queued_tokens),
+            "--default-max-tokens", str(s.default_max_tokens),
+            "--metrics-port", str(s.metrics_port(0)),
+        ]
+        return cmds
+
+    def start(self, timeout: float = 180.0) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        root = Path(__file__).resolve().parent.parent
+        try:
+            for name, cmd in self.commands().items():
+                log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115
+                self.procs[name] = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root,
+                    start_new_session=True,
+                )
+            asyncio.run(self._wait_all(timeout))
+        except BaseException:
+            self.stop()
+            raise
+
+    async def _wait_all(self, timeout: float) -> None:
+        targets = {f"worker{i}": self.settings.worker_address(i)
+                   for i in range(self.settings.workers)}
+        targets |= {"scheduler": self.settings.scheduler, "gateway": self.settings.gateway}
+        deadline = time.monotonic() + timeout
+        for name, target in targets.items():
+            while True:
+                self._check_alive(name)
+                try:
+                    await wait_healthy(target, timeout=2.0)
+                    break
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{name} at {target} not ready; see {self.log(name)}")
+
+    def _check_alive(self, name: str) -> None:
+        proc = self.procs[name]
+        if proc.poll() is not None:
+            tail = self.log(name).read_text()[-2000:]
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
+
+    def log(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def stop(self, grace: float = 15.0) -> dict[str, int | None]:
+        """SIGTERM the gateway first, then the scheduler, then the workers; SIGKILL stragglers."""
+        order = ["gateway", "scheduler", *[n for n in self.procs if n.startswith("worker")]]
+        codes: dict[str, int | None] = {}
+        for name in order:
+            proc = self.procs.get(name)
+            if proc is None:
+                continue
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                codes[name] = proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[name] = proc.wait()
+        self.procs.clear()
+        return codes
+
+    def __enter__(self) -> Stack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,73 @@
+"""python -m scheduler_svc: the scheduler service as a plain process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+
+import grpc
+
+from llmserve.flags import add_flags, from_args
+from llmserve.server import Server, setup_logging
+from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.service import SchedulerService
+from scheduler_svc.settings import SchedulerSettings
+from scheduler_svc.workers import WorkerClient
+
+HELP = {
+    "workers": "comma-separated worker addresses",
+    "policy": "KV allocation: reserve prompt+max_tokens at admission, or paged as it grows",
+    "mode": "continuous batching, or static (the baseline)",
+    "token_budget": "new tokens processed in one execution, per worker",
+    "max_running": "running requests per worker",
+    "kv_capacity": "expected KV positions per worker, checked against the workers' reports",
+}
+
+
+async def connect(settings: SchedulerSettings, timeout: float = 120.0) -> list[WorkerClient]:
+    clients = [WorkerClient(t) for t in settings.worker_targets]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    for client in clients:
+        while True:
+            try:
+                await client.describe(timeout=2.0)
+                break
+            except grpc.aio.AioRpcError as err:
+                if loop.time() > deadline:
+                    raise SystemExit(f"worker {client.target} did not answer: {err.details()}")
+                await asyncio.sleep(0.2)
+        capacity = client.info.capacity_positions
+        if settings.kv_capacity and capacity != settings.kv_capacity:
+            raise SystemExit(
+                f"worker {client.target} reports a KV pool of {capacity} positions, "
+                f"but --kv-capacity is {settings.kv_capacity}"
+            )
+    return clients
+
+
+async def serve(settings: SchedulerSettings) -> None:
+    log = setup_logging("scheduler")
+    log.info("settings: %s", dataclasses.asdict(settings))
+    server = Server(settings.host, settings.port, [scheduler_pb2.DESCRIPTOR.services_by_name[
+        "Scheduler"].full_name])
+    clients = await connect(settings)
+    for c in clients:
+        log.info("worker %s: %s", c.target, str(c.info).replace("\n", " "))
+    service = SchedulerService(settings, clients)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server.server)
+
+    async def ready() -> None:
+        service.start()
+
+    await server.run(ready)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = add_flags(argparse.ArgumentParser(prog="scheduler_svc"), SchedulerSettings, HELP)
+    asyncio.run(serve(from_args(SchedulerSettings, parser.parse_args(argv))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""The scheduler service: gRPC in front of the pure core, and the step loop that drives workers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import defaultdict
+
+import grpc
+
+from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from scheduler_svc.core import Scheduler
+from scheduler_svc.plan import Event, Refused, WorkerBatch
+from scheduler_svc.sequence import Finish, Sequence
+from scheduler_svc.settings import SchedulerSettings
+from scheduler_svc.workers import WorkerClient
+
+log = logging.getLogger("scheduler")
+
+FINISH_TO_PROTO = {
+    Finish.STOP: common_pb2.FINISH_REASON_STOP,
+    Finish.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    Finish.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
+    Finish.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+REFUSED_CODE = {
+    "context": grpc.StatusCode.INVALID_ARGUMENT,
+    "kv_capacity": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "token_budget": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "duplicate": grpc.StatusCode.ALREADY_EXISTS,
+}
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, settings: SchedulerSettings, clients: list[WorkerClient]) -> None:
+        self.settings = settings
+        self.clients = clients
+        self.core = Scheduler(settings.core(), [c.spec() for c in clients])
+        self.eos_ids = frozenset(clients[0].info.eos_token_ids) if clients[0].info else frozenset()
+        self.streams: dict[str, asyncio.Queue[scheduler_pb2.TokenEvent]] = {}
+        self.wake = asyncio.Event()
+        self.loop_task: asyncio.Task | None = None
+
+    # ---- gRPC handlers -------------------------------------------------------------------
+
+    async def Submit(self, request, context):
+        rid = request.request_id or uuid.uuid4().hex
+        s = request.sampling
+        seq = Sequence(
+            request_id=rid,
+            prompt_ids=list(request.prompt_token_ids),
+            max_tokens=s.max_tokens,
+            eos_ids=self.eos_ids,
+            ignore_eos=s.ignore_eos,
+            sampling=worker_pb2.WorkSampling(
+                temperature=s.temperature if s.HasField("temperature") else 1.0,
+                top_p=s.top_p if s.HasField("top_p") else 1.0,
+                top_k=s.top_k,
+                seed=s.seed if s.HasField("seed") else None,
+            ),
+        )
+        if not any(ws.healthy for ws in self.core.workers):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is available")
+        if not seq.prompt_ids or seq.max_tokens < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt or max_tokens < 1")
+        try:
+            self.core.add(seq)
+        except Refused as refused:
+            await context.abort(REFUSED_CODE.get(refused.reason, grpc.StatusCode.UNKNOWN),
+                                str(refused))
+        queue: asyncio.Queue[scheduler_pb2.TokenEvent] = asyncio.Queue()
+        self.streams[rid] = queue
+        self.wake.set()
+        finished = False
+        try:
+            while not finished:
+                event = await queue.get()
+                finished = event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                yield event
+        finally:
+            self.streams.pop(rid, None)
+            if not finished and self.core.abort(rid):
+                self.wake.set()  # the client went away: free its KV at the next step
+
+    async def Cancel(self, request, context):
+        found = self.core.abort(request.request_id)
+        self.wake.set()
+        return scheduler_pb2.CancelReply(found=found)
+
+    async def Status(self, request, context):
+        snap = self.core.snapshot()
+        cfg = self.core.config
+        reply = scheduler_pb2.StatusReply(
+            policy=cfg.policy.value,
+            mode=cfg.mode.value,
+            token_budget=cfg.token_budget,
+            max_running=cfg.max_running,
+            block_size=self.core.workers[0].spec.block_size,
+            chunked_prefill=cfg.chunked_prefill,
+            steps=snap.steps,
+            waiting=snap.waiting,
+            waiting_tokens=snap.waiting_tokens,
+            running=snap.running,
+            head_wait_reason=snap.head_wait_reason,
+            admitted=snap.admitted,
+            finished=snap.finished,
+            preemptions=snap.preemptions,
+            oldest_wait_s=snap.oldest_wait,
+            max_context=min(ws.spec.max_context for ws in self.core.workers),
+            model=self.clients[0].info.model if self.clients[0].info else "",
+        )
+        reply.stalls.update(snap.stalls)
+        reply.refused.update(snap.refused)
+        for kv in snap.workers:
+            reply.workers.append(scheduler_pb2.WorkerKv(
+                name=kv.name, capacity=kv.capacity, written=kv.written,
+                reserved_unwritten=kv.reserved_unwritten, free=kv.free, running=kv.running,
+                healthy=kv.healthy,
+            ))
+        return reply
+
+    # ---- the step loop -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.loop_task = asyncio.create_task(self.run_loop())
+        self.watch_task = asyncio.create_task(self.watch_workers())
+
+    async def run_loop(self) -> None:
+        while True:
+            if not self._has_work():
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            batches = self.core.schedule()
+            self._dispatch(self.core.take_events())
+            if not any(b.items for b in batches):
+                await self._send_releases(batches)
+                self.wake.clear()
+                await asyncio.wait([asyncio.create_task(self.wake.wait())], timeout=0.05)
+                continue
+            sampled = await self._execute(batches)
+            self.core.postprocess(batches, sampled)
+            self._dispatch(self.core.take_events())
+
+    async def watch_workers(self, period: float = 1.0) -> None:
+        """Bring a failed worker back once it answers Describe again with the same pool."""
+        while True:
+            await asyncio.sleep(period)
+            for index, ws in enumerate(self.core.workers):
+                if ws.healthy:
+                    continue
+                try:
+                    await self.clients[index].describe(timeout=1.0)
+                except grpc.aio.AioRpcError:
+                    continue
+                if self.clients[index].spec() == ws.spec:
+                    log.info("worker %s is back", ws.spec.name)
+                    self.core.restore_worker(index)
+                    self.wake.set()
+
+    def _has_work(self) -> bool:
+        return bool(self.core.waiting) or any(ws.running for ws in self.core.workers)
+
+    async def _execute(self, batches: list[WorkerBatch]) -> dict[str, int]:
+        step = self.core.steps
+        calls = [
+            self.clients[b.worker].execute(step, b, self.settings.execute_timeout)
+            for b in batches
+        ]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        sampled: dict[str, int] = {}
+        for batch, result in zip(batches, results, strict=True):
+            if isinstance(result, BaseException):
+                self._worker_failed(batch.worker, result)
+            else:
+                sampled.update(result)
+        return sampled
+
+    async def _send_releases(self, batches: list[WorkerBatch]) -> None:
+        for batch in batches:
+            try:
+                await self.clients[batch.worker].execute(self.core.steps, batch, 10.0)
+            except grpc.aio.AioRpcError as err:
+                self._worker_failed(batch.worker, err)
+
+    def _worker_failed(self, index: int, err: BaseException) -> None:
+        name = self.core.workers[index].spec.name
+        log.error("worker %s failed: %s; re-queueing its requests", name, err)
+        moved = self.core.fail_worker(index)
+        if not any(ws.healthy for ws in self.core.workers):
+            for seq in moved + list(self.core.waiting):
+                self.core.abort(seq.request_id, Finish.ERROR, "no worker available")
+
+    def _dispatch(self, events: list[Event]) -> None:
+        merged: dict[str, scheduler_pb2.TokenEvent] = defaultdict(scheduler_pb2.TokenEvent)
+        for ev in events:
+            out = merged[ev.request_id]
+            if ev.admitted:
+                out.admitted, out.queue_time_s = True, ev.queue_time
+            if ev.token_id is not None:
+                out.token_ids.append(ev.token_id)
+            if ev.finish is not None:
+                out.finish_reason = FINISH_TO_PROTO[ev.finish]
+                out.error, out.preemptions = ev.error, ev.preemptions
+        for rid, out in merged.items():
+            queue = self.streams.get(rid)
+            if queue is not None:
+                queue.put_nowait(out)

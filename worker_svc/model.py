@@ -1,0 +1,108 @@
+"""The Llama forward in torch over a paged KV pool (flat token batch, mixed prefill/decode)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker_svc.attention_plan import AttentionPlan
+from worker_svc.kv_pool import KvPool
+from worker_svc.model_config import ModelConfig
+from worker_svc.rope import RopeTable, apply_rope
+from worker_svc.weights import Weights
+
+__all__ = ["KvPool", "LlamaModel", "rms_norm"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [tokens, hidden]; computed in fp32 and cast back, as transformers does."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: Weights, dtype: torch.dtype) -> None:
+        self.config = config
+        self.weights = weights
+        self.dtype = dtype
+        self.rope = RopeTable(config.head_dim, config.rope_theta, config.max_context, dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [tokens] int64
+        positions: torch.Tensor,  # [tokens] int64
+        slots: torch.Tensor,  # [tokens] int64, where each token's K/V goes in the pool
+        plan: AttentionPlan,
+        pool: KvPool,
+        logit_rows: torch.Tensor,  # [rows] int64, tokens whose logits are wanted
+    ) -> torch.Tensor:
+        """Returns logits: [rows, vocab] fp32."""
+        cfg, w = self.config, self.weights
+        num_tokens = token_ids.shape[0]
+        q_size, kv_size = cfg.q_size, cfg.kv_size
+        eps = cfg.rms_norm_eps
+        cos, sin = self.rope.lookup(positions)  # [tokens, 1, head_dim]
+        x = w.embed[token_ids]  # x: [tokens, hidden]
+        for layer_index, layer in enumerate(w.layers):
+            h = rms_norm(x, layer.attn_norm, eps)
+            qkv = F.linear(h, layer.qkv)  # qkv: [tokens, (heads + 2 * kv_heads) * head_dim]
+            q = qkv[:, :q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, q_size + kv_size :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            q = apply_rope(q, cos, sin)  # q: [tokens, heads, head_dim]
+            k = apply_rope(k, cos, sin)  # k: [tokens, kv_heads, head_dim]
+            pool.k[layer_index].index_copy_(0, slots, k)
+            pool.v[layer_index].index_copy_(0, slots, v)
+            attn = self.attention(layer_index, q, k, v, plan, pool)  # [tokens, heads * head_dim]
+            x = x + F.linear(attn, layer.o)
+            h = rms_norm(x, layer.mlp_norm, eps)
+            gate_up = F.linear(h, layer.gate_up)  # [tokens, 2 * intermediate]
+            gate, up = gate_up.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        x = rms_norm(x[logit_rows], w.final_norm, eps)  # x: [rows, hidden]
+        return F.linear(x, w.lm_head).float()  # [rows, vocab]
+
+    def attention(
+        self,
+        layer_index: int,
+        q: torch.Tensor,  # [tokens, heads, head_dim]
+        k: torch.Tensor,  # [tokens, kv_heads, head_dim]
+        v: torch.Tensor,  # [tokens, kv_heads, head_dim]
+        plan: AttentionPlan,
+        pool: KvPool,
+    ) -> torch.Tensor:
+        cfg = self.config
+        num_tokens = q.shape[0]
+        out = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=q.dtype)
+        nd = plan.num_decode
+        if nd:
+            k_blocks, v_blocks = pool.blocks(layer_index, "k"), pool.blocks(layer_index, "v")
+            shape = (nd, plan.decode_context, cfg.num_kv_heads, cfg.head_dim)
+            # k_ctx, v_ctx: [decodes, context, kv_heads, head_dim] -> [decodes, kv_heads, ctx, hd]
+            k_ctx = k_blocks.index_select(0, plan.decode_blocks).view(shape).transpose(1, 2)
+            v_ctx = v_blocks.index_select(0, plan.decode_blocks).view(shape).transpose(1, 2)
+            qd = q[:nd].unsqueeze(2)  # [decodes, heads, 1, head_dim]
+            o = F.scaled_dot_product_attention(
+                qd, k_ctx, v_ctx, attn_mask=plan.decode_mask, enable_gqa=True
+            )  # o: [decodes, heads, 1, head_dim]
+            out[:nd] = o.squeeze(2)
+        for span in plan.prefills:
+            rows = slice(span.offset, span.offset + span.length)
+            qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, length, head_dim]
+            if span.blocks is None:  # no cached context: attend to the fresh K/V only
+                kp = k[rows].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, length, head_dim]
+                vp = v[rows].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+            else:
+                k_blocks, v_blocks = pool.blocks(layer_index, "k"), pool.blocks(layer_index, "v")
+                shape = (-1, cfg.num_kv_heads, cfg.head_dim)
+                # kp, vp: [1, kv_heads, context, head_dim]
+                kp = k_blocks.index_select(0, span.blocks).view(shape).transpose(0, 1).unsqueeze(0)
+                vp = v_blocks.index_select(0, span.blocks).view(shape).transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(
+                    qp, kp, vp, attn_mask=span.mask, enable_gqa=True
+                )
+            out[rows] = o.squeeze(0).transpose(0, 1)  # [length, heads, head_dim]
+        return out.view(num_tokens, cfg.q_size)

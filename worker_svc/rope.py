@@ -1,0 +1,28 @@
+"""Rotary position embeddings (the HF "rotate_half" layout), as a precomputed table."""
+
+from __future__ import annotations
+
+import torch
+
+
+class RopeTable:
+    def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
+                                    / head_dim))  # [head_dim / 2]
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [positions, head_dim / 2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [positions, head_dim]
+        self.cos = emb.cos().to(dtype)  # [positions, head_dim]
+        self.sin = emb.sin().to(dtype)  # [positions, head_dim]
+        self.max_positions = max_positions
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [tokens] -> cos, sin: [tokens, 1, head_dim] (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,39 @@
+"""Settings of the worker service (flags are derived from these fields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    host: str = "127.0.0.1"
+    port: int = 50061
+    name: str = ""  # shown in metrics and status; default "worker-<port>"
+    model: str = "smollm2"  # smollm2 | tiny | path to a .gguf file | Hugging Face model dir
+    dtype: str = "bf16"  # bf16 | fp32
+    kv_capacity: int = 16384  # token positions in the preallocated KV pool
+    block_size: int = 16
+    threads: int = 0  # torch threads; 0 = torch's default
+    metrics_port: int = 0  # Prometheus HTTP port; 0 = off
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.kv_capacity < self.block_size:
+            raise ValueError(f"--kv-capacity {self.kv_capacity} is below one block")
+        if self.kv_capacity % self.block_size:
+            raise ValueError(
+                f"--kv-capacity {self.kv_capacity} is not a multiple of --block-size "
+                f"{self.block_size}"
+            )
+        if self.dtype not in ("bf16", "fp32"):
+            raise ValueError(f"--dtype must be bf16 or fp32, got {self.dtype!r}")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_capacity // self.block_size
+
+    @property
+    def display_name(self) -> str:
+        return self.name or f"worker-{self.port}"
