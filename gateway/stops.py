@@ -5,9 +5,15 @@ hit. Text that could still turn out to be the start of a stop string is held bac
 hit, the output ends just before the earliest occurrence of any stop string (the stop itself is
 not emitted) and everything after it is dropped.
 
+"Earliest" means the occurrence that is completed first as text streams in: generation stops
+the moment a stop string appears. Among occurrences completed by the same character the one that
+starts first (the longer) wins. This only differs from "leftmost start" when an occurrence of one
+stop lies strictly inside an occurrence of a longer stop, e.g. stops ["b", "aba"] on "aba" give
+"a" (the "b" completes first), and it makes the result independent of how the text is split
+into deltas. `matched` tells which stop string was hit.
+
 Matching is on str code points, so it works for any Unicode text; stop strings are matched as
-given (no normalization). The earliest match wins; among stops that start at the same place the
-emitted text is the same, and `matched` reports the one listed first.
+given (no Unicode normalization).
 """
 
 from __future__ import annotations
@@ -66,13 +72,16 @@ class StopMatcher:
         return out
 
     def _earliest(self, text: str, start: int) -> tuple[int, str] | None:
-        best: tuple[int, str] | None = None
+        """The occurrence that completes first (ties: the longer one, which starts earlier)."""
+        best: tuple[int, int, str] | None = None  # (end, index, stop)
         for stop in self._stops:
-            end = len(text) if best is None else best[0] + len(stop)
-            index = text.find(stop, start, end)
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        return best
+            index = text.find(stop, start)
+            if index == -1:
+                continue
+            candidate = (index + len(stop), index, stop)
+            if best is None or candidate[:2] < best[:2]:
+                best = candidate
+        return None if best is None else (best[1], best[2])
 
     def _partial_suffix_len(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of some stop string."""

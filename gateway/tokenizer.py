@@ -14,8 +14,10 @@ text such as `"a  1"` (we give `a ĠĠ 1`, as the model was trained; it gives `a
 
 from __future__ import annotations
 
+import json
 import mmap
 import struct
+from datetime import datetime
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -137,15 +139,17 @@ def _raise_exception(message: str) -> None:
 
 def _compile_chat_template(source: str) -> jinja2.Template:
     """Compile like transformers does: sandboxed, trim_blocks + lstrip_blocks, loopcontrols."""
-    import json
-    from datetime import datetime
-
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:  # fmt: skip
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
         return json.dumps(
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -23,7 +24,13 @@ REASONS = {
 }
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_up(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGINT, _interrupt)  # also when started in the background
+    signal.signal(signal.SIGTERM, _interrupt)
     settings = from_args(StackSettings, args)
     stack = Stack(settings, Path(args.log_dir))
     print(f"starting {settings.workers} worker(s), scheduler and gateway ({settings.model}, "

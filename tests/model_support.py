@@ -56,19 +56,30 @@ def prompt_ids(text: str) -> list[int]:
 
 
 @functools.cache
-def hf_dir_from_gguf() -> Path:
-    """transformers loads the GGUF itself and saves an HF directory (config + safetensors)."""
-    from transformers import AutoModelForCausalLM
+def hf_from_gguf():
+    """LlamaForCausalLM filled by transformers' own GGUF reader (its dequantize and q/k
+    un-permute), independent of ours. (from_pretrained(gguf_file=...) needs accelerate.)"""
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from llmserve.model_files import default_gguf_path
 
     path = default_gguf_path()
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf_model = LlamaForCausalLM(config)
+    parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf_model)
+    result = hf_model.load_state_dict(parsed["tensors"], strict=False)
+    assert set(result.missing_keys) <= {"lm_head.weight"}, result
+    hf_model.tie_weights()
+    return hf_model.float().eval()
+
+
+@functools.cache
+def hf_dir_from_gguf() -> Path:
+    """An HF model directory (config.json + safetensors) that transformers made from the GGUF."""
     out = Path(tempfile.mkdtemp(prefix="llmserve-hf-smollm2-"))
     atexit.register(shutil.rmtree, out, True)
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    hf_model.save_pretrained(out)
+    hf_from_gguf().save_pretrained(out)
     return out
 
 

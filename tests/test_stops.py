@@ -10,8 +10,9 @@ from gateway.stops import StopMatcher
 
 
 def reference(text: str, stops: list[str]) -> tuple[str, bool]:
-    hits = [i for i in (text.find(s) for s in stops) if i != -1]
-    return (text[: min(hits)], True) if hits else (text, False)
+    """Cut before the occurrence completed first (ties: the one starting first)."""
+    hits = [(i + len(s), i) for s in stops if (i := text.find(s)) != -1]
+    return (text[: min(hits)[1]], True) if hits else (text, False)
 
 
 def run(stops: list[str], deltas: list[str]) -> tuple[str, bool, list[str]]:
@@ -96,6 +97,14 @@ def test_no_stops_passes_through() -> None:
 def test_empty_stop_rejected() -> None:
     with pytest.raises(ValueError):
         StopMatcher(["ok", ""])
+
+
+def test_first_completed_wins_over_leftmost_start() -> None:
+    # "b" completes before "aba" does, however the text is split
+    assert run(["b", "aba"], ["aba"])[:2] == ("a", True)
+    assert run(["b", "aba"], ["a", "b", "a"])[:2] == ("a", True)
+    # same end: the longer (earlier-starting) stop wins
+    assert run(["b", "ab"], ["xab"])[:2] == ("x", True)
 
 
 def test_stop_at_very_start() -> None:
