@@ -66,11 +66,13 @@ def hf_from_gguf():
 
     path = default_gguf_path()
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    hf_model = LlamaForCausalLM(config)
+    with torch.device("meta"):  # skip random init; every parameter is assigned below
+        hf_model = LlamaForCausalLM(config)
     parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf_model)
-    result = hf_model.load_state_dict(parsed["tensors"], strict=False)
+    result = hf_model.load_state_dict(parsed["tensors"], strict=False, assign=True)
     assert set(result.missing_keys) <= {"lm_head.weight"}, result
     hf_model.tie_weights()
+    hf_model.model.rotary_emb = type(hf_model.model.rotary_emb)(config)  # buffers were on meta
     return hf_model.float().eval()
 
 

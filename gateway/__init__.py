@@ -1,0 +1,1 @@
+"""Gateway: the public gRPC API; validation, tokenization and streaming text back."""
