@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import defaultdict
 
@@ -14,6 +15,7 @@ from scheduler_svc.core import Scheduler
 from scheduler_svc.plan import Event, Refused, WorkerBatch
 from scheduler_svc.sequence import Finish, Sequence
 from scheduler_svc.settings import SchedulerSettings
+from scheduler_svc.step_times import StepTimes
 from scheduler_svc.workers import WorkerClient
 
 log = logging.getLogger("scheduler")
@@ -41,6 +43,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.streams: dict[str, asyncio.Queue[scheduler_pb2.TokenEvent]] = {}
         self.wake = asyncio.Event()
         self.loop_task: asyncio.Task | None = None
+        self.times = StepTimes()
 
     # ---- gRPC handlers -------------------------------------------------------------------
 
@@ -109,6 +112,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             oldest_wait_s=snap.oldest_wait,
             max_context=min(ws.spec.max_context for ws in self.core.workers),
             model=self.clients[0].info.model if self.clients[0].info else "",
+            executed_steps=self.times.executed_steps,
+            step_seconds=self.times.step_seconds,
+            forward_seconds=self.times.forward_seconds,
+            core_seconds=self.times.core_seconds,
         )
         reply.stalls.update(snap.stalls)
         reply.refused.update(snap.refused)
@@ -132,7 +139,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 self.wake.clear()
                 await self.wake.wait()
                 continue
+            started = time.perf_counter()
             batches = self.core.schedule()
+            core = time.perf_counter() - started
             self._dispatch(self.core.take_events())
             if not any(b.items for b in batches):
                 await self._send_releases(batches)
@@ -140,8 +149,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 await asyncio.wait([asyncio.create_task(self.wake.wait())], timeout=0.05)
                 continue
             sampled = await self._execute(batches)
+            post = time.perf_counter()
             self.core.postprocess(batches, sampled)
+            core += time.perf_counter() - post
             self._dispatch(self.core.take_events())
+            forward = max(self.clients[b.worker].last_forward for b in batches if b.items)
+            self.times.add(time.perf_counter() - started, forward, core)
 
     async def watch_workers(self, period: float = 1.0) -> None:
         """Bring a failed worker back once it answers Describe again with the same pool."""

@@ -17,6 +17,7 @@ class WorkerClient:
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.info: worker_pb2.WorkerInfo | None = None
         self.last_kv: worker_pb2.KvReport | None = None
+        self.last_forward = 0.0  # seconds of the last Execute's forward pass
 
     async def describe(self, timeout: float = 5.0) -> worker_pb2.WorkerInfo:
         self.info = await self.stub.Describe(worker_pb2.DescribeRequest(), timeout=timeout)
@@ -47,7 +48,7 @@ class WorkerClient:
                 )
             )
         reply = await self.stub.Execute(request, timeout=timeout)
-        self.last_kv = reply.kv
+        self.last_kv, self.last_forward = reply.kv, reply.forward_seconds
         return {r.request_id: r.token_id for r in reply.results if r.has_token}
 
     async def close(self) -> None:

@@ -1,0 +1,8 @@
+"""`llmserve bench`: load generation against the public API, baselines, and a simulated worker.
+
+- `workload`, `trace`, `prompts`: what to send (fixed shapes, Poisson, the Azure trace, scaled)
+- `loadgen`, `poller`, `served`: send it to a stack over gRPC and watch the scheduler's Status
+- `hf_baseline`: the same prompts through transformers' `generate` / `generate_batch`
+- `cost_model`, `calibrate`, `simulate`, `core_cost`: the real scheduler core on a virtual clock
+- `stats`, `report`, `plots`: one report format for every kind of run
+"""

@@ -1,0 +1,79 @@
+"""Polls the scheduler's Status during a run: KV written / reserved / capacity, queue, stalls."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+
+from llmserve.bench.records import StatusSample
+from llmserve.server import CHANNEL_OPTIONS
+from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+COUNTERS = ["steps", "admitted", "finished", "preemptions", "executed_steps", "step_seconds",
+            "forward_seconds", "core_seconds"]
+
+
+def sample_of(reply: scheduler_pb2.StatusReply, t: float) -> StatusSample:
+    return StatusSample(
+        t=t,
+        waiting=reply.waiting,
+        running=reply.running,
+        kv_capacity=sum(w.capacity for w in reply.workers),
+        kv_written=sum(w.written for w in reply.workers),
+        kv_reserved_unwritten=sum(w.reserved_unwritten for w in reply.workers),
+        finished=reply.finished,
+        preemptions=reply.preemptions,
+        stalls=dict(reply.stalls),
+        head_wait_reason=reply.head_wait_reason,
+    )
+
+
+def counters_of(reply: scheduler_pb2.StatusReply) -> dict[str, Any]:
+    out: dict[str, Any] = {k: getattr(reply, k) for k in COUNTERS}
+    out["stalls"] = dict(reply.stalls)
+    out["refused"] = dict(reply.refused)
+    out["policy"], out["mode"] = reply.policy, reply.mode
+    return out
+
+
+def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What happened between two Status replies (counters only grow)."""
+    out = {k: after[k] - before[k] for k in COUNTERS}
+    for key in ("stalls", "refused"):
+        out[key] = {r: n - before[key].get(r, 0) for r, n in after[key].items()
+                    if n - before[key].get(r, 0)}
+    out["policy"], out["mode"] = after["policy"], after["mode"]
+    return out
+
+
+class StatusPoller:
+    def __init__(self, target: str, interval_s: float = 0.25) -> None:
+        self.target = target
+        self.interval_s = interval_s
+        self.samples: list[StatusSample] = []
+        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+
+    async def status(self) -> scheduler_pb2.StatusReply:
+        return await self.stub.Status(scheduler_pb2.StatusRequest(), timeout=5.0)
+
+    async def poll(self, t0: float, stop: asyncio.Event) -> None:
+        """Sample every `interval_s` until `stop` is set (and once more after)."""
+        while True:
+            try:
+                reply = await self.status()
+                self.samples.append(sample_of(reply, time.perf_counter() - t0))
+            except grpc.aio.AioRpcError:
+                pass  # a missed sample is not worth failing a benchmark for
+            if stop.is_set():
+                return
+            try:
+                await asyncio.wait_for(stop.wait(), self.interval_s)
+            except TimeoutError:
+                pass
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -1,0 +1,84 @@
+"""What one benchmark run produces: a record per request and Status samples over time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request as its client saw it; times in seconds from the start of the run."""
+
+    index: int
+    prompt_tokens: int
+    expected_tokens: int
+    scheduled_s: float  # when it was due (open loop) or handed to a client (closed loop)
+    sent_s: float = 0.0
+    first_token_s: float | None = None
+    end_s: float | None = None
+    completion_tokens: int = 0
+    token_gaps: list[float] = field(default_factory=list)  # between successive tokens
+    queue_time_s: float | None = None  # the server's: submitted -> first admitted to a batch
+    preemptions: int = 0
+    finish: str = ""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.end_s is not None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.scheduled_s
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.end_s is None else self.end_s - self.scheduled_s
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "index": self.index, "prompt_tokens": self.prompt_tokens,
+            "expected_tokens": self.expected_tokens, "completion_tokens": self.completion_tokens,
+            "scheduled_s": _r(self.scheduled_s), "sent_s": _r(self.sent_s),
+            "ttft_s": _r(self.ttft_s), "e2e_s": _r(self.e2e_s),
+            "queue_time_s": _r(self.queue_time_s), "preemptions": self.preemptions,
+            "finish": self.finish, "error": self.error,
+        }
+
+
+@dataclass(slots=True)
+class StatusSample:
+    """The scheduler's Status at time t (KV summed over workers)."""
+
+    t: float
+    waiting: int
+    running: int
+    kv_capacity: int
+    kv_written: int
+    kv_reserved_unwritten: int
+    finished: int = 0
+    preemptions: int = 0
+    stalls: dict[str, int] = field(default_factory=dict)
+    head_wait_reason: str = ""
+
+    @property
+    def kv_held(self) -> float:
+        return self.kv_written + self.kv_reserved_unwritten
+
+
+@dataclass(slots=True)
+class RunResult:
+    """One configuration on one workload."""
+
+    label: str
+    records: list[RequestRecord]
+    samples: list[StatusSample]
+    wall_s: float
+    config: dict[str, Any] = field(default_factory=dict)
+    counters: dict[str, Any] = field(default_factory=dict)  # deltas of server counters
+    kind: str = "served"  # served | simulated | transformers
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)

@@ -1,0 +1,141 @@
+"""Run a workload against a served stack: a running one (by address) or one started per config."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from llmserve.bench.loadgen import LoadGenerator
+from llmserve.bench.poller import StatusPoller, counter_delta, counters_of
+from llmserve.bench.records import RequestRecord, RunResult
+from llmserve.bench.workload import RequestSpec, Workload
+from llmserve.stack import Stack, StackSettings
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A scheduling configuration to compare: batching mode + KV policy."""
+
+    mode: str
+    kv: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode}+{self.kv}"
+
+    @staticmethod
+    def parse(text: str) -> Policy:
+        mode, _, kv = text.partition("+")
+        if mode not in ("continuous", "static") or kv not in ("paged", "reserve"):
+            raise ValueError(f"policy {text!r}: want continuous|static + paged|reserve")
+        return Policy(mode, kv)
+
+
+DEFAULT_POLICIES = [Policy("continuous", "paged"), Policy("continuous", "reserve"),
+                    Policy("static", "reserve")]
+
+
+async def run_workload(
+    gateway: str,
+    scheduler: str,
+    workload: Workload,
+    label: str,
+    progress: bool = True,
+    poll_s: float = 0.25,
+    warmup: int = 2,
+    timeout_s: float | None = None,
+) -> RunResult:
+    """Warm up, then send `workload` while polling Status; counters are deltas over the run."""
+    gen = LoadGenerator(gateway, timeout_s=timeout_s)
+    if warmup:
+        first = workload.requests[0]
+        specs = [RequestSpec(-1 - i, first.prompt_tokens, 4) for i in range(warmup)]
+        await gen.run(Workload("warmup", specs, concurrency=warmup), time.perf_counter())
+    poller = StatusPoller(scheduler, poll_s)
+    before = counters_of(await poller.status())
+    bar = tqdm(total=len(workload.requests), desc=label, unit="req", disable=not progress,
+               leave=False)
+    tokens = 0
+
+    def done(record: RequestRecord) -> None:
+        nonlocal tokens
+        tokens += record.completion_tokens
+        bar.update(1)
+        bar.set_postfix(out_tok_s=f"{tokens / max(1e-9, time.perf_counter() - t0):.0f}")
+
+    stop = asyncio.Event()
+    t0 = time.perf_counter()
+    polling = asyncio.create_task(poller.poll(t0, stop))
+    try:
+        records = await gen.run(workload, t0, done)
+    finally:
+        wall = time.perf_counter() - t0
+        stop.set()
+        await polling
+        bar.close()
+    after = counters_of(await poller.status())
+    await poller.close()
+    return RunResult(label, records, poller.samples, wall, counters=counter_delta(before, after))
+
+
+def bench_settings(base: StackSettings, policy: Policy) -> StackSettings:
+    """`base` with the policy, fresh loopback ports and queue limits a benchmark never hits."""
+    ports = _free_ports(2)
+    settings = replace(base, policy=policy.kv, mode=policy.mode, gateway_port=ports[0],
+                       scheduler_port=ports[1], worker_base_port=_free_run(base.workers, ports),
+                       max_queued_requests=1_000_000, max_queued_tokens=2**40)
+    return settings
+
+
+def run_policy(
+    base: StackSettings, policy: Policy, workload: Workload, log_dir: Path, progress: bool = True
+) -> RunResult:
+    """Start a stack for `policy`, run `workload`, stop the stack."""
+    settings = bench_settings(base, policy)
+    stack = Stack(settings, log_dir / policy.label)
+    stack.start()
+    try:
+        result = asyncio.run(run_workload(settings.gateway, settings.scheduler, workload,
+                                          policy.label, progress))
+    finally:
+        stack.stop()
+    result.config = {"policy": policy.label, "model": settings.model, "dtype": settings.dtype,
+                     "workers": settings.workers, "token_budget": settings.token_budget,
+                     "max_running": settings.max_running, "kv_capacity": settings.kv_capacity,
+                     "block_size": settings.block_size,
+                     "chunked_prefill": settings.chunked_prefill}
+    return result
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _free_run(n: int, taken: list[int]) -> int:
+    """The first of `n` consecutive free ports (workers take base, base+1, ...)."""
+    while True:
+        start = _free_ports(1)[0]
+        run = range(start, start + n)
+        if run.stop < 65536 and not set(run) & set(taken) and all(map(_is_free, run)):
+            return start
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False

@@ -1,0 +1,104 @@
+"""What a benchmark sends: request shapes and when they arrive (closed loop or open loop)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from llmserve.bench.trace import TraceRow, TraceScale, load_trace, scale_trace
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    index: int
+    prompt_tokens: int
+    output_tokens: int  # the output is forced to this length
+    arrival_s: float | None = None  # open loop: seconds after the start; closed loop: None
+    max_tokens: int = 0  # the request's max_tokens; 0 = output_tokens (exact)
+
+    @property
+    def limit(self) -> int:
+        return self.max_tokens or self.output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    requests: list[RequestSpec]
+    concurrency: int = 0  # closed loop: this many clients; 0 = open loop (arrival_s)
+    params: dict[str, Any] = field(default_factory=dict)  # stated in every report
+
+    @property
+    def closed(self) -> bool:
+        return self.concurrency > 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(r.prompt_tokens for r in self.requests)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.output_tokens for r in self.requests)
+
+    def describe(self) -> dict[str, Any]:
+        loop = f"closed loop, {self.concurrency} clients" if self.closed else "open loop"
+        return {"name": self.name, "loop": loop, "requests": len(self.requests),
+                "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+                **self.params}
+
+
+def fixed(num: int, prompt_tokens: int, output_tokens: int, concurrency: int) -> Workload:
+    """`num` identical requests from `concurrency` clients, each sending the next when done."""
+    specs = [RequestSpec(i, prompt_tokens, output_tokens) for i in range(num)]
+    return Workload(f"fixed-{concurrency}x{prompt_tokens}+{output_tokens}", specs, concurrency,
+                    {"kind": "fixed", "prompt_len": prompt_tokens, "output_len": output_tokens})
+
+
+def poisson(
+    num: int, rate: float, prompt_tokens: int, output_tokens: int, seed: int = 0
+) -> Workload:
+    """Open loop: exponential inter-arrival times at `rate` requests/s."""
+    if rate <= 0:
+        raise ValueError("rate must be > 0")
+    rng = random.Random(seed)
+    t, specs = 0.0, []
+    for i in range(num):
+        specs.append(RequestSpec(i, prompt_tokens, output_tokens, arrival_s=t))
+        t += rng.expovariate(rate)
+    return Workload(f"poisson-{rate:g}rps", specs, 0,
+                    {"kind": "poisson", "rate_rps": rate, "seed": seed,
+                     "prompt_len": prompt_tokens, "output_len": output_tokens})
+
+
+def from_trace(
+    scale: TraceScale,
+    rows: list[TraceRow] | None = None,
+    concurrency: int = 0,
+    max_tokens: int = 0,
+) -> Workload:
+    """The trace's lengths, scaled; its own timestamps (open loop) or `concurrency` clients.
+    `max_tokens` > output length emulates requests that stop early (end-of-sequence) under a
+    larger max_tokens, which is what `reserve` reserves for."""
+    scaled = scale_trace(rows if rows is not None else load_trace(), scale)
+    specs = [
+        RequestSpec(i, r.prompt_tokens, r.output_tokens,
+                    None if concurrency else r.arrival_s,
+                    max(max_tokens, r.output_tokens) if max_tokens else 0)
+        for i, r in enumerate(scaled)
+    ]
+    params = {"kind": "azure-conv-2023 trace", "length_scale": scale.length_scale,
+              "time_scale": scale.time_scale, "load_factor": round(scale.load_factor, 4),
+              "slice_start_s": scale.start_s, "slice_duration_s": scale.duration_s,
+              "max_tokens": max_tokens or "exact (= output length)"}
+    if scale.max_prompt_tokens or scale.max_output_tokens:
+        params |= {"max_prompt_tokens": scale.max_prompt_tokens,
+                   "max_output_tokens": scale.max_output_tokens}
+    span = specs[-1].arrival_s if specs and not concurrency else 0.0
+    name = f"trace-len{scale.length_scale:g}-time{scale.time_scale:g}"
+    return Workload(name, specs, concurrency, params | {"span_s": round(span or 0.0, 1)})
+
+
+def with_max_tokens(workload: Workload, max_tokens: int) -> Workload:
+    specs = [replace(r, max_tokens=max(max_tokens, r.output_tokens)) for r in workload.requests]
+    return replace(workload, requests=specs, params=workload.params | {"max_tokens": max_tokens})

@@ -1,0 +1,137 @@
+"""Ours vs transformers on the same weights and dtype: decode steps and a prompt prefill.
+
+python -m worker_svc.bench [--source smollm2] [--dtype bf16] [--reps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from worker_svc.loader import load_model  # noqa: E402
+from worker_svc.model_config import ModelConfig  # noqa: E402
+from worker_svc.runner import ModelRunner  # noqa: E402
+from worker_svc.weights import Weights  # noqa: E402
+from worker_svc.work import WorkItem  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def median_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+class Ours:
+    def __init__(self, config: ModelConfig, weights: Weights, dtype: torch.dtype, max_batch: int,
+                 context: int, block_size: int = 16) -> None:
+        self.block_size = block_size
+        per_request = -(-(context + 1) // block_size)
+        num_blocks = max_batch * per_request + 8
+        self.runner = ModelRunner(config, weights, num_blocks, block_size, dtype)
+        # cached positions hold random values (timing does not depend on them); blocks are
+        # handed out shuffled, as they would be after a while of serving
+        self.runner.pool.k.normal_()
+        self.runner.pool.v.normal_()
+        order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+        self.tables = [order[i * per_request : (i + 1) * per_request] for i in range(max_batch)]
+        self.context = context
+
+    def decode(self, batch: int) -> Callable[[], object]:
+        items = [WorkItem(str(i), [100 + i], self.context, self.tables[i], sample_index=1)
+                 for i in range(batch)]
+        return lambda: self.runner.execute(items)
+
+    def prefill(self, ids: list[int]) -> Callable[[], object]:
+        items = [WorkItem("p", ids, 0, self.tables[0])]
+        return lambda: self.runner.execute(items)
+
+
+class Theirs:
+    def __init__(self, config: ModelConfig, weights: Weights, dtype: torch.dtype,
+                 context: int) -> None:
+        from worker_svc.hf_reference import hf_model
+
+        self.config = config
+        self.dtype = dtype
+        self.model = hf_model(config, weights, dtype)
+        self.context = context
+
+    def decode(self, batch: int) -> Callable[[], object]:
+        from transformers import DynamicCache
+
+        cfg = self.config
+        cache = DynamicCache(config=self.model.config)
+        shape = (batch, cfg.num_kv_heads, self.context, cfg.head_dim)
+        for layer in range(cfg.num_layers):
+            cache.update(torch.randn(shape, dtype=self.dtype), torch.randn(shape, dtype=self.dtype),
+                         layer)
+        ids = torch.arange(100, 100 + batch).view(batch, 1)
+        positions = torch.full((batch, 1), self.context)
+        mask = torch.ones(batch, self.context + 1, dtype=torch.int64)
+
+        @torch.inference_mode()
+        def step() -> object:
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                             past_key_values=cache, use_cache=True)
+            cache.crop(-1)  # back to the same cached length
+            return out.logits[:, -1].argmax(-1)
+
+        return step
+
+    def prefill(self, ids: list[int]) -> Callable[[], object]:
+        tokens = torch.tensor([ids])
+
+        @torch.inference_mode()
+        def step() -> object:
+            return self.model(input_ids=tokens, logits_to_keep=1).logits[:, -1].argmax(-1)
+
+        return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--source", default="smollm2")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--context", type=int, default=200, help="cached positions per request")
+    parser.add_argument("--batches", default="1,4,16,64")
+    parser.add_argument("--prefill", type=int, default=128)
+    parser.add_argument("--ours-only", action="store_true")
+    args = parser.parse_args()
+    dtype = DTYPES[args.dtype]
+    batches = [int(b) for b in args.batches.split(",")]
+    config, weights = load_model(args.source, dtype)
+    print(f"{config.name}  dtype={args.dtype}  threads={torch.get_num_threads()}  "
+          f"context={args.context}  reps={args.reps}")
+    ours = Ours(config, weights, dtype, max(batches), args.context)
+    theirs = None if args.ours_only else Theirs(config, weights, dtype, args.context)
+    prompt = torch.randint(0, config.vocab_size, (args.prefill,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    cases = [(f"decode @{b}", lambda s, b=b: s.decode(b)) for b in batches]
+    cases.append((f"prefill {args.prefill}", lambda s: s.prefill(prompt)))
+    print(f"{'case':<14}{'ours ms':>10}{'theirs ms':>11}{'ratio':>8}")
+    for name, make in cases:
+        mine = median_ms(make(ours), args.reps)
+        if theirs is None:
+            print(f"{name:<14}{mine:>10.1f}")
+            continue
+        other = median_ms(make(theirs), args.reps)
+        print(f"{name:<14}{mine:>10.1f}{other:>11.1f}{mine / other:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
