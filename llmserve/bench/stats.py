@@ -1,0 +1,109 @@
+"""From records to figures: throughput, latency percentiles, KV use, stalls and overhead."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from llmserve.bench.records import RequestRecord, RunResult
+
+QUANTILES = {"p50": 50, "p90": 90, "p99": 99}
+
+
+def percentiles(values: list[float] | np.ndarray) -> dict[str, float] | None:
+    arr = np.asarray(values, dtype=float)
+    if arr.size == 0:
+        return None
+    out = {k: float(np.percentile(arr, q)) for k, q in QUANTILES.items()}
+    return out | {"mean": float(arr.mean()), "max": float(arr.max())}
+
+
+def summarize(result: RunResult) -> dict[str, Any]:
+    records = result.records
+    ok = [r for r in records if r.ok]
+    out_tokens = sum(r.completion_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    duration = _duration(ok) or result.wall_s
+    errors = [r.error for r in records if r.error]
+    summary: dict[str, Any] = {
+        "label": result.label,
+        "kind": result.kind,
+        "requests": len(records),
+        "ok": len(ok),
+        "errors": len(errors),
+        "error_examples": sorted(set(errors))[:3],
+        "exact_lengths": all(r.completion_tokens == r.expected_tokens for r in ok),
+        "duration_s": duration,
+        "wall_s": result.wall_s,
+        "throughput": {
+            "requests_per_s": len(ok) / duration if duration else 0.0,
+            "output_tokens_per_s": out_tokens / duration if duration else 0.0,
+            "total_tokens_per_s": (in_tokens + out_tokens) / duration if duration else 0.0,
+        },
+        "output_tokens": out_tokens,
+        "prompt_tokens": in_tokens,
+        "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl_s": percentiles(_gaps(ok)),
+        "tpot_s": percentiles([float(np.mean(r.token_gaps)) for r in ok if r.token_gaps]),
+        "e2e_s": percentiles([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "queue_s": percentiles([r.queue_time_s for r in ok if r.queue_time_s is not None]),
+        "preemptions": sum(r.preemptions for r in ok),
+        "stalls": dict(result.counters.get("stalls", {})),
+        "kv": kv_summary(result),
+        "overhead": overhead(result.counters),
+        "config": result.config,
+    }
+    return summary
+
+
+def kv_summary(result: RunResult) -> dict[str, Any] | None:
+    samples = [s for s in result.samples if s.kv_capacity]
+    if not samples:
+        return None
+    capacity = max(s.kv_capacity for s in samples)
+    busy = [s for s in samples if s.running or s.waiting] or samples
+    return {
+        "capacity": capacity,
+        "peak_written": max(s.kv_written for s in samples),
+        "peak_held": max(s.kv_held for s in samples),
+        "mean_written_share": float(np.mean([s.kv_written / capacity for s in busy])),
+        "mean_held_share": float(np.mean([s.kv_held / capacity for s in busy])),
+        "peak_running": max(s.running for s in samples),
+        "peak_waiting": max(s.waiting for s in samples),
+        "samples": len(samples),
+    }
+
+
+def overhead(counters: dict[str, Any]) -> dict[str, float] | None:
+    """Shares of the step loop's wall time: forward passes, the core, and the rest (gRPC,
+    protobuf, event dispatch). From the scheduler's Status counters over the run."""
+    step = counters.get("step_seconds", 0.0)
+    if not step:
+        return None
+    forward, core = counters["forward_seconds"], counters["core_seconds"]
+    steps = counters["executed_steps"]
+    return {
+        "executed_steps": steps,
+        "step_ms": 1000 * step / steps,
+        "forward_ms": 1000 * forward / steps,
+        "core_ms": 1000 * core / steps,
+        "overhead_share": (step - forward) / step,  # goal: <= 3% at batch 32
+        "core_share": core / step,
+        "rpc_share": (step - forward - core) / step,
+    }
+
+
+def _duration(ok: list[RequestRecord]) -> float:
+    if not ok:
+        return 0.0
+    return max(r.end_s or 0.0 for r in ok) - min(r.scheduled_s for r in ok)
+
+
+def _gaps(records: list[RequestRecord]) -> np.ndarray:
+    parts = [np.asarray(r.token_gaps) for r in records if r.token_gaps]
+    return np.concatenate(parts) if parts else np.empty(0)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
