@@ -8,6 +8,7 @@ import dataclasses
 
 import grpc
 
+from gateway.auth import ApiKeyInterceptor
 from gateway.service import GatewayService
 from gateway.settings import GatewaySettings
 from gateway.tokenizer import Tokenizer, load_default_tokenizer
@@ -35,9 +36,18 @@ async def scheduler_status(stub, timeout: float = 180.0) -> scheduler_pb2.Status
 
 async def serve(settings: GatewaySettings) -> None:
     log = setup_logging("gateway")
-    log.info("settings: %s", dataclasses.asdict(settings))
+    log.info("settings: %s", dataclasses.asdict(settings))  # the key itself is never logged
+    api_key = settings.api_key()
     server = Server(
-        settings.host, settings.port, [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
+        settings.host,
+        settings.port,
+        [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
+        interceptors=[ApiKeyInterceptor(api_key)] if api_key else None,
+        tls=settings.tls,
+        max_message_bytes=settings.max_request_bytes,
+    )
+    log.info(
+        "API key %s; TLS %s", "required" if api_key else "off", "on" if settings.tls else "off"
     )
     tokenizer = (
         Tokenizer.from_gguf(settings.tokenizer) if settings.tokenizer else load_default_tokenizer()

@@ -160,7 +160,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.queue.enter(len(prompt_ids))
         queued = True
         call = self.scheduler.Submit(submit, timeout=context.time_remaining())
-        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True, prompt_ids=prompt_ids)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, skip_special_tokens=True, prompt_ids=prompt_ids
+        )
         stops = StopMatcher(list(params.stop))
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
         error = ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -33,16 +34,21 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     settings = from_args(StackSettings, args)
     stack = Stack(settings, Path(args.log_dir))
-    print(f"starting {settings.workers} worker(s), scheduler and gateway ({settings.model}, "
-          f"{settings.policy}, {settings.mode}); logs in {args.log_dir}/", flush=True)
+    print(
+        f"starting {settings.workers} worker(s), scheduler and gateway ({settings.model}, "
+        f"{settings.policy}, {settings.mode}); logs in {args.log_dir}/",
+        flush=True,
+    )
     stack.start()
     print(f"gateway   {settings.gateway}   (llmserve generate --target {settings.gateway} ...)")
     print(f"scheduler {settings.scheduler}   (llmserve status --target {settings.scheduler})")
     for i in range(settings.workers):
         print(f"worker{i}   {settings.worker_address(i)}")
     if settings.metrics_base_port:
-        print(f"metrics   http://127.0.0.1:{settings.metrics_port(0)}/metrics (gateway), "
-              f"+1 scheduler, +2.. workers")
+        print(
+            f"metrics   http://127.0.0.1:{settings.metrics_port(0)}/metrics (gateway), "
+            f"+1 scheduler, +2.. workers"
+        )
     print("Ctrl-C stops everything.", flush=True)
     try:
         while all(p.poll() is None for p in stack.procs.values()):
@@ -60,13 +66,22 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     messages = [("user", args.prompt)] if args.chat else None
     request = client.make_request(
-        prompt=None if args.chat else args.prompt, messages=messages,
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-        top_p=args.top_p, top_k=args.top_k, stop=args.stop, ignore_eos=args.ignore_eos,
+        prompt=None if args.chat else args.prompt,
+        messages=messages,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
     )
     text, final = [], None
     try:
-        for message in client.stream(args.target, request, timeout=args.timeout):
+        stream = client.stream(
+            args.target, request, timeout=args.timeout, api_key=args.api_key, tls_ca=args.tls_ca
+        )
+        for message in stream:
             if message.HasField("delta"):
                 text.append(message.delta.text)
                 if not args.json:
@@ -78,27 +93,60 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 1
     reason = client.FINISH_NAMES[final.finish_reason]
     if args.json:
-        print(json.dumps({"request_id": final.request_id, "text": "".join(text),
-                          "finish_reason": reason, "usage": client.usage_dict(final.usage)}))
+        print(
+            json.dumps(
+                {
+                    "request_id": final.request_id,
+                    "text": "".join(text),
+                    "finish_reason": reason,
+                    "usage": client.usage_dict(final.usage),
+                }
+            )
+        )
     else:
         u = final.usage
-        print(f"\n[{reason}; {u.prompt_tokens} prompt + {u.completion_tokens} generated tokens; "
-              f"queue {u.queue_time_s:.3f} s, first token {u.time_to_first_token_s:.3f} s, "
-              f"total {u.total_time_s:.3f} s]", file=sys.stderr)
+        print(
+            f"\n[{reason}; {u.prompt_tokens} prompt + {u.completion_tokens} generated tokens; "
+            f"queue {u.queue_time_s:.3f} s, first token {u.time_to_first_token_s:.3f} s, "
+            f"total {u.total_time_s:.3f} s]",
+            file=sys.stderr,
+        )
     return 0
 
 
 def status_dict(reply) -> dict:
-    keys = ["policy", "mode", "token_budget", "max_running", "block_size", "chunked_prefill",
-            "model", "max_context", "steps", "waiting", "waiting_tokens", "running",
-            "head_wait_reason", "admitted", "finished", "preemptions", "oldest_wait_s"]
+    keys = [
+        "policy",
+        "mode",
+        "token_budget",
+        "max_running",
+        "block_size",
+        "chunked_prefill",
+        "model",
+        "max_context",
+        "steps",
+        "waiting",
+        "waiting_tokens",
+        "running",
+        "head_wait_reason",
+        "admitted",
+        "finished",
+        "preemptions",
+        "oldest_wait_s",
+    ]
     out = {k: getattr(reply, k) for k in keys}
     out["stalls"] = dict(reply.stalls)
     out["refused"] = dict(reply.refused)
     out["workers"] = [
-        {"name": w.name, "capacity": w.capacity, "written": w.written,
-         "reserved_unwritten": w.reserved_unwritten, "free": w.free, "running": w.running,
-         "healthy": w.healthy}
+        {
+            "name": w.name,
+            "capacity": w.capacity,
+            "written": w.written,
+            "reserved_unwritten": w.reserved_unwritten,
+            "free": w.free,
+            "running": w.running,
+            "healthy": w.healthy,
+        }
         for w in reply.workers
     ]
     return out
@@ -114,7 +162,8 @@ def format_status(s: dict) -> str:
         f"  preemptions {s['preemptions']}",
         f"waiting {s['waiting']} ({s['waiting_tokens']} tokens, oldest {s['oldest_wait_s']:.2f} s)"
         f"  running {s['running']}",
-        f"head of queue waits: {head} ({REASONS.get(head, '')})" if head
+        f"head of queue waits: {head} ({REASONS.get(head, '')})"
+        if head
         else "head of queue waits: nothing waits",
         "KV positions per worker:",
     ]
@@ -169,6 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    gen.add_argument(
+        "--api-key",
+        default=os.environ.get("LLMSERVE_API_KEY", ""),
+        help="sent as `authorization: Bearer KEY` (default: $LLMSERVE_API_KEY)",
+    )
+    gen.add_argument("--tls-ca", default="", help="CA certificate (PEM) to reach a TLS gateway")
     gen.set_defaults(func=cmd_generate)
 
     st = sub.add_parser("status", help="the scheduler's snapshot and stalls by reason")

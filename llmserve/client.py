@@ -37,22 +37,44 @@ def make_request(
     request_id: str = "",
 ) -> gateway_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, seed=seed, top_p=top_p, top_k=top_k,
-        stop=stop or [], ignore_eos=ignore_eos,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        top_p=top_p,
+        top_k=top_k,
+        stop=stop or [],
+        ignore_eos=ignore_eos,
     )
     request = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
     if messages is not None:
-        request.chat.messages.extend(gateway_pb2.ChatMessage(role=r, content=c) for r, c in messages)
+        request.chat.messages.extend(
+            gateway_pb2.ChatMessage(role=r, content=c) for r, c in messages
+        )
     else:
         request.prompt = prompt or ""
     return request
 
 
+def channel(target: str, tls_ca: str = "") -> grpc.Channel:
+    """A channel to `target`; TLS when a CA certificate file is given."""
+    if tls_ca:
+        with open(tls_ca, "rb") as f:
+            credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+        return grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+    return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+
+
 def stream(
-    target: str, request: gateway_pb2.GenerateRequest, timeout: float | None = None
+    target: str,
+    request: gateway_pb2.GenerateRequest,
+    timeout: float | None = None,
+    api_key: str = "",
+    tls_ca: str = "",
 ) -> Iterator[gateway_pb2.GenerateResponse]:
-    with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
-        yield from gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=timeout)
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
+    with channel(target, tls_ca) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        yield from stub.Generate(request, timeout=timeout, metadata=metadata)
 
 
 def status(target: str, timeout: float = 5.0) -> scheduler_pb2.StatusReply:

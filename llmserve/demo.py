@@ -61,7 +61,10 @@ def ask(target: str, request, out: Outcome, on_delta=None) -> None:
 
 def concurrently(target: str, requests: list) -> list[Outcome]:
     outs = [Outcome() for _ in requests]
-    threads = [threading.Thread(target=ask, args=(target, r, o)) for r, o in zip(requests, outs)]
+    threads = [
+        threading.Thread(target=ask, args=(target, r, o))
+        for r, o in zip(requests, outs, strict=True)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -73,20 +76,30 @@ def part1(log_dir: Path) -> bool:
     console.rule("[bold]1. Concurrent chat requests (SmolLM2-135M-Instruct, paged, continuous)")
     with Stack(BASE, log_dir / "part1") as stack:
         target = stack.settings.gateway
-        requests = [client.make_request(messages=[("user", q)], max_tokens=48, temperature=0.0)
-                    for q in QUESTIONS]
+        requests = [
+            client.make_request(messages=[("user", q)], max_tokens=48, temperature=0.0)
+            for q in QUESTIONS
+        ]
         first = Outcome()
         console.print(f"[bold]> {QUESTIONS[0]}[/bold]  (streamed live; 3 more run alongside)")
-        live = threading.Thread(target=ask, args=(target, requests[0], first,
-                                                  lambda d: console.out(d, end="")))
+        live = threading.Thread(
+            target=ask, args=(target, requests[0], first, lambda d: console.out(d, end=""))
+        )
         live.start()
         others = concurrently(target, requests[1:])
         live.join()
         console.print()
         table = Table("question", "answer", "tokens", "finish", "queue s", "TTFT s", "total s")
-        for q, o in zip(QUESTIONS, [first, *others]):
-            table.add_row(q, o.text.strip() or o.error, str(o.tokens), o.finish,
-                          f"{o.queue:.3f}", f"{o.ttft:.3f}", f"{o.total:.2f}")
+        for q, o in zip(QUESTIONS, [first, *others], strict=False):
+            table.add_row(
+                q,
+                o.text.strip() or o.error,
+                str(o.tokens),
+                o.finish,
+                f"{o.queue:.3f}",
+                f"{o.ttft:.3f}",
+                f"{o.total:.2f}",
+            )
         console.print(table)
         console.print(format_status(status_dict(client.status(stack.settings.scheduler))))
     return "Paris" in first.text and all(o.finish for o in [first, *others])
@@ -97,10 +110,8 @@ def figure4(policy: str, log_dir: Path) -> dict:
     prompt = " a b c d e f"  # six tokens
     with Stack(settings, log_dir / f"fig4-{policy}") as stack:
         b, c = Outcome(), Outcome()
-        req_b = client.make_request(prompt=prompt, max_tokens=14, temperature=0.0,
-                                    ignore_eos=True)
-        req_c = client.make_request(prompt=prompt, max_tokens=6, temperature=0.0,
-                                    ignore_eos=True)
+        req_b = client.make_request(prompt=prompt, max_tokens=14, temperature=0.0, ignore_eos=True)
+        req_c = client.make_request(prompt=prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
         tb = threading.Thread(target=ask, args=(stack.settings.gateway, req_b, b))
         tb.start()
         while client.status(stack.settings.scheduler).running == 0:
@@ -120,12 +131,15 @@ def figure4(policy: str, log_dir: Path) -> dict:
 
 def part2(log_dir: Path) -> bool:
     console.rule("[bold]2. The seed's Figure 4: KV capacity 24, block size 1, budget 8")
-    console.print("B (6 prompt tokens, max_tokens 14: 20 positions) is decoding; "
-                  "C (6 prompt tokens) arrives.")
+    console.print(
+        "B (6 prompt tokens, max_tokens 14: 20 positions) is decoding; C (6 prompt tokens) arrives."
+    )
     runs = {p: figure4(p, log_dir) for p in ("reserve", "paged")}
     for policy, r in runs.items():
-        console.print(f"\n[bold]{policy}[/bold]: C waited {r['c'].queue * 1000:.0f} ms "
-                      f"before joining a batch; stalls {r['final']['stalls'] or 'none'}")
+        console.print(
+            f"\n[bold]{policy}[/bold]: C waited {r['c'].queue * 1000:.0f} ms "
+            f"before joining a batch; stalls {r['final']['stalls'] or 'none'}"
+        )
         if r["waiting_view"]:
             console.print("  while C waited, `llmserve status` showed:")
             console.print("  " + format_status(r["waiting_view"]).replace("\n", "\n  "))
@@ -137,8 +151,10 @@ def burst(policy: str, log_dir: Path) -> tuple[list[Outcome], dict, float, int]:
     settings = replace(BASE, policy=policy, kv_capacity=2048, block_size=16, token_budget=256)
     prompts = [f"{q} Answer briefly." for q in QUESTIONS * 3]
     with Stack(settings, log_dir / f"burst-{policy}") as stack:
-        requests = [client.make_request(messages=[("user", p)], max_tokens=400, temperature=0.0)
-                    for p in prompts]
+        requests = [
+            client.make_request(messages=[("user", p)], max_tokens=400, temperature=0.0)
+            for p in prompts
+        ]
         peak = {"written": 0}
         done = threading.Event()
 
@@ -161,29 +177,46 @@ def burst(policy: str, log_dir: Path) -> tuple[list[Outcome], dict, float, int]:
 
 def part3(log_dir: Path) -> bool:
     console.rule("[bold]3. A burst of 12 chat requests, max_tokens 400, KV capacity 2048")
-    table = Table("policy", "wall s", "output tok/s", "mean queue s", "max queue s",
-                  "peak KV written", "stalls by reason")
+    table = Table(
+        "policy",
+        "wall s",
+        "output tok/s",
+        "mean queue s",
+        "max queue s",
+        "peak KV written",
+        "stalls by reason",
+    )
     runs = {}
     for policy in ("reserve", "paged"):
         outs, final, elapsed, peak = burst(policy, log_dir)
         runs[policy] = final
         tokens = sum(o.tokens for o in outs)
         queues = [o.queue for o in outs]
-        table.add_row(policy, f"{elapsed:.1f}", f"{tokens / elapsed:.0f}",
-                      f"{sum(queues) / len(queues):.2f}", f"{max(queues):.2f}",
-                      f"{peak} / 2048",
-                      ", ".join(f"{k} {v}" for k, v in final["stalls"].items()) or "none")
+        table.add_row(
+            policy,
+            f"{elapsed:.1f}",
+            f"{tokens / elapsed:.0f}",
+            f"{sum(queues) / len(queues):.2f}",
+            f"{max(queues):.2f}",
+            f"{peak} / 2048",
+            ", ".join(f"{k} {v}" for k, v in final["stalls"].items()) or "none",
+        )
     console.print(table)
-    console.print("Under reserve each request sets aside prompt + 400 positions, so only a few "
-                  "run at once although the KV actually written stays far below capacity.")
+    console.print(
+        "Under reserve each request sets aside prompt + 400 positions, so only a few "
+        "run at once although the KV actually written stays far below capacity."
+    )
     for reason, meaning in REASONS.items():
         console.print(f"  {reason:<13} {meaning}")
     return runs["reserve"]["stalls"].get("kv_reserved", 0) > 0
 
 
 def run_demo(log_dir: Path) -> int:
-    checks = {"1. chat answers (Paris)": part1(log_dir), "2. Figure 4": part2(log_dir),
-              "3. burst": part3(log_dir)}
+    checks = {
+        "1. chat answers (Paris)": part1(log_dir),
+        "2. Figure 4": part2(log_dir),
+        "3. burst": part3(log_dir),
+    }
     console.rule("[bold]summary")
     for name, ok in checks.items():
         console.print(f"{'ok  ' if ok else 'FAIL'} {name}")

@@ -18,11 +18,13 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, helps: dict[str, str] 
         kind = hints[f.name]
         help_text = (helps or {}).get(f.name, "") + f" (default: {_shown(f.default)})"
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=help_text)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+            )
         elif isinstance(kind, type) and issubclass(kind, enum.Enum):
-            parser.add_argument(flag, choices=[m.value for m in kind], default=f.default.value,
-                                help=help_text)
+            parser.add_argument(
+                flag, choices=[m.value for m in kind], default=f.default.value, help=help_text
+            )
         else:
             parser.add_argument(flag, type=_scalar(kind), default=f.default, help=help_text)
     return parser

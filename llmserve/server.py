@@ -22,24 +22,39 @@ log = logging.getLogger("llmserve")
 
 
 def setup_logging(name: str) -> logging.Logger:
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     return logging.getLogger(name)
 
 
 class Server:
     """An aio server whose health reports NOT_SERVING until `ready()` and again on SIGTERM."""
 
-    def __init__(self, host: str, port: int, service_names: list[str]) -> None:
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        service_names: list[str],
+        interceptors: list[grpc.aio.ServerInterceptor] | None = None,
+        tls: tuple[str, str] | None = None,  # (certificate chain file, private key file)
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+        self.server = grpc.aio.server(options=options, interceptors=interceptors or None)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names
         reflection.enable_server_reflection(
             [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if tls:
+            chain, key = (open(path, "rb").read() for path in tls)
+            credentials = grpc.ssl_server_credentials([(key, chain)])
+            self.port = self.server.add_secure_port(f"{host}:{port}", credentials)
+        else:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")
         self.address = f"{host}:{self.port}"

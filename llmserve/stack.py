@@ -63,25 +63,61 @@ class Stack:
         cmds = {}
         for i in range(s.workers):
             cmds[f"worker{i}"] = [
-                *py, "worker_svc", "--port", str(s.worker_base_port + i), "--name", f"worker{i}",
-                "--model", s.model, "--dtype", s.dtype, "--kv-capacity", str(s.kv_capacity),
-                "--block-size", str(s.block_size), "--threads", str(threads),
-                "--metrics-port", str(s.metrics_port(2 + i)),
+                *py,
+                "worker_svc",
+                "--port",
+                str(s.worker_base_port + i),
+                "--name",
+                f"worker{i}",
+                "--model",
+                s.model,
+                "--dtype",
+                s.dtype,
+                "--kv-capacity",
+                str(s.kv_capacity),
+                "--block-size",
+                str(s.block_size),
+                "--threads",
+                str(threads),
+                "--metrics-port",
+                str(s.metrics_port(2 + i)),
             ]
         cmds["scheduler"] = [
-            *py, "scheduler_svc", "--port", str(s.scheduler_port),
-            "--workers", ",".join(s.worker_address(i) for i in range(s.workers)),
-            "--policy", s.policy, "--mode", s.mode, "--token-budget", str(s.token_budget),
-            "--max-running", str(s.max_running), "--kv-capacity", str(s.kv_capacity),
+            *py,
+            "scheduler_svc",
+            "--port",
+            str(s.scheduler_port),
+            "--workers",
+            ",".join(s.worker_address(i) for i in range(s.workers)),
+            "--policy",
+            s.policy,
+            "--mode",
+            s.mode,
+            "--token-budget",
+            str(s.token_budget),
+            "--max-running",
+            str(s.max_running),
+            "--kv-capacity",
+            str(s.kv_capacity),
             "--chunked-prefill" if s.chunked_prefill else "--no-chunked-prefill",
-            "--metrics-port", str(s.metrics_port(1)),
+            "--metrics-port",
+            str(s.metrics_port(1)),
         ]
         cmds["gateway"] = [
-            *py, "gateway", "--port", str(s.gateway_port), "--scheduler", s.scheduler,
-            "--max-queued-requests", str(s.max_queued_requests),
-            "--max-queued-tokens", str(s.max_queued_tokens),
-            "--default-max-tokens", str(s.default_max_tokens),
-            "--metrics-port", str(s.metrics_port(0)),
+            *py,
+            "gateway",
+            "--port",
+            str(s.gateway_port),
+            "--scheduler",
+            s.scheduler,
+            "--max-queued-requests",
+            str(s.max_queued_requests),
+            "--max-queued-tokens",
+            str(s.max_queued_tokens),
+            "--default-max-tokens",
+            str(s.default_max_tokens),
+            "--metrics-port",
+            str(s.metrics_port(0)),
         ]
         return cmds
 
@@ -92,7 +128,10 @@ class Stack:
             for name, cmd in self.commands().items():
                 log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115
                 self.procs[name] = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root,
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=root,
                     start_new_session=True,
                 )
             asyncio.run(self._wait_all(timeout))
@@ -101,8 +140,9 @@ class Stack:
             raise
 
     async def _wait_all(self, timeout: float) -> None:
-        targets = {f"worker{i}": self.settings.worker_address(i)
-                   for i in range(self.settings.workers)}
+        targets = {
+            f"worker{i}": self.settings.worker_address(i) for i in range(self.settings.workers)
+        }
         targets |= {"scheduler": self.settings.scheduler, "gateway": self.settings.gateway}
         deadline = time.monotonic() + timeout
         for name, target in targets.items():
@@ -113,7 +153,9 @@ class Stack:
                     break
                 except TimeoutError:
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"{name} at {target} not ready; see {self.log(name)}")
+                        raise TimeoutError(
+                            f"{name} at {target} not ready; see {self.log(name)}"
+                        ) from None
 
     def _check_alive(self, name: str) -> None:
         proc = self.procs[name]

@@ -36,7 +36,9 @@ async def connect(settings: SchedulerSettings, timeout: float = 120.0) -> list[W
                 break
             except grpc.aio.AioRpcError as err:
                 if loop.time() > deadline:
-                    raise SystemExit(f"worker {client.target} did not answer: {err.details()}")
+                    raise SystemExit(
+                        f"worker {client.target} did not answer: {err.details()}"
+                    ) from None
                 await asyncio.sleep(0.2)
         capacity = client.info.capacity_positions
         if settings.kv_capacity and capacity != settings.kv_capacity:
@@ -50,8 +52,11 @@ async def connect(settings: SchedulerSettings, timeout: float = 120.0) -> list[W
 async def serve(settings: SchedulerSettings) -> None:
     log = setup_logging("scheduler")
     log.info("settings: %s", dataclasses.asdict(settings))
-    server = Server(settings.host, settings.port, [scheduler_pb2.DESCRIPTOR.services_by_name[
-        "Scheduler"].full_name])
+    server = Server(
+        settings.host,
+        settings.port,
+        [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name],
+    )
     clients = await connect(settings)
     for c in clients:
         log.info("worker %s: %s", c.target, str(c.info).replace("\n", " "))

@@ -208,10 +208,10 @@ class Scheduler:
         seq: Sequence,
         n: int,
     ) -> None:
-        ws.pool.grow(seq.request_id, seq.num_computed + n)
-        sample = seq.num_computed + n == seq.num_tokens
-        table = ws.pool.table(seq.request_id)[: blocks_for(seq.num_computed + n, ws.spec.block_size)]
-        batch.items.append(Work(seq, seq.num_computed, n, sample, table))
+        end = seq.num_computed + n
+        ws.pool.grow(seq.request_id, end)
+        table = ws.pool.table(seq.request_id)[: blocks_for(end, ws.spec.block_size)]
+        batch.items.append(Work(seq, seq.num_computed, n, end == seq.num_tokens, table))
         budgets[index] -= n
         self._planned[seq.request_id] = seq.num_computed + n
 

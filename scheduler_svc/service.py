@@ -70,8 +70,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         try:
             self.core.add(seq)
         except Refused as refused:
-            await context.abort(REFUSED_CODE.get(refused.reason, grpc.StatusCode.UNKNOWN),
-                                str(refused))
+            await context.abort(
+                REFUSED_CODE.get(refused.reason, grpc.StatusCode.UNKNOWN), str(refused)
+            )
         queue: asyncio.Queue[scheduler_pb2.TokenEvent] = asyncio.Queue()
         self.streams[rid] = queue
         self.wake.set()
@@ -120,11 +121,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         reply.stalls.update(snap.stalls)
         reply.refused.update(snap.refused)
         for kv in snap.workers:
-            reply.workers.append(scheduler_pb2.WorkerKv(
-                name=kv.name, capacity=kv.capacity, written=kv.written,
-                reserved_unwritten=kv.reserved_unwritten, free=kv.free, running=kv.running,
-                healthy=kv.healthy,
-            ))
+            reply.workers.append(
+                scheduler_pb2.WorkerKv(
+                    name=kv.name,
+                    capacity=kv.capacity,
+                    written=kv.written,
+                    reserved_unwritten=kv.reserved_unwritten,
+                    free=kv.free,
+                    running=kv.running,
+                    healthy=kv.healthy,
+                )
+            )
         return reply
 
     # ---- the step loop -------------------------------------------------------------------
@@ -178,8 +185,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def _execute(self, batches: list[WorkerBatch]) -> dict[str, int]:
         step = self.core.steps
         calls = [
-            self.clients[b.worker].execute(step, b, self.settings.execute_timeout)
-            for b in batches
+            self.clients[b.worker].execute(step, b, self.settings.execute_timeout) for b in batches
         ]
         results = await asyncio.gather(*calls, return_exceptions=True)
         sampled: dict[str, int] = {}

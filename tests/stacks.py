@@ -32,8 +32,12 @@ def tiny_settings(**overrides) -> StackSettings:
     workers = overrides.get("workers", 1)
     ports = free_ports(2 + workers)
     base = StackSettings(
-        model="tiny", dtype="fp32", gateway_port=ports[0], scheduler_port=ports[1],
-        worker_base_port=ports[2], threads=1,
+        model="tiny",
+        dtype="fp32",
+        gateway_port=ports[0],
+        scheduler_port=ports[1],
+        worker_base_port=ports[2],
+        threads=1,
     )
     settings = replace(base, **overrides)
     if workers > 1:  # worker ports must be consecutive: find a free run

@@ -19,8 +19,9 @@ PROMPT = " a b c d e f"  # six tokens in SmolLM2's vocabulary
 
 
 def send(target: str, max_tokens: int, results: dict, key: str) -> None:
-    request = client.make_request(prompt=PROMPT, max_tokens=max_tokens, temperature=0.0,
-                                  ignore_eos=True)
+    request = client.make_request(
+        prompt=PROMPT, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+    )
     results[key] = list(client.stream(target, request, timeout=60))
 
 

@@ -19,8 +19,9 @@ PROMPTS = ["Hello there", "The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 1
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    settings = tiny_settings(kv_capacity=1024, block_size=16, token_budget=64,
-                             max_queued_requests=64)
+    settings = tiny_settings(
+        kv_capacity=1024, block_size=16, token_budget=64, max_queued_requests=64
+    )
     with running_stack(settings, tmp_path_factory.mktemp("stack")) as s:
         yield s
 
@@ -101,13 +102,17 @@ def test_seeded_sampling_is_reproducible(stub) -> None:
 
 def test_stop_string_ends_the_output_before_it(stub) -> None:
     base = stub.GenerateUnary(
-        client.make_request(prompt="Hello there", max_tokens=20, temperature=0.0,
-                            ignore_eos=True), timeout=30)
+        client.make_request(prompt="Hello there", max_tokens=20, temperature=0.0, ignore_eos=True),
+        timeout=30,
+    )
     assert len(base.text) > 6
     stop = base.text[3:6]
     stopped = stub.GenerateUnary(
-        client.make_request(prompt="Hello there", max_tokens=20, temperature=0.0,
-                            ignore_eos=True, stop=[stop]), timeout=30)
+        client.make_request(
+            prompt="Hello there", max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop]
+        ),
+        timeout=30,
+    )
     assert stopped.finish_reason == 1  # FINISH_REASON_STOP
     assert stopped.text == base.text[: base.text.index(stop)]
 
@@ -181,10 +186,17 @@ def greedy_outputs(settings, tmp_path, n: int = 6) -> tuple[list[list[int]], dic
         results: dict[int, list[int]] = {}
 
         def one(i: int) -> None:
-            r = client.make_request(prompt=PROMPTS[i % len(PROMPTS)] + f" {i}", max_tokens=40,
-                                    temperature=0.0, ignore_eos=True)
-            results[i] = [t for m in client.stream(s.settings.gateway, r, timeout=120)
-                          for t in m.delta.token_ids]
+            r = client.make_request(
+                prompt=PROMPTS[i % len(PROMPTS)] + f" {i}",
+                max_tokens=40,
+                temperature=0.0,
+                ignore_eos=True,
+            )
+            results[i] = [
+                t
+                for m in client.stream(s.settings.gateway, r, timeout=120)
+                for t in m.delta.token_ids
+            ]
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
         for t in threads:

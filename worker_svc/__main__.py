@@ -31,8 +31,9 @@ async def serve(settings: WorkerSettings) -> None:
     log.info("settings: %s", dataclasses.asdict(settings))
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    server = Server(settings.host, settings.port,
-                    [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
+    server = Server(
+        settings.host, settings.port, [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name]
+    )
     started = time.perf_counter()
     dtype = DTYPES[settings.dtype]
     config, weights = load_model(settings.model, dtype)
@@ -43,8 +44,13 @@ async def serve(settings: WorkerSettings) -> None:
     log.info(
         "model %s loaded in %.1f s; KV pool %d positions (%d blocks of %d), %.1f MiB, "
         "%d bytes per position",
-        info.model, time.perf_counter() - started, info.capacity_positions, info.num_blocks,
-        info.block_size, info.pool_bytes / 2**20, info.bytes_per_position,
+        info.model,
+        time.perf_counter() - started,
+        info.capacity_positions,
+        info.num_blocks,
+        info.block_size,
+        info.pool_bytes / 2**20,
+        info.bytes_per_position,
     )
     await server.run()
 

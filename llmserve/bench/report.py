@@ -1,0 +1,160 @@
+"""The report of one `llmserve bench` invocation: a terminal table, a JSON file, request CSVs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from llmserve.bench.records import RunResult
+from llmserve.bench.stats import summarize
+
+MAX_TIMELINE = 2000  # Status samples kept per run in the JSON
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+    }
+    try:
+        info["load_average_1m"] = os.getloadavg()[0]  # others' work makes figures noisy
+    except OSError:
+        pass
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except ImportError:
+        pass
+    return info
+
+
+@dataclass
+class Report:
+    title: str
+    workload: dict[str, Any]
+    command: str = ""
+    results: list[RunResult] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # ratios, sweeps, notes
+    started: float = field(default_factory=time.time)
+    machine_start: dict[str, Any] = field(default_factory=machine)
+
+    def add(self, result: RunResult) -> dict[str, Any]:
+        self.results.append(result)
+        return summarize(result)
+
+    def summaries(self) -> list[dict[str, Any]]:
+        return [summarize(r) for r in self.results]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "title": self.title,
+            "created": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started)),
+            "command": self.command,
+            "machine": self.machine_start | {"load_average_1m_end": machine().get(
+                "load_average_1m")},
+            "workload": self.workload,
+            "runs": self.summaries(),
+            "timelines": {r.label: _timeline(r) for r in self.results if r.samples},
+            **self.extra,
+        }
+
+    def write(self, out_dir: Path, name: str) -> list[Path]:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"{name}.json"
+        path.write_text(json.dumps(self.to_json(), indent=1, default=str))
+        written = [path]
+        for r in self.results:
+            if r.records:
+                written.append(write_requests(r, out_dir / f"{name}-{_slug(r.label)}-requests.csv"))
+        return written
+
+
+def write_requests(result: RunResult, path: Path) -> Path:
+    rows = [r.row() for r in result.records]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def _timeline(result: RunResult) -> list[dict[str, Any]]:
+    samples = result.samples
+    step = max(1, len(samples) // MAX_TIMELINE)
+    return [asdict(s) for s in samples[::step]]
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in label)
+
+
+# ---------------------------------------------------------------------------- terminal table
+
+
+def fmt_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def fmt_pct(p: dict[str, float] | None) -> str:
+    if not p:
+        return "-"
+    return " / ".join(fmt_time(p[k]) for k in ("p50", "p90", "p99"))
+
+
+def table(title: str, summaries: list[dict[str, Any]], reference: str | None = None) -> Table:
+    """Runs side by side; ratios against `reference` (a label) where given."""
+    t = Table(title=title, show_lines=False)
+    t.add_column("metric", style="bold")
+    for s in summaries:
+        t.add_column(s["label"], justify="right")
+    ref = next((s for s in summaries if s["label"] == reference), None)
+
+    def row(name: str, fn) -> None:
+        t.add_row(name, *[fn(s) for s in summaries])
+
+    row("requests ok / sent", lambda s: f"{s['ok']} / {s['requests']}"
+        + ("" if s["exact_lengths"] else " (LENGTH MISMATCH)"))
+    row("requests/s", lambda s: f"{s['throughput']['requests_per_s']:.2f}")
+    row("output tokens/s", lambda s: f"{s['throughput']['output_tokens_per_s']:.0f}")
+    if ref:
+        base = ref["throughput"]["output_tokens_per_s"]
+        row(f"× {reference}", lambda s: f"{s['throughput']['output_tokens_per_s'] / base:.2f}×"
+            if base else "-")
+    row("TTFT p50/p90/p99", lambda s: fmt_pct(s["ttft_s"]))
+    row("inter-token p50/p90/p99", lambda s: fmt_pct(s["itl_s"]))
+    row("end-to-end p50/p90/p99", lambda s: fmt_pct(s["e2e_s"]))
+    row("queue p50/p90/p99", lambda s: fmt_pct(s["queue_s"]))
+    row("preemptions", lambda s: str(s["preemptions"]) if s["kind"] != "transformers" else "-")
+    row("stalls (steps)", lambda s: ", ".join(f"{k} {v}" for k, v in sorted(s["stalls"].items()))
+        or "-")
+    row("KV peak written/held/cap", lambda s: "-" if not s["kv"] else
+        f"{s['kv']['peak_written']} / {s['kv']['peak_held']:.0f} / {s['kv']['capacity']}")
+    row("KV mean written/held", lambda s: "-" if not s["kv"] else
+        f"{s['kv']['mean_written_share']:.0%} / {s['kv']['mean_held_share']:.0%}")
+    row("peak running", lambda s: "-" if not s["kv"] else str(s["kv"]["peak_running"]))
+    row("gRPC+sched overhead", lambda s: "-" if not s["overhead"] else
+        f"{s['overhead']['overhead_share']:.1%} (core {s['overhead']['core_share']:.1%})")
+    return t
+
+
+def print_table(title: str, summaries: list[dict[str, Any]], reference: str | None = None,
+                notes: list[str] | None = None) -> None:
+    console = Console(width=max(120, Console().width))
+    console.print(table(title, summaries, reference))
+    for note in notes or []:
+        console.print(note)
