@@ -9,6 +9,7 @@ import dataclasses
 import grpc
 
 from gateway.auth import ApiKeyInterceptor
+from gateway.metrics import GatewayMetrics
 from gateway.service import GatewayService
 from gateway.settings import GatewaySettings
 from gateway.tokenizer import Tokenizer, load_default_tokenizer
@@ -38,11 +39,15 @@ async def serve(settings: GatewaySettings) -> None:
     log = setup_logging("gateway")
     log.info("settings: %s", dataclasses.asdict(settings))  # the key itself is never logged
     api_key = settings.api_key()
+    metrics = GatewayMetrics() if settings.metrics_port else None
+    interceptors = (metrics.interceptors() if metrics else []) + (  # metrics see refusals too
+        [ApiKeyInterceptor(api_key)] if api_key else []
+    )
     server = Server(
         settings.host,
         settings.port,
         [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
-        interceptors=[ApiKeyInterceptor(api_key)] if api_key else None,
+        interceptors=interceptors,
         tls=settings.tls,
         max_message_bytes=settings.max_request_bytes,
     )
@@ -60,6 +65,10 @@ async def serve(settings: GatewaySettings) -> None:
     )
     service = GatewayService(settings, tokenizer, stub, status.max_context)
     gateway_pb2_grpc.add_GatewayServicer_to_server(service, server.server)
+    if metrics:
+        metrics.attach(service)
+        metrics.serve(settings.host, settings.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
     await server.run()
 
 

@@ -26,6 +26,7 @@ class Tally:
     completion_tokens: int = 0
     queue_time: float = 0.0
     first_token_at: float | None = None
+    last_token_at: float | None = None
     preemptions: int = 0
 
     def usage(self) -> common_pb2.Usage:
@@ -81,6 +82,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.max_context = max_context
         self.queue = AdmissionQueue(settings.max_queued_requests, settings.max_queued_tokens)
         self.observer = None  # metrics hook, set by the metrics module
+        self.on_tokens = None  # metrics hook: (tally, count, now) before the tally counts them
 
     async def Generate(self, request, context):
         async for message in self._generate(request, context):
@@ -173,7 +175,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     queued = False
                     tally.queue_time = event.queue_time_s
                 if event.token_ids:
-                    tally.first_token_at = tally.first_token_at or time.monotonic()
+                    now = time.monotonic()
+                    if self.on_tokens is not None:
+                        self.on_tokens(tally, len(event.token_ids), now)
+                    tally.first_token_at = tally.first_token_at or now
+                    tally.last_token_at = now
                     tally.completion_tokens += len(event.token_ids)
                     text, hit = stops.push(detok.push(list(event.token_ids)))
                     yield _delta(text, event.token_ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import subprocess
@@ -12,6 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmserve.server import wait_healthy
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if `llmserve up` dies, even by SIGKILL (Linux only)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +142,7 @@ class Stack:
                     stderr=subprocess.STDOUT,
                     cwd=root,
                     start_new_session=True,
+                    preexec_fn=_die_with_parent,
                 )
             asyncio.run(self._wait_all(timeout))
         except BaseException:

@@ -11,6 +11,7 @@ import grpc
 from llmserve.flags import add_flags, from_args
 from llmserve.server import Server, setup_logging
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.workers import WorkerClient
@@ -65,6 +66,11 @@ async def serve(settings: SchedulerSettings) -> None:
 
     async def ready() -> None:
         service.start()
+        if settings.metrics_port:
+            metrics = SchedulerMetrics()
+            metrics.attach(service)
+            metrics.serve(settings.host, settings.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
 
     await server.run(ready)
 

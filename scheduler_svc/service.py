@@ -44,6 +44,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.wake = asyncio.Event()
         self.loop_task: asyncio.Task | None = None
         self.times = StepTimes()
+        self.on_step = None  # metrics hook: (batches, seconds executing them) after each step
 
     # ---- gRPC handlers -------------------------------------------------------------------
 
@@ -155,7 +156,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 self.wake.clear()
                 await asyncio.wait([asyncio.create_task(self.wake.wait())], timeout=0.05)
                 continue
+            executing = time.perf_counter()
             sampled = await self._execute(batches)
+            if self.on_step is not None:
+                self.on_step(batches, time.perf_counter() - executing)
             post = time.perf_counter()
             self.core.postprocess(batches, sampled)
             core += time.perf_counter() - post

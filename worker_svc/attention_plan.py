@@ -24,7 +24,7 @@ class AttentionPlan:
 
     num_decode: int
     decode_blocks: torch.Tensor  # [num_decode * max_blocks] block ids, padded with 0
-    decode_mask: torch.Tensor  # [num_decode, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_bias: torch.Tensor  # [num_decode, 1, 1, max_blocks * block_size] fp32: 0 or -inf
     decode_context: int  # max_blocks * block_size (padded key length)
     prefills: list[PrefillSpan]
 
@@ -47,11 +47,12 @@ def build_plan(
             lengths[row] = ctx
         context = max_blocks * block_size
         keys = torch.arange(context)
-        decode_mask = (keys[None, :] < lengths[:, None]).view(num_decode, 1, 1, context)
+        valid = (keys[None, :] < lengths[:, None]).view(num_decode, 1, 1, context)
+        decode_bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
         decode_blocks = table.view(-1)
     else:
         context = 0
-        decode_mask = torch.zeros(0, 1, 1, 0, dtype=torch.bool)
+        decode_bias = torch.zeros(0, 1, 1, 0)
         decode_blocks = torch.zeros(0, dtype=torch.int64)
     spans = []
     for offset, length, start, blocks in prefills:
@@ -66,4 +67,4 @@ def build_plan(
         spans.append(
             PrefillSpan(offset, length, start, torch.tensor(blocks[:used], dtype=torch.int64), mask)
         )
-    return AttentionPlan(num_decode, decode_blocks, decode_mask, context, spans)
+    return AttentionPlan(num_decode, decode_blocks, decode_bias, context, spans)

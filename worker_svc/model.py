@@ -78,16 +78,7 @@ class LlamaModel:
         out = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=q.dtype)
         nd = plan.num_decode
         if nd:
-            k_blocks, v_blocks = pool.blocks(layer_index, "k"), pool.blocks(layer_index, "v")
-            shape = (nd, plan.decode_context, cfg.num_kv_heads, cfg.head_dim)
-            # k_ctx, v_ctx: [decodes, context, kv_heads, head_dim] -> [decodes, kv_heads, ctx, hd]
-            k_ctx = k_blocks.index_select(0, plan.decode_blocks).view(shape).transpose(1, 2)
-            v_ctx = v_blocks.index_select(0, plan.decode_blocks).view(shape).transpose(1, 2)
-            qd = q[:nd].unsqueeze(2)  # [decodes, heads, 1, head_dim]
-            o = F.scaled_dot_product_attention(
-                qd, k_ctx, v_ctx, attn_mask=plan.decode_mask, enable_gqa=True
-            )  # o: [decodes, heads, 1, head_dim]
-            out[:nd] = o.squeeze(2)
+            out[:nd] = self.decode_attention(layer_index, q[:nd], plan, pool)
         for span in plan.prefills:
             rows = slice(span.offset, span.offset + span.length)
             qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, length, head_dim]
@@ -106,3 +97,24 @@ class LlamaModel:
                 )
             out[rows] = o.squeeze(0).transpose(0, 1)  # [length, heads, head_dim]
         return out.view(num_tokens, cfg.q_size)
+
+    def decode_attention(
+        self, layer_index: int, q: torch.Tensor, plan: AttentionPlan, pool: KvPool
+    ) -> torch.Tensor:
+        """One query per request against its cached positions, all requests in one padded batch.
+
+        q: [decodes, heads, head_dim] -> [decodes, heads, head_dim]. Plain batched matmuls:
+        CPU flash SDPA is several times slower for single-query attention.
+        """
+        cfg = self.config
+        nd, groups = q.shape[0], cfg.num_heads // cfg.num_kv_heads
+        shape = (nd, plan.decode_context, cfg.num_kv_heads, cfg.head_dim)
+        # k_ctx, v_ctx: [decodes, context, kv_heads, head_dim] viewed as [decodes, kv, ctx, dim]
+        k_ctx = pool.blocks(layer_index, "k").index_select(0, plan.decode_blocks).view(shape)
+        v_ctx = pool.blocks(layer_index, "v").index_select(0, plan.decode_blocks).view(shape)
+        qg = q.view(nd, cfg.num_kv_heads, groups, cfg.head_dim)  # [decodes, kv, groups, dim]
+        scores = torch.matmul(qg, k_ctx.permute(0, 2, 3, 1)).float()  # [decodes, kv, groups, ctx]
+        scores = scores * cfg.head_dim**-0.5 + plan.decode_bias
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        o = torch.matmul(probs, v_ctx.transpose(1, 2))  # [decodes, kv, groups, dim]
+        return o.view(nd, cfg.num_heads, cfg.head_dim)

@@ -1,0 +1,205 @@
+"""Prometheus metrics of the gateway: calls by gRPC status code, requests by finish reason,
+latencies (queue, first token, between tokens, end to end), tokens in and out, requests in flight.
+
+Latencies and prompt tokens count the requests that produced output; the status code counts
+every call, refused ones included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from llmserve.v1 import common_pb2
+
+SERVICE_PREFIX = "/llmserve.v1.Gateway/"
+METHODS = ("Generate", "GenerateUnary")
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0
+)
+TOKEN_GAP_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0
+)
+FINISH_LABELS = {
+    common_pb2.FINISH_REASON_UNSPECIFIED: "none",  # refused, failed, or the client went away
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_CANCELLED: "cancelled",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "llmserve_gateway_requests", "Gateway calls by method and final gRPC status code",
+            ["method", "code"], registry=registry,
+        )
+        self.finished = Counter(
+            "llmserve_gateway_requests_finished",
+            "Requests handed to the scheduler, by finish reason (none: refused, failed or gone)",
+            ["finish_reason"], registry=registry,
+        )
+        self.in_flight = Gauge(
+            "llmserve_gateway_requests_in_flight", "Gateway calls being served now",
+            registry=registry,
+        )
+        self.queued_requests = Gauge(
+            "llmserve_gateway_queued_requests",
+            "Requests submitted to the scheduler and not yet admitted (the gateway's queue limit)",
+            registry=registry,
+        )
+        self.queued_tokens = Gauge(
+            "llmserve_gateway_queued_prompt_tokens", "Prompt tokens of those queued requests",
+            registry=registry,
+        )
+        self.queue_time = Histogram(
+            "llmserve_gateway_request_queue_time_seconds",
+            "Submitted to the scheduler until first admitted to a batch",
+            buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.ttft = Histogram(
+            "llmserve_gateway_time_to_first_token_seconds",
+            "Received by the gateway until the first generated token",
+            buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.inter_token = Histogram(
+            "llmserve_gateway_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request",
+            buckets=TOKEN_GAP_BUCKETS, registry=registry,
+        )
+        self.e2e = Histogram(
+            "llmserve_gateway_e2e_request_latency_seconds",
+            "Received by the gateway until the request ended",
+            buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "llmserve_gateway_prompt_tokens", "Prompt tokens of requests that produced output",
+            registry=registry,
+        )
+        self.generated_tokens = Counter(
+            "llmserve_gateway_generated_tokens", "Tokens generated and passed to clients",
+            registry=registry,
+        )
+        for method in METHODS:
+            for code in grpc.StatusCode:
+                self.requests.labels(method, code.name)
+        for label in FINISH_LABELS.values():
+            self.finished.labels(label)
+
+    # ---- hooks of GatewayService ---------------------------------------------------------
+
+    def attach(self, service: Any) -> None:
+        """Set the service's hooks and follow its admission queue."""
+        service.observer = self.on_finish
+        service.on_tokens = self.on_tokens
+        self.queued_requests.set_function(lambda: service.queue.requests)
+        self.queued_tokens.set_function(lambda: service.queue.tokens)
+
+    def on_tokens(self, tally: Any, count: int, now: float) -> None:
+        """Called as tokens arrive, before `tally` records them."""
+        self.generated_tokens.inc(count)
+        if tally.first_token_at is None:
+            self.ttft.observe(now - tally.received)
+            return
+        gap = (now - (tally.last_token_at or tally.first_token_at)) / count
+        for _ in range(count):
+            self.inter_token.observe(gap)
+
+    def on_finish(self, finish: int, tally: Any) -> None:
+        self.finished.labels(FINISH_LABELS.get(finish, "none")).inc()
+        if tally.first_token_at is None:
+            return
+        self.prompt_tokens.inc(tally.prompt_tokens)
+        self.queue_time.observe(tally.queue_time)
+        self.e2e.observe(time.monotonic() - tally.received)
+
+    # ---- the server side -----------------------------------------------------------------
+
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        return [StatusCodeInterceptor(self)]
+
+    def serve(self, host: str, port: int) -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+
+class StatusCodeInterceptor(grpc.aio.ServerInterceptor):
+    """Counts every Gateway call by its final status code, and the calls in flight."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        name: str = handler_call_details.method
+        if handler is None or not name.startswith(SERVICE_PREFIX):
+            return handler
+        method = name.removeprefix(SERVICE_PREFIX)
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=self._stream(method, handler.unary_stream))
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=self._unary(method, handler.unary_unary))
+        return handler
+
+    def _unary(self, method: str, behavior: Callable[..., Awaitable[Any]]):
+        async def counted(request, context):
+            self.metrics.in_flight.inc()
+            code = "UNKNOWN"
+            try:
+                reply = await behavior(request, context)
+                code = _code(context) or "OK"
+                return reply
+            except BaseException as err:
+                code = _failure_code(context, err)
+                raise
+            finally:
+                self.metrics.in_flight.dec()
+                self.metrics.requests.labels(method, code).inc()
+
+        return counted
+
+    def _stream(self, method: str, behavior: Callable[..., AsyncIterator[Any]]):
+        async def counted(request, context):
+            self.metrics.in_flight.inc()
+            code = "UNKNOWN"
+            try:
+                async for message in behavior(request, context):
+                    yield message
+                code = _code(context) or "OK"
+            except BaseException as err:
+                code = _failure_code(context, err)
+                raise
+            finally:
+                self.metrics.in_flight.dec()
+                self.metrics.requests.labels(method, code).inc()
+
+        return counted
+
+
+def _code(context) -> str | None:
+    """The status code set on the call (by abort or set_code), if any."""
+    code = context.code()
+    if code is None:
+        return None
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    return CODE_NAMES.get(code, "UNKNOWN")
+
+
+def _failure_code(context, err: BaseException) -> str:
+    code = _code(context)
+    if code is not None and code != "OK":
+        return code
+    if isinstance(err, asyncio.CancelledError | GeneratorExit):
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            return "DEADLINE_EXCEEDED"
+        return "CANCELLED"
+    return "UNKNOWN"
