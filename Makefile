@@ -6,7 +6,7 @@ PYTHON  := $(BIN)/python
 STUBS   := llmserve/v1/__init__.py
 PROTOS  := $(wildcard protos/llmserve/v1/*.proto)
 
-.PHONY: all setup stubs demo test test-fast up lint bench bench-worker clean
+.PHONY: all setup stubs demo test test-fast up lint bench bench-worker clean prometheus
 
 all: setup
 
@@ -26,17 +26,35 @@ $(STUBS): $(VENV)/.installed $(PROTOS)
 setup: $(VENV)/.installed $(STUBS)
 stubs: $(STUBS)
 
+# Debian's prometheus and docker-compose, for the metrics and deployment tests and `make up`
+# (as root, else with sudo). Without apt-get, the tests that need them skip and say why.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+APT  := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get -q -y
+apt_install = $(APT) install --no-install-recommends $(1) \
+	|| { $(APT) update && $(APT) install --no-install-recommends $(1); }
+
+prometheus:
+	@if ! command -v apt-get >/dev/null; then \
+	  command -v prometheus >/dev/null || echo "no apt-get: install prometheus yourself"; \
+	elif ! command -v prometheus >/dev/null; then $(call apt_install,prometheus); fi
+	@command -v docker-compose >/dev/null || ! command -v apt-get >/dev/null \
+	  || $(call apt_install,docker-compose) \
+	  || echo "docker-compose could not be installed: its test will be skipped"
+
 demo: setup
 	$(BIN)/llmserve demo
 
-test: setup
+test: setup prometheus
 	$(PYTHON) -m pytest tests
 
 test-fast: setup
 	$(PYTHON) -m pytest tests -m "not slow"
 
+METRICS_BASE_PORT ?= 9400
+PROMETHEUS_PORT   ?= 9090
+
 up: setup
-	$(BIN)/llmserve up
+	$(BIN)/llmserve up --metrics-base-port $(METRICS_BASE_PORT) --prometheus-port $(PROMETHEUS_PORT)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -9,6 +9,7 @@ import dataclasses
 import grpc
 
 from gateway.auth import ApiKeyInterceptor
+from gateway.malformed import MalformedRequestInterceptor
 from gateway.metrics import GatewayMetrics
 from gateway.service import GatewayService
 from gateway.settings import GatewaySettings
@@ -43,6 +44,7 @@ async def serve(settings: GatewaySettings) -> None:
     interceptors = (metrics.interceptors() if metrics else []) + (  # metrics see refusals too
         [ApiKeyInterceptor(api_key)] if api_key else []
     )
+    interceptors.append(MalformedRequestInterceptor())  # innermost: it parses the request
     server = Server(
         settings.host,
         settings.port,

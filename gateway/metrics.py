@@ -10,21 +10,27 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
 
 from llmserve.v1 import common_pb2
 
+if TYPE_CHECKING:
+    from gateway.service import GatewayService, Tally
+
 SERVICE_PREFIX = "/llmserve.v1.Gateway/"
 METHODS = ("Generate", "GenerateUnary")
-LATENCY_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0
-)
-TOKEN_GAP_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0
-)
+LATENCY_BUCKETS = (5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TOKEN_GAP_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5)
 FINISH_LABELS = {
     common_pb2.FINISH_REASON_UNSPECIFIED: "none",  # refused, failed, or the client went away
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -39,16 +45,20 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry = registry or CollectorRegistry()
         self.requests = Counter(
-            "llmserve_gateway_requests", "Gateway calls by method and final gRPC status code",
-            ["method", "code"], registry=registry,
+            "llmserve_gateway_requests",
+            "Gateway calls by method and final gRPC status code",
+            ["method", "code"],
+            registry=registry,
         )
         self.finished = Counter(
             "llmserve_gateway_requests_finished",
             "Requests handed to the scheduler, by finish reason (none: refused, failed or gone)",
-            ["finish_reason"], registry=registry,
+            ["finish_reason"],
+            registry=registry,
         )
         self.in_flight = Gauge(
-            "llmserve_gateway_requests_in_flight", "Gateway calls being served now",
+            "llmserve_gateway_requests_in_flight",
+            "Gateway calls being served now",
             registry=registry,
         )
         self.queued_requests = Gauge(
@@ -57,35 +67,42 @@ class GatewayMetrics:
             registry=registry,
         )
         self.queued_tokens = Gauge(
-            "llmserve_gateway_queued_prompt_tokens", "Prompt tokens of those queued requests",
+            "llmserve_gateway_queued_prompt_tokens",
+            "Prompt tokens of those queued requests",
             registry=registry,
         )
         self.queue_time = Histogram(
             "llmserve_gateway_request_queue_time_seconds",
             "Submitted to the scheduler until first admitted to a batch",
-            buckets=LATENCY_BUCKETS, registry=registry,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.ttft = Histogram(
             "llmserve_gateway_time_to_first_token_seconds",
             "Received by the gateway until the first generated token",
-            buckets=LATENCY_BUCKETS, registry=registry,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.inter_token = Histogram(
             "llmserve_gateway_inter_token_latency_seconds",
             "Time between consecutive generated tokens of a request",
-            buckets=TOKEN_GAP_BUCKETS, registry=registry,
+            buckets=TOKEN_GAP_BUCKETS,
+            registry=registry,
         )
         self.e2e = Histogram(
             "llmserve_gateway_e2e_request_latency_seconds",
             "Received by the gateway until the request ended",
-            buckets=LATENCY_BUCKETS, registry=registry,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.prompt_tokens = Counter(
-            "llmserve_gateway_prompt_tokens", "Prompt tokens of requests that produced output",
+            "llmserve_gateway_prompt_tokens",
+            "Prompt tokens of requests that produced output",
             registry=registry,
         )
         self.generated_tokens = Counter(
-            "llmserve_gateway_generated_tokens", "Tokens generated and passed to clients",
+            "llmserve_gateway_generated_tokens",
+            "Tokens generated and passed to clients",
             registry=registry,
         )
         for method in METHODS:
@@ -96,14 +113,14 @@ class GatewayMetrics:
 
     # ---- hooks of GatewayService ---------------------------------------------------------
 
-    def attach(self, service: Any) -> None:
+    def attach(self, service: GatewayService) -> None:
         """Set the service's hooks and follow its admission queue."""
         service.observer = self.on_finish
         service.on_tokens = self.on_tokens
         self.queued_requests.set_function(lambda: service.queue.requests)
         self.queued_tokens.set_function(lambda: service.queue.tokens)
 
-    def on_tokens(self, tally: Any, count: int, now: float) -> None:
+    def on_tokens(self, tally: Tally, count: int, now: float) -> None:
         """Called as tokens arrive, before `tally` records them."""
         self.generated_tokens.inc(count)
         if tally.first_token_at is None:
@@ -113,7 +130,7 @@ class GatewayMetrics:
         for _ in range(count):
             self.inter_token.observe(gap)
 
-    def on_finish(self, finish: int, tally: Any) -> None:
+    def on_finish(self, finish: int, tally: Tally) -> None:
         self.finished.labels(FINISH_LABELS.get(finish, "none")).inc()
         if tally.first_token_at is None:
             return
@@ -127,6 +144,7 @@ class GatewayMetrics:
         return [StatusCodeInterceptor(self)]
 
     def serve(self, host: str, port: int) -> None:
+        disable_created_metrics()  # no `_created` series: nothing reads them
         start_http_server(port, addr=host, registry=self.registry)
 
 

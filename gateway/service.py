@@ -143,6 +143,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         if not prompt_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt has no tokens")
+        if len(prompt_ids) >= self.max_context:  # before the queue limit: it can never run
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt of {len(prompt_ids)} tokens leaves no room to generate within the "
+                f"model's context of {self.max_context} tokens; shorten the prompt",
+            )
         tally.prompt_tokens = len(prompt_ids)
         refusal = self.queue.refusal(len(prompt_ids))
         if refusal:
@@ -201,7 +207,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 if tail:
                     yield _delta(tail, [])
         except grpc.aio.AioRpcError as err:
-            await context.abort(err.code(), err.details() or "the scheduler failed")
+            details = err.details() or "the scheduler failed"
+            if err.code() is grpc.StatusCode.UNAVAILABLE:  # e.g. "Socket closed": say where
+                details = f"the scheduler is unavailable or has no worker ({details}); retry"
+            await context.abort(err.code(), details)
         finally:
             if queued:
                 self.queue.leave(len(prompt_ids))

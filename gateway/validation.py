@@ -12,6 +12,9 @@ Decisions:
 * `max_tokens` unset -> `min(default_max_tokens, max_context)`; set -> 1..max_context. Whether
   prompt + max_tokens fit the context is known only after tokenizing: see `check_fits`.
 * temperature: finite and >= 0 (0 means greedy); top_p in (0, 1]; top_k >= 0 (0 = disabled).
+  A temperature below MIN_TEMPERATURE counts as 0, as in vLLM: it is greedy in effect, and logits
+  divided by a subnormal temperature overflow to inf, which made the worker's sampling fail for
+  the whole batch.
 * stop: at most 16 strings, each 1..256 characters.
 """
 
@@ -37,6 +40,7 @@ MAX_STOP_CHARS = 256
 ALLOWED_ROLES = ("system", "user", "assistant")
 
 DEFAULT_TEMPERATURE = 1.0
+MIN_TEMPERATURE = 1e-5  # below this, greedy
 DEFAULT_TOP_P = 1.0
 DEFAULT_TOP_K = 0
 
@@ -167,7 +171,7 @@ def validate(
             raise InvalidRequest(
                 f"temperature is {temperature}; it must be >= 0 (0 means greedy decoding)"
             )
-        resolved_temperature = float(temperature)
+        resolved_temperature = float(temperature) if temperature >= MIN_TEMPERATURE else 0.0
 
     if top_p is None:
         resolved_top_p = DEFAULT_TOP_P

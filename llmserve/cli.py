@@ -1,10 +1,11 @@
-"""The `llmserve` command: up, generate, status, demo."""
+"""The `llmserve` command: up, generate, status, demo, bench."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -14,6 +15,7 @@ import grpc
 
 from llmserve import client
 from llmserve.flags import add_flags, from_args
+from llmserve.prometheus import DASHBOARD, Prometheus, start_for_stack
 from llmserve.stack import Stack, StackSettings
 
 REASONS = {
@@ -49,6 +51,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"metrics   http://127.0.0.1:{settings.metrics_port(0)}/metrics (gateway), "
             f"+1 scheduler, +2.. workers"
         )
+    prometheus = _start_prometheus(settings, args)
     print("Ctrl-C stops everything.", flush=True)
     try:
         while all(p.poll() is None for p in stack.procs.values()):
@@ -59,8 +62,30 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("\nstopping ...")
         return 0
     finally:
+        if prometheus is not None:
+            prometheus.stop()
         codes = stack.stop()
         print("stopped: " + ", ".join(f"{n} exit {c}" for n, c in codes.items()))
+
+
+def _start_prometheus(settings: StackSettings, args: argparse.Namespace) -> Prometheus | None:
+    """Prometheus scraping the stack when asked for and installed; says where to look."""
+    if not settings.metrics_base_port:
+        return None
+    workdir = Path(args.log_dir) / "prometheus"
+    try:
+        prometheus = start_for_stack(settings, args.prometheus_port, workdir)
+    except (OSError, RuntimeError) as err:
+        print(f"prometheus did not start ({err}); the metrics endpoints still work")
+        prometheus = None
+    if prometheus is not None:
+        print(f"prometheus {prometheus.url}   (config {workdir}/prometheus.yml)")
+    elif args.prometheus_port and not shutil.which("prometheus"):
+        print("prometheus is not installed (`make prometheus` installs Debian's package)")
+    where = prometheus.url if prometheus else "your Prometheus"
+    print(f"dashboard {DASHBOARD}")
+    print(f"          (import into Grafana with a datasource at {where}; docs/observability.md)")
+    return prometheus
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -203,6 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start scheduler + workers + gateway on loopback")
     add_flags(up, StackSettings)
     up.add_argument("--log-dir", default="results/logs")
+    up.add_argument(
+        "--prometheus-port",
+        type=int,
+        default=0,
+        help="also run Prometheus (when installed) on this loopback port, scraping the metrics "
+        "ports every 5 s; needs --metrics-base-port (default: 0, off)",
+    )
     up.set_defaults(func=cmd_up)
 
     gen = sub.add_parser("generate", help="stream a completion from the gateway")
@@ -234,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the whole stack, a real workload, both KV policies")
     demo.add_argument("--log-dir", default="results/demo-logs")
     demo.set_defaults(func=cmd_demo)
+
+    from llmserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)  # llmserve bench serve | sim | calibrate | core
     return parser
 
 

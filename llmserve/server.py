@@ -11,12 +11,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from llmserve.health import HealthServicer
+
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
-CHANNEL_OPTIONS = SERVER_OPTIONS
+# Reconnect within a second of a peer coming back: gRPC's default backoff grows to 120 s, and a
+# scheduler polling a restarted worker (or a gateway whose scheduler restarted) waited that long.
+CHANNEL_OPTIONS = [
+    *SERVER_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 log = logging.getLogger("llmserve")
 
@@ -43,7 +51,7 @@ class Server:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
         self.server = grpc.aio.server(options=options, interceptors=interceptors or None)
-        self.health = health.aio.HealthServicer()
+        self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names
         reflection.enable_server_reflection(
@@ -84,7 +92,7 @@ class Server:
         log.info("serving on %s", self.address)
         await self.stopping.wait()
         log.info("stopping: NOT_SERVING, %.0f s grace for in-flight calls", grace)
-        await self.set_serving(False)
+        await self.health.close()  # NOT_SERVING for good; health Watch streams end
         await self.server.stop(grace)
 
 

@@ -132,28 +132,45 @@ class Stack:
 
     def start(self, timeout: float = 180.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        root = Path(__file__).resolve().parent.parent
         try:
-            for name, cmd in self.commands().items():
-                log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115
-                self.procs[name] = subprocess.Popen(
-                    cmd,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=root,
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                )
+            for name in self.commands():
+                self.launch(name)
             asyncio.run(self._wait_all(timeout))
         except BaseException:
             self.stop()
             raise
 
-    async def _wait_all(self, timeout: float) -> None:
+    def launch(self, name: str, append: bool = False) -> subprocess.Popen:
+        """Start one process with its command line; `append` keeps the log of an earlier run."""
+        root = Path(__file__).resolve().parent.parent
+        with open(self.log(name), "a" if append else "w") as log:
+            self.procs[name] = subprocess.Popen(
+                self.commands()[name],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=root,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        return self.procs[name]
+
+    def restart(self, name: str, timeout: float = 120.0) -> subprocess.Popen:
+        """Start a process again after it died (same command line, same port); wait until it
+        reports SERVING."""
+        old = self.procs.get(name)
+        if old is not None and old.poll() is None:
+            raise RuntimeError(f"{name} is still running (pid {old.pid})")
+        proc = self.launch(name, append=True)
+        asyncio.run(self._wait_all(timeout, only=name))
+        return proc
+
+    async def _wait_all(self, timeout: float, only: str = "") -> None:
         targets = {
             f"worker{i}": self.settings.worker_address(i) for i in range(self.settings.workers)
         }
         targets |= {"scheduler": self.settings.scheduler, "gateway": self.settings.gateway}
+        if only:
+            targets = {only: targets[only]}
         deadline = time.monotonic() + timeout
         for name, target in targets.items():
             while True:

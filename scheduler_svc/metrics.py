@@ -9,9 +9,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -19,13 +24,15 @@ from scheduler_svc.config import StallReason
 from scheduler_svc.core import Scheduler
 from scheduler_svc.plan import Snapshot, WorkerBatch
 
+if TYPE_CHECKING:
+    from scheduler_svc.service import SchedulerService
+
+PREFIX = "llmserve_scheduler_"
 REFUSED_REASONS = ("context", "kv_capacity", "token_budget", "duplicate")
 KV_STATES = ("written", "reserved_unwritten", "free")
 REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-SECONDS_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
-)
+SECONDS_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 class SchedulerMetrics:
@@ -33,25 +40,31 @@ class SchedulerMetrics:
         self.registry = registry = registry or CollectorRegistry()
         self.core: Scheduler | None = None
         self.batch_requests = Histogram(
-            "llmserve_scheduler_batch_requests", "Requests in one execution on a worker",
-            ["worker"], buckets=REQUEST_BUCKETS, registry=registry,
+            "llmserve_scheduler_batch_requests",
+            "Requests in one execution on a worker",
+            ["worker"],
+            buckets=REQUEST_BUCKETS,
+            registry=registry,
         )
         self.batch_tokens = Histogram(
             "llmserve_scheduler_batch_tokens",
             "Tokens processed in one execution on a worker (at most the token budget)",
-            ["worker"], buckets=TOKEN_BUCKETS, registry=registry,
+            ["worker"],
+            buckets=TOKEN_BUCKETS,
+            registry=registry,
         )
         self.execution = Histogram(
             "llmserve_scheduler_execution_duration_seconds",
             "One step's executions on all workers, as the scheduler waits for them",
-            buckets=SECONDS_BUCKETS, registry=registry,
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
         )
 
-    def attach(self, service: Any) -> None:
-        """Follow `service.core` and observe each step; call on the service's event loop."""
+    def attach(self, service: SchedulerService) -> None:
+        """Follow `service.core` and observe each step; call on the loop the core runs on."""
         self.core = service.core
         service.on_step = self.on_step
-        self.registry.register(CoreCollector(service.core, asyncio.get_running_loop()))
+        self.registry.register(CoreCollector(service.core, _running_loop()))
         for ws in service.core.workers:
             self.batch_requests.labels(ws.spec.name)
             self.batch_tokens.labels(ws.spec.name)
@@ -65,6 +78,7 @@ class SchedulerMetrics:
                 self.batch_tokens.labels(name).observe(batch.num_tokens)
 
     def serve(self, host: str, port: int) -> None:
+        disable_created_metrics()  # no `_created` series: nothing reads them
         start_http_server(port, addr=host, registry=self.registry)
 
 
@@ -97,55 +111,70 @@ class CoreCollector(Collector):
 
 
 def families(snap: Snapshot, core: Scheduler) -> Iterator[Metric]:
+    yield from _queue(snap, core)
+    yield from _counters(snap)
+    yield from _workers(snap)
+
+
+def _queue(snap: Snapshot, core: Scheduler) -> Iterator[Metric]:
     cfg = core.config
-    p = "llmserve_scheduler_"
-    yield _gauge(p + "waiting_requests", "Requests in the waiting queue", snap.waiting)
+    yield _gauge("waiting_requests", "Requests in the waiting queue", snap.waiting)
     yield _gauge(
-        p + "waiting_tokens", "Tokens the waiting requests still have to process (prompts)",
-        snap.waiting_tokens,
+        "waiting_tokens", "Tokens the waiting requests still have to process", snap.waiting_tokens
     )
-    yield _gauge(
-        p + "oldest_wait_seconds", "Age of the oldest waiting request", snap.oldest_wait
-    )
-    yield _gauge(p + "token_budget", "Token budget of one execution, per worker", cfg.token_budget)
-    yield _gauge(p + "max_running_requests", "Running-request limit, per worker", cfg.max_running)
+    yield _gauge("oldest_wait_seconds", "Age of the oldest waiting request", snap.oldest_wait)
+    yield _gauge("token_budget", "Token budget of one execution, per worker", cfg.token_budget)
+    yield _gauge("max_running_requests", "Running-request limit, per worker", cfg.max_running)
     info = GaugeMetricFamily(
-        p + "info", "The scheduler's policy and mode", labels=["policy", "mode", "chunked_prefill"]
+        PREFIX + "info",
+        "1, with the scheduler's settings",
+        labels=["policy", "mode", "chunked_prefill"],
     )
     info.add_metric([cfg.policy.value, cfg.mode.value, str(cfg.chunked_prefill).lower()], 1)
     yield info
-
     head = GaugeMetricFamily(
-        p + "queue_head_blocked",
+        PREFIX + "queue_head_blocked",
         "1 for the limit that holds the head of the queue back now",
         labels=["reason"],
     )
     for reason in StallReason:
         head.add_metric([reason.value], float(snap.head_wait_reason == reason.value))
     yield head
-    yield _counter(
-        p + "admission_stalls", "Steps whose admission stopped, by the limit that stopped it",
-        "reason", {r.value: snap.stalls.get(r.value, 0) for r in StallReason},
-    )
-    yield _counter(
-        p + "refused_requests", "Requests refused at submit because they can never run",
-        "reason", {r: snap.refused.get(r, 0) for r in REFUSED_REASONS} | snap.refused,
-    )
-    yield _counter(p + "preemptions", "Running requests preempted to free KV", None,
-                   {"": snap.preemptions})
-    yield _counter(p + "admissions", "Admissions to a batch (again after a preemption)", None,
-                   {"": snap.admitted})
-    yield _counter(p + "finished_requests", "Requests finished for any reason", None,
-                   {"": snap.finished})
-    yield _counter(p + "steps", "Scheduling steps", None, {"": snap.steps})
 
-    running = GaugeMetricFamily(p + "running_requests", "Running requests", labels=["worker"])
-    healthy = GaugeMetricFamily(p + "worker_healthy", "1 if the worker is in use",
-                                labels=["worker"])
-    capacity = GaugeMetricFamily(p + "kv_capacity_positions", "KV pool size in token positions",
-                                 labels=["worker"])
+
+def _counters(snap: Snapshot) -> Iterator[Metric]:
+    stalls = CounterMetricFamily(
+        PREFIX + "admission_stalls",
+        "Steps whose admission stopped, by the limit that stopped it",
+        labels=["reason"],
+    )
+    for reason in StallReason:
+        stalls.add_metric([reason.value], snap.stalls.get(reason.value, 0))
+    yield stalls
+    refused = CounterMetricFamily(
+        PREFIX + "refused_requests",
+        "Requests refused at submit because they can never run",
+        labels=["reason"],
+    )
+    for reason, count in sorted((dict.fromkeys(REFUSED_REASONS, 0) | snap.refused).items()):
+        refused.add_metric([reason], count)
+    yield refused
+    yield _total("preemptions", "Running requests preempted to free KV", snap.preemptions)
+    yield _total("admissions", "Admissions to a batch (again after a preemption)", snap.admitted)
+    yield _total("finished_requests", "Requests finished for any reason", snap.finished)
+    yield _total("steps", "Scheduling steps", snap.steps)
+
+
+def _workers(snap: Snapshot) -> Iterator[Metric]:
+    running = GaugeMetricFamily(PREFIX + "running_requests", "Running requests", labels=["worker"])
+    healthy = GaugeMetricFamily(
+        PREFIX + "worker_healthy", "1 while the scheduler uses the worker", labels=["worker"]
+    )
+    capacity = GaugeMetricFamily(
+        PREFIX + "kv_capacity_positions", "KV pool size in token positions", labels=["worker"]
+    )
     positions = GaugeMetricFamily(
-        p + "kv_positions",
+        PREFIX + "kv_positions",
         "KV token positions by state: written, allocated but not yet written, free",
         labels=["worker", "state"],
     )
@@ -159,16 +188,11 @@ def families(snap: Snapshot, core: Scheduler) -> Iterator[Metric]:
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, value=value)
+    return GaugeMetricFamily(PREFIX + name, doc, value=value)
 
 
-def _counter(name: str, doc: str, label: str | None, values: dict[str, int]) -> Metric:
-    if label is None:
-        return CounterMetricFamily(name, doc, value=values[""])
-    family = CounterMetricFamily(name, doc, labels=[label])
-    for key, value in sorted(values.items()):
-        family.add_metric([key], value)
-    return family
+def _total(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, value=value)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections import defaultdict
@@ -12,6 +13,7 @@ import grpc
 
 from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from scheduler_svc.core import Scheduler
+from scheduler_svc.invariants import ENV_VAR, check_invariants
 from scheduler_svc.plan import Event, Refused, WorkerBatch
 from scheduler_svc.sequence import Finish, Sequence
 from scheduler_svc.settings import SchedulerSettings
@@ -19,6 +21,7 @@ from scheduler_svc.step_times import StepTimes
 from scheduler_svc.workers import WorkerClient
 
 log = logging.getLogger("scheduler")
+UNKNOWN = grpc.StatusCode.UNKNOWN  # what a worker answers when its execution raised
 
 FINISH_TO_PROTO = {
     Finish.STOP: common_pb2.FINISH_REASON_STOP,
@@ -44,6 +47,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.wake = asyncio.Event()
         self.loop_task: asyncio.Task | None = None
         self.times = StepTimes()
+        self.check = os.environ.get(ENV_VAR, "") not in ("", "0")  # debug: check every step
         self.on_step = None  # metrics hook: (batches, seconds executing them) after each step
 
     # ---- gRPC handlers -------------------------------------------------------------------
@@ -140,6 +144,22 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def start(self) -> None:
         self.loop_task = asyncio.create_task(self.run_loop())
         self.watch_task = asyncio.create_task(self.watch_workers())
+        for task in (self.loop_task, self.watch_task):
+            task.add_done_callback(self._died)
+
+    def _died(self, task: asyncio.Task) -> None:
+        """A crashed step loop would leave every request hanging: exit, so clients see
+        UNAVAILABLE and a supervisor can restart the scheduler."""
+        if task.cancelled() or task.exception() is None:
+            return
+        err = task.exception()
+        log.critical("%s crashed; exiting", task.get_coro().__name__, exc_info=err)
+        logging.shutdown()
+        os._exit(70)
+
+    def _check(self) -> None:
+        if self.check:
+            check_invariants(self.core)  # raises InvariantError: the loop crashes, see _died
 
     async def run_loop(self) -> None:
         while True:
@@ -150,6 +170,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             started = time.perf_counter()
             batches = self.core.schedule()
             core = time.perf_counter() - started
+            self._check()
             self._dispatch(self.core.take_events())
             if not any(b.items for b in batches):
                 await self._send_releases(batches)
@@ -163,6 +184,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             post = time.perf_counter()
             self.core.postprocess(batches, sampled)
             core += time.perf_counter() - post
+            self._check()
             self._dispatch(self.core.take_events())
             forward = max(self.clients[b.worker].last_forward for b in batches if b.items)
             self.times.add(time.perf_counter() - started, forward, core)
@@ -194,7 +216,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         results = await asyncio.gather(*calls, return_exceptions=True)
         sampled: dict[str, int] = {}
         for batch, result in zip(batches, results, strict=True):
-            if isinstance(result, BaseException):
+            if isinstance(result, grpc.aio.AioRpcError) and result.code() is UNKNOWN:
+                self._batch_failed(batch, result)
+            elif isinstance(result, BaseException):
                 self._worker_failed(batch.worker, result)
             else:
                 sampled.update(result)
@@ -214,6 +238,23 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if not any(ws.healthy for ws in self.core.workers):
             for seq in moved + list(self.core.waiting):
                 self.core.abort(seq.request_id, Finish.ERROR, "no worker available")
+
+    def _batch_failed(self, batch: WorkerBatch, err: grpc.aio.AioRpcError) -> None:
+        """The worker answered, but its execution raised: fail this batch's requests and keep the
+        worker. Re-queueing them would carry a request that breaks the model to every worker."""
+        name = self.core.workers[batch.worker].spec.name
+        log.error(
+            "worker %s failed to execute a batch of %d requests: %s; failing them",
+            name,
+            len(batch.items),
+            err.details(),
+        )
+        for work in batch.items:
+            self.core.abort(
+                work.seq.request_id,
+                Finish.ERROR,
+                f"the model failed on this request's batch on {name} (see its log)",
+            )
 
     def _dispatch(self, events: list[Event]) -> None:
         merged: dict[str, scheduler_pb2.TokenEvent] = defaultdict(scheduler_pb2.TokenEvent)

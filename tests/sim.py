@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from scheduler_svc import invariants
 from scheduler_svc.core import Scheduler
 from scheduler_svc.plan import WorkerBatch
 from scheduler_svc.sequence import Sequence
@@ -34,16 +35,5 @@ def ran(batches: list[WorkerBatch]) -> dict[str, int]:
 
 
 def check_invariants(core: Scheduler) -> None:
-    for ws in core.workers:
-        owners: dict[int, str] = {}
-        kv = core._kv_of(ws)
-        assert kv.free + kv.written + kv.reserved_unwritten == kv.capacity
-        for rid, table in ws.pool.tables.items():
-            for block in table:
-                assert block not in owners, f"block {block} owned by {owners[block]} and {rid}"
-                owners[block] = rid
-        for s in ws.running:
-            assert ws.pool.allocated(s.request_id) * ws.spec.block_size >= s.num_computed
-    # no block is both free and owned
-    for ws in core.workers:
-        assert not set(ws.pool.free) & {b for t in ws.pool.tables.values() for b in t}
+    """The service's own checks (also run by the scheduler under LLMSERVE_CHECK_INVARIANTS=1)."""
+    invariants.check_invariants(core)

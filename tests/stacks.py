@@ -48,6 +48,14 @@ def tiny_settings(**overrides) -> StackSettings:
     return settings
 
 
+def free_run(n: int) -> int:
+    """The first of `n` consecutive free ports (e.g. for --metrics-base-port)."""
+    start = free_port()
+    while not all(_is_free(start + i) for i in range(n)):
+        start = free_port()
+    return start
+
+
 def _is_free(port: int) -> bool:
     with socket.socket() as s:
         try:

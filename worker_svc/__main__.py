@@ -13,6 +13,7 @@ from llmserve.flags import add_flags, from_args
 from llmserve.server import Server, setup_logging
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.loader import load_model
+from worker_svc.metrics import WorkerMetrics
 from worker_svc.runner import ModelRunner
 from worker_svc.service import WorkerService
 from worker_svc.settings import WorkerSettings
@@ -52,6 +53,11 @@ async def serve(settings: WorkerSettings) -> None:
         info.pool_bytes / 2**20,
         info.bytes_per_position,
     )
+    if settings.metrics_port:
+        metrics = WorkerMetrics(settings.display_name)
+        metrics.attach(service)
+        metrics.serve(settings.host, settings.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
     await server.run()
 
 

@@ -24,15 +24,19 @@ from worker_svc.work import WorkItem  # noqa: E402
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
-def median_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
+def median_ms(fns: list[Callable[[], object]], reps: int, warmup: int = 2) -> list[float]:
+    """Median wall time of each fn; runs are interleaved (A B A B ...) so that load from other
+    processes on a shared machine hits all contenders alike."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        for fn, record in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            record.append(time.perf_counter() - start)
+    return [statistics.median(record) * 1e3 for record in times]
 
 
 class Ours:
@@ -86,7 +90,7 @@ class Theirs:
         @torch.inference_mode()
         def step() -> object:
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                             past_key_values=cache, use_cache=True)
+                             cache=cache, use_cache=True)
             cache.crop(-1)  # back to the same cached length
             return out.logits[:, -1].argmax(-1)
 
@@ -111,7 +115,10 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4,16,64")
     parser.add_argument("--prefill", type=int, default=128)
     parser.add_argument("--ours-only", action="store_true")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     batches = [int(b) for b in args.batches.split(",")]
     config, weights = load_model(args.source, dtype)
@@ -125,11 +132,11 @@ def main() -> None:
     cases.append((f"prefill {args.prefill}", lambda s: s.prefill(prompt)))
     print(f"{'case':<14}{'ours ms':>10}{'theirs ms':>11}{'ratio':>8}")
     for name, make in cases:
-        mine = median_ms(make(ours), args.reps)
         if theirs is None:
+            (mine,) = median_ms([make(ours)], args.reps)
             print(f"{name:<14}{mine:>10.1f}")
             continue
-        other = median_ms(make(theirs), args.reps)
+        mine, other = median_ms([make(ours), make(theirs)], args.reps)
         print(f"{name:<14}{mine:>10.1f}{other:>11.1f}{mine / other:>8.2f}")
 
 

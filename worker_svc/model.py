@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from worker_svc.attention_plan import AttentionPlan
 from worker_svc.kv_pool import KvPool
+from worker_svc.linear import Linear, packing_available
 from worker_svc.model_config import ModelConfig
 from worker_svc.rope import RopeTable, apply_rope
 from worker_svc.weights import Weights
@@ -16,9 +19,16 @@ __all__ = ["KvPool", "LlamaModel", "rms_norm"]
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [tokens, hidden]; computed in fp32 and cast back, as transformers does."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # one fused kernel
+    return weight * normed.to(x.dtype)
+
+
+@dataclass(slots=True)
+class LayerLinears:
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
 
 
 class LlamaModel:
@@ -27,6 +37,13 @@ class LlamaModel:
         self.weights = weights
         self.dtype = dtype
         self.rope = RopeTable(config.head_dim, config.rope_theta, config.max_context, dtype)
+        pack = packing_available(dtype)
+        self.linears = [
+            LayerLinears(Linear(lw.qkv, pack), Linear(lw.o, pack), Linear(lw.gate_up, pack),
+                         Linear(lw.down, pack))
+            for lw in weights.layers
+        ]
+        self.lm_head = Linear(weights.lm_head, pack)
 
     @torch.inference_mode()
     def forward(
@@ -42,27 +59,27 @@ class LlamaModel:
         cfg, w = self.config, self.weights
         num_tokens = token_ids.shape[0]
         q_size, kv_size = cfg.q_size, cfg.kv_size
+        qk_heads = cfg.num_heads + cfg.num_kv_heads
         eps = cfg.rms_norm_eps
         cos, sin = self.rope.lookup(positions)  # [tokens, 1, head_dim]
         x = w.embed[token_ids]  # x: [tokens, hidden]
-        for layer_index, layer in enumerate(w.layers):
+        for layer_index, (layer, lin) in enumerate(zip(w.layers, self.linears, strict=True)):
             h = rms_norm(x, layer.attn_norm, eps)
-            qkv = F.linear(h, layer.qkv)  # qkv: [tokens, (heads + 2 * kv_heads) * head_dim]
-            q = qkv[:, :q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            qkv = lin.qkv(h)  # qkv: [tokens, (heads + 2 * kv_heads) * head_dim]
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, qk_heads, cfg.head_dim)
+            qk = apply_rope(qk, cos, sin)  # qk: [tokens, heads + kv_heads, head_dim]
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [tokens, (kv_)heads, dim]
             v = qkv[:, q_size + kv_size :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            q = apply_rope(q, cos, sin)  # q: [tokens, heads, head_dim]
-            k = apply_rope(k, cos, sin)  # k: [tokens, kv_heads, head_dim]
             pool.k[layer_index].index_copy_(0, slots, k)
             pool.v[layer_index].index_copy_(0, slots, v)
             attn = self.attention(layer_index, q, k, v, plan, pool)  # [tokens, heads * head_dim]
-            x = x + F.linear(attn, layer.o)
+            x = x + lin.o(attn)
             h = rms_norm(x, layer.mlp_norm, eps)
-            gate_up = F.linear(h, layer.gate_up)  # [tokens, 2 * intermediate]
+            gate_up = lin.gate_up(h)  # [tokens, 2 * intermediate]
             gate, up = gate_up.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            x = x + lin.down(F.silu(gate) * up)
         x = rms_norm(x[logit_rows], w.final_norm, eps)  # x: [rows, hidden]
-        return F.linear(x, w.lm_head).float()  # [rows, vocab]
+        return self.lm_head(x).float()  # [rows, vocab]
 
     def attention(
         self,
@@ -77,24 +94,24 @@ class LlamaModel:
         num_tokens = q.shape[0]
         out = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=q.dtype)
         nd = plan.num_decode
+        if nd == num_tokens:  # decodes only
+            return self.decode_attention(layer_index, q, plan, pool).view(num_tokens, cfg.q_size)
         if nd:
             out[:nd] = self.decode_attention(layer_index, q[:nd], plan, pool)
         for span in plan.prefills:
             rows = slice(span.offset, span.offset + span.length)
             qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, length, head_dim]
-            if span.blocks is None:  # no cached context: attend to the fresh K/V only
+            if span.rows is None:  # no cached context: attend to the fresh K/V only
                 kp = k[rows].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, length, head_dim]
                 vp = v[rows].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
             else:
-                k_blocks, v_blocks = pool.blocks(layer_index, "k"), pool.blocks(layer_index, "v")
-                shape = (-1, cfg.num_kv_heads, cfg.head_dim)
-                # kp, vp: [1, kv_heads, context, head_dim]
-                kp = k_blocks.index_select(0, span.blocks).view(shape).transpose(0, 1).unsqueeze(0)
-                vp = v_blocks.index_select(0, span.blocks).view(shape).transpose(0, 1).unsqueeze(0)
+                shape = (1, cfg.num_kv_heads, -1, cfg.head_dim)
+                kp = pool.rows(layer_index, "k").index_select(0, span.rows).view(shape)
+                vp = pool.rows(layer_index, "v").index_select(0, span.rows).view(shape)
                 o = F.scaled_dot_product_attention(
                     qp, kp, vp, attn_mask=span.mask, enable_gqa=True
-                )
+                )  # o: [1, heads, length, head_dim]
             out[rows] = o.squeeze(0).transpose(0, 1)  # [length, heads, head_dim]
         return out.view(num_tokens, cfg.q_size)
 
@@ -104,17 +121,18 @@ class LlamaModel:
         """One query per request against its cached positions, all requests in one padded batch.
 
         q: [decodes, heads, head_dim] -> [decodes, heads, head_dim]. Plain batched matmuls:
-        CPU flash SDPA is several times slower for single-query attention.
+        CPU flash SDPA is several times slower for single-query attention, and matmuls over
+        strided (un-gathered) K/V copy internally.
         """
         cfg = self.config
         nd, groups = q.shape[0], cfg.num_heads // cfg.num_kv_heads
-        shape = (nd, plan.decode_context, cfg.num_kv_heads, cfg.head_dim)
-        # k_ctx, v_ctx: [decodes, context, kv_heads, head_dim] viewed as [decodes, kv, ctx, dim]
-        k_ctx = pool.blocks(layer_index, "k").index_select(0, plan.decode_blocks).view(shape)
-        v_ctx = pool.blocks(layer_index, "v").index_select(0, plan.decode_blocks).view(shape)
+        shape = (nd, cfg.num_kv_heads, plan.decode_context, cfg.head_dim)
+        # k_ctx, v_ctx: [decodes, kv_heads, context, head_dim], gathered contiguous
+        k_ctx = pool.rows(layer_index, "k").index_select(0, plan.decode_rows).view(shape)
+        v_ctx = pool.rows(layer_index, "v").index_select(0, plan.decode_rows).view(shape)
         qg = q.view(nd, cfg.num_kv_heads, groups, cfg.head_dim)  # [decodes, kv, groups, dim]
-        scores = torch.matmul(qg, k_ctx.permute(0, 2, 3, 1)).float()  # [decodes, kv, groups, ctx]
+        scores = torch.matmul(qg, k_ctx.transpose(2, 3)).float()  # [decodes, kv, groups, ctx]
         scores = scores * cfg.head_dim**-0.5 + plan.decode_bias
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        o = torch.matmul(probs, v_ctx.transpose(1, 2))  # [decodes, kv, groups, dim]
+        o = torch.matmul(probs, v_ctx)  # [decodes, kv, groups, dim]
         return o.view(nd, cfg.num_heads, cfg.head_dim)

@@ -73,7 +73,7 @@ class ModelRunner:
                 decodes.append((start + 1, table))
             else:
                 prefills.append((offset, len(item.token_ids), start, table))
-        plan = build_plan(decodes, prefills, bs)
+        plan = build_plan(decodes, prefills, bs, self.config.num_kv_heads)
         if all_positions:
             rows = [
                 first_row[i] + j for i, it in enumerate(items) for j in range(len(it.token_ids))

@@ -63,7 +63,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.model_name = model_name
         self.view = PoolView()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
-        self.on_execute = None  # metrics hook: (phase, seconds, tokens, report) -> None
+        self.on_execute = None  # metrics hook: (items, seconds, report), also for releases only
 
     def describe(self) -> worker_pb2.WorkerInfo:
         cfg, pool = self.runner.config, self.runner.pool
@@ -96,7 +96,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             tokens = await loop.run_in_executor(self.executor, self.runner.execute, items)
         seconds = time.perf_counter() - started
         report = self.view.report(self.runner)
-        if self.on_execute is not None and items:
+        if self.on_execute is not None:
             self.on_execute(items, seconds, report)
         results = [
             worker_pb2.Sampled(request_id=i.request_id, has_token=t is not None, token_id=t or 0)

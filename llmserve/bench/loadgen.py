@@ -97,7 +97,7 @@ class LoadGenerator:
                 record.token_gaps.extend([0.0] * (n - 1))  # tokens that came in one message
                 last = now
                 record.completion_tokens += n
-                if record.completion_tokens >= spec.output_tokens and spec.limit > spec.output_tokens:
+                if spec.limit > spec.output_tokens <= record.completion_tokens:
                     record.finish = "client_stop"  # the workload's length: stop reading here
                     call.cancel()
                     break

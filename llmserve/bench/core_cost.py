@@ -1,0 +1,84 @@
+"""The scheduler core's own cost: microseconds per schedule() (and postprocess()) as running,
+admitted and waiting requests grow. Pure Python, no model: what the core adds to every step."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from scheduler_svc.config import CoreConfig, WorkerSpec
+from scheduler_svc.core import Scheduler
+from scheduler_svc.sequence import Sequence
+
+PROMPT = 32
+FOREVER = 10**9
+
+
+@dataclass(frozen=True, slots=True)
+class CoreCost:
+    running: int
+    admitted_per_step: int
+    waiting: int
+    schedule_us: float
+    postprocess_us: float
+    snapshot_us: float
+
+
+class SteadyState:
+    """`running` requests in decode (the running limit reached, so the queue only waits), of
+    which `admit` slots take a new request from the queue every step (those finish after their
+    first token and are replaced at the tail, so the queue keeps its length)."""
+
+    def __init__(self, running: int, waiting: int, admit: int = 0, workers: int = 1) -> None:
+        self.ids = itertools.count()
+        spec = [WorkerSpec(f"w{i}", 1 << 20, 16, 1 << 20) for i in range(workers)]
+        config = CoreConfig(token_budget=1 << 20, max_running=running // workers)
+        self.core = Scheduler(config, spec, clock=lambda: 0.0)
+        for _ in range(running - admit):
+            self.core.add(self._seq(FOREVER))
+        for _ in range(4):  # prefill the long-lived ones; they stay in decode
+            self._step()
+        self.short = admit
+        for _ in range(waiting):
+            self.core.add(self._seq(1 if admit else FOREVER))
+
+    def _seq(self, max_tokens: int) -> Sequence:
+        return Sequence(str(next(self.ids)), [5] * PROMPT, max_tokens, arrival=1.0)
+
+    def _step(self) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        batches = self.core.schedule()
+        t1 = time.perf_counter()
+        sampled = {w.seq.request_id: 7 for b in batches for w in b.items if w.sample}
+        self.core.postprocess(batches, sampled)
+        t2 = time.perf_counter()
+        finished = sum(1 for e in self.core.take_events() if e.finish is not None)
+        for _ in range(finished if self.short else 0):
+            self.core.add(self._seq(1))
+        return t1 - t0, t2 - t1
+
+    def measure(self, steps: int) -> tuple[float, float]:
+        for _ in range(3):
+            self._step()
+        times = [self._step() for _ in range(steps)]
+        return (1e6 * min(t for t, _ in times), 1e6 * min(p for _, p in times))
+
+
+def core_cost(running: int, waiting: int, admit: int = 0, steps: int = 30) -> CoreCost:
+    state = SteadyState(running, waiting, admit)
+    schedule_us, post_us = state.measure(steps)
+    t = time.perf_counter()
+    state.core.snapshot()
+    snap_us = 1e6 * (time.perf_counter() - t)
+    return CoreCost(running, admit, waiting, schedule_us, post_us, snap_us)
+
+
+def default_grid(quick: bool = False) -> list[tuple[int, int, int]]:
+    """(running, waiting, admitted per step)."""
+    if quick:
+        return [(64, 0, 0), (256, 0, 0), (256, 10_000, 0), (256, 10_000, 16)]
+    grid = [(r, w, 0) for r in (32, 64, 128, 256) for w in (0, 10_000)]
+    grid += [(256, w, 0) for w in (1_000, 100_000)]
+    grid += [(256, 10_000, a) for a in (16, 64)]
+    return grid

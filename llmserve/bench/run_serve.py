@@ -1,0 +1,110 @@
+"""`llmserve bench serve`: the policies side by side on one workload, then transformers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from llmserve.bench import hf_baseline
+from llmserve.bench.plots import write_plots
+from llmserve.bench.prompts import check_with_tokenizer
+from llmserve.bench.report import Report, print_table
+from llmserve.bench.served import Policy, run_policy, run_workload
+from llmserve.bench.stats import ratio
+from llmserve.bench.workload import Workload
+from llmserve.stack import StackSettings
+
+HF_STATIC, HF_BATCH = "transformers static", "transformers generate_batch"
+
+
+def stack_settings(args: argparse.Namespace, workload: Workload) -> StackSettings:
+    longest = max(r.prompt_tokens for r in workload.requests)
+    budget = args.token_budget or max(256, (workload.concurrency or 1) * longest)
+    return StackSettings(model=args.model, dtype=args.dtype, workers=args.workers,
+                         token_budget=budget,
+                         max_running=args.max_running or max(1, workload.concurrency) or 32,
+                         kv_capacity=args.kv_capacity, block_size=args.block_size,
+                         threads=args.threads)
+
+
+def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int:
+    check_with_tokenizer()
+    progress = not args.no_progress
+    report = Report(f"llmserve bench serve: {workload.name}", workload.describe(), command)
+    if args.target:
+        result = asyncio.run(run_workload(args.target, args.status_target, workload, "served",
+                                          progress, args.poll, timeout_s=args.timeout))
+        _say(report.add(result))
+    else:
+        base = stack_settings(args, workload)
+        for text in args.policies.split(","):
+            result = run_policy(base, Policy.parse(text.strip()), workload,
+                                args.out / "logs" / args.name, progress)
+            _say(report.add(result))
+    baselines = [b for b in args.baselines.split(",") if b and b != "none"]
+    if baselines:
+        for result in _transformers(args, workload, baselines):
+            _say(report.add(result))
+    summaries = report.summaries()
+    report.extra["ratios"] = ratios(summaries)
+    notes = _notes(report, workload)
+    report.extra["notes"] = notes
+    reference = HF_STATIC if any(s["label"] == HF_STATIC for s in summaries) else None
+    print_table(report.title, summaries, reference, notes)
+    paths = report.write(args.out, args.name)
+    paths += write_plots(args.out, args.name, summaries, report.results, _subtitle(workload))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0 if all(s["ok"] == s["requests"] and s["exact_lengths"] for s in summaries) else 1
+
+
+def _transformers(args: argparse.Namespace, workload: Workload, which: list[str]) -> list:
+    if not workload.closed or args.model != "smollm2":
+        print("transformers baselines skipped: they need a closed-loop workload on smollm2")
+        return []
+    print(f"transformers baselines ({', '.join(which)}): loading the model ...", flush=True)
+    model = hf_baseline.load_hf_model(args.dtype)
+    out = []
+    if "static" in which:
+        out.append(hf_baseline.run_static(model, workload, workload.concurrency))
+    if "generate_batch" in which:
+        result = hf_baseline.run_generate_batch(model, workload, workload.concurrency)
+        if result is None:
+            print("generate_batch skipped: absent, or the output lengths differ")
+        else:
+            out.append(result)
+    return out
+
+
+def ratios(summaries: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Output tokens/s of each served run over each transformers baseline."""
+    tok = {s["label"]: s["throughput"]["output_tokens_per_s"] for s in summaries}
+    served = [s["label"] for s in summaries if s["kind"] == "served"]
+    return {label: {f"vs {base}": ratio(tok[label], tok.get(base)) for base in (HF_STATIC, HF_BATCH)
+                    if base in tok} for label in served}
+
+
+def _notes(report: Report, workload: Workload) -> list[str]:
+    load = report.machine_start.get("load_average_1m")
+    notes = [f"workload: {workload.describe()}",
+             f"machine: {report.machine_start.get('cpus')} CPUs, 1-min load average at start "
+             f"{load:.1f} (other work on the machine makes these figures noisy)" if load else ""]
+    for label, rs in report.extra.get("ratios", {}).items():
+        parts = [f"{v:.2f}× {k.removeprefix('vs ')}" for k, v in rs.items() if v]
+        if parts:
+            notes.append(f"{label}: " + ", ".join(parts))
+    return [n for n in notes if n]
+
+
+def _subtitle(workload: Workload) -> str:
+    p = workload.params
+    scale = (f", length×{p['length_scale']:g}, time×{p['time_scale']:g}"
+             if "length_scale" in p else "")
+    return f"{workload.name}: {len(workload.requests)} requests{scale}"
+
+
+def _say(summary: dict[str, Any]) -> None:
+    t = summary["throughput"]
+    print(f"{summary['label']}: {summary['ok']}/{summary['requests']} ok, "
+          f"{t['output_tokens_per_s']:.0f} output tokens/s, {t['requests_per_s']:.2f} req/s",
+          flush=True)

@@ -1,0 +1,196 @@
+"""A simulated cluster: the real scheduler core, workers whose execution time comes from the cost
+model, and a virtual clock. No model, no gRPC: it replays an hour of trace in minutes.
+
+Each step mirrors the scheduler service: one `schedule()` for all workers, the workers execute in
+parallel (the step takes as long as the slowest), then `postprocess()`. A request's output ends at
+its length: with max_tokens = length (exact), by the length limit; with a larger max_tokens, the
+simulated worker samples end-of-sequence there, as a model would.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections import deque
+from dataclasses import asdict, dataclass
+
+from tqdm import tqdm
+
+from llmserve.bench.cost_model import BatchShape, CostModel
+from llmserve.bench.prompts import WORD_ID
+from llmserve.bench.records import RequestRecord, RunResult, StatusSample
+from llmserve.bench.served import Policy
+from llmserve.bench.workload import RequestSpec, Workload
+from scheduler_svc.config import CoreConfig, WorkerSpec
+from scheduler_svc.core import Scheduler
+from scheduler_svc.plan import Refused, WorkerBatch
+from scheduler_svc.sequence import Sequence
+
+EOS_ID = 2
+
+
+@dataclass(frozen=True, slots=True)
+class SimSettings:
+    """GPU-like capacities by default; execution times from the cost model / speedup."""
+
+    workers: int = 4
+    kv_capacity: int = 500_000  # positions per worker
+    block_size: int = 16
+    token_budget: int = 8192  # per worker per step
+    max_running: int = 256  # per worker
+    max_context: int = 32768
+    chunked_prefill: bool = True
+    speedup: float = 1.0  # the cost model's times are divided by this
+    step_overhead_s: float = 0.0  # added to every step (scheduling + RPC), virtual seconds
+    status_every_s: float = 1.0  # virtual seconds between Status samples
+
+    def core(self, policy: Policy) -> CoreConfig:
+        return CoreConfig(token_budget=self.token_budget, max_running=self.max_running,
+                          policy=policy.kv, mode=policy.mode,
+                          chunked_prefill=self.chunked_prefill)
+
+    def specs(self) -> list[WorkerSpec]:
+        return [WorkerSpec(f"sim{i}", self.kv_capacity // self.block_size, self.block_size,
+                           self.max_context) for i in range(self.workers)]
+
+
+class Simulation:
+    def __init__(self, settings: SimSettings, policy: Policy, cost: CostModel) -> None:
+        self.settings = settings
+        self.policy = policy
+        self.cost = cost.scaled(settings.speedup) if settings.speedup != 1 else cost
+        self.now = 0.0
+        self.core = Scheduler(settings.core(policy), settings.specs(), clock=lambda: self.now)
+        self.records: dict[str, RequestRecord] = {}
+        self.last_token: dict[str, float] = {}
+        self.target: dict[str, int] = {}
+        self.samples: list[StatusSample] = []
+        self.steps = 0
+        self.busy_s = 0.0
+        self.core_s = 0.0  # real seconds spent in schedule() + postprocess()
+
+    def run(self, workload: Workload, progress: bool = True) -> RunResult:
+        started = time.perf_counter()
+        if workload.closed:
+            arrivals: deque[RequestSpec] = deque(workload.requests[: workload.concurrency])
+            later: deque[RequestSpec] = deque(workload.requests[workload.concurrency :])
+        else:
+            arrivals = deque(sorted(workload.requests, key=lambda r: r.arrival_s or 0.0))
+            later = deque()
+        bar = tqdm(total=len(workload.requests), desc=f"sim {self.policy.label}", unit="req",
+                   disable=not progress, leave=False)
+        next_sample = 0.0
+        while arrivals or later or self._has_work():
+            while arrivals and (workload.closed or (arrivals[0].arrival_s or 0.0) <= self.now):
+                self._arrive(arrivals.popleft())
+            if self.now >= next_sample:
+                self._sample()
+                next_sample = self.now + self.settings.status_every_s
+            if not self._has_work():
+                if not arrivals:
+                    break
+                self.now = max(self.now, arrivals[0].arrival_s or 0.0)
+                continue
+            finished = self._step()
+            bar.update(len(finished))
+            if finished:
+                bar.set_postfix(virtual_s=f"{self.now:.0f}")
+            for _ in finished:
+                if workload.closed and later:
+                    arrivals.append(later.popleft())
+        self._sample()
+        bar.close()
+        return self._result(workload, time.perf_counter() - started)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def _step(self) -> list[str]:
+        t = time.perf_counter()
+        batches = self.core.schedule()
+        self.core_s += time.perf_counter() - t
+        self._events()
+        if not any(b.items for b in batches):
+            raise RuntimeError(f"nothing can run: head of queue waits for "
+                               f"{self.core.head_reason}; raise the KV capacity or budget")
+        seconds = max(self._seconds(b) for b in batches) + self.settings.step_overhead_s
+        self.now += seconds
+        self.busy_s += seconds
+        self.steps += 1
+        sampled = {w.seq.request_id: self._token(w.seq) for b in batches for w in b.items
+                   if w.sample}
+        t = time.perf_counter()
+        self.core.postprocess(batches, sampled)
+        self.core_s += time.perf_counter() - t
+        return self._events()
+
+    def _seconds(self, batch: WorkerBatch) -> float:
+        return self.cost.seconds(
+            BatchShape.of([(w.start, w.num_tokens, w.sample) for w in batch.items])
+        )
+
+    def _token(self, seq: Sequence) -> int:
+        ends = len(seq.output_ids) + 1 >= self.target[seq.request_id]
+        return EOS_ID if ends and not seq.ignore_eos else WORD_ID
+
+    def _arrive(self, spec: RequestSpec) -> None:
+        rid = str(spec.index)
+        arrival = self.now if spec.arrival_s is None else spec.arrival_s
+        record = RequestRecord(spec.index, spec.prompt_tokens, spec.output_tokens, arrival,
+                               arrival, token_gaps=array("d"))  # type: ignore[arg-type]
+        self.records[rid] = record
+        self.target[rid] = spec.output_tokens
+        seq = Sequence(rid, [WORD_ID] * spec.prompt_tokens, spec.limit,
+                       eos_ids=frozenset({EOS_ID}), ignore_eos=spec.limit == spec.output_tokens,
+                       arrival=arrival)
+        try:
+            self.core.add(seq)
+        except Refused as refused:
+            record.error, record.end_s = f"refused: {refused}", arrival
+
+    def _events(self) -> list[str]:
+        finished = []
+        for ev in self.core.take_events():
+            record = self.records[ev.request_id]
+            if ev.admitted:
+                record.queue_time_s = ev.queue_time
+            if ev.token_id is not None:
+                if record.first_token_s is None:
+                    record.first_token_s = self.now
+                else:
+                    record.token_gaps.append(self.now - self.last_token[ev.request_id])
+                self.last_token[ev.request_id] = self.now
+                record.completion_tokens += 1
+            if ev.finish is not None:
+                record.end_s, record.finish = self.now, ev.finish.value
+                record.preemptions, record.error = ev.preemptions, ev.error
+                self.last_token.pop(ev.request_id, None)
+                finished.append(ev.request_id)
+        return finished
+
+    def _has_work(self) -> bool:
+        return bool(self.core.waiting) or any(ws.running for ws in self.core.workers)
+
+    def _sample(self) -> None:
+        snap = self.core.snapshot()
+        self.samples.append(StatusSample(
+            t=self.now, waiting=snap.waiting, running=snap.running,
+            kv_capacity=sum(w.capacity for w in snap.workers),
+            kv_written=sum(w.written for w in snap.workers),
+            kv_reserved_unwritten=sum(w.reserved_unwritten for w in snap.workers),
+            finished=snap.finished, preemptions=snap.preemptions, stalls=dict(snap.stalls),
+            head_wait_reason=snap.head_wait_reason,
+        ))
+
+    def _result(self, workload: Workload, wall: float) -> RunResult:
+        records = sorted(self.records.values(), key=lambda r: r.index)
+        config = {"policy": self.policy.label, **asdict(self.settings),
+                  "cost_model": {k: v for k, v in asdict(self.cost).items() if k != "meta"}}
+        counters = {
+            "stalls": dict(self.core.stalls), "refused": dict(self.core.refused),
+            "steps": self.steps, "virtual_s": self.now, "busy_s": self.busy_s,
+            "real_s": wall, "core_s": self.core_s,
+            "core_us_per_step": 1e6 * self.core_s / max(1, self.steps),
+            "preemptions": self.core.preemptions,
+        }
+        return RunResult(self.policy.label, records, self.samples, self.now, config=config,
+                         counters=counters, kind="simulated")

@@ -1,0 +1,61 @@
+"""grpc.health.v1 Check and Watch for our servers, with Watch streams that end at shutdown.
+
+grpcio's aio HealthServicer keeps a Watch stream open until the server's grace period runs out,
+so one load balancer watching a server made every graceful stop last the whole grace period
+(10 s) even when no request was in flight. Here `close()` sets every service NOT_SERVING; each
+Watch stream sends that status and then ends, so the stop waits only for real calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+Status = health_pb2.HealthCheckResponse.ServingStatus
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+
+
+class HealthServicer(health_pb2_grpc.HealthServicer):
+    def __init__(self) -> None:
+        self.statuses: dict[str, Status] = {"": NOT_SERVING}
+        self.closing = False
+        self._changed = asyncio.Event()  # replaced by a fresh one at every change
+
+    async def Check(self, request, context):
+        status = self.statuses.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request, context):
+        last = None
+        while True:
+            changed = self._changed  # taken before reading, so no change is missed
+            status = self.statuses.get(request.service, SERVICE_UNKNOWN)
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            if self.closing:
+                return
+            await changed.wait()
+
+    async def set(self, service: str, status: Status) -> None:
+        if self.closing:
+            return
+        self.statuses[service] = status
+        self._notify()
+
+    async def close(self) -> None:
+        """Everything NOT_SERVING for good; Watch streams send it and end."""
+        self.closing = True
+        for service in self.statuses:
+            self.statuses[service] = NOT_SERVING
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()

@@ -1,0 +1,42 @@
+"""python -m llmserve.healthcheck HOST:PORT: exit 0 when the server's gRPC health is SERVING.
+
+For container health checks: one Check call on the standard grpc.health.v1 service, exit 1 with
+the reason on stderr otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def check(target: str, service: str = "", timeout: float = 3.0) -> str:
+    """The serving status's name (SERVING, NOT_SERVING, ...); raises grpc.RpcError."""
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llmserve.healthcheck", description=__doc__)
+    parser.add_argument("target", help="HOST:PORT of a gateway, scheduler or worker")
+    parser.add_argument("--service", default="", help="a service name; '' = the whole server")
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
+    args = parser.parse_args(argv)
+    try:
+        status = check(args.target, args.service, args.timeout)
+    except grpc.RpcError as err:
+        print(f"{args.target}: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    if status != "SERVING":
+        print(f"{args.target}: {status}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

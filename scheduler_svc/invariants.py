@@ -1,0 +1,80 @@
+"""Consistency checks of the batching core, for tests and for `LLMSERVE_CHECK_INVARIANTS=1`.
+
+After every step, per worker: free + written + reserved-but-unwritten = capacity; every block is
+either free or owned by exactly one running request; every running request holds the KV its
+tokens need (what it has written, and what this step will write); a waiting request holds none.
+"""
+
+from __future__ import annotations
+
+from scheduler_svc.blocks import blocks_for
+from scheduler_svc.core import Scheduler
+from scheduler_svc.sequence import SeqStatus
+
+ENV_VAR = "LLMSERVE_CHECK_INVARIANTS"
+
+
+class InvariantError(AssertionError):
+    """The core's bookkeeping is inconsistent: a bug, never a client's fault."""
+
+
+def check_invariants(core: Scheduler) -> None:
+    """Raise InvariantError naming the first broken invariant."""
+    running_ids: set[str] = set()
+    for index, ws in enumerate(core.workers):
+        name, pool, bs = ws.spec.name, ws.pool, ws.spec.block_size
+        kv = core._kv_of(ws)
+        _require(
+            kv.free + kv.written + kv.reserved_unwritten == kv.capacity,
+            f"{name}: free {kv.free} + written {kv.written} + reserved {kv.reserved_unwritten} "
+            f"!= capacity {kv.capacity}",
+        )
+        _require(kv.reserved_unwritten >= 0, f"{name}: written {kv.written} beyond allocated")
+        owners: dict[int, str] = {}
+        for rid, table in pool.tables.items():
+            for block in table:
+                _require(
+                    block not in owners,
+                    f"{name}: block {block} owned by {owners.get(block)} and {rid}",
+                )
+                _require(0 <= block < pool.num_blocks, f"{name}: {rid} owns block {block}")
+                owners[block] = rid
+        free = list(pool.free)
+        _require(len(set(free)) == len(free), f"{name}: a block is free twice")
+        _require(not set(free) & owners.keys(), f"{name}: a block is both free and owned")
+        _require(
+            len(free) + len(owners) == pool.num_blocks,
+            f"{name}: {len(free)} free + {len(owners)} owned != {pool.num_blocks} blocks",
+        )
+        ids = {s.request_id for s in ws.running}
+        _require(len(ids) == len(ws.running), f"{name}: a request runs twice")
+        _require(not ids & running_ids, f"{name}: a request runs on two workers")
+        running_ids |= ids
+        _require(ws.healthy or not ws.running, f"{name}: unhealthy but still running requests")
+        _require(
+            pool.tables.keys() <= ids, f"{name}: KV held by {sorted(pool.tables.keys() - ids)}"
+        )
+        for s in ws.running:
+            _require(s.worker == index, f"{s.request_id}: on {name} but says worker {s.worker}")
+            _require(s.status is not SeqStatus.WAITING, f"{s.request_id}: running and waiting")
+            need = max(s.num_computed, core._planned.get(s.request_id, 0))
+            held = pool.allocated(s.request_id)
+            _require(
+                held >= blocks_for(need, bs),
+                f"{s.request_id}: needs {need} positions on {name} but holds {held} blocks",
+            )
+    waiting_ids = [s.request_id for s in core.waiting]
+    _require(len(set(waiting_ids)) == len(waiting_ids), "a request waits twice")
+    for s in core.waiting:
+        _require(
+            s.status is SeqStatus.WAITING and s.worker is None and s.num_computed == 0,
+            f"{s.request_id}: waiting with status {s.status}, worker {s.worker}, "
+            f"{s.num_computed} positions written",
+        )
+        _require(s.request_id not in running_ids, f"{s.request_id}: waiting and running")
+        _require(core.seqs.get(s.request_id) is s, f"{s.request_id}: waiting but unknown")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvariantError(message)

@@ -1,0 +1,77 @@
+"""The simulated cluster: the real core, a cost model and a virtual clock replay trace slices."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmserve.bench.cost_model import CostModel
+from llmserve.bench.plots import write_plots
+from llmserve.bench.report import Report
+from llmserve.bench.served import Policy
+from llmserve.bench.simulate import SimSettings, Simulation
+from llmserve.bench.stats import summarize
+from llmserve.bench.trace import TraceScale, load_trace
+from llmserve.bench.workload import fixed, from_trace, with_max_tokens
+
+COST = CostModel(fixed=0.01, per_token=1e-4, per_sampled=1e-5, per_kv_read=1e-8)
+SMALL = SimSettings(workers=2, kv_capacity=16_384, token_budget=2048, max_running=64,
+                    max_context=8192, status_every_s=0.5)
+
+
+@pytest.fixture(scope="module")
+def trace_slice():
+    """The first 300 requests of the real trace, lengths ×0.25, arriving 4× faster."""
+    return from_trace(TraceScale(length_scale=0.25, time_scale=0.25, max_requests=300),
+                      load_trace())
+
+
+@pytest.mark.parametrize("policy", ["continuous+paged", "continuous+reserve", "static+reserve"])
+def test_every_request_of_a_trace_slice_finishes_at_its_length(trace_slice, policy) -> None:
+    result = Simulation(SMALL, Policy.parse(policy), COST).run(trace_slice, progress=False)
+    assert len(result.records) == 300
+    for spec, record in zip(trace_slice.requests, result.records, strict=True):
+        assert record.ok and record.finish == "length"
+        assert record.completion_tokens == spec.output_tokens
+        assert spec.arrival_s <= record.first_token_s <= record.end_s
+        assert len(record.token_gaps) == spec.output_tokens - 1
+        assert record.queue_time_s is not None and record.queue_time_s >= 0
+    s = summarize(result)
+    assert s["ok"] == 300 and s["exact_lengths"]
+    assert s["kv"]["capacity"] == 2 * 16_384 and s["kv"]["peak_held"] <= 2 * 16_384
+    assert result.samples[-1].running == result.samples[-1].waiting == 0
+
+
+def test_reserve_waits_on_reservations_that_paged_does_not_make(trace_slice) -> None:
+    capped = with_max_tokens(trace_slice, 1024)  # outputs still end at their length (EOS)
+    runs = {p: Simulation(SMALL, Policy.parse(p), COST).run(capped, progress=False)
+            for p in ("continuous+paged", "continuous+reserve")}
+    paged, reserve = (summarize(runs[p]) for p in ("continuous+paged", "continuous+reserve"))
+    assert all(r.finish == "stop" for r in runs["continuous+reserve"].records)
+    assert paged["exact_lengths"] and reserve["exact_lengths"]
+    assert reserve["stalls"].get("kv_reserved", 0) > 0
+    assert "kv_reserved" not in paged["stalls"]
+    assert reserve["kv"]["peak_running"] < paged["kv"]["peak_running"]
+    assert reserve["ttft_s"]["p99"] > paged["ttft_s"]["p99"]
+    assert runs["continuous+reserve"].wall_s >= runs["continuous+paged"].wall_s  # virtual end
+
+
+def test_closed_loop_keeps_the_concurrency() -> None:
+    workload = fixed(12, 16, 8, concurrency=4)
+    result = Simulation(SMALL, Policy.parse("continuous+paged"), COST).run(workload, False)
+    assert all(r.completion_tokens == 8 for r in result.records)
+    assert max(s.running + s.waiting for s in result.samples) <= 4
+
+
+def test_a_simulated_report_writes_json_and_plots(tmp_path, trace_slice) -> None:
+    report = Report("sim", trace_slice.describe())
+    report.add(Simulation(SMALL, Policy.parse("continuous+paged"), COST).run(trace_slice, False))
+    files = report.write(tmp_path, "t")
+    files += write_plots(tmp_path, "t", report.summaries(), report.results, "subtitle")
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["runs"][0]["ok"] == 300 and data["workload"]["length_scale"] == 0.25
+    assert data["timelines"]["continuous+paged"]
+    pngs = [f for f in files if f.suffix == ".png"]
+    assert {p.name for p in pngs} >= {"t-throughput.png", "t-latency.png", "t-kv.png"}
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)

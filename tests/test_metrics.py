@@ -1,0 +1,244 @@
+"""The metrics modules in-process: the scheduler's families from the core (Figure 4), the worker's
+phases and pool view, the gateway's status codes and latency hooks, and naming conventions."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from gateway.metrics import GatewayMetrics
+from gateway.service import Tally
+from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2
+from scheduler_svc.config import CoreConfig, KvPolicy, WorkerSpec
+from scheduler_svc.core import Scheduler
+from scheduler_svc.metrics import SchedulerMetrics
+from tests.sim import seq, step
+from worker_svc.metrics import WorkerMetrics, phase_of
+from worker_svc.work import WorkItem
+
+LABELS = {
+    "worker",
+    "reason",
+    "code",
+    "phase",
+    "state",
+    "method",
+    "finish_reason",
+    "policy",
+    "mode",
+    "chunked_prefill",
+    "le",
+}
+
+
+def figure4_metrics() -> tuple[SchedulerMetrics, Scheduler]:
+    """The seed's Figure 4 under `reserve`: B holds 20 of 24 positions, C waits; one more step."""
+    core = Scheduler(
+        CoreConfig(token_budget=8, policy=KvPolicy.RESERVE), [WorkerSpec("w0", 24, 1, 4096)]
+    )
+    core.add(seq("B", 6, max_tokens=14))
+    step(core)
+    core.add(seq("C", 6, max_tokens=6))
+    metrics = SchedulerMetrics()
+    service = SimpleNamespace(core=core, on_step=None)
+    metrics.attach(service)
+    batches = core.schedule()
+    service.on_step(batches, 0.02)
+    core.postprocess(batches, {"B": 7})
+    return metrics, core
+
+
+def test_scheduler_metrics_show_figure4_kv_and_the_kv_reserved_stall() -> None:
+    metrics, _ = figure4_metrics()
+    value = metrics.registry.get_sample_value
+    kv = {
+        s: value("llmserve_scheduler_kv_positions", {"worker": "w0", "state": s})
+        for s in ("written", "reserved_unwritten", "free")
+    }
+    assert kv == {"written": 7, "reserved_unwritten": 13, "free": 4}
+    assert value("llmserve_scheduler_kv_capacity_positions", {"worker": "w0"}) == 24
+    assert value("llmserve_scheduler_admission_stalls_total", {"reason": "kv_reserved"}) == 1
+    assert value("llmserve_scheduler_admission_stalls_total", {"reason": "token_budget"}) == 0
+    assert value("llmserve_scheduler_queue_head_blocked", {"reason": "kv_reserved"}) == 1
+    assert value("llmserve_scheduler_queue_head_blocked", {"reason": "kv_capacity"}) == 0
+    assert value("llmserve_scheduler_waiting_requests") == 1
+    assert value("llmserve_scheduler_waiting_tokens") == 6
+    assert value("llmserve_scheduler_running_requests", {"worker": "w0"}) == 1
+    assert value("llmserve_scheduler_token_budget") == 8
+    assert value("llmserve_scheduler_batch_tokens_sum", {"worker": "w0"}) == 1  # B's decode
+    assert value("llmserve_scheduler_batch_requests_count", {"worker": "w0"}) == 1
+    assert value("llmserve_scheduler_execution_duration_seconds_sum") == pytest.approx(0.02)
+    assert value("llmserve_scheduler_refused_requests_total", {"reason": "kv_capacity"}) == 0
+
+
+def test_scheduler_metrics_count_refusals_by_reason() -> None:
+    metrics, core = figure4_metrics()
+    with pytest.raises(Exception, match="KV positions"):
+        core.add(seq("huge", 6, max_tokens=100))
+    value = metrics.registry.get_sample_value
+    assert value("llmserve_scheduler_refused_requests_total", {"reason": "kv_capacity"}) == 1
+
+
+def test_a_scrape_from_another_thread_takes_the_snapshot_on_the_core_loop() -> None:
+    async def scrape_while_serving() -> bytes:
+        metrics, _ = figure4_metrics()
+        metrics.attach(
+            SimpleNamespace(
+                core=Scheduler(CoreConfig(), [WorkerSpec("w1", 8, 1, 64)]), on_step=None
+            )
+        )
+        return await asyncio.to_thread(generate_latest, metrics.registry)
+
+    text = asyncio.run(asyncio.wait_for(scrape_while_serving(), timeout=10)).decode()
+    assert 'llmserve_scheduler_kv_positions{state="free",worker="w1"} 8.0' in text
+
+
+def test_worker_phase_of_an_execution() -> None:
+    prefill = WorkItem("a", [1, 2, 3], 0, [0])
+    decode = WorkItem("b", [7], 5, [1], sample_index=2)
+    assert phase_of([prefill]) == "prefill"
+    assert phase_of([decode, decode]) == "decode"
+    assert phase_of([decode, prefill]) == "mixed"
+
+
+def test_worker_metrics_follow_executions_and_the_pool_report() -> None:
+    metrics = WorkerMetrics("worker0")
+    metrics.bytes_per_position = 100
+    report = worker_pb2.KvReport(
+        capacity_positions=64, written_positions=9, used_blocks=3, free_blocks=13
+    )
+    items = [WorkItem("a", [1] * 8, 0, [0, 1]), WorkItem("b", [7], 5, [2], sample_index=2)]
+    metrics.on_execute(items, 0.25, report)
+    metrics.on_execute([], 0.0, worker_pb2.KvReport(capacity_positions=64, free_blocks=16))
+    value = metrics.registry.get_sample_value
+    one = {"worker": "worker0", "phase": "mixed"}
+    assert value("llmserve_worker_forward_duration_seconds_sum", one) == 0.25
+    assert value("llmserve_worker_batch_tokens_sum", one) == 9
+    assert (
+        value(
+            "llmserve_worker_forward_duration_seconds_count",
+            {"worker": "worker0", "phase": "decode"},
+        )
+        == 0
+    )
+    assert value("llmserve_worker_sampled_tokens_total", {"worker": "worker0"}) == 2
+    assert value("llmserve_worker_kv_written_positions", {"worker": "worker0"}) == 0  # released
+    assert value("llmserve_worker_kv_blocks", {"worker": "worker0", "state": "free"}) == 16
+    assert value("llmserve_worker_kv_capacity_positions", {"worker": "worker0"}) == 64
+
+
+def test_gateway_latency_hooks_observe_first_token_gaps_and_the_end() -> None:
+    metrics = GatewayMetrics()
+    tally = Tally(received=100.0, prompt_tokens=5, queue_time=0.5)
+    for now in (101.0, 101.25, 101.75):
+        metrics.on_tokens(tally, 1, now)
+        tally.first_token_at = tally.first_token_at or now
+        tally.last_token_at = now
+    metrics.on_finish(common_pb2.FINISH_REASON_LENGTH, tally)
+    metrics.on_finish(common_pb2.FINISH_REASON_UNSPECIFIED, Tally(prompt_tokens=9))  # refused
+    value = metrics.registry.get_sample_value
+    assert value("llmserve_gateway_time_to_first_token_seconds_sum") == 1.0
+    assert value("llmserve_gateway_inter_token_latency_seconds_count") == 2
+    assert value("llmserve_gateway_inter_token_latency_seconds_sum") == 0.75
+    assert value("llmserve_gateway_request_queue_time_seconds_sum") == 0.5
+    assert value("llmserve_gateway_generated_tokens_total") == 3
+    assert value("llmserve_gateway_prompt_tokens_total") == 5  # the refused one produced nothing
+    assert value("llmserve_gateway_e2e_request_latency_seconds_count") == 1
+    assert value("llmserve_gateway_requests_finished_total", {"finish_reason": "length"}) == 1
+    assert value("llmserve_gateway_requests_finished_total", {"finish_reason": "none"}) == 1
+
+
+class FakeGateway(gateway_pb2_grpc.GatewayServicer):
+    """Answers by prompt: "ok", "bad" (INVALID_ARGUMENT), "full" (RESOURCE_EXHAUSTED), "slow"."""
+
+    async def Generate(self, request, context):
+        if request.prompt == "bad":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad")
+        yield gateway_pb2.GenerateResponse(delta=gateway_pb2.TokenDelta(text="x"))
+        if request.prompt == "slow":
+            await asyncio.sleep(30)
+
+    async def GenerateUnary(self, request, context):
+        if request.prompt == "full":
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+        return gateway_pb2.GenerateResult(text="x")
+
+
+async def drain(call) -> list:
+    return [message async for message in call]
+
+
+async def call_fake_gateway(metrics: GatewayMetrics) -> None:
+    server = grpc.aio.server(interceptors=metrics.interceptors())
+    gateway_pb2_grpc.add_GatewayServicer_to_server(FakeGateway(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            assert await drain(stub.Generate(gateway_pb2.GenerateRequest(prompt="ok")))
+            await stub.GenerateUnary(gateway_pb2.GenerateRequest(prompt="ok"))
+            calls = [
+                stub.Generate(gateway_pb2.GenerateRequest(prompt="bad")),
+                stub.GenerateUnary(gateway_pb2.GenerateRequest(prompt="full")),
+                stub.Generate(gateway_pb2.GenerateRequest(prompt="slow"), timeout=0.5),
+            ]
+            for call in calls:
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await (call if isinstance(call, grpc.aio.UnaryUnaryCall) else drain(call))
+            slow = stub.Generate(gateway_pb2.GenerateRequest(prompt="slow"))
+            await slow.read()
+            slow.cancel()
+            await asyncio.sleep(0.3)
+    finally:
+        await server.stop(None)
+
+
+def test_gateway_counts_calls_by_method_and_final_status_code() -> None:
+    metrics = GatewayMetrics()
+    asyncio.run(call_fake_gateway(metrics))
+    value = metrics.registry.get_sample_value
+    count = {
+        (s.labels["method"], s.labels["code"]): s.value
+        for family in metrics.registry.collect()
+        if family.name == "llmserve_gateway_requests"
+        for s in family.samples
+        if s.name.endswith("_total") and s.value
+    }
+    assert count == {
+        ("Generate", "OK"): 1,
+        ("GenerateUnary", "OK"): 1,
+        ("Generate", "INVALID_ARGUMENT"): 1,
+        ("GenerateUnary", "RESOURCE_EXHAUSTED"): 1,
+        ("Generate", "DEADLINE_EXCEEDED"): 1,
+        ("Generate", "CANCELLED"): 1,
+    }
+    assert value("llmserve_gateway_requests_in_flight") == 0
+
+
+def all_families() -> list:
+    registry = CollectorRegistry()
+    GatewayMetrics(registry)
+    WorkerMetrics("worker0", registry)
+    SchedulerMetrics(registry).attach(
+        SimpleNamespace(core=Scheduler(CoreConfig(), [WorkerSpec("w0", 8, 1, 64)]), on_step=None)
+    )
+    return list(registry.collect())
+
+
+def test_metric_names_and_labels_follow_prometheus_conventions() -> None:
+    families = all_families()
+    assert len(families) >= 35
+    for family in families:
+        assert family.name.startswith("llmserve_"), family.name
+        assert family.documentation, family.name
+        for sample in family.samples:
+            assert set(sample.labels) <= LABELS, (sample.name, sample.labels)
+            if family.type == "counter" and not sample.name.endswith("_created"):
+                assert sample.name.endswith("_total"), sample.name
+        if "duration" in family.name or "latency" in family.name or "time" in family.name:
+            assert family.name.endswith("_seconds"), family.name

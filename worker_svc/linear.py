@@ -1,0 +1,39 @@
+"""Linear layers with oneDNN-prepacked weights for bf16/fp16 on CPU.
+
+F.linear in bf16 reorders the weight into oneDNN's blocked layout on every call; packing once
+makes batch-1 decode matmuls about 2x faster (same kernel, bit-identical results). fp32 stays on
+F.linear (MKL), which keeps fp32 results identical to transformers'.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+PACKED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def packing_available(dtype: torch.dtype) -> bool:
+    if dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+class Linear:
+    """y = x @ weight.T; weight: [out, in]."""
+
+    __slots__ = ("weight", "packed")
+
+    def __init__(self, weight: torch.Tensor, pack: bool) -> None:
+        self.weight = weight
+        self.packed: torch.Tensor | None = None
+        if pack:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, in] -> [tokens, out]."""
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)

@@ -1,0 +1,111 @@
+"""Prometheus metrics of a worker: forward time and tokens per execution by phase, tokens sampled,
+and the KV pool as the worker itself sees it (its KvReport)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+
+from llmserve.v1 import worker_pb2
+from worker_svc.work import WorkItem
+
+if TYPE_CHECKING:
+    from worker_svc.service import WorkerService
+
+PHASES = ("prefill", "decode", "mixed")
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+SECONDS_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+def phase_of(items: list[WorkItem]) -> str:
+    """decode: every item feeds back its last sampled token; prefill: none does; else mixed."""
+    decodes = sum(1 for i in items if i.sample_index > 0 and len(i.token_ids) == 1)
+    if decodes == len(items):
+        return "decode"
+    return "prefill" if decodes == 0 else "mixed"
+
+
+class WorkerMetrics:
+    def __init__(self, worker: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry = registry or CollectorRegistry()
+        self.worker = worker
+        self.bytes_per_position = 0
+        by_phase = {"labelnames": ["worker", "phase"], "registry": registry}
+        self.forward = Histogram(
+            "llmserve_worker_forward_duration_seconds",
+            "One execution's forward pass, by phase",
+            buckets=SECONDS_BUCKETS,
+            **by_phase,
+        )
+        self.tokens = Histogram(
+            "llmserve_worker_batch_tokens",
+            "Tokens processed in one execution, by phase",
+            buckets=TOKEN_BUCKETS,
+            **by_phase,
+        )
+        for phase in PHASES:
+            self.forward.labels(worker, phase)
+            self.tokens.labels(worker, phase)
+        one = {"labelnames": ["worker"], "registry": registry}
+        self.sampled = Counter(
+            "llmserve_worker_sampled_tokens", "Tokens sampled (one per request per step)", **one
+        ).labels(worker)
+        self.capacity = Gauge(
+            "llmserve_worker_kv_capacity_positions", "KV pool size in token positions", **one
+        ).labels(worker)
+        self.written = Gauge(
+            "llmserve_worker_kv_written_positions",
+            "KV positions written for live requests, as the worker sees its pool",
+            **one,
+        ).labels(worker)
+        self.written_bytes = Gauge(
+            "llmserve_worker_kv_written_bytes", "Memory of those written positions", **one
+        ).labels(worker)
+        self.pool_bytes = Gauge(
+            "llmserve_worker_kv_pool_bytes", "Memory of the whole preallocated KV pool", **one
+        ).labels(worker)
+        blocks = Gauge(
+            "llmserve_worker_kv_blocks",
+            "KV blocks used by live requests, or free",
+            ["worker", "state"],
+            registry=registry,
+        )
+        self.used_blocks = blocks.labels(worker, "used")
+        self.free_blocks = blocks.labels(worker, "free")
+
+    def attach(self, service: WorkerService) -> None:
+        """Set the service's hook; show the pool before the first execution."""
+        info: worker_pb2.WorkerInfo = service.describe()
+        self.bytes_per_position = info.bytes_per_position
+        self.pool_bytes.set(info.pool_bytes)
+        self.on_report(service.view.report(service.runner))
+        service.on_execute = self.on_execute
+
+    def on_execute(
+        self, items: list[WorkItem], seconds: float, report: worker_pb2.KvReport
+    ) -> None:
+        if items:
+            phase = phase_of(items)
+            self.forward.labels(self.worker, phase).observe(seconds)
+            self.tokens.labels(self.worker, phase).observe(sum(len(i.token_ids) for i in items))
+            self.sampled.inc(sum(1 for i in items if i.sample))
+        self.on_report(report)
+
+    def on_report(self, report: worker_pb2.KvReport) -> None:
+        self.capacity.set(report.capacity_positions)
+        self.written.set(report.written_positions)
+        self.written_bytes.set(report.written_positions * self.bytes_per_position)
+        self.used_blocks.set(report.used_blocks)
+        self.free_blocks.set(report.free_blocks)
+
+    def serve(self, host: str, port: int) -> None:
+        disable_created_metrics()  # no `_created` series: nothing reads them
+        start_http_server(port, addr=host, registry=self.registry)
