@@ -20,7 +20,7 @@ class Finish(StrEnum):
     ERROR = "error"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: list.remove() must not compare every field
 class Sequence:
     request_id: str
     prompt_ids: list[int]

@@ -154,8 +154,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             return
         err = task.exception()
         log.critical("%s crashed; exiting", task.get_coro().__name__, exc_info=err)
-        logging.shutdown()
-        os._exit(70)
+        os._exit(70)  # log records are flushed as written
 
     def _check(self) -> None:
         if self.check:

@@ -12,6 +12,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from worker_svc.loader import load_model  # noqa: E402
@@ -19,6 +20,17 @@ from worker_svc.model_config import ModelConfig  # noqa: E402
 from worker_svc.runner import ModelRunner  # noqa: E402
 from worker_svc.weights import Weights  # noqa: E402
 from worker_svc.work import WorkItem  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Model tests run single-threaded: on a small CPU shared with other jobs, two OpenMP
+    threads stall at every parallel region whenever the other core is busy (10x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 PROMPTS = [
     "The capital of France is",

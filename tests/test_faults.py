@@ -41,6 +41,12 @@ def baseline(target: str, n: int, max_tokens: int) -> list[list[int]]:
     return [o.tokens for o in outcomes]
 
 
+def kill9(stack, name: str) -> None:
+    """SIGKILL one process and reap it (its sockets close a little before it can be reaped)."""
+    stack.procs[name].kill()
+    assert stack.procs[name].wait(10) == -signal.SIGKILL
+
+
 def served(target: str, request) -> list[int] | None:
     """The request's tokens, or None while the stack answers UNAVAILABLE (anything else fails)."""
     try:
@@ -68,7 +74,7 @@ def test_killed_worker_requests_finish_on_the_survivor_unchanged(tmp_path) -> No
         streams = Streams(gw, [greedy_request(i, max_tokens) for i in range(n)])
         wait_for(lambda: streams.all_have(5), 60, "every stream has tokens")
         wait_for(lambda: worker_running(sched, 0), 10, "worker0 runs requests")
-        stack.procs["worker0"].kill()
+        kill9(stack, "worker0")
         outcomes = streams.join(120)
 
         assert [o.code for o in outcomes] == [None] * n, [o.details for o in outcomes]
@@ -99,7 +105,7 @@ def test_single_worker_death_gives_unavailable_then_recovers(tmp_path) -> None:
         gw, sched = settings.gateway, settings.scheduler
         streams = Streams(gw, [greedy_request(i, 1000) for i in range(3)])
         wait_for(lambda: streams.all_have(3), 60, "every stream has tokens")
-        stack.procs["worker0"].kill()
+        kill9(stack, "worker0")
         killed = time.monotonic()
         outcomes = streams.join(BOUND + 5)
         for o in outcomes:
@@ -134,7 +140,7 @@ def test_scheduler_kill_and_restart(tmp_path) -> None:
         expected = generate(gw, greedy_request(0, 40))[0]
         streams = Streams(gw, [greedy_request(i, 1000) for i in range(3)])
         wait_for(lambda: streams.all_have(3), 60, "every stream has tokens")
-        stack.procs["scheduler"].kill()
+        kill9(stack, "scheduler")
         killed = time.monotonic()
         for o in streams.join(BOUND + 5):
             assert o.code is UNAVAILABLE and "scheduler" in o.details, (o.code, o.details)

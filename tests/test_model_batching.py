@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model_support import model, prompt_ids, run_alone
+from tests.model_support import (
+    model,
+    one_torch_thread,  # noqa: F401  (autouse fixture)
+    prompt_ids,
+    run_alone,
+)
 from worker_svc.runner import ModelRunner
 from worker_svc.work import WorkItem
 
@@ -14,8 +19,7 @@ def run_mixed(source: str, prompts: list[list[int]], chunk: int, steps: int, blo
     """All requests in shared steps: request i joins at step i, so prefill chunks of some
     requests run in the same execute() as decodes of others."""
     config, weights = model(source)
-    runner = ModelRunner(config, weights, num_blocks=96, block_size=block_size,
-                         dtype=torch.float32)
+    runner = ModelRunner(config, weights, num_blocks=96, block_size=block_size, dtype=torch.float32)
     gen = torch.Generator().manual_seed(7)
     free = torch.randperm(96, generator=gen).tolist()
     need = [-(-(len(p) + steps) // block_size) for p in prompts]
@@ -56,13 +60,15 @@ def check_mixed_equals_alone(source: str, prompts: list[list[int]], atol: float)
     _, _, mixed_logits, mixed_outs = run_mixed(source, prompts, chunk, steps, block_size)
     config, weights = model(source)
     for i, prompt in enumerate(prompts):
-        runner = ModelRunner(config, weights, num_blocks=96, block_size=block_size,
-                             dtype=torch.float32)
+        runner = ModelRunner(
+            config, weights, num_blocks=96, block_size=block_size, dtype=torch.float32
+        )
         table = list(range(-(-(len(prompt) + steps) // block_size)))
         alone_logits, alone_out = run_alone(runner, prompt, table, chunk=len(prompt), steps=steps)
         assert mixed_outs[i] == alone_out
-        torch.testing.assert_close(torch.stack(mixed_logits[i]), torch.stack(alone_logits),
-                                   atol=atol, rtol=0)
+        torch.testing.assert_close(
+            torch.stack(mixed_logits[i]), torch.stack(alone_logits), atol=atol, rtol=0
+        )
 
 
 def test_tiny_mixed_step_equals_alone() -> None:
@@ -75,11 +81,13 @@ def test_tiny_mixed_step_equals_alone() -> None:
 def test_tiny_execute_returns_none_for_unsampled_chunks() -> None:
     config, weights = model("tiny")
     runner = ModelRunner(config, weights, num_blocks=8, block_size=4, dtype=torch.float32)
-    out = runner.execute([
-        WorkItem("a", [5, 6, 7], 0, [3], sample=False),
-        WorkItem("b", [9], 0, [1]),
-        WorkItem("c", [1, 2], 0, [2]),
-    ])
+    out = runner.execute(
+        [
+            WorkItem("a", [5, 6, 7], 0, [3], sample=False),
+            WorkItem("b", [9], 0, [1]),
+            WorkItem("c", [1, 2], 0, [2]),
+        ]
+    )
     assert out[0] is None and isinstance(out[1], int) and isinstance(out[2], int)
 
 
@@ -92,6 +100,10 @@ def test_short_block_table_is_refused() -> None:
 
 @pytest.mark.slow
 def test_smollm2_mixed_step_equals_alone() -> None:
-    texts = ["Hello", "The three primary colors are", "List two prime numbers:",
-             "A haiku about the sea, written by a sailor who misses home:"]
+    texts = [
+        "Hello",
+        "The three primary colors are",
+        "List two prime numbers:",
+        "A haiku about the sea, written by a sailor who misses home:",
+    ]
     check_mixed_equals_alone("smollm2", [prompt_ids(t) for t in texts], atol=1e-3)

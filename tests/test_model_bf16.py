@@ -6,7 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.model_support import hf, hf_logits, model, prompt_ids, scattered_table
+from tests.model_support import (
+    hf,
+    hf_logits,
+    model,
+    one_torch_thread,  # noqa: F401  (autouse fixture)
+    prompt_ids,
+    scattered_table,
+)
 from worker_svc.linear import Linear, packing_available
 from worker_svc.runner import ModelRunner
 from worker_svc.work import WorkItem

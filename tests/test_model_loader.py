@@ -7,7 +7,13 @@ import time
 import pytest
 import torch
 
-from tests.model_support import hf_dir_from_gguf, hf_from_gguf, model, prompt_ids
+from tests.model_support import (
+    hf_dir_from_gguf,
+    hf_from_gguf,
+    model,
+    one_torch_thread,  # noqa: F401  (autouse fixture)
+    prompt_ids,
+)
 from worker_svc.loader import load_model, unpermute_rope
 from worker_svc.model_config import tiny_config
 from worker_svc.runner import ModelRunner
@@ -15,8 +21,9 @@ from worker_svc.work import WorkItem
 
 
 def prompt_logits(source_config, source_weights, ids: list[int]) -> torch.Tensor:
-    runner = ModelRunner(source_config, source_weights, num_blocks=16, block_size=16,
-                         dtype=torch.float32)
+    runner = ModelRunner(
+        source_config, source_weights, num_blocks=16, block_size=16, dtype=torch.float32
+    )
     return runner.compute_logits([WorkItem("a", ids, 0, list(range(16)))], all_positions=True)
 
 
@@ -41,9 +48,7 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
     heads, head_dim, hidden = 3, 8, 5
     w = torch.randn(heads * head_dim, hidden)
     # llama.cpp's convert_hf_to_gguf permute
-    permuted = (
-        w.reshape(heads, 2, head_dim // 2, hidden).swapaxes(1, 2).reshape(w.shape)
-    )
+    permuted = w.reshape(heads, 2, head_dim // 2, hidden).swapaxes(1, 2).reshape(w.shape)
     assert torch.equal(unpermute_rope(permuted, heads), w)
 
 
@@ -54,9 +59,9 @@ def test_unknown_source_is_refused(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_smollm2_config_from_gguf_metadata_and_load_time() -> None:
-    start = time.perf_counter()
+    start = time.process_time()  # CPU seconds: robust to other load on a shared machine
     config, weights = load_model("smollm2", torch.bfloat16)
-    assert time.perf_counter() - start < 10.0
+    assert time.process_time() - start < 10.0
     assert (config.num_layers, config.hidden_size, config.intermediate_size) == (30, 576, 1536)
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (9, 3, 64)
     assert (config.vocab_size, config.max_context) == (49152, 8192)
@@ -71,8 +76,18 @@ def test_hf_directory_loads_to_the_same_logits_as_the_gguf() -> None:
     directory = hf_dir_from_gguf()
     config_dir, weights_dir = load_model(str(directory), torch.float32)
     config_gguf, weights_gguf = model("smollm2")
-    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-              "num_kv_heads", "head_dim", "rope_theta", "max_context", "tie_embeddings")
+    fields = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "rope_theta",
+        "max_context",
+        "tie_embeddings",
+    )
     for name in fields:
         assert getattr(config_dir, name) == getattr(config_gguf, name), name
     assert config_dir.rms_norm_eps == pytest.approx(config_gguf.rms_norm_eps, rel=1e-6)

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model_support import PROMPTS, hf, hf_logits, model, prompt_ids, scattered_table
+from tests.model_support import (
+    PROMPTS,
+    hf,
+    hf_logits,
+    model,
+    one_torch_thread,  # noqa: F401  (autouse fixture)
+    prompt_ids,
+    scattered_table,
+)
 from worker_svc.runner import ModelRunner
 from worker_svc.work import WorkItem
 
@@ -17,8 +25,7 @@ def check_prefill_and_decode(source: str, ids: list[int], split: int, block_size
     shuffled block table; every position's logits must match HF's full forward."""
     config, weights = model(source)
     expected = hf_logits(hf(source), ids)  # [len(ids), vocab]
-    runner = ModelRunner(config, weights, num_blocks=64, block_size=block_size,
-                         dtype=torch.float32)
+    runner = ModelRunner(config, weights, num_blocks=64, block_size=block_size, dtype=torch.float32)
     table = scattered_table(len(ids), block_size, 64, seed=len(ids))
     assert table != sorted(table)
     half = split // 2
@@ -48,8 +55,7 @@ def test_smollm2_greedy_generation_matches_hf_generate() -> None:
     config, weights = model("smollm2")
     reference = hf("smollm2")
     block_size = 16
-    runner = ModelRunner(config, weights, num_blocks=64, block_size=block_size,
-                         dtype=torch.float32)
+    runner = ModelRunner(config, weights, num_blocks=64, block_size=block_size, dtype=torch.float32)
     prompts = [prompt_ids(text) for text in PROMPTS]
     tables = [list(range(60 - 4 * i, 60 - 4 * (i + 1), -1)) for i in range(len(prompts))]
     seqs = [list(p) for p in prompts]
@@ -64,9 +70,7 @@ def test_smollm2_greedy_generation_matches_hf_generate() -> None:
         ]
     for prompt, seq in zip(prompts, seqs, strict=True):
         with torch.inference_mode():
-            out = reference.generate(
-                torch.tensor([prompt]), max_new_tokens=32, do_sample=False
-            )
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)
         generated = seq[len(prompt) :]
         if config.eos_token_ids[0] in generated:  # HF stops at EOS; we kept going
             generated = generated[: generated.index(config.eos_token_ids[0]) + 1]

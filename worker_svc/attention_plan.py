@@ -1,8 +1,9 @@
 """Per-step attention metadata: which flattened tokens are decodes and which are prefills.
 
-Cached K/V are gathered with one index_select over the pool's rows (one row = one slot's one KV
-head, head_dim values): row = slot * kv_heads + kv_head. The row indices are laid out so the
-gather lands directly in [batch, kv_heads, context, head_dim] order, ready for batched matmuls.
+Decodes gather their cached K/V by whole blocks (index_select of contiguous
+[block_size, kv_heads, head_dim] chunks); a prefill over cached context gathers rows (one row =
+one slot's one KV head: row = slot * kv_heads + kv_head), ordered so that the gather lands in
+[kv_heads, context, head_dim] order for SDPA.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ class AttentionPlan:
     """Rows [0, num_decode) hold single-token items, batched into one padded attention call."""
 
     num_decode: int
-    decode_rows: torch.Tensor  # [num_decode * kv_heads * decode_context] pool rows (pad: row 0)
-    decode_bias: torch.Tensor  # [num_decode, 1, 1, decode_context] fp32: 0, or -inf for padding
-    decode_context: int  # longest context among the decodes (padded key length)
+    decode_blocks: torch.Tensor  # [num_decode * max_blocks] block ids (padding: block 0)
+    decode_bias: torch.Tensor  # [num_decode, 1, decode_context] fp32: 0, or -inf for padding
+    decode_context: int  # max_blocks * block_size (padded key length)
     prefills: list[PrefillSpan]
 
 
@@ -58,19 +59,21 @@ def build_plan(
     prefills: (offset, length, start_position, block table) per multi-token chunk."""
     num_decode = len(decodes)
     if num_decode:
-        context = max(ctx for ctx, _ in decodes)
-        slots = torch.zeros(num_decode, context, dtype=torch.int64)
+        max_blocks = max(-(-ctx // block_size) for ctx, _ in decodes)
+        table = torch.zeros(num_decode, max_blocks, dtype=torch.int64)
         lengths = torch.empty(num_decode, dtype=torch.int64)
-        for row, (ctx, table) in enumerate(decodes):
-            slots[row, :ctx] = context_slots(table, ctx, block_size)
+        for row, (ctx, blocks) in enumerate(decodes):
+            used = -(-ctx // block_size)
+            table[row, :used] = torch.tensor(blocks[:used], dtype=torch.int64)
             lengths[row] = ctx
-        decode_rows = slot_rows(slots, num_kv_heads).view(-1)  # [decodes * kv * context]
-        valid = (torch.arange(context)[None, :] < lengths[:, None]).view(num_decode, 1, 1, context)
+        context = max_blocks * block_size
+        valid = (torch.arange(context)[None, :] < lengths[:, None]).view(num_decode, 1, context)
         decode_bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+        decode_blocks = table.view(-1)
     else:
         context = 0
-        decode_bias = torch.zeros(0, 1, 1, 0)
-        decode_rows = torch.zeros(0, dtype=torch.int64)
+        decode_bias = torch.zeros(0, 1, 0)
+        decode_blocks = torch.zeros(0, dtype=torch.int64)
     spans = []
     for offset, length, start, table in prefills:
         if start == 0:
@@ -80,4 +83,4 @@ def build_plan(
         rows = slot_rows(context_slots(table, end, block_size), num_kv_heads).view(-1)
         mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]  # [length, end]
         spans.append(PrefillSpan(offset, length, start, rows, mask))
-    return AttentionPlan(num_decode, decode_rows, decode_bias, context, spans)
+    return AttentionPlan(num_decode, decode_blocks, decode_bias, context, spans)

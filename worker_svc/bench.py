@@ -40,8 +40,15 @@ def median_ms(fns: list[Callable[[], object]], reps: int, warmup: int = 2) -> li
 
 
 class Ours:
-    def __init__(self, config: ModelConfig, weights: Weights, dtype: torch.dtype, max_batch: int,
-                 context: int, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Weights,
+        dtype: torch.dtype,
+        max_batch: int,
+        context: int,
+        block_size: int = 16,
+    ) -> None:
         self.block_size = block_size
         per_request = -(-(context + 1) // block_size)
         num_blocks = max_batch * per_request + 8
@@ -55,8 +62,10 @@ class Ours:
         self.context = context
 
     def decode(self, batch: int) -> Callable[[], object]:
-        items = [WorkItem(str(i), [100 + i], self.context, self.tables[i], sample_index=1)
-                 for i in range(batch)]
+        items = [
+            WorkItem(str(i), [100 + i], self.context, self.tables[i], sample_index=1)
+            for i in range(batch)
+        ]
         return lambda: self.runner.execute(items)
 
     def prefill(self, ids: list[int]) -> Callable[[], object]:
@@ -65,8 +74,9 @@ class Ours:
 
 
 class Theirs:
-    def __init__(self, config: ModelConfig, weights: Weights, dtype: torch.dtype,
-                 context: int) -> None:
+    def __init__(
+        self, config: ModelConfig, weights: Weights, dtype: torch.dtype, context: int
+    ) -> None:
         from worker_svc.hf_reference import hf_model
 
         self.config = config
@@ -81,16 +91,22 @@ class Theirs:
         cache = DynamicCache(config=self.model.config)
         shape = (batch, cfg.num_kv_heads, self.context, cfg.head_dim)
         for layer in range(cfg.num_layers):
-            cache.update(torch.randn(shape, dtype=self.dtype), torch.randn(shape, dtype=self.dtype),
-                         layer)
+            cache.update(
+                torch.randn(shape, dtype=self.dtype), torch.randn(shape, dtype=self.dtype), layer
+            )
         ids = torch.arange(100, 100 + batch).view(batch, 1)
         positions = torch.full((batch, 1), self.context)
         mask = torch.ones(batch, self.context + 1, dtype=torch.int64)
 
         @torch.inference_mode()
         def step() -> object:
-            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                             cache=cache, use_cache=True)
+            out = self.model(
+                input_ids=ids,
+                position_ids=positions,
+                attention_mask=mask,
+                cache=cache,
+                use_cache=True,
+            )
             cache.crop(-1)  # back to the same cached length
             return out.logits[:, -1].argmax(-1)
 
@@ -122,12 +138,15 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     batches = [int(b) for b in args.batches.split(",")]
     config, weights = load_model(args.source, dtype)
-    print(f"{config.name}  dtype={args.dtype}  threads={torch.get_num_threads()}  "
-          f"context={args.context}  reps={args.reps}")
+    print(
+        f"{config.name}  dtype={args.dtype}  threads={torch.get_num_threads()}  "
+        f"context={args.context}  reps={args.reps}"
+    )
     ours = Ours(config, weights, dtype, max(batches), args.context)
     theirs = None if args.ours_only else Theirs(config, weights, dtype, args.context)
-    prompt = torch.randint(0, config.vocab_size, (args.prefill,),
-                           generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = torch.randint(
+        0, config.vocab_size, (args.prefill,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
     cases = [(f"decode @{b}", lambda s, b=b: s.decode(b)) for b in batches]
     cases.append((f"prefill {args.prefill}", lambda s: s.prefill(prompt)))
     print(f"{'case':<14}{'ours ms':>10}{'theirs ms':>11}{'ratio':>8}")

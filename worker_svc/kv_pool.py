@@ -42,6 +42,11 @@ class KvPool:
     def pool_bytes(self) -> int:
         return self.num_slots * self.bytes_per_position
 
+    def blocks(self, layer: int, which: str) -> torch.Tensor:
+        """A layer's K or V by block: [num_blocks, block_size * kv_heads * head_dim]."""
+        pool = self.k if which == "k" else self.v
+        return pool[layer].view(self.num_blocks, -1)
+
     def rows(self, layer: int, which: str) -> torch.Tensor:
         """A layer's K or V as rows: [slots * kv_heads, head_dim]; row = slot * kv_heads + head."""
         pool = self.k if which == "k" else self.v

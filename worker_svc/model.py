@@ -18,9 +18,9 @@ __all__ = ["KvPool", "LlamaModel", "rms_norm"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [tokens, hidden]; computed in fp32 and cast back, as transformers does."""
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # one fused kernel
-    return weight * normed.to(x.dtype)
+    """x: [tokens, hidden]. One fused kernel (fp32 accumulation inside for bf16); transformers
+    rounds to bf16 before the weight multiply, we round once after it."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 @dataclass(slots=True)
@@ -39,11 +39,18 @@ class LlamaModel:
         self.rope = RopeTable(config.head_dim, config.rope_theta, config.max_context, dtype)
         pack = packing_available(dtype)
         self.linears = [
-            LayerLinears(Linear(lw.qkv, pack), Linear(lw.o, pack), Linear(lw.gate_up, pack),
-                         Linear(lw.down, pack))
+            LayerLinears(
+                Linear(lw.qkv, pack),
+                Linear(lw.o, pack),
+                Linear(lw.gate_up, pack),
+                Linear(lw.down, pack),
+            )
             for lw in weights.layers
         ]
         self.lm_head = Linear(weights.lm_head, pack)
+        groups = config.num_heads // config.num_kv_heads
+        kv_of_head = torch.arange(config.num_heads) // groups  # [heads]
+        self.head_of_query = kv_of_head.view(1, config.num_heads, 1, 1)
 
     @torch.inference_mode()
     def forward(
@@ -120,19 +127,26 @@ class LlamaModel:
     ) -> torch.Tensor:
         """One query per request against its cached positions, all requests in one padded batch.
 
-        q: [decodes, heads, head_dim] -> [decodes, heads, head_dim]. Plain batched matmuls:
-        CPU flash SDPA is several times slower for single-query attention, and matmuls over
-        strided (un-gathered) K/V copy internally.
+        q: [decodes, heads, head_dim] -> [decodes, heads, head_dim].
+        K/V are gathered by whole blocks, so they stay [context, kv_heads, head_dim] per request;
+        rather than transposing them per KV head (a strided copy), each query head is scored
+        against all KV heads in one contiguous batched matmul and its own head is picked out;
+        likewise P @ V yields every head's probabilities against all KV heads' values and each
+        query head keeps its own. The extra flops are cheap next to the copies they save.
         """
         cfg = self.config
-        nd, groups = q.shape[0], cfg.num_heads // cfg.num_kv_heads
-        shape = (nd, cfg.num_kv_heads, plan.decode_context, cfg.head_dim)
-        # k_ctx, v_ctx: [decodes, kv_heads, context, head_dim], gathered contiguous
-        k_ctx = pool.rows(layer_index, "k").index_select(0, plan.decode_rows).view(shape)
-        v_ctx = pool.rows(layer_index, "v").index_select(0, plan.decode_rows).view(shape)
-        qg = q.view(nd, cfg.num_kv_heads, groups, cfg.head_dim)  # [decodes, kv, groups, dim]
-        scores = torch.matmul(qg, k_ctx.transpose(2, 3)).float()  # [decodes, kv, groups, ctx]
-        scores = scores * cfg.head_dim**-0.5 + plan.decode_bias
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        o = torch.matmul(probs, v_ctx)  # [decodes, kv, groups, dim]
-        return o.view(nd, cfg.num_heads, cfg.head_dim)
+        nd, heads, kv_heads = q.shape[0], cfg.num_heads, cfg.num_kv_heads
+        context = plan.decode_context
+        shape = (nd, context * kv_heads, cfg.head_dim)
+        # k_ctx: [decodes, context * kv_heads, head_dim]; v_ctx: [decodes, context, kv * dim]
+        k_ctx = pool.blocks(layer_index, "k").index_select(0, plan.decode_blocks).view(shape)
+        v_ctx = pool.blocks(layer_index, "v").index_select(0, plan.decode_blocks)
+        v_ctx = v_ctx.view(nd, context, kv_heads * cfg.head_dim)
+        scores = torch.bmm(q, k_ctx.transpose(1, 2)).view(nd, heads, context, kv_heads)
+        own = self.head_of_query.expand(nd, heads, context, 1)
+        scores = scores.gather(3, own).view(nd, heads, context)  # [decodes, heads, context]
+        scores = torch.add(plan.decode_bias, scores, alpha=cfg.head_dim**-0.5)  # fp32
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [decodes, heads, context]
+        out = torch.bmm(probs, v_ctx).view(nd, heads, kv_heads, cfg.head_dim)
+        own = self.head_of_query.expand(nd, heads, 1, cfg.head_dim)
+        return out.gather(2, own).view(nd, heads, cfg.head_dim)  # [decodes, heads, head_dim]

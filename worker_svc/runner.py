@@ -21,7 +21,12 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype = torch.bfloat16,
+        num_threads: int | None = None,
     ) -> None:
+        """num_threads: if given, sets torch's (process-wide) intra-op thread count. On a CPU
+        shared with other busy processes, 1 thread avoids stalls at every parallel region."""
+        if num_threads:
+            torch.set_num_threads(num_threads)
         self.config = config
         self.block_size = block_size
         self.model = LlamaModel(config, weights, dtype)

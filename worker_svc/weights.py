@@ -29,8 +29,14 @@ class Weights:
         if self.lm_head is not self.embed:
             tensors.append(self.lm_head)
         for layer in self.layers:
-            tensors += [layer.attn_norm, layer.qkv, layer.o, layer.mlp_norm, layer.gate_up,
-                        layer.down]
+            tensors += [
+                layer.attn_norm,
+                layer.qkv,
+                layer.o,
+                layer.mlp_norm,
+                layer.gate_up,
+                layer.down,
+            ]
         return sum(t.numel() for t in tensors)
 
 

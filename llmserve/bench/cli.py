@@ -31,7 +31,9 @@ def add_bench_parser(sub) -> None:
     serve.add_argument("--max-running", type=int, default=0, help="0: the concurrency")
     serve.add_argument("--kv-capacity", type=int, default=16384)
     serve.add_argument("--block-size", type=int, default=16)
-    serve.add_argument("--threads", type=int, default=0)
+    serve.add_argument("--threads", type=int, default=1,
+                       help="torch threads per worker and for transformers (on a shared machine "
+                       "1 is steadier than oversubscribed OpenMP threads)")
     serve.add_argument("--baselines", default="static,generate_batch",
                        help="transformers baselines (static, generate_batch) or 'none'")
     serve.add_argument("--poll", type=float, default=0.25, help="Status poll period, seconds")

@@ -32,6 +32,7 @@ class SteadyState:
 
     def __init__(self, running: int, waiting: int, admit: int = 0, workers: int = 1) -> None:
         self.ids = itertools.count()
+        self.short = admit
         spec = [WorkerSpec(f"w{i}", 1 << 20, 16, 1 << 20) for i in range(workers)]
         config = CoreConfig(token_budget=1 << 20, max_running=running // workers)
         self.core = Scheduler(config, spec, clock=lambda: 0.0)
@@ -39,7 +40,6 @@ class SteadyState:
             self.core.add(self._seq(FOREVER))
         for _ in range(4):  # prefill the long-lived ones; they stay in decode
             self._step()
-        self.short = admit
         for _ in range(waiting):
             self.core.add(self._seq(1 if admit else FOREVER))
 

@@ -23,7 +23,7 @@ def stack_settings(args: argparse.Namespace, workload: Workload) -> StackSetting
     budget = args.token_budget or max(256, (workload.concurrency or 1) * longest)
     return StackSettings(model=args.model, dtype=args.dtype, workers=args.workers,
                          token_budget=budget,
-                         max_running=args.max_running or max(1, workload.concurrency) or 32,
+                         max_running=args.max_running or workload.concurrency or 32,
                          kv_capacity=args.kv_capacity, block_size=args.block_size,
                          threads=args.threads)
 
@@ -63,6 +63,10 @@ def _transformers(args: argparse.Namespace, workload: Workload, which: list[str]
         print("transformers baselines skipped: they need a closed-loop workload on smollm2")
         return []
     print(f"transformers baselines ({', '.join(which)}): loading the model ...", flush=True)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     model = hf_baseline.load_hf_model(args.dtype)
     out = []
     if "static" in which:

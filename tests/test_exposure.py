@@ -1,0 +1,107 @@
+"""What the services expose: every socket a default stack listens on is on loopback (gRPC and
+metrics alike), and no code deserializes with pickle."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import socket
+from pathlib import Path
+
+from gateway.settings import GatewaySettings
+from llmserve.stack import Stack
+from scheduler_svc.settings import SchedulerSettings
+from tests.stacks import running_stack, tiny_settings
+from worker_svc.settings import WorkerSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ["llmserve", "gateway", "scheduler_svc", "worker_svc"]
+LISTEN = "0A"
+
+
+def test_every_service_defaults_to_loopback() -> None:
+    for settings in (GatewaySettings(), SchedulerSettings(), WorkerSettings()):
+        assert ipaddress.ip_address(settings.host).is_loopback, settings
+
+
+def test_the_stack_does_not_widen_the_defaults(tmp_path) -> None:
+    commands = Stack(tiny_settings(workers=2), tmp_path).commands()
+    assert all("--host" not in cmd for cmd in commands.values()), commands
+
+
+def _address(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    raw = bytes.fromhex(hex_addr)
+    # /proc/net/tcp{,6} print each 32-bit word in host (little-endian) order
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(words)
+    return ip.ipv4_mapped or ip if isinstance(ip, ipaddress.IPv6Address) else ip
+
+
+def listening(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if m := re.fullmatch(r"socket:\[(\d+)\]", target):
+            inodes.add(m.group(1))
+    found = []
+    for table in ("tcp", "tcp6"):
+        path = Path(f"/proc/{pid}/net/{table}")
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == LISTEN and inode in inodes:
+                addr, port = local.split(":")
+                found.append((str(_address(addr)), int(port, 16)))
+    return found
+
+
+def free_run(n: int) -> int:
+    """The first of `n` consecutive free loopback ports."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            start = s.getsockname()[1]
+        if start + n < 65536 and all(_free(start + i) for i in range(n)):
+            return start
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def test_a_running_stack_listens_on_loopback_only(tmp_path) -> None:
+    settings = tiny_settings(workers=2, metrics_base_port=free_run(4))
+    with running_stack(settings, tmp_path) as stack:
+        sockets = {name: listening(proc.pid) for name, proc in stack.procs.items()}
+    print(f"\nlistening: {sockets}")
+    for name, found in sockets.items():
+        assert len(found) >= 2, (name, found)  # gRPC and metrics
+        for addr, port in found:
+            assert ipaddress.ip_address(addr).is_loopback, (name, addr, port)
+
+
+PICKLE = re.compile(
+    r"^\s*(import|from)\s+(c?pickle|dill|cloudpickle|shelve|joblib)\b"
+    r"|\bpickle\.(load|loads|Unpickler)\b|\btorch\.load\(|allow_pickle\s*=\s*True|\bmarshal\.loads?\(",
+    re.MULTILINE,
+)
+
+
+def test_nothing_is_deserialized_with_pickle() -> None:
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py") if "/v1/" not in str(p)]
+    assert len(files) > 30
+    hits = [f"{p.relative_to(ROOT)}: {m.group(0).strip()}" for p in files
+            for m in PICKLE.finditer(p.read_text())]  # fmt: skip
+    assert not hits, hits

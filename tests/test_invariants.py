@@ -1,0 +1,105 @@
+"""The invariant checks catch broken bookkeeping, and a scheduler whose step loop breaks (an
+invariant or any bug) exits loudly instead of leaving every request hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import pytest
+
+from llmserve.v1 import worker_pb2
+from scheduler_svc.config import CoreConfig, WorkerSpec
+from scheduler_svc.core import Scheduler
+from scheduler_svc.invariants import InvariantError, check_invariants
+from scheduler_svc.service import SchedulerService
+from scheduler_svc.settings import SchedulerSettings
+from tests.sim import seq, step
+
+SPEC = WorkerSpec("w0", num_blocks=8, block_size=4, max_context=64)
+
+
+def busy_core() -> Scheduler:
+    core = Scheduler(CoreConfig(token_budget=16), [SPEC])
+    for rid in ("a", "b", "c"):
+        core.add(seq(rid, 5, 20))
+    step(core)
+    step(core)
+    check_invariants(core)  # a healthy core passes
+    return core
+
+
+def steal_block(core: Scheduler) -> None:
+    pool = core.workers[0].pool
+    pool.tables["a"].append(pool.tables["b"][0])  # owned twice
+
+
+def free_owned(core: Scheduler) -> None:
+    pool = core.workers[0].pool
+    pool.free.append(pool.tables["a"][0])
+
+
+def drop_kv(core: Scheduler) -> None:
+    pool = core.workers[0].pool
+    pool.free.append(pool.tables["a"].pop())  # a's tokens lose their KV
+
+
+def waiting_with_worker(core: Scheduler) -> None:
+    core.add(seq("d", 6, 4))
+    core.waiting[-1].worker = 0
+
+
+@pytest.mark.parametrize("corrupt", [steal_block, free_owned, drop_kv, waiting_with_worker])
+def test_broken_bookkeeping_is_caught(corrupt) -> None:
+    core = busy_core()
+    corrupt(core)
+    with pytest.raises(InvariantError):
+        check_invariants(core)
+
+
+class FakeWorker:
+    def __init__(self) -> None:
+        self.info = worker_pb2.WorkerInfo(name="w0", eos_token_ids=[2])
+        self.last_forward = 0.0
+
+    def spec(self) -> WorkerSpec:
+        return SPEC
+
+    async def execute(self, step, batch, timeout) -> dict[str, int]:
+        return {w.seq.request_id: 7 for w in batch.items if w.sample}
+
+
+def run_service_until_exit(break_it, exits: list[int]) -> None:
+    async def scenario() -> None:
+        service = SchedulerService(SchedulerSettings(), [FakeWorker()])
+        service.check = True
+        service.core.add(seq("a", 5, 20))
+        break_it(service)
+        service.start()
+        for _ in range(200):
+            if exits:
+                break
+            await asyncio.sleep(0.01)
+        service.watch_task.cancel()
+        service.loop_task.cancel()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("how", ["invariant", "bug"])
+def test_a_broken_step_loop_exits_the_scheduler_loudly(how, monkeypatch, caplog) -> None:
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+
+    def break_it(service: SchedulerService) -> None:
+        if how == "invariant":
+            service.core.workers[0].pool.free.append(0)  # block 0 free twice
+        else:
+            monkeypatch.setattr(service.core, "schedule", lambda: 1 / 0)
+
+    with caplog.at_level(logging.CRITICAL, logger="scheduler"):
+        run_service_until_exit(break_it, exits)
+    assert exits == [70]
+    assert "run_loop crashed" in caplog.text
+    assert ("InvariantError" if how == "invariant" else "ZeroDivisionError") in caplog.text
