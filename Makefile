@@ -6,7 +6,7 @@ PYTHON  := $(BIN)/python
 STUBS   := llmserve/v1/__init__.py
 PROTOS  := $(wildcard protos/llmserve/v1/*.proto)
 
-.PHONY: all setup stubs demo test test-fast up lint bench bench-worker clean prometheus
+.PHONY: all setup stubs demo test test-fast up lint bench bench-sim bench-worker clean prometheus
 
 all: setup
 
@@ -62,6 +62,25 @@ lint: setup
 
 bench-worker: setup
 	$(PYTHON) -m worker_svc.bench
+
+# Short benchmarks (< 5 min): policies + transformers baselines, a trace slice, a simulated slice.
+# Long versions and the last figures: docs/benchmarks.md.
+bench: setup
+	$(BIN)/llmserve bench serve --out results/bench
+	$(BIN)/llmserve bench serve --name serve-trace --workload trace --start 600 --duration 12 \
+	  --length-scale 0.1 --time-scale 1.5 --concurrency 0 --max-tokens 128 --kv-capacity 1024 \
+	  --baselines none --out results/bench
+	$(BIN)/llmserve bench sim --name sim-short --duration 600 --max-tokens 2048 --loads 1,1.5 \
+	  --out results/bench
+	$(BIN)/llmserve bench core --quick --out results/bench
+
+# The whole hour of the trace through the simulated cluster, swept over load (about 20 min).
+bench-sim: setup
+	$(BIN)/llmserve bench sim --max-tokens 2048 --loads 0.25,0.5,0.75,1,1.25,1.5,2 \
+	  --out results/bench
+	$(BIN)/llmserve bench sim --name sim-exact --loads 1,1.25 --policies \
+	  continuous+paged,continuous+reserve --out results/bench
+	$(BIN)/llmserve bench core --out results/bench
 
 clean:
 	rm -rf $(VENV) llmserve/v1 results .pytest_cache

@@ -50,19 +50,21 @@ def expect_code(target: str, request, timeout: float) -> tuple[grpc.StatusCode, 
 
 
 class Blocker:
-    """A long request holding the only running slot until cancelled."""
+    """A long request holding the only running slot until cancelled. `streaming` is set at its
+    first token: the gateway has seen it admitted, so it no longer counts in the gateway's queue."""
 
     def __init__(self, target: str) -> None:
         self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         stub = gateway_pb2_grpc.GatewayStub(self.channel)
         self.call = stub.Generate(greedy_request(0, 1900), timeout=120)
+        self.streaming = threading.Event()
         self.thread = threading.Thread(target=self._drain, daemon=True)
         self.thread.start()
 
     def _drain(self) -> None:
         try:
             for _ in self.call:
-                pass
+                self.streaming.set()
         except grpc.RpcError:
             pass
 
@@ -78,7 +80,7 @@ def test_queue_token_limit_refuses_at_once(tmp_path) -> None:
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler
         blocker = Blocker(gw)
-        wait_for(lambda: running(sched), BOUND, "the blocker runs")
+        assert blocker.streaming.wait(BOUND), "the blocker never ran"
         queued = [
             threading.Thread(
                 target=expect_code,
@@ -99,22 +101,29 @@ def test_queue_token_limit_refuses_at_once(tmp_path) -> None:
         stop_cleanly(stack)
 
 
+def watch_queue(scheduler: str, seen: list[int], seconds: float = 5.0) -> None:
+    """Note (in `seen`) whether a request waits in the scheduler's queue within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not seen and time.monotonic() < deadline:
+        if waiting(scheduler):
+            seen.append(1)
+        time.sleep(0.01)
+
+
 def test_deadline_while_queued_frees_everything(tmp_path) -> None:
     settings = tiny_settings(max_running=1, max_queued_requests=1, kv_capacity=2048)
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler
         for i in range(3):  # the one queue slot is freed every time, or the next is refused
             blocker = Blocker(gw)  # a fresh one each time: ~1900 tokens outlast the deadline
-            wait_for(lambda: running(sched), BOUND, "the blocker runs")
+            assert blocker.streaming.wait(BOUND), "the blocker never ran"
             seen: list[int] = []
-            watcher = threading.Thread(
-                target=lambda s=seen: s.append(wait_for(lambda: waiting(sched), 5, "queued"))
-            )
+            watcher = threading.Thread(target=watch_queue, args=(sched, seen))
             watcher.start()
             code, details, took = expect_code(gw, greedy_request(i + 1, 8), timeout=1.0)
             watcher.join()
-            assert seen, "the request never waited in the scheduler's queue"
             assert code is grpc.StatusCode.DEADLINE_EXCEEDED, (code, details)
+            assert seen, "the request never waited in the scheduler's queue"
             assert 0.9 < took < 1.0 + BOUND
             wait_for(lambda: waiting(sched) == 0, BOUND, "the expired request left the queue")
             assert running(sched) == 1  # the blocker still runs: the request expired waiting

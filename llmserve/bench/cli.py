@@ -48,7 +48,7 @@ def add_bench_parser(sub) -> None:
     sim.add_argument("--loads", default="1", help="comma-separated load factors: the trace's "
                      "arrivals compressed by each (time_scale = 1/load x --time-scale)")
     sim.add_argument("--cost-model", type=Path, default=None, help="JSON from `bench calibrate`")
-    sim.add_argument("--speedup", type=float, default=10.0,
+    sim.add_argument("--speedup", type=float, default=20.0,
                      help="the cost model's times divided by this (hardware faster than this CPU)")
     sim.add_argument("--sim-workers", type=int, default=4)
     sim.add_argument("--kv-capacity", type=int, default=500_000, help="positions per worker")
@@ -58,7 +58,7 @@ def add_bench_parser(sub) -> None:
     sim.add_argument("--block-size", type=int, default=16)
     sim.add_argument("--step-overhead", type=float, default=0.0,
                      help="virtual seconds added to every step (scheduling + RPC)")
-    sim.add_argument("--ttft-slo", type=float, default=2.0,
+    sim.add_argument("--ttft-slo", type=float, default=5.0,
                      help="p99 TTFT target (s) for 'throughput at equal p99 TTFT'")
     _out_flags(sim, "sim")
     sim.set_defaults(func=_cmd_sim)

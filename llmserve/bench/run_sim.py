@@ -55,8 +55,9 @@ def run_sim(args: argparse.Namespace, command: str) -> int:
         report.write(args.out, name)
         write_plots(args.out, name, summaries, report.results,
                     f"{workload.name}, load ×{load:g}, simulated")
-    sweep = {"command": command, "ttft_slo_s": args.ttft_slo, "rows": rows,
-             "at_slo": at_slo(rows, args.ttft_slo), "reserve_vs_paged": reserve_vs_paged(rows)}
+    best = at_slo(rows, args.ttft_slo)
+    sweep = {"command": command, "ttft_slo_s": args.ttft_slo, "rows": rows, "at_slo": best,
+             "at_slo_ratios": slo_ratios(best), "reserve_vs_paged": reserve_vs_paged(rows)}
     path = args.out / f"{args.name}-sweep.json"
     path.write_text(json.dumps(sweep, indent=1))
     write_sweep_plot(rows, args.out / f"{args.name}-sweep.png", args.ttft_slo)
@@ -78,6 +79,7 @@ def _row(load: float, s: dict[str, Any], counters: dict[str, Any]) -> dict[str, 
         "peak_running": (s["kv"] or {}).get("peak_running"),
         "stalls": s["stalls"], "virtual_s": counters["virtual_s"], "real_s": counters["real_s"],
         "core_us_per_step": counters["core_us_per_step"], "steps": counters["steps"],
+        "step_ms": 1000 * counters["busy_s"] / max(1, counters["steps"]),
     }
 
 
@@ -91,6 +93,17 @@ def at_slo(rows: list[dict[str, Any]], slo: float) -> dict[str, dict[str, Any] |
             "load": best["load"], "output_tokens_per_s": best["output_tokens_per_s"],
             "ttft_p99_s": best["ttft_p99_s"]}
     return out
+
+
+def slo_ratios(best: dict[str, dict[str, Any] | None]) -> dict[str, float | None]:
+    """continuous+paged's throughput at the p99 TTFT target over each other policy's."""
+    paged = best.get("continuous+paged")
+    return {
+        f"continuous+paged / {policy}": (
+            paged["output_tokens_per_s"] / other["output_tokens_per_s"]
+            if paged and other else None)
+        for policy, other in best.items() if policy != "continuous+paged"
+    }
 
 
 def reserve_vs_paged(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -122,20 +135,23 @@ def _print_sweep(sweep: dict[str, Any]) -> None:
 
     t = Table(title="load sweep (simulated)")
     for col in ("load", "policy", "out tok/s", "req/s", "TTFT p50", "TTFT p99", "e2e p99",
-                "preempt", "peak running", "KV held", "real s"):
+                "preempt", "peak running", "KV held", "step ms", "core µs", "real s"):
         t.add_column(col, justify="right")
     for r in sweep["rows"]:
         t.add_row(f"×{r['load']:g}", r["policy"], f"{r['output_tokens_per_s']:.0f}",
                   f"{r['requests_per_s']:.2f}", f"{r['ttft_p50_s']:.2f}",
                   f"{r['ttft_p99_s']:.2f}", f"{r['e2e_p99_s']:.1f}", str(r["preemptions"]),
                   str(r["peak_running"]), f"{(r['kv_mean_held_share'] or 0):.0%}",
-                  f"{r['real_s']:.0f}")
-    console = Console(width=140)
+                  f"{r['step_ms']:.1f}", f"{r['core_us_per_step']:.0f}", f"{r['real_s']:.0f}")
+    console = Console(width=190)
     console.print(t)
     for policy, best in sweep["at_slo"].items():
         console.print(f"p99 TTFT ≤ {sweep['ttft_slo_s']:g} s: {policy}: " + (
             "never met" if best is None else
             f"{best['output_tokens_per_s']:.0f} output tokens/s (load ×{best['load']:g})"))
+    for name, value in sweep["at_slo_ratios"].items():
+        if value:
+            console.print(f"at p99 TTFT ≤ {sweep['ttft_slo_s']:g} s: {name} = {value:.2f}×")
     for r in sweep["reserve_vs_paged"]:
         console.print(f"load ×{r['load']:g}: reserve keeps {r['throughput_ratio']:.0%} of paged's "
                       f"throughput; p99 TTFT ×{(r['ttft_p99_ratio'] or 0):.2f}; peak running "

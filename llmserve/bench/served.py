@@ -59,14 +59,15 @@ async def run_workload(
     poller = StatusPoller(scheduler, poll_s)
     before = counters_of(await poller.status())
     bar = tqdm(total=len(workload.requests), desc=label, unit="req", disable=not progress,
-               leave=False)
+               leave=False, mininterval=0.5)
     tokens = 0
 
     def done(record: RequestRecord) -> None:
         nonlocal tokens
         tokens += record.completion_tokens
         bar.update(1)
-        bar.set_postfix(out_tok_s=f"{tokens / max(1e-9, time.perf_counter() - t0):.0f}")
+        bar.set_postfix(out_tok_s=f"{tokens / max(1e-9, time.perf_counter() - t0):.0f}",
+                        refresh=False)
 
     stop = asyncio.Event()
     t0 = time.perf_counter()

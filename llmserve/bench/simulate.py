@@ -78,7 +78,8 @@ class Simulation:
             arrivals = deque(sorted(workload.requests, key=lambda r: r.arrival_s or 0.0))
             later = deque()
         bar = tqdm(total=len(workload.requests), desc=f"sim {self.policy.label}", unit="req",
-                   disable=not progress, leave=False)
+                   disable=not progress, leave=False,
+                   mininterval=0.5)
         next_sample = 0.0
         while arrivals or later or self._has_work():
             while arrivals and (workload.closed or (arrivals[0].arrival_s or 0.0) <= self.now):
@@ -94,7 +95,7 @@ class Simulation:
             finished = self._step()
             bar.update(len(finished))
             if finished:
-                bar.set_postfix(virtual_s=f"{self.now:.0f}")
+                bar.set_postfix(virtual_s=f"{self.now:.0f}", refresh=False)
             for _ in finished:
                 if workload.closed and later:
                     arrivals.append(later.popleft())
