@@ -48,6 +48,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.loop_task: asyncio.Task | None = None
         self.times = StepTimes()
         self.check = os.environ.get(ENV_VAR, "") not in ("", "0")  # debug: check every step
+        if self.check:
+            log.warning("%s is set: checking the core's invariants after every step", ENV_VAR)
         self.on_step = None  # metrics hook: (batches, seconds executing them) after each step
 
     # ---- gRPC handlers -------------------------------------------------------------------

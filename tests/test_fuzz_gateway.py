@@ -22,6 +22,7 @@ from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.stack_checks import stop_cleanly, wait_idle
 from tests.stacks import running_stack, tiny_settings
 
+pytestmark = pytest.mark.usefixtures("hang_guard")
 EXAMPLES = int(os.environ.get("LLMSERVE_FUZZ_EXAMPLES", "400"))
 PROPER = {
     grpc.StatusCode.INVALID_ARGUMENT,

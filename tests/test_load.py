@@ -30,6 +30,8 @@ from tests.stack_checks import (
 )
 from tests.stacks import running_stack, tiny_settings
 
+pytestmark = pytest.mark.usefixtures("hang_guard")
+SOAK_SECONDS = float(os.environ.get("LLMSERVE_SOAK_SECONDS", "60"))
 BOUND = 15.0  # seconds: a generous bound on "at once" on a loaded 2-core machine
 WORDS = "the cat sat on a mat and then it ran far away to see what the dog was up to".split()
 
@@ -218,10 +220,11 @@ def measure_capacity(target: str, concurrency: int, seconds: float = 6.0) -> flo
 
 
 @pytest.mark.slow
+@pytest.mark.hang_seconds(SOAK_SECONDS + 300)
 def test_soak_at_twice_capacity_accounts_for_every_request(tmp_path) -> None:
-    seconds = float(os.environ.get("LLMSERVE_SOAK_SECONDS", "60"))
-    settings = tiny_settings(
-        max_running=4, kv_capacity=1024, token_budget=64, max_queued_requests=8
+    seconds = SOAK_SECONDS
+    settings = tiny_settings(  # a KV pool small enough that requests get preempted
+        max_running=4, kv_capacity=256, token_budget=64, max_queued_requests=8
     )
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler
@@ -252,6 +255,7 @@ def test_soak_at_twice_capacity_accounts_for_every_request(tmp_path) -> None:
         assert status.running == 0 and status.waiting == 0
         assert all(w.written == 0 and w.reserved_unwritten == 0 for w in status.workers)
         stop_cleanly(stack)
+        assert "checking the core's invariants" in stack.log("scheduler").read_text()
 
 
 # ---- cancellations ------------------------------------------------------------------------------
