@@ -66,11 +66,11 @@ bench-worker: setup
 # Short benchmarks (< 5 min): policies + transformers baselines, a trace slice, a simulated slice.
 # Long versions and the last figures: docs/benchmarks.md.
 bench: setup
-	$(BIN)/llmserve bench serve --out results/bench
-	$(BIN)/llmserve bench serve --name serve-trace --workload trace --start 600 --duration 12 \
+	$(BIN)/llmserve bench serve --requests 32 --out results/bench
+	$(BIN)/llmserve bench serve --name serve-trace --workload trace --start 600 --duration 8 \
 	  --length-scale 0.1 --time-scale 1.5 --concurrency 0 --max-tokens 128 --kv-capacity 1024 \
 	  --baselines none --out results/bench
-	$(BIN)/llmserve bench sim --name sim-short --duration 600 --max-tokens 2048 --loads 1,1.5 \
+	$(BIN)/llmserve bench sim --name sim-short --duration 600 --max-tokens 2048 --loads 1,2 \
 	  --out results/bench
 	$(BIN)/llmserve bench core --quick --out results/bench
 

@@ -135,7 +135,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     async def _generate(self, request, context) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         tally = Tally()
-        rid = request.request_id or uuid.uuid4().hex
+        rid = uuid.uuid4().hex  # the scheduler's key: never a client's id, which may collide
+        shown_id = request.request_id or rid
         try:
             params = self._validate(request)
             prompt_ids = self._tokenize(params)
@@ -219,7 +220,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 self.observer(finish, tally)
         yield gateway_pb2.GenerateResponse(
             final=gateway_pb2.Final(
-                request_id=rid, finish_reason=finish, usage=tally.usage(), error=error
+                request_id=shown_id, finish_reason=finish, usage=tally.usage(), error=error
             )
         )
 

@@ -89,6 +89,15 @@ class Scheduler:
     def restore_worker(self, index: int) -> None:
         self.workers[index].healthy = True
 
+    def take_releases(self) -> list[WorkerBatch]:
+        """Requests freed since the last execution, per worker, for a release-only call."""
+        batches = []
+        for i, ws in enumerate(self.workers):
+            if ws.released and ws.healthy:
+                batches.append(WorkerBatch(i, released=ws.released))
+                ws.released = []
+        return batches
+
     def take_events(self) -> list[Event]:
         events, self.outbox = self.outbox, []
         return events

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -165,6 +166,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def run_loop(self) -> None:
         while True:
             if not self._has_work():
+                await self._send_releases(self.core.take_releases())  # the workers' view too
                 self.wake.clear()
                 await self.wake.wait()
                 continue
@@ -176,7 +178,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if not any(b.items for b in batches):
                 await self._send_releases(batches)
                 self.wake.clear()
-                await asyncio.wait([asyncio.create_task(self.wake.wait())], timeout=0.05)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), timeout=0.05)
                 continue
             executing = time.perf_counter()
             sampled = await self._execute(batches)

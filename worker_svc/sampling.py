@@ -51,7 +51,8 @@ def sample_one(logits: torch.Tensor, s: SamplingSettings, gen: torch.Generator) 
     """logits: [vocab] fp32; s.temperature > 0."""
     if s.greedy:
         return int(logits.argmax())
-    scaled = logits.float() / s.temperature  # [vocab]
+    logits = logits.float()
+    scaled = (logits - logits.max()) / s.temperature  # [vocab]; <= 0, finite for tiny T
     vocab = scaled.shape[0]
     top_p = s.top_p if 0.0 < s.top_p < 1.0 else 1.0
     ids: torch.Tensor | None = None
