@@ -72,7 +72,7 @@ bench: setup
 	  --baselines none --out results/bench
 	$(BIN)/llmserve bench sim --name sim-short --duration 600 --max-tokens 2048 --loads 1,2 \
 	  --out results/bench
-	$(BIN)/llmserve bench core --quick --out results/bench
+	$(BIN)/llmserve bench core --quick --name core-quick --out results/bench
 
 # The whole hour of the trace through the simulated cluster, swept over load (about 20 min).
 bench-sim: setup

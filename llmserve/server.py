@@ -78,9 +78,15 @@ class Server:
             await self.health.set(name, status)
 
     async def run(
-        self, on_ready: Callable[[], Awaitable[None]] | None = None, grace: float = 10.0
+        self,
+        on_ready: Callable[[], Awaitable[None]] | None = None,
+        grace: float = 10.0,
+        before_stop: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        """Start, call `on_ready`, serve until SIGTERM/SIGINT, then stop gracefully."""
+        """Start, call `on_ready`, serve until SIGTERM/SIGINT, then stop gracefully.
+
+        On SIGTERM health turns NOT_SERVING first; `before_stop` (e.g. a worker's drain) runs
+        while calls are still served; then the server stops, with `grace` for in-flight calls."""
         await self.set_serving(False)
         await self.server.start()
         loop = asyncio.get_running_loop()
@@ -93,6 +99,8 @@ class Server:
         await self.stopping.wait()
         log.info("stopping: NOT_SERVING, %.0f s grace for in-flight calls", grace)
         await self.health.close()  # NOT_SERVING for good; health Watch streams end
+        if before_stop is not None:
+            await before_stop()
         await self.server.stop(grace)
 
 

@@ -25,6 +25,7 @@ class WorkerState:
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.released: list[str] = []
         self.healthy = True
+        self.draining = False  # stopping: finishes what it runs, takes nothing new
         self.batch_open = True  # static mode: may new requests join this step?
 
 
@@ -88,6 +89,11 @@ class Scheduler:
 
     def restore_worker(self, index: int) -> None:
         self.workers[index].healthy = True
+        self.workers[index].draining = False
+
+    def drain_worker(self, index: int) -> None:
+        """The worker is stopping: its running requests finish there; nothing new joins it."""
+        self.workers[index].draining = True
 
     def take_releases(self) -> list[WorkerBatch]:
         """Requests freed since the last execution, per worker, for a release-only call."""
@@ -243,7 +249,7 @@ class Scheduler:
         )
 
     def _by_free_kv(self) -> list[int]:
-        healthy = [i for i, ws in enumerate(self.workers) if ws.healthy]
+        healthy = [i for i, ws in enumerate(self.workers) if ws.healthy and not ws.draining]
         return sorted(healthy, key=lambda i: -self.workers[i].pool.num_free)
 
     def _append_token(self, seq: Sequence, token: int, index: int) -> None:
@@ -343,4 +349,5 @@ class Scheduler:
             free=ws.pool.num_free * bs,
             running=len(ws.running),
             healthy=ws.healthy,
+            draining=ws.draining,
         )

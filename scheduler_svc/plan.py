@@ -53,6 +53,7 @@ class WorkerKv:
     free: int
     running: int
     healthy: bool
+    draining: bool = False
 
 
 @dataclass(slots=True)

@@ -138,6 +138,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     free=kv.free,
                     running=kv.running,
                     healthy=kv.healthy,
+                    draining=kv.draining,
                 )
             )
         return reply
@@ -193,12 +194,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             forward = max(self.clients[b.worker].last_forward for b in batches if b.items)
             self.times.add(time.perf_counter() - started, forward, core)
 
-    async def watch_workers(self, period: float = 1.0) -> None:
-        """Bring a failed worker back once it answers Describe again with the same pool."""
+    async def watch_workers(self, period: float = 0.25) -> None:
+        """Drain a worker whose health turns NOT_SERVING (it is stopping); bring a failed worker
+        back once it answers Describe again with the same pool."""
         while True:
             await asyncio.sleep(period)
             for index, ws in enumerate(self.core.workers):
                 if ws.healthy:
+                    if not ws.draining and await self.clients[index].serving() is False:
+                        log.info("worker %s is stopping: draining it", ws.spec.name)
+                        self.core.drain_worker(index)
                     continue
                 try:
                     await self.clients[index].describe(timeout=1.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.server import CHANNEL_OPTIONS
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
@@ -15,9 +16,18 @@ class WorkerClient:
         self.target = target
         self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
         self.info: worker_pb2.WorkerInfo | None = None
         self.last_kv: worker_pb2.KvReport | None = None
         self.last_forward = 0.0  # seconds of the last Execute's forward pass
+
+    async def serving(self, timeout: float = 1.0) -> bool | None:
+        """The worker's health: True SERVING, False NOT_SERVING (stopping), None unreachable."""
+        try:
+            reply = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return None
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def describe(self, timeout: float = 5.0) -> worker_pb2.WorkerInfo:
         self.info = await self.stub.Describe(worker_pb2.DescribeRequest(), timeout=timeout)

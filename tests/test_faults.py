@@ -201,7 +201,10 @@ def test_sigterm_drains_the_gateway_and_the_scheduler(tmp_path) -> None:
         stop_cleanly(stack)
 
 
-def test_sigterm_worker_moves_its_requests_and_exits_zero(tmp_path) -> None:
+def test_sigterm_worker_drains_its_requests_and_exits_zero(tmp_path) -> None:
+    """SIGTERM on a worker: health NOT_SERVING, the scheduler stops placing requests there, the
+    worker finishes the ones it holds (no move, no recompute) and exits 0; new requests go to
+    the other worker."""
     settings = tiny_settings(workers=2, kv_capacity=4096, token_budget=64)
     n, max_tokens = 6, 300
     with running_stack(settings, tmp_path) as stack:
@@ -211,17 +214,34 @@ def test_sigterm_worker_moves_its_requests_and_exits_zero(tmp_path) -> None:
         wait_for(lambda: streams.all_have(5), 60, "every stream has tokens")
         wait_for(lambda: worker_running(sched, 1), 10, "worker1 runs requests")
         stack.procs["worker1"].send_signal(signal.SIGTERM)
+        wait_for(lambda: client.status(sched).workers[1].draining, 10, "worker1 draining")
+        late = generate(gw, greedy_request(0, 20))[0]  # placed on worker0 while worker1 drains
         outcomes = streams.join(120)
         assert [o.tokens for o in outcomes] == expected, [o.details for o in outcomes]
+        assert all(o.final.usage.preemptions == 0 for o in outcomes)  # nothing was moved
+        assert late == expected[0][:20]
         assert stack.procs["worker1"].wait(30) == 0
         wait_idle(sched)
         stop_cleanly(stack)
 
 
+def test_sigterm_single_worker_finishes_in_flight_then_exits_zero(tmp_path) -> None:
+    settings = tiny_settings(kv_capacity=4096, token_budget=64)
+    with running_stack(settings, tmp_path) as stack:
+        gw, sched = settings.gateway, settings.scheduler
+        expected = baseline(gw, 3, 200)
+        streams = Streams(gw, [greedy_request(i, 200) for i in range(3)])
+        wait_for(lambda: streams.all_have(5), 60, "every stream has tokens")
+        stack.procs["worker0"].send_signal(signal.SIGTERM)
+        outcomes = streams.join(120)
+        assert [o.tokens for o in outcomes] == expected, [o.details for o in outcomes]
+        assert stack.procs["worker0"].wait(30) == 0
+
+
 def test_a_request_that_breaks_the_model_fails_alone(tmp_path) -> None:
-    """Submitted to the scheduler directly (the gateway refuses nothing here: it treats so small
-    a temperature as greedy), temperature 1e-38 makes the worker's sampling raise. Only that
-    batch fails; the worker stays in service and later requests succeed."""
+    """Submitted to the scheduler directly (the gateway would refuse it), a NaN temperature makes
+    the worker's sampling raise. Only that batch fails; the worker stays in service and later
+    requests succeed."""
     settings = tiny_settings(workers=2, kv_capacity=2048, token_budget=64)
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler
@@ -231,7 +251,7 @@ def test_a_request_that_breaks_the_model_fails_alone(tmp_path) -> None:
             poison = scheduler_pb2.SubmitRequest(
                 request_id="poison",
                 prompt_token_ids=[1, 2, 3],
-                sampling=common_pb2.SamplingParams(max_tokens=4, temperature=1e-38),
+                sampling=common_pb2.SamplingParams(max_tokens=4, temperature=float("nan")),
             )
             events = list(stub.Submit(poison, timeout=30))
         assert events[-1].finish_reason == common_pb2.FINISH_REASON_ERROR

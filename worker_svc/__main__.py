@@ -58,7 +58,7 @@ async def serve(settings: WorkerSettings) -> None:
         metrics.attach(service)
         metrics.serve(settings.host, settings.metrics_port)
         log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
-    await server.run()
+    await server.run(before_stop=service.drain)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,6 +11,8 @@ from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.runner import ModelRunner
 from worker_svc.settings import WorkerSettings
 from worker_svc.work import SamplingSettings, WorkItem
+
+log = logging.getLogger("worker")
 
 
 class PoolView:
@@ -64,6 +67,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.view = PoolView()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self.on_execute = None  # metrics hook: (items, seconds, report), also for releases only
+
+    async def drain(self) -> None:
+        """On SIGTERM (health already NOT_SERVING, so the scheduler sends nothing new): keep
+        executing until the scheduler has released every request held here, or time runs out."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.drain_timeout
+        while self.view.blocks and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.view.blocks:
+            log.warning("drain timed out with %d requests still held", len(self.view.blocks))
 
     def describe(self) -> worker_pb2.WorkerInfo:
         cfg, pool = self.runner.config, self.runner.pool

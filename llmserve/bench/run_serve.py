@@ -83,9 +83,10 @@ def _transformers(args: argparse.Namespace, workload: Workload, which: list[str]
 def ratios(summaries: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     """Output tokens/s of each served run over each transformers baseline."""
     tok = {s["label"]: s["throughput"]["output_tokens_per_s"] for s in summaries}
+    bases = [b for b in (HF_STATIC, HF_BATCH) if b in tok]
     served = [s["label"] for s in summaries if s["kind"] == "served"]
-    return {label: {f"vs {base}": ratio(tok[label], tok.get(base)) for base in (HF_STATIC, HF_BATCH)
-                    if base in tok} for label in served}
+    return {label: {f"vs {b}": ratio(tok[label], tok[b]) for b in bases}
+            for label in served if bases}
 
 
 def _notes(report: Report, workload: Workload) -> list[str]:
@@ -93,6 +94,10 @@ def _notes(report: Report, workload: Workload) -> list[str]:
     notes = [f"workload: {workload.describe()}",
              f"machine: {report.machine_start.get('cpus')} CPUs, 1-min load average at start "
              f"{load:.1f} (other work on the machine makes these figures noisy)" if load else ""]
+    if any(r.finish == "client_stop" for result in report.results for r in result.records):
+        notes.append("max_tokens is above the output lengths: clients stop reading at the length "
+                     "(as if the model ended there), so the server's usage, and with it the queue "
+                     "time, does not come back for those requests")
     for label, rs in report.extra.get("ratios", {}).items():
         parts = [f"{v:.2f}× {k.removeprefix('vs ')}" for k, v in rs.items() if v]
         if parts:

@@ -76,6 +76,7 @@ async def run_workload(
         records = await gen.run(workload, t0, done)
     finally:
         wall = time.perf_counter() - t0
+        await asyncio.sleep(poll_s)  # one more period: let the scheduler free the last KV
         stop.set()
         await polling
         bar.close()
