@@ -212,6 +212,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 if self.clients[index].spec() == ws.spec:
                     log.info("worker %s is back", ws.spec.name)
                     self.core.restore_worker(index)
+                    self.clients[index].restores += 1  # the worker forgets what it held
                     self.wake.set()
 
     def _has_work(self) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -20,6 +22,13 @@ class WorkerClient:
         self.info: worker_pb2.WorkerInfo | None = None
         self.last_kv: worker_pb2.KvReport | None = None
         self.last_forward = 0.0  # seconds of the last Execute's forward pass
+        self.session = uuid.uuid4().hex[:12]  # this scheduler process
+        self.restores = 0
+
+    @property
+    def epoch(self) -> str:
+        """Changes with every scheduler process and every re-admission of this worker."""
+        return f"{self.session}.{self.restores}"
 
     async def serving(self, timeout: float = 1.0) -> bool | None:
         """The worker's health: True SERVING, False NOT_SERVING (stopping), None unreachable."""
@@ -43,7 +52,7 @@ class WorkerClient:
         )
 
     async def execute(self, step: int, batch: WorkerBatch, timeout: float) -> dict[str, int]:
-        request = worker_pb2.ExecuteRequest(step=step, released=batch.released)
+        request = worker_pb2.ExecuteRequest(step=step, released=batch.released, epoch=self.epoch)
         for work in batch.items:
             seq = work.seq
             request.items.append(

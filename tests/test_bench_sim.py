@@ -8,8 +8,8 @@ import pytest
 
 from llmserve.bench.cost_model import CostModel
 from llmserve.bench.plots import write_plots
+from llmserve.bench.policy import Policy
 from llmserve.bench.report import Report
-from llmserve.bench.served import Policy
 from llmserve.bench.simulate import SimSettings, Simulation
 from llmserve.bench.stats import summarize
 from llmserve.bench.trace import TraceScale, load_trace

@@ -228,7 +228,7 @@ def test_sigterm_worker_drains_its_requests_and_exits_zero(tmp_path) -> None:
 def test_sigterm_single_worker_finishes_in_flight_then_exits_zero(tmp_path) -> None:
     settings = tiny_settings(kv_capacity=4096, token_budget=64)
     with running_stack(settings, tmp_path) as stack:
-        gw, sched = settings.gateway, settings.scheduler
+        gw = settings.gateway
         expected = baseline(gw, 3, 200)
         streams = Streams(gw, [greedy_request(i, 200) for i in range(3)])
         wait_for(lambda: streams.all_have(5), 60, "every stream has tokens")

@@ -13,6 +13,7 @@ from worker_svc.settings import WorkerSettings
 from worker_svc.work import SamplingSettings, WorkItem
 
 log = logging.getLogger("worker")
+DRIVERLESS_SECONDS = 5.0  # a drain stops waiting when no Execute came for this long
 
 
 class PoolView:
@@ -65,15 +66,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.runner = runner
         self.model_name = model_name
         self.view = PoolView()
+        self.epoch = ""
+        self.last_call = 0.0
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self.on_execute = None  # metrics hook: (items, seconds, report), also for releases only
 
     async def drain(self) -> None:
         """On SIGTERM (health already NOT_SERVING, so the scheduler sends nothing new): keep
         executing until the scheduler has released every request held here, or time runs out."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.drain_timeout
-        while self.view.blocks and loop.time() < deadline:
+        deadline = time.monotonic() + self.settings.drain_timeout
+        while self.view.blocks and time.monotonic() < deadline:
+            if time.monotonic() - self.last_call > DRIVERLESS_SECONDS:
+                break  # no scheduler drives these requests any more
             await asyncio.sleep(0.05)
         if self.view.blocks:
             log.warning("drain timed out with %d requests still held", len(self.view.blocks))
@@ -98,6 +102,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return self.describe()
 
     async def Execute(self, request, context):
+        self.last_call = time.monotonic()
+        if request.epoch != self.epoch:  # a new scheduler, or re-admitted: nothing is held
+            self.view, self.epoch = PoolView(), request.epoch
         self.view.release(list(request.released))
         items = [to_work_item(i) for i in request.items]
         for item in items:

@@ -16,7 +16,7 @@ class WorkerSettings:
     block_size: int = 16
     threads: int = 0  # torch threads; 0 = torch's default
     metrics_port: int = 0  # Prometheus HTTP port; 0 = off
-    drain_timeout: float = 60.0  # on SIGTERM: seconds to finish the requests held here
+    drain_timeout: float = 30.0  # on SIGTERM: seconds to finish the requests held here
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

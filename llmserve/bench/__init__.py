@@ -4,5 +4,6 @@
 - `loadgen`, `poller`, `served`: send it to a stack over gRPC and watch the scheduler's Status
 - `hf_baseline`: the same prompts through transformers' `generate` / `generate_batch`
 - `cost_model`, `calibrate`, `simulate`, `core_cost`: the real scheduler core on a virtual clock
-- `stats`, `report`, `plots`: one report format for every kind of run
+- `records`, `stats`, `report`, `plots`, `sweep_plot`: one report format for every kind of run
+- `cli` and `run_serve`, `run_sim`, `run_core`: the `llmserve bench` subcommands
 """

@@ -8,9 +8,10 @@ from typing import Any
 
 from llmserve.bench import hf_baseline
 from llmserve.bench.plots import write_plots
+from llmserve.bench.policy import Policy
 from llmserve.bench.prompts import check_with_tokenizer
 from llmserve.bench.report import Report, print_table
-from llmserve.bench.served import Policy, run_policy, run_workload
+from llmserve.bench.served import run_policy, run_workload
 from llmserve.bench.stats import ratio
 from llmserve.bench.workload import Workload
 from llmserve.stack import StackSettings

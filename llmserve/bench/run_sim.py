@@ -9,8 +9,8 @@ from typing import Any
 
 from llmserve.bench.cost_model import DEFAULT_COST_MODEL, CostModel
 from llmserve.bench.plots import write_plots
+from llmserve.bench.policy import Policy
 from llmserve.bench.report import Report, print_table
-from llmserve.bench.served import Policy
 from llmserve.bench.simulate import SimSettings, Simulation
 from llmserve.bench.sweep_plot import write_sweep_plot
 

@@ -5,39 +5,17 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 from llmserve.bench.loadgen import LoadGenerator
+from llmserve.bench.policy import Policy
 from llmserve.bench.poller import StatusPoller, counter_delta, counters_of
 from llmserve.bench.records import RequestRecord, RunResult
 from llmserve.bench.workload import RequestSpec, Workload
 from llmserve.stack import Stack, StackSettings
-
-
-@dataclass(frozen=True, slots=True)
-class Policy:
-    """A scheduling configuration to compare: batching mode + KV policy."""
-
-    mode: str
-    kv: str
-
-    @property
-    def label(self) -> str:
-        return f"{self.mode}+{self.kv}"
-
-    @staticmethod
-    def parse(text: str) -> Policy:
-        mode, _, kv = text.partition("+")
-        if mode not in ("continuous", "static") or kv not in ("paged", "reserve"):
-            raise ValueError(f"policy {text!r}: want continuous|static + paged|reserve")
-        return Policy(mode, kv)
-
-
-DEFAULT_POLICIES = [Policy("continuous", "paged"), Policy("continuous", "reserve"),
-                    Policy("static", "reserve")]
 
 
 async def run_workload(
@@ -88,10 +66,9 @@ async def run_workload(
 def bench_settings(base: StackSettings, policy: Policy) -> StackSettings:
     """`base` with the policy, fresh loopback ports and queue limits a benchmark never hits."""
     ports = _free_ports(2)
-    settings = replace(base, policy=policy.kv, mode=policy.mode, gateway_port=ports[0],
-                       scheduler_port=ports[1], worker_base_port=_free_run(base.workers, ports),
-                       max_queued_requests=1_000_000, max_queued_tokens=2**40)
-    return settings
+    return replace(base, policy=policy.kv, mode=policy.mode, gateway_port=ports[0],
+                   scheduler_port=ports[1], worker_base_port=_free_run(base.workers, ports),
+                   max_queued_requests=1_000_000, max_queued_tokens=2**40)
 
 
 def run_policy(

@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass
 from tqdm import tqdm
 
 from llmserve.bench.cost_model import BatchShape, CostModel
+from llmserve.bench.policy import Policy
 from llmserve.bench.prompts import WORD_ID
 from llmserve.bench.records import RequestRecord, RunResult, StatusSample
-from llmserve.bench.served import Policy
 from llmserve.bench.workload import RequestSpec, Workload
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
