@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -42,6 +43,7 @@ class Scheduler:
         self.workers = [WorkerState(spec) for spec in workers]
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
+        self.waiting_tokens = 0  # sum of num_pending over `waiting`, kept as it changes
         self.seqs: dict[str, Sequence] = {}
         self.stalls: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
@@ -59,6 +61,7 @@ class Scheduler:
         seq.status, seq.arrival = SeqStatus.WAITING, seq.arrival or self.clock()
         self.seqs[seq.request_id] = seq
         self.waiting.append(seq)
+        self.waiting_tokens += seq.num_pending
 
     def abort(self, request_id: str, finish: Finish = Finish.CANCELLED, error: str = "") -> bool:
         """Finish a request now; a running one frees its KV at the next clean-up."""
@@ -67,6 +70,7 @@ class Scheduler:
             return False
         if seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+            self.waiting_tokens -= seq.num_pending
         self._finish(seq, finish, error)
         if seq.worker is None:
             del self.seqs[request_id]
@@ -114,9 +118,9 @@ class Scheduler:
         self._reap()
         self._planned.clear()
         batches = [WorkerBatch(i) for i in range(len(self.workers))]
-        budgets = [self.config.token_budget] * len(self.workers)
+        budgets = [self._budget()] * len(self.workers)
         for i, ws in enumerate(self.workers):
-            ws.batch_open = self.config.mode is BatchMode.CONTINUOUS or not ws.running
+            ws.batch_open = self.config.mode is BatchMode.CONTINUOUS or self._forming(ws)
             if ws.healthy:
                 self._prepare_running(i, budgets, batches[i])
         self._admit(budgets, batches)
@@ -169,6 +173,7 @@ class Scheduler:
                 reason = self._why_not(index, seq, budgets[index])
                 if reason is None:
                     self.waiting.popleft()
+                    self.waiting_tokens -= seq.num_pending
                     self._start(index, seq, budgets, batches[index])
                     break
                 first_reason = first_reason or reason
@@ -232,6 +237,17 @@ class Scheduler:
 
     # ---- helpers -------------------------------------------------------------------------
 
+    def _budget(self) -> int:
+        """Static batching predates token budgets: its batch is prefilled in one execution."""
+        if self.config.mode is BatchMode.STATIC:
+            return sys.maxsize
+        return self.config.token_budget
+
+    @staticmethod
+    def _forming(ws: WorkerState) -> bool:
+        """Static mode: a batch takes members until one of them has produced a token."""
+        return not any(s.output_ids for s in ws.running)
+
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens `seq` can process within `budget`: 1 in decode, a prompt (chunk) in prefill."""
         pending = seq.num_pending
@@ -275,6 +291,7 @@ class Scheduler:
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
+        self.waiting_tokens += seq.num_pending
 
     def _release(self, index: int, seq: Sequence) -> None:
         ws = self.workers[index]
@@ -308,7 +325,7 @@ class Scheduler:
                 f"{seq.max_tokens}) but a worker holds {capacity}; lower max_tokens or raise "
                 f"the KV capacity",
             )
-        if not self.config.chunked_prefill and prompt > self.config.token_budget:
+        if not self.config.chunked_prefill and prompt > self._budget():
             self._refuse(
                 "token_budget",
                 f"prompt of {prompt} tokens exceeds the token budget of "
@@ -324,7 +341,7 @@ class Scheduler:
         now = self.clock()
         return Snapshot(
             waiting=len(self.waiting),
-            waiting_tokens=sum(s.num_pending for s in self.waiting),
+            waiting_tokens=self.waiting_tokens,
             running=sum(len(ws.running) for ws in self.workers),
             workers=[self._kv_of(ws) for ws in self.workers],
             stalls=dict(self.stalls),
@@ -334,7 +351,8 @@ class Scheduler:
             finished=self.finished,
             preemptions=self.preemptions,
             refused=dict(self.refused),
-            oldest_wait=max((now - s.arrival for s in self.waiting), default=0.0),
+            # FCFS: the head arrived first (preempted requests return to the front)
+            oldest_wait=now - self.waiting[0].arrival if self.waiting else 0.0,
         )
 
     def _kv_of(self, ws: WorkerState) -> WorkerKv:

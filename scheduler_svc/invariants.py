@@ -73,6 +73,11 @@ def check_invariants(core: Scheduler) -> None:
         )
         _require(s.request_id not in running_ids, f"{s.request_id}: waiting and running")
         _require(core.seqs.get(s.request_id) is s, f"{s.request_id}: waiting but unknown")
+    pending = sum(s.num_pending for s in core.waiting)
+    _require(
+        core.waiting_tokens == pending,
+        f"waiting_tokens is {core.waiting_tokens} but the queue holds {pending}",
+    )
 
 
 def _require(ok: bool, message: str) -> None:

@@ -19,7 +19,10 @@ class Work:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.tokens[self.start : self.start + self.num_tokens]
+        prompt, end = self.seq.prompt_ids, self.start + self.num_tokens
+        if self.start >= len(prompt):  # decode: only output tokens, no list concatenation
+            return self.seq.output_ids[self.start - len(prompt) : end - len(prompt)]
+        return self.seq.tokens[self.start : end]
 
 
 @dataclass(slots=True)

@@ -137,3 +137,17 @@ def test_random_workloads_keep_invariants_and_finish_everything(policy, mode) ->
         assert all(len(o) > 0 for o in outs.values())
         for ws in core.workers:
             assert ws.pool.num_free == ws.spec.num_blocks and not ws.running
+
+
+def test_static_batch_forms_whole_then_admits_nothing_until_it_drains() -> None:
+    cfg = CoreConfig(token_budget=8, max_running=4, mode=BatchMode.STATIC)
+    core = Scheduler(cfg, [WorkerSpec("w", 200, 1, 4096)])
+    for i in range(4):
+        core.add(seq(f"s{i}", 6, max_tokens=3 + i))
+    assert ran(step(core)) == {f"s{i}": 6 for i in range(4)}  # one prefill of 24 tokens
+    core.add(seq("late", 2, max_tokens=2))
+    executions = 1
+    while "late" not in ran(step(core)):
+        executions += 1
+        assert core.snapshot().head_wait_reason == "static_batch"
+    assert executions == 6  # s3 ran 6 executions (3 + 3 tokens) before the batch drained

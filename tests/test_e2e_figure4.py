@@ -32,10 +32,19 @@ def status_cli(target: str, capsys, *flags: str) -> str:
     return capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["reserve", "paged"])
 def test_figure4_through_real_processes(policy: str, tmp_path, capsys) -> None:
     assert len(load_default_tokenizer().encode(PROMPT)) == 6
-    settings = tiny_settings(kv_capacity=24, block_size=1, token_budget=8, policy=policy)
+    # the real model: its steps are long enough for C to arrive while B decodes, under any load
+    settings = tiny_settings(
+        model="smollm2",
+        dtype="bf16",
+        kv_capacity=24,
+        block_size=1,
+        token_budget=8,
+        policy=policy,
+    )
     with running_stack(settings, tmp_path):
         results: dict = {}
         b = threading.Thread(target=send, args=(settings.gateway, 14, results, "B"))

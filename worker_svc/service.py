@@ -33,7 +33,7 @@ class PoolView:
             self.written.pop(rid, None)
 
     def report(self, runner: ModelRunner) -> worker_pb2.KvReport:
-        used = len(set().union(*self.blocks.values())) if self.blocks else 0
+        used = sum(map(len, self.blocks.values()))  # the scheduler never shares a block
         return worker_pb2.KvReport(
             capacity_positions=runner.pool.num_blocks * runner.block_size,
             written_positions=sum(self.written.values()),
