@@ -58,7 +58,7 @@ up: setup
 
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check scheduler_svc
+	$(BIN)/ruff format --check .
 
 bench-worker: setup
 	$(PYTHON) -m worker_svc.bench

@@ -8,20 +8,23 @@ from hypothesis import strategies as st
 
 from llmserve.bench.cost_model import DEFAULT_COST_MODEL, BatchShape, CostModel, fit
 
-items = st.lists(st.tuples(st.integers(0, 4000), st.integers(1, 512), st.booleans()),
-                 min_size=1, max_size=64)
+items = st.lists(
+    st.tuples(st.integers(0, 4000), st.integers(1, 512), st.booleans()), min_size=1, max_size=64
+)
 
 
 def test_features_of_a_mixed_batch() -> None:
     # two decodes at positions 9 and 19, and a prompt chunk of 4 tokens from position 8
     shape = BatchShape.of([(9, 1, True), (19, 1, True), (8, 4, False)])
-    assert shape == BatchShape(tokens=6, sampled=2, kv_read=10 + 20 + 12,
-                               attention=10 + 20 + (4 * 8 + 10))
+    assert shape == BatchShape(
+        tokens=6, sampled=2, kv_read=10 + 20 + 12, attention=10 + 20 + (4 * 8 + 10)
+    )
 
 
 def test_fit_recovers_known_coefficients() -> None:
-    truth = CostModel(fixed=0.02, per_token=0.001, per_sampled=0.0003, per_kv_read=2e-6,
-                      per_attention=1e-8)
+    truth = CostModel(
+        fixed=0.02, per_token=0.001, per_sampled=0.0003, per_kv_read=2e-6, per_attention=1e-8
+    )
     shapes = [BatchShape.of([(c, 1, True)] * b) for b in (1, 4, 16, 64) for c in (16, 512, 2048)]
     shapes += [BatchShape.of([(s, n, True)]) for n in (32, 256, 1024) for s in (0, 1000)]
     model = fit(shapes, [truth.seconds(s) for s in shapes])

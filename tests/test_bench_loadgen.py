@@ -23,8 +23,11 @@ def stack(tmp_path_factory):
 
 def test_closed_loop_completes_every_request_at_its_length(stack) -> None:
     workload = fixed(9, prompt_tokens=12, output_tokens=5, concurrency=3)
-    result = asyncio.run(run_workload(stack.gateway, stack.scheduler, workload, "closed",
-                                      progress=False, poll_s=0.05))
+    result = asyncio.run(
+        run_workload(
+            stack.gateway, stack.scheduler, workload, "closed", progress=False, poll_s=0.05
+        )
+    )
     assert [r.completion_tokens for r in result.records] == [5] * 9
     assert all(r.ok and r.finish == "length" and r.prompt_tokens == 12 for r in result.records)
     assert all(r.sent_s <= r.first_token_s <= r.end_s for r in result.records)
@@ -42,8 +45,9 @@ def test_closed_loop_completes_every_request_at_its_length(stack) -> None:
 
 def test_open_loop_sends_on_schedule(stack) -> None:
     workload = poisson(6, rate=20.0, prompt_tokens=4, output_tokens=3, seed=2)
-    result = asyncio.run(run_workload(stack.gateway, stack.scheduler, workload, "open",
-                                      progress=False, warmup=0))
+    result = asyncio.run(
+        run_workload(stack.gateway, stack.scheduler, workload, "open", progress=False, warmup=0)
+    )
     for spec, record in zip(workload.requests, result.records, strict=True):
         assert record.scheduled_s == spec.arrival_s
         assert record.sent_s >= spec.arrival_s
@@ -52,19 +56,48 @@ def test_open_loop_sends_on_schedule(stack) -> None:
 
 def test_max_tokens_above_the_length_stops_reading_at_the_length(stack) -> None:
     capped = with_max_tokens(fixed(2, prompt_tokens=4, output_tokens=3, concurrency=2), 50)
-    result = asyncio.run(run_workload(stack.gateway, stack.scheduler, capped, "capped",
-                                      progress=False, warmup=0))
-    assert all(r.ok and r.finish == "client_stop" and r.completion_tokens == 3
-               for r in result.records)
+    result = asyncio.run(
+        run_workload(stack.gateway, stack.scheduler, capped, "capped", progress=False, warmup=0)
+    )
+    assert all(
+        r.ok and r.finish == "client_stop" and r.completion_tokens == 3 for r in result.records
+    )
 
 
 def test_bench_serve_command_writes_json_and_plots(tmp_path) -> None:
     out = tmp_path / "bench"
     with pytest.raises(SystemExit) as done:
-        llmserve(["bench", "serve", "--model", "tiny", "--dtype", "fp32", "--threads", "1",
-                  "--policies", "continuous+paged", "--baselines", "none", "--requests", "4",
-                  "--concurrency", "2", "--prompt-tokens", "6", "--output-tokens", "4",
-                  "--kv-capacity", "1024", "--out", str(out), "--name", "t", "--no-progress"])
+        llmserve(
+            [
+                "bench",
+                "serve",
+                "--model",
+                "tiny",
+                "--dtype",
+                "fp32",
+                "--threads",
+                "1",
+                "--policies",
+                "continuous+paged",
+                "--baselines",
+                "none",
+                "--requests",
+                "4",
+                "--concurrency",
+                "2",
+                "--prompt-tokens",
+                "6",
+                "--output-tokens",
+                "4",
+                "--kv-capacity",
+                "1024",
+                "--out",
+                str(out),
+                "--name",
+                "t",
+                "--no-progress",
+            ]
+        )
     assert done.value.code == 0
     data = json.loads((out / "t.json").read_text())
     run = data["runs"][0]

@@ -16,15 +16,22 @@ from llmserve.bench.trace import TraceScale, load_trace
 from llmserve.bench.workload import fixed, from_trace, with_max_tokens
 
 COST = CostModel(fixed=0.01, per_token=1e-4, per_sampled=1e-5, per_kv_read=1e-8)
-SMALL = SimSettings(workers=2, kv_capacity=16_384, token_budget=2048, max_running=64,
-                    max_context=8192, status_every_s=0.5)
+SMALL = SimSettings(
+    workers=2,
+    kv_capacity=16_384,
+    token_budget=2048,
+    max_running=64,
+    max_context=8192,
+    status_every_s=0.5,
+)
 
 
 @pytest.fixture(scope="module")
 def trace_slice():
     """The first 300 requests of the real trace, lengths ×0.25, arriving 4× faster."""
-    return from_trace(TraceScale(length_scale=0.25, time_scale=0.25, max_requests=300),
-                      load_trace())
+    return from_trace(
+        TraceScale(length_scale=0.25, time_scale=0.25, max_requests=300), load_trace()
+    )
 
 
 @pytest.mark.parametrize("policy", ["continuous+paged", "continuous+reserve", "static+reserve"])
@@ -45,8 +52,10 @@ def test_every_request_of_a_trace_slice_finishes_at_its_length(trace_slice, poli
 
 def test_reserve_waits_on_reservations_that_paged_does_not_make(trace_slice) -> None:
     capped = with_max_tokens(trace_slice, 1024)  # outputs still end at their length (EOS)
-    runs = {p: Simulation(SMALL, Policy.parse(p), COST).run(capped, progress=False)
-            for p in ("continuous+paged", "continuous+reserve")}
+    runs = {
+        p: Simulation(SMALL, Policy.parse(p), COST).run(capped, progress=False)
+        for p in ("continuous+paged", "continuous+reserve")
+    }
     paged, reserve = (summarize(runs[p]) for p in ("continuous+paged", "continuous+reserve"))
     assert all(r.finish == "stop" for r in runs["continuous+reserve"].records)
     assert paged["exact_lengths"] and reserve["exact_lengths"]

@@ -54,7 +54,11 @@ def test_the_repository_copy_is_the_whole_hour() -> None:
 def test_lengths_scale_round_and_never_reach_zero(small_trace) -> None:
     scaled = scale_trace(small_trace, TraceScale(length_scale=0.1))
     assert [(r.prompt_tokens, r.output_tokens) for r in scaled] == [
-        (10, 1), (20, 1), (1, 1), (400, 60)]
+        (10, 1),
+        (20, 1),
+        (1, 1),
+        (400, 60),
+    ]
 
 
 def test_time_scale_stretches_arrivals(small_trace) -> None:

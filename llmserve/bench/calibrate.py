@@ -44,8 +44,14 @@ def default_grid(quick: bool = False) -> list[Probe]:
     return grid
 
 
-def measure(model: str, dtype_name: str, threads: int, grid: list[Probe], repeats: int = 5,
-            log: Callable[[str], None] = print) -> tuple[list[BatchShape], list[float]]:
+def measure(
+    model: str,
+    dtype_name: str,
+    threads: int,
+    grid: list[Probe],
+    repeats: int = 5,
+    log: Callable[[str], None] = print,
+) -> tuple[list[BatchShape], list[float]]:
     import torch
 
     from worker_svc.loader import load_model
@@ -69,8 +75,10 @@ def measure(model: str, dtype_name: str, threads: int, grid: list[Probe], repeat
         log(f"  pass {rep}/{repeats} done")
     shapes = [BatchShape.of(probe.items()) for probe in grid]
     for probe, shape, seconds in zip(grid, shapes, best, strict=True):
-        log(f"  {probe.decodes:3d} decodes @ {probe.context:5d} + chunks {list(probe.chunks)}: "
-            f"{seconds * 1000:8.1f} ms  ({shape.tokens} tokens, kv_read {shape.kv_read})")
+        log(
+            f"  {probe.decodes:3d} decodes @ {probe.context:5d} + chunks {list(probe.chunks)}: "
+            f"{seconds * 1000:8.1f} ms  ({shape.tokens} tokens, kv_read {shape.kv_read})"
+        )
     return shapes, best
 
 
@@ -78,25 +86,45 @@ def _work(probe: Probe, work_item, sampling) -> list:
     work, next_block = [], 0
     for i, (start, n, sample) in enumerate(probe.items()):
         need = _round_up(start + n) // BLOCK
-        work.append(work_item(f"r{i}", [WORD_ID] * n, start,
-                              list(range(next_block, next_block + need)), sample, sampling(), 0))
+        work.append(
+            work_item(
+                f"r{i}",
+                [WORD_ID] * n,
+                start,
+                list(range(next_block, next_block + need)),
+                sample,
+                sampling(),
+                0,
+            )
+        )
         next_block += need
     return work
 
 
-def calibrate(model: str = "smollm2", dtype_name: str = "bf16", threads: int = 0,
-              quick: bool = False, repeats: int = 5, log: Callable[[str], None] = print
-              ) -> CostModel:
+def calibrate(
+    model: str = "smollm2",
+    dtype_name: str = "bf16",
+    threads: int = 0,
+    quick: bool = False,
+    repeats: int = 5,
+    log: Callable[[str], None] = print,
+) -> CostModel:
     grid = default_grid(quick)
     log(f"timing {len(grid)} batch shapes of {model} ({dtype_name}, threads {threads or 'all'})")
     shapes, seconds = measure(model, dtype_name, threads, grid, repeats, log)
     meta = {
-        "model": model, "dtype": dtype_name, "threads": threads, "block_size": BLOCK,
-        "measured": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
+        "model": model,
+        "dtype": dtype_name,
+        "threads": threads,
+        "block_size": BLOCK,
+        "measured": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": machine(),
         "command": f"llmserve bench calibrate --model {model} --dtype {dtype_name} "
-                   f"--threads {threads} --repeats {repeats}" + (" --quick" if quick else ""),
-        "points": [[s.tokens, s.sampled, s.kv_read, s.attention, round(t, 6)]
-                   for s, t in zip(shapes, seconds, strict=True)],
+        f"--threads {threads} --repeats {repeats}" + (" --quick" if quick else ""),
+        "points": [
+            [s.tokens, s.sampled, s.kv_read, s.attention, round(t, 6)]
+            for s, t in zip(shapes, seconds, strict=True)
+        ],
         "point_columns": ["tokens", "sampled", "kv_read", "attention", "seconds"],
     }
     return fit(shapes, seconds, meta)

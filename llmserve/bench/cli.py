@@ -14,64 +14,104 @@ def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks: served stack, simulation, calibration")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 
-    serve = kinds.add_parser("serve", help="load-generate against stacks, one per policy, and "
-                             "against transformers on the same prompts")
+    serve = kinds.add_parser(
+        "serve",
+        help="load-generate against stacks, one per policy, and "
+        "against transformers on the same prompts",
+    )
     _workload_flags(serve, requests=64, concurrency=32)
-    serve.add_argument("--policies", default="continuous+paged,continuous+reserve,static+reserve",
-                       help="comma-separated mode+kv; one stack each")
-    serve.add_argument("--target", default="", help="use a running gateway instead of starting "
-                       "stacks (with --status-target)")
+    serve.add_argument(
+        "--policies",
+        default="continuous+paged,continuous+reserve,static+reserve",
+        help="comma-separated mode+kv; one stack each",
+    )
+    serve.add_argument(
+        "--target",
+        default="",
+        help="use a running gateway instead of starting stacks (with --status-target)",
+    )
     serve.add_argument("--status-target", default="127.0.0.1:50052", help="its scheduler")
     serve.add_argument("--model", default="smollm2")
     serve.add_argument("--dtype", default="bf16")
     serve.add_argument("--workers", type=int, default=1)
-    serve.add_argument("--token-budget", type=int, default=0,
-                       help="0: enough for a whole batch of prompts (concurrency x prompt), "
-                       "at least 256")
+    serve.add_argument(
+        "--token-budget",
+        type=int,
+        default=0,
+        help="0: enough for a whole batch of prompts (concurrency x prompt), at least 256",
+    )
     serve.add_argument("--max-running", type=int, default=0, help="0: the concurrency")
     serve.add_argument("--kv-capacity", type=int, default=16384)
     serve.add_argument("--block-size", type=int, default=16)
-    serve.add_argument("--threads", type=int, default=1,
-                       help="torch threads per worker and for transformers (on a shared machine "
-                       "1 is steadier than oversubscribed OpenMP threads)")
-    serve.add_argument("--baselines", default="static,generate_batch",
-                       help="transformers baselines (static, generate_batch) or 'none'")
+    serve.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per worker and for transformers (on a shared machine "
+        "1 is steadier than oversubscribed OpenMP threads)",
+    )
+    serve.add_argument(
+        "--baselines",
+        default="static,generate_batch",
+        help="transformers baselines (static, generate_batch) or 'none'",
+    )
     serve.add_argument("--poll", type=float, default=0.25, help="Status poll period, seconds")
     serve.add_argument("--timeout", type=float, default=None, help="per-request deadline, s")
     _out_flags(serve, "serve")
     serve.set_defaults(func=_cmd_serve)
 
-    sim = kinds.add_parser("sim", help="the real scheduler core on a virtual clock with a "
-                           "calibrated cost model (the whole trace in minutes)")
+    sim = kinds.add_parser(
+        "sim",
+        help="the real scheduler core on a virtual clock with a "
+        "calibrated cost model (the whole trace in minutes)",
+    )
     _workload_flags(sim, requests=0, concurrency=0, workload="trace")
     sim.add_argument("--policies", default="continuous+paged,continuous+reserve,static+reserve")
-    sim.add_argument("--loads", default="1", help="comma-separated load factors: the trace's "
-                     "arrivals compressed by each (time_scale = 1/load x --time-scale)")
+    sim.add_argument(
+        "--loads",
+        default="1",
+        help="comma-separated load factors: the trace's "
+        "arrivals compressed by each (time_scale = 1/load x --time-scale)",
+    )
     sim.add_argument("--cost-model", type=Path, default=None, help="JSON from `bench calibrate`")
-    sim.add_argument("--speedup", type=float, default=20.0,
-                     help="the cost model's times divided by this (hardware faster than this CPU)")
+    sim.add_argument(
+        "--speedup",
+        type=float,
+        default=20.0,
+        help="the cost model's times divided by this (hardware faster than this CPU)",
+    )
     sim.add_argument("--sim-workers", type=int, default=4)
     sim.add_argument("--kv-capacity", type=int, default=500_000, help="positions per worker")
     sim.add_argument("--token-budget", type=int, default=8192)
     sim.add_argument("--max-running", type=int, default=256)
     sim.add_argument("--max-context", type=int, default=32768)
     sim.add_argument("--block-size", type=int, default=16)
-    sim.add_argument("--step-overhead", type=float, default=0.0,
-                     help="virtual seconds added to every step (scheduling + RPC)")
-    sim.add_argument("--ttft-slo", type=float, default=5.0,
-                     help="p99 TTFT target (s) for 'throughput at equal p99 TTFT'")
+    sim.add_argument(
+        "--step-overhead",
+        type=float,
+        default=0.0,
+        help="virtual seconds added to every step (scheduling + RPC)",
+    )
+    sim.add_argument(
+        "--ttft-slo",
+        type=float,
+        default=5.0,
+        help="p99 TTFT target (s) for 'throughput at equal p99 TTFT'",
+    )
     _out_flags(sim, "sim")
     sim.set_defaults(func=_cmd_sim)
 
-    cal = kinds.add_parser("calibrate", help="time the real worker's executions; fit the cost "
-                           "model")
+    cal = kinds.add_parser(
+        "calibrate", help="time the real worker's executions; fit the cost model"
+    )
     cal.add_argument("--model", default="smollm2")
     cal.add_argument("--dtype", default="bf16")
     cal.add_argument("--threads", type=int, default=2)
     cal.add_argument("--quick", action="store_true", help="a smaller grid")
     cal.add_argument("--repeats", type=int, default=5)
-    cal.add_argument("--output", type=Path, default=None,
-                     help="default: data/cost_models/smollm2-bf16-cpu.json")
+    cal.add_argument(
+        "--output", type=Path, default=None, help="default: data/cost_models/smollm2-bf16-cpu.json"
+    )
     cal.set_defaults(func=_cmd_calibrate)
 
     core = kinds.add_parser("core", help="microseconds per schedule() vs running/admitted/queue")
@@ -80,29 +120,43 @@ def add_bench_parser(sub) -> None:
     core.set_defaults(func=_cmd_core)
 
 
-def _workload_flags(p: argparse.ArgumentParser, requests: int, concurrency: int,
-                    workload: str = "fixed") -> None:
+def _workload_flags(
+    p: argparse.ArgumentParser, requests: int, concurrency: int, workload: str = "fixed"
+) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", choices=["fixed", "poisson", "trace"], default=workload)
-    g.add_argument("--requests", type=int, default=requests,
-                   help="fixed/poisson: how many; trace: at most this many (0 = all)")
-    g.add_argument("--concurrency", type=int, default=concurrency,
-                   help="closed loop with this many clients; 0 = open loop")
+    g.add_argument(
+        "--requests",
+        type=int,
+        default=requests,
+        help="fixed/poisson: how many; trace: at most this many (0 = all)",
+    )
+    g.add_argument(
+        "--concurrency",
+        type=int,
+        default=concurrency,
+        help="closed loop with this many clients; 0 = open loop",
+    )
     g.add_argument("--prompt-tokens", type=int, default=16)
     g.add_argument("--output-tokens", type=int, default=64)
     g.add_argument("--rate", type=float, default=1.0, help="poisson: requests/s")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     g.add_argument("--length-scale", type=float, default=1.0)
-    g.add_argument("--time-scale", type=float, default=1.0,
-                   help="arrival offsets x this (>1: slower arrivals)")
+    g.add_argument(
+        "--time-scale", type=float, default=1.0, help="arrival offsets x this (>1: slower arrivals)"
+    )
     g.add_argument("--start", type=float, default=0.0, help="trace slice start, seconds")
     g.add_argument("--duration", type=float, default=0.0, help="trace slice length (0 = all)")
     g.add_argument("--max-prompt-tokens", type=int, default=0)
     g.add_argument("--max-output-tokens", type=int, default=0)
-    g.add_argument("--max-tokens", type=int, default=0,
-                   help="requests' max_tokens when above the output length (outputs still end "
-                   "at their length); 0 = exactly the output length")
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="requests' max_tokens when above the output length (outputs still end "
+        "at their length); 0 = exactly the output length",
+    )
 
 
 def _out_flags(p: argparse.ArgumentParser, name: str) -> None:
@@ -116,15 +170,21 @@ def build_workload(args: argparse.Namespace, time_scale: float | None = None):
     from llmserve.bench.trace import TraceScale, load_trace
 
     if args.workload == "fixed":
-        made = w.fixed(args.requests, args.prompt_tokens, args.output_tokens,
-                       args.concurrency or 1)
+        made = w.fixed(args.requests, args.prompt_tokens, args.output_tokens, args.concurrency or 1)
     elif args.workload == "poisson":
-        made = w.poisson(args.requests, args.rate, args.prompt_tokens, args.output_tokens,
-                         args.seed)
+        made = w.poisson(
+            args.requests, args.rate, args.prompt_tokens, args.output_tokens, args.seed
+        )
     else:
-        scale = TraceScale(args.length_scale, time_scale or args.time_scale, args.start,
-                           args.duration, args.requests, args.max_prompt_tokens,
-                           args.max_output_tokens)
+        scale = TraceScale(
+            args.length_scale,
+            time_scale or args.time_scale,
+            args.start,
+            args.duration,
+            args.requests,
+            args.max_prompt_tokens,
+            args.max_output_tokens,
+        )
         made = w.from_trace(scale, load_trace(args.trace), args.concurrency)
     return w.with_max_tokens(made, args.max_tokens) if args.max_tokens else made
 
@@ -153,11 +213,13 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     path = args.output or DEFAULT_COST_MODEL
     model.save(path)
     fit = model.meta["fit"]
-    print(f"fitted (R² {fit['r2']:.3f}, median error {fit['median_abs_rel_error']:.1%}): "
-          f"fixed {model.fixed * 1e3:.2f} ms, per token {model.per_token * 1e3:.3f} ms, "
-          f"per sampled row {model.per_sampled * 1e3:.3f} ms, per KV position read "
-          f"{model.per_kv_read * 1e6:.3f} µs, per attention pair {model.per_attention * 1e9:.3f} "
-          f"ns -> {path}")
+    print(
+        f"fitted (R² {fit['r2']:.3f}, median error {fit['median_abs_rel_error']:.1%}): "
+        f"fixed {model.fixed * 1e3:.2f} ms, per token {model.per_token * 1e3:.3f} ms, "
+        f"per sampled row {model.per_sampled * 1e3:.3f} ms, per KV position read "
+        f"{model.per_kv_read * 1e6:.3f} µs, per attention pair {model.per_attention * 1e9:.3f} "
+        f"ns -> {path}"
+    )
     return 0
 
 

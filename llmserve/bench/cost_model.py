@@ -62,8 +62,13 @@ class CostModel:
     def seconds(self, shape: BatchShape) -> float:
         if not shape.tokens:
             return 0.0
-        return (self.fixed + self.per_token * shape.tokens + self.per_sampled * shape.sampled
-                + self.per_kv_read * shape.kv_read + self.per_attention * shape.attention)
+        return (
+            self.fixed
+            + self.per_token * shape.tokens
+            + self.per_sampled * shape.sampled
+            + self.per_kv_read * shape.kv_read
+            + self.per_attention * shape.attention
+        )
 
     def scaled(self, speedup: float) -> CostModel:
         """The same shape on hardware `speedup` times faster (every coefficient divided)."""
@@ -71,8 +76,7 @@ class CostModel:
         return CostModel(*(v / speedup for v in c), meta=self.meta | {"speedup": speedup})
 
     def coefficients(self) -> list[float]:
-        return [self.fixed, self.per_token, self.per_sampled, self.per_kv_read,
-                self.per_attention]
+        return [self.fixed, self.per_token, self.per_sampled, self.per_kv_read, self.per_attention]
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,8 +88,9 @@ class CostModel:
         return CostModel(**raw)
 
 
-def fit(shapes: list[BatchShape], seconds: list[float], meta: dict[str, Any] | None = None
-        ) -> CostModel:
+def fit(
+    shapes: list[BatchShape], seconds: list[float], meta: dict[str, Any] | None = None
+) -> CostModel:
     """Non-negative least squares (features with a negative fit are dropped and refitted),
     weighted by 1/seconds so that short steps (decodes) fit as well as long ones."""
     x = np.array([s.vector() for s in shapes])

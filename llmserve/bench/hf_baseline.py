@@ -63,25 +63,38 @@ def run_static(model, workload: Workload, batch_size: int) -> RunResult:
     for first in range(0, len(specs), batch_size):
         batch = specs[first : first + batch_size]
         longest = max(s.prompt_tokens for s in batch)
-        ids = torch.tensor([[PAD_ID] * (longest - s.prompt_tokens) + prompt_ids(s.prompt_tokens)
-                            for s in batch])
-        mask = torch.tensor([[0] * (longest - s.prompt_tokens) + [1] * s.prompt_tokens
-                             for s in batch])
+        ids = torch.tensor(
+            [[PAD_ID] * (longest - s.prompt_tokens) + prompt_ids(s.prompt_tokens) for s in batch]
+        )
+        mask = torch.tensor(
+            [[0] * (longest - s.prompt_tokens) + [1] * s.prompt_tokens for s in batch]
+        )
         steps = StepTimes()
         start = time.perf_counter() - t0
         new_tokens = max(s.output_tokens for s in batch)
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                eos_token_id=None, pad_token_id=PAD_ID, stopping_criteria=[steps],
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=PAD_ID,
+                stopping_criteria=[steps],
             )
         times = [t - t0 for t in steps.times]
         produced = out.shape[1] - longest
         for s in batch:
             n = min(s.output_tokens, produced)
             records.append(_record(s, start, start, times[:n]))
-    return RunResult("transformers static", records, [], time.perf_counter() - t0,
-                     config={"batch_size": batch_size, "padding": "left"}, kind="transformers")
+    return RunResult(
+        "transformers static",
+        records,
+        [],
+        time.perf_counter() - t0,
+        config={"batch_size": batch_size, "padding": "left"},
+        kind="transformers",
+    )
 
 
 def run_generate_batch(model, workload: Workload, max_per_batch: int) -> RunResult | None:
@@ -94,21 +107,36 @@ def run_generate_batch(model, workload: Workload, max_per_batch: int) -> RunResu
         return None
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    gen = GenerationConfig(max_new_tokens=lengths[0], do_sample=False, eos_token_id=-1,
-                           pad_token_id=PAD_ID)
+    gen = GenerationConfig(
+        max_new_tokens=lengths[0], do_sample=False, eos_token_id=-1, pad_token_id=PAD_ID
+    )
     cb = ContinuousBatchingConfig(max_requests_per_batch=max_per_batch)
     inputs = [prompt_ids(s.prompt_tokens) for s in workload.requests]
     t0 = time.perf_counter()
-    outputs = model.generate_batch(inputs, generation_config=gen, continuous_batching_config=cb,
-                                   record_timestamps=True)
+    outputs = model.generate_batch(
+        inputs, generation_config=gen, continuous_batching_config=cb, record_timestamps=True
+    )
     wall = time.perf_counter() - t0
     records = []
     for spec, out in zip(workload.requests, _in_order(outputs, len(inputs)), strict=True):
         created = out.created_time - t0
-        records.append(_record(spec, created, created, [t - t0 for t in out.timestamps or []],
-                               produced=len(out.generated_tokens)))
-    return RunResult("transformers generate_batch", records, [], wall,
-                     config={"max_requests_per_batch": max_per_batch}, kind="transformers")
+        records.append(
+            _record(
+                spec,
+                created,
+                created,
+                [t - t0 for t in out.timestamps or []],
+                produced=len(out.generated_tokens),
+            )
+        )
+    return RunResult(
+        "transformers generate_batch",
+        records,
+        [],
+        wall,
+        config={"max_requests_per_batch": max_per_batch},
+        kind="transformers",
+    )
 
 
 def _in_order(outputs: dict, n: int) -> list:
@@ -118,11 +146,23 @@ def _in_order(outputs: dict, n: int) -> list:
     return by_index
 
 
-def _record(spec: RequestSpec, scheduled: float, sent: float, token_times: list[float],
-            produced: int | None = None) -> RequestRecord:
+def _record(
+    spec: RequestSpec,
+    scheduled: float,
+    sent: float,
+    token_times: list[float],
+    produced: int | None = None,
+) -> RequestRecord:
     n = len(token_times) if produced is None else produced
-    record = RequestRecord(spec.index, spec.prompt_tokens, spec.output_tokens, scheduled, sent,
-                           completion_tokens=n, finish="length")
+    record = RequestRecord(
+        spec.index,
+        spec.prompt_tokens,
+        spec.output_tokens,
+        scheduled,
+        sent,
+        completion_tokens=n,
+        finish="length",
+    )
     if token_times:
         record.first_token_s = token_times[0]
         record.token_gaps = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]

@@ -29,8 +29,9 @@ class LoadGenerator:
         self.timeout_s = timeout_s
         self.temperature = temperature
 
-    async def run(self, workload: Workload, t0: float, on_done: OnDone | None = None
-                  ) -> list[RequestRecord]:
+    async def run(
+        self, workload: Workload, t0: float, on_done: OnDone | None = None
+    ) -> list[RequestRecord]:
         """Send the whole workload; `t0` (time.perf_counter) is the run's zero."""
         async with grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS) as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -38,8 +39,9 @@ class LoadGenerator:
                 return await self._closed(stub, workload, t0, on_done)
             return await self._open(stub, workload, t0, on_done)
 
-    async def _closed(self, stub, workload: Workload, t0: float, on_done: OnDone | None
-                      ) -> list[RequestRecord]:
+    async def _closed(
+        self, stub, workload: Workload, t0: float, on_done: OnDone | None
+    ) -> list[RequestRecord]:
         pending = iter(workload.requests)
         records: list[RequestRecord] = []
 
@@ -53,8 +55,9 @@ class LoadGenerator:
         await asyncio.gather(*(client_loop() for _ in range(workload.concurrency)))
         return sorted(records, key=lambda r: r.index)
 
-    async def _open(self, stub, workload: Workload, t0: float, on_done: OnDone | None
-                    ) -> list[RequestRecord]:
+    async def _open(
+        self, stub, workload: Workload, t0: float, on_done: OnDone | None
+    ) -> list[RequestRecord]:
         tasks = []
         for spec in sorted(workload.requests, key=lambda r: r.arrival_s or 0.0):
             due = spec.arrival_s or 0.0
@@ -67,12 +70,14 @@ class LoadGenerator:
             tasks.append(task)
         return sorted(await asyncio.gather(*tasks), key=lambda r: r.index)
 
-    async def one(self, stub, spec: RequestSpec, scheduled_s: float, t0: float
-                  ) -> RequestRecord:
+    async def one(self, stub, spec: RequestSpec, scheduled_s: float, t0: float) -> RequestRecord:
         record = RequestRecord(spec.index, spec.prompt_tokens, spec.output_tokens, scheduled_s)
         request = client.make_request(
-            prompt=prompt_text(spec.prompt_tokens), max_tokens=spec.limit,
-            temperature=self.temperature, ignore_eos=True, request_id=f"bench-{spec.index}",
+            prompt=prompt_text(spec.prompt_tokens),
+            max_tokens=spec.limit,
+            temperature=self.temperature,
+            ignore_eos=True,
+            request_id=f"bench-{spec.index}",
         )
         record.sent_s = time.perf_counter() - t0
         last: float | None = None

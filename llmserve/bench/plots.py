@@ -12,12 +12,21 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from llmserve.bench.records import RunResult  # noqa: E402
 
-LATENCIES = [("ttft_s", "time to first token"), ("itl_s", "inter-token"),
-             ("e2e_s", "end-to-end"), ("queue_s", "queue time")]
+LATENCIES = [
+    ("ttft_s", "time to first token"),
+    ("itl_s", "inter-token"),
+    ("e2e_s", "end-to-end"),
+    ("queue_s", "queue time"),
+]
 
 
-def write_plots(out_dir: Path, name: str, summaries: list[dict[str, Any]],
-                results: list[RunResult], subtitle: str = "") -> list[Path]:
+def write_plots(
+    out_dir: Path,
+    name: str,
+    summaries: list[dict[str, Any]],
+    results: list[RunResult],
+    subtitle: str = "",
+) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [
         _save(throughput(summaries, subtitle), out_dir / f"{name}-throughput.png"),
@@ -69,8 +78,12 @@ def stalls(summaries: list[dict[str, Any]], subtitle: str):
     width = 0.8 / max(1, len(reasons))
     for j, reason in enumerate(reasons):
         values = [s["stalls"].get(reason, 0) for s in summaries]
-        ax.bar([i + (j - (len(reasons) - 1) / 2) * width for i in range(len(labels))], values,
-               width, label=reason)
+        ax.bar(
+            [i + (j - (len(reasons) - 1) / 2) * width for i in range(len(labels))],
+            values,
+            width,
+            label=reason,
+        )
     ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("steps whose admission stopped")
     if reasons:
@@ -88,8 +101,9 @@ def kv_over_time(results: list[RunResult], subtitle: str):
         written = [s.kv_written for s in r.samples]
         held = [s.kv_held for s in r.samples]
         ax.fill_between(t, 0, written, color="tab:blue", alpha=0.6, label="written")
-        ax.fill_between(t, written, held, color="tab:orange", alpha=0.5, hatch="//",
-                        label="reserved, unwritten")
+        ax.fill_between(
+            t, written, held, color="tab:orange", alpha=0.5, hatch="//", label="reserved, unwritten"
+        )
         ax.plot(t, [s.kv_capacity for s in r.samples], "k--", lw=1, label="capacity")
         ax.set_ylabel("KV positions")
         ax.set_title(r.label, fontsize=9)

@@ -12,8 +12,16 @@ from llmserve.bench.records import StatusSample
 from llmserve.server import CHANNEL_OPTIONS
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-COUNTERS = ["steps", "admitted", "finished", "preemptions", "executed_steps", "step_seconds",
-            "forward_seconds", "core_seconds"]
+COUNTERS = [
+    "steps",
+    "admitted",
+    "finished",
+    "preemptions",
+    "executed_steps",
+    "step_seconds",
+    "forward_seconds",
+    "core_seconds",
+]
 
 
 def sample_of(reply: scheduler_pb2.StatusReply, t: float) -> StatusSample:
@@ -43,8 +51,9 @@ def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     """What happened between two Status replies (counters only grow)."""
     out = {k: after[k] - before[k] for k in COUNTERS}
     for key in ("stalls", "refused"):
-        out[key] = {r: n - before[key].get(r, 0) for r, n in after[key].items()
-                    if n - before[key].get(r, 0)}
+        out[key] = {
+            r: n - before[key].get(r, 0) for r, n in after[key].items() if n - before[key].get(r, 0)
+        }
     out["policy"], out["mode"] = after["policy"], after["mode"]
     return out
 

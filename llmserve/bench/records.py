@@ -38,12 +38,18 @@ class RequestRecord:
 
     def row(self) -> dict[str, Any]:
         return {
-            "index": self.index, "prompt_tokens": self.prompt_tokens,
-            "expected_tokens": self.expected_tokens, "completion_tokens": self.completion_tokens,
-            "scheduled_s": _r(self.scheduled_s), "sent_s": _r(self.sent_s),
-            "ttft_s": _r(self.ttft_s), "e2e_s": _r(self.e2e_s),
-            "queue_time_s": _r(self.queue_time_s), "preemptions": self.preemptions,
-            "finish": self.finish, "error": self.error,
+            "index": self.index,
+            "prompt_tokens": self.prompt_tokens,
+            "expected_tokens": self.expected_tokens,
+            "completion_tokens": self.completion_tokens,
+            "scheduled_s": _r(self.scheduled_s),
+            "sent_s": _r(self.sent_s),
+            "ttft_s": _r(self.ttft_s),
+            "e2e_s": _r(self.e2e_s),
+            "queue_time_s": _r(self.queue_time_s),
+            "preemptions": self.preemptions,
+            "finish": self.finish,
+            "error": self.error,
         }
 
 

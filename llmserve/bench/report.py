@@ -63,8 +63,8 @@ class Report:
             "title": self.title,
             "created": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started)),
             "command": self.command,
-            "machine": self.machine_start | {"load_average_1m_end": machine().get(
-                "load_average_1m")},
+            "machine": self.machine_start
+            | {"load_average_1m_end": machine().get("load_average_1m")},
             "workload": self.workload,
             "runs": self.summaries(),
             "timelines": {r.label: _timeline(r) for r in self.results if r.samples},
@@ -127,33 +127,63 @@ def table(title: str, summaries: list[dict[str, Any]], reference: str | None = N
     def row(name: str, fn) -> None:
         t.add_row(name, *[fn(s) for s in summaries])
 
-    row("requests ok / sent", lambda s: f"{s['ok']} / {s['requests']}"
-        + ("" if s["exact_lengths"] else " (LENGTH MISMATCH)"))
+    row(
+        "requests ok / sent",
+        lambda s: (
+            f"{s['ok']} / {s['requests']}" + ("" if s["exact_lengths"] else " (LENGTH MISMATCH)")
+        ),
+    )
     row("requests/s", lambda s: f"{s['throughput']['requests_per_s']:.2f}")
     row("output tokens/s", lambda s: f"{s['throughput']['output_tokens_per_s']:.0f}")
     if ref:
         base = ref["throughput"]["output_tokens_per_s"]
-        row(f"× {reference}", lambda s: f"{s['throughput']['output_tokens_per_s'] / base:.2f}×"
-            if base else "-")
+        row(
+            f"× {reference}",
+            lambda s: f"{s['throughput']['output_tokens_per_s'] / base:.2f}×" if base else "-",
+        )
     row("TTFT p50/p90/p99", lambda s: fmt_pct(s["ttft_s"]))
     row("inter-token p50/p90/p99", lambda s: fmt_pct(s["itl_s"]))
     row("end-to-end p50/p90/p99", lambda s: fmt_pct(s["e2e_s"]))
     row("queue p50/p90/p99", lambda s: fmt_pct(s["queue_s"]))
     row("preemptions", lambda s: str(s["preemptions"]) if s["kind"] != "transformers" else "-")
-    row("stalls (steps)", lambda s: ", ".join(f"{k} {v}" for k, v in sorted(s["stalls"].items()))
-        or "-")
-    row("KV peak written/held/cap", lambda s: "-" if not s["kv"] else
-        f"{s['kv']['peak_written']} / {s['kv']['peak_held']:.0f} / {s['kv']['capacity']}")
-    row("KV mean written/held", lambda s: "-" if not s["kv"] else
-        f"{s['kv']['mean_written_share']:.0%} / {s['kv']['mean_held_share']:.0%}")
+    row(
+        "stalls (steps)",
+        lambda s: ", ".join(f"{k} {v}" for k, v in sorted(s["stalls"].items())) or "-",
+    )
+    row(
+        "KV peak written/held/cap",
+        lambda s: (
+            "-"
+            if not s["kv"]
+            else f"{s['kv']['peak_written']} / {s['kv']['peak_held']:.0f} / {s['kv']['capacity']}"
+        ),
+    )
+    row(
+        "KV mean written/held",
+        lambda s: (
+            "-"
+            if not s["kv"]
+            else f"{s['kv']['mean_written_share']:.0%} / {s['kv']['mean_held_share']:.0%}"
+        ),
+    )
     row("peak running", lambda s: "-" if not s["kv"] else str(s["kv"]["peak_running"]))
-    row("gRPC+sched overhead", lambda s: "-" if not s["overhead"] else
-        f"{s['overhead']['overhead_share']:.1%} (core {s['overhead']['core_share']:.1%})")
+    row(
+        "gRPC+sched overhead",
+        lambda s: (
+            "-"
+            if not s["overhead"]
+            else f"{s['overhead']['overhead_share']:.1%} (core {s['overhead']['core_share']:.1%})"
+        ),
+    )
     return t
 
 
-def print_table(title: str, summaries: list[dict[str, Any]], reference: str | None = None,
-                notes: list[str] | None = None) -> None:
+def print_table(
+    title: str,
+    summaries: list[dict[str, Any]],
+    reference: str | None = None,
+    notes: list[str] | None = None,
+) -> None:
     console = Console(width=max(120, Console().width))
     console.print(table(title, summaries, reference))
     for note in notes or []:

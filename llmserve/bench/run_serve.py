@@ -22,11 +22,16 @@ HF_STATIC, HF_BATCH = "transformers static", "transformers generate_batch"
 def stack_settings(args: argparse.Namespace, workload: Workload) -> StackSettings:
     longest = max(r.prompt_tokens for r in workload.requests)
     budget = args.token_budget or max(256, (workload.concurrency or 1) * longest)
-    return StackSettings(model=args.model, dtype=args.dtype, workers=args.workers,
-                         token_budget=budget,
-                         max_running=args.max_running or workload.concurrency or 32,
-                         kv_capacity=args.kv_capacity, block_size=args.block_size,
-                         threads=args.threads)
+    return StackSettings(
+        model=args.model,
+        dtype=args.dtype,
+        workers=args.workers,
+        token_budget=budget,
+        max_running=args.max_running or workload.concurrency or 32,
+        kv_capacity=args.kv_capacity,
+        block_size=args.block_size,
+        threads=args.threads,
+    )
 
 
 def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int:
@@ -34,14 +39,24 @@ def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int
     progress = not args.no_progress
     report = Report(f"llmserve bench serve: {workload.name}", workload.describe(), command)
     if args.target:
-        result = asyncio.run(run_workload(args.target, args.status_target, workload, "served",
-                                          progress, args.poll, timeout_s=args.timeout))
+        result = asyncio.run(
+            run_workload(
+                args.target,
+                args.status_target,
+                workload,
+                "served",
+                progress,
+                args.poll,
+                timeout_s=args.timeout,
+            )
+        )
         _say(report.add(result))
     else:
         base = stack_settings(args, workload)
         for text in args.policies.split(","):
-            result = run_policy(base, Policy.parse(text.strip()), workload,
-                                args.out / "logs" / args.name, progress)
+            result = run_policy(
+                base, Policy.parse(text.strip()), workload, args.out / "logs" / args.name, progress
+            )
             _say(report.add(result))
     baselines = [b for b in args.baselines.split(",") if b and b != "none"]
     if baselines:
@@ -86,19 +101,26 @@ def ratios(summaries: list[dict[str, Any]]) -> dict[str, dict[str, float | None]
     tok = {s["label"]: s["throughput"]["output_tokens_per_s"] for s in summaries}
     bases = [b for b in (HF_STATIC, HF_BATCH) if b in tok]
     served = [s["label"] for s in summaries if s["kind"] == "served"]
-    return {label: {f"vs {b}": ratio(tok[label], tok[b]) for b in bases}
-            for label in served if bases}
+    return {
+        label: {f"vs {b}": ratio(tok[label], tok[b]) for b in bases} for label in served if bases
+    }
 
 
 def _notes(report: Report, workload: Workload) -> list[str]:
     load = report.machine_start.get("load_average_1m")
-    notes = [f"workload: {workload.describe()}",
-             f"machine: {report.machine_start.get('cpus')} CPUs, 1-min load average at start "
-             f"{load:.1f} (other work on the machine makes these figures noisy)" if load else ""]
+    notes = [
+        f"workload: {workload.describe()}",
+        f"machine: {report.machine_start.get('cpus')} CPUs, 1-min load average at start "
+        f"{load:.1f} (other work on the machine makes these figures noisy)"
+        if load
+        else "",
+    ]
     if any(r.finish == "client_stop" for result in report.results for r in result.records):
-        notes.append("max_tokens is above the output lengths: clients stop reading at the length "
-                     "(as if the model ended there), so the server's usage, and with it the queue "
-                     "time, does not come back for those requests")
+        notes.append(
+            "max_tokens is above the output lengths: clients stop reading at the length "
+            "(as if the model ended there), so the server's usage, and with it the queue "
+            "time, does not come back for those requests"
+        )
     for label, rs in report.extra.get("ratios", {}).items():
         parts = [f"{v:.2f}× {k.removeprefix('vs ')}" for k, v in rs.items() if v]
         if parts:
@@ -108,13 +130,16 @@ def _notes(report: Report, workload: Workload) -> list[str]:
 
 def _subtitle(workload: Workload) -> str:
     p = workload.params
-    scale = (f", length×{p['length_scale']:g}, time×{p['time_scale']:g}"
-             if "length_scale" in p else "")
+    scale = (
+        f", length×{p['length_scale']:g}, time×{p['time_scale']:g}" if "length_scale" in p else ""
+    )
     return f"{workload.name}: {len(workload.requests)} requests{scale}"
 
 
 def _say(summary: dict[str, Any]) -> None:
     t = summary["throughput"]
-    print(f"{summary['label']}: {summary['ok']}/{summary['requests']} ok, "
-          f"{t['output_tokens_per_s']:.0f} output tokens/s, {t['requests_per_s']:.2f} req/s",
-          flush=True)
+    print(
+        f"{summary['label']}: {summary['ok']}/{summary['requests']} ok, "
+        f"{t['output_tokens_per_s']:.0f} output tokens/s, {t['requests_per_s']:.2f} req/s",
+        flush=True,
+    )

@@ -20,9 +20,14 @@ def run_sim(args: argparse.Namespace, command: str) -> int:
 
     cost = CostModel.load(args.cost_model or DEFAULT_COST_MODEL)
     settings = SimSettings(
-        workers=args.sim_workers, kv_capacity=args.kv_capacity, block_size=args.block_size,
-        token_budget=args.token_budget, max_running=args.max_running,
-        max_context=args.max_context, speedup=args.speedup, step_overhead_s=args.step_overhead,
+        workers=args.sim_workers,
+        kv_capacity=args.kv_capacity,
+        block_size=args.block_size,
+        token_budget=args.token_budget,
+        max_running=args.max_running,
+        max_context=args.max_context,
+        speedup=args.speedup,
+        step_overhead_s=args.step_overhead,
     )
     policies = [Policy.parse(p.strip()) for p in args.policies.split(",")]
     rows: list[dict[str, Any]] = []
@@ -34,30 +39,46 @@ def run_sim(args: argparse.Namespace, command: str) -> int:
             "cost_model_source": str(args.cost_model or DEFAULT_COST_MODEL),
             "cost_model_measured_on": cost.meta.get("machine", {}).get("processor", "?"),
         }
-        report = Report(f"simulated ({settings.workers} workers, speedup {settings.speedup:g}): "
-                        f"{workload.name}", described, command)
+        report = Report(
+            f"simulated ({settings.workers} workers, speedup {settings.speedup:g}): "
+            f"{workload.name}",
+            described,
+            command,
+        )
         for policy in policies:
             result = Simulation(settings, policy, cost).run(workload, not args.no_progress)
             summary = report.add(result)
             rows.append(_row(load, summary, result.counters))
-            print(f"load ×{load:g} {policy.label}: {summary['ok']}/{summary['requests']} ok, "
-                  f"{summary['throughput']['output_tokens_per_s']:.0f} output tokens/s, "
-                  f"p99 TTFT {summary['ttft_s']['p99']:.2f} s; simulated in "
-                  f"{result.counters['real_s']:.0f} s real "
-                  f"({result.counters['core_us_per_step']:.0f} µs core per step)", flush=True)
+            print(
+                f"load ×{load:g} {policy.label}: {summary['ok']}/{summary['requests']} ok, "
+                f"{summary['throughput']['output_tokens_per_s']:.0f} output tokens/s, "
+                f"p99 TTFT {summary['ttft_s']['p99']:.2f} s; simulated in "
+                f"{result.counters['real_s']:.0f} s real "
+                f"({result.counters['core_us_per_step']:.0f} µs core per step)",
+                flush=True,
+            )
         name = f"{args.name}-load{load:g}"
         summaries = report.summaries()
-        notes = [f"times are virtual seconds: cost model {described['cost_model_source']} "
-                 f"divided by speedup {settings.speedup:g}",
-                 f"workload: {workload.describe()}"]
+        notes = [
+            f"times are virtual seconds: cost model {described['cost_model_source']} "
+            f"divided by speedup {settings.speedup:g}",
+            f"workload: {workload.describe()}",
+        ]
         print_table(report.title, summaries, None, notes)
         report.extra["notes"] = notes
         report.write(args.out, name)
-        write_plots(args.out, name, summaries, report.results,
-                    f"{workload.name}, load ×{load:g}, simulated")
+        write_plots(
+            args.out, name, summaries, report.results, f"{workload.name}, load ×{load:g}, simulated"
+        )
     best = at_slo(rows, args.ttft_slo)
-    sweep = {"command": command, "ttft_slo_s": args.ttft_slo, "rows": rows, "at_slo": best,
-             "at_slo_ratios": slo_ratios(best), "reserve_vs_paged": reserve_vs_paged(rows)}
+    sweep = {
+        "command": command,
+        "ttft_slo_s": args.ttft_slo,
+        "rows": rows,
+        "at_slo": best,
+        "at_slo_ratios": slo_ratios(best),
+        "reserve_vs_paged": reserve_vs_paged(rows),
+    }
     path = args.out / f"{args.name}-sweep.json"
     path.write_text(json.dumps(sweep, indent=1))
     write_sweep_plot(rows, args.out / f"{args.name}-sweep.png", args.ttft_slo)
@@ -68,17 +89,26 @@ def run_sim(args: argparse.Namespace, command: str) -> int:
 
 def _row(load: float, s: dict[str, Any], counters: dict[str, Any]) -> dict[str, Any]:
     return {
-        "load": load, "policy": s["label"], "requests": s["requests"], "ok": s["ok"],
+        "load": load,
+        "policy": s["label"],
+        "requests": s["requests"],
+        "ok": s["ok"],
         "output_tokens_per_s": s["throughput"]["output_tokens_per_s"],
         "requests_per_s": s["throughput"]["requests_per_s"],
-        "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p99_s": s["ttft_s"]["p99"],
-        "itl_p50_s": (s["itl_s"] or {}).get("p50"), "e2e_p99_s": s["e2e_s"]["p99"],
-        "queue_p99_s": (s["queue_s"] or {}).get("p99"), "preemptions": s["preemptions"],
+        "ttft_p50_s": s["ttft_s"]["p50"],
+        "ttft_p99_s": s["ttft_s"]["p99"],
+        "itl_p50_s": (s["itl_s"] or {}).get("p50"),
+        "e2e_p99_s": s["e2e_s"]["p99"],
+        "queue_p99_s": (s["queue_s"] or {}).get("p99"),
+        "preemptions": s["preemptions"],
         "kv_mean_written_share": (s["kv"] or {}).get("mean_written_share"),
         "kv_mean_held_share": (s["kv"] or {}).get("mean_held_share"),
         "peak_running": (s["kv"] or {}).get("peak_running"),
-        "stalls": s["stalls"], "virtual_s": counters["virtual_s"], "real_s": counters["real_s"],
-        "core_us_per_step": counters["core_us_per_step"], "steps": counters["steps"],
+        "stalls": s["stalls"],
+        "virtual_s": counters["virtual_s"],
+        "real_s": counters["real_s"],
+        "core_us_per_step": counters["core_us_per_step"],
+        "steps": counters["steps"],
         "step_ms": 1000 * counters["busy_s"] / max(1, counters["steps"]),
     }
 
@@ -89,9 +119,15 @@ def at_slo(rows: list[dict[str, Any]], slo: float) -> dict[str, dict[str, Any] |
     for policy in dict.fromkeys(r["policy"] for r in rows):
         meeting = [r for r in rows if r["policy"] == policy and r["ttft_p99_s"] <= slo]
         best = max(meeting, key=lambda r: r["output_tokens_per_s"], default=None)
-        out[policy] = None if best is None else {
-            "load": best["load"], "output_tokens_per_s": best["output_tokens_per_s"],
-            "ttft_p99_s": best["ttft_p99_s"]}
+        out[policy] = (
+            None
+            if best is None
+            else {
+                "load": best["load"],
+                "output_tokens_per_s": best["output_tokens_per_s"],
+                "ttft_p99_s": best["ttft_p99_s"],
+            }
+        )
     return out
 
 
@@ -100,9 +136,10 @@ def slo_ratios(best: dict[str, dict[str, Any] | None]) -> dict[str, float | None
     paged = best.get("continuous+paged")
     return {
         f"continuous+paged / {policy}": (
-            paged["output_tokens_per_s"] / other["output_tokens_per_s"]
-            if paged and other else None)
-        for policy, other in best.items() if policy != "continuous+paged"
+            paged["output_tokens_per_s"] / other["output_tokens_per_s"] if paged and other else None
+        )
+        for policy, other in best.items()
+        if policy != "continuous+paged"
     }
 
 
@@ -114,14 +151,16 @@ def reserve_vs_paged(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         reserve = by.get((load, "continuous+reserve"))
         if policy != "continuous+paged" or reserve is None:
             continue
-        out.append({
-            "load": load,
-            "throughput_ratio": reserve["output_tokens_per_s"] / paged["output_tokens_per_s"],
-            "ttft_p50_ratio": _div(reserve["ttft_p50_s"], paged["ttft_p50_s"]),
-            "ttft_p99_ratio": _div(reserve["ttft_p99_s"], paged["ttft_p99_s"]),
-            "paged_peak_running": paged["peak_running"],
-            "reserve_peak_running": reserve["peak_running"],
-        })
+        out.append(
+            {
+                "load": load,
+                "throughput_ratio": reserve["output_tokens_per_s"] / paged["output_tokens_per_s"],
+                "ttft_p50_ratio": _div(reserve["ttft_p50_s"], paged["ttft_p50_s"]),
+                "ttft_p99_ratio": _div(reserve["ttft_p99_s"], paged["ttft_p99_s"]),
+                "paged_peak_running": paged["peak_running"],
+                "reserve_peak_running": reserve["peak_running"],
+            }
+        )
     return out
 
 
@@ -134,25 +173,55 @@ def _print_sweep(sweep: dict[str, Any]) -> None:
     from rich.table import Table
 
     t = Table(title="load sweep (simulated)")
-    for col in ("load", "policy", "out tok/s", "req/s", "TTFT p50", "TTFT p99", "e2e p99",
-                "preempt", "peak running", "KV held", "step ms", "core µs", "real s"):
+    for col in (
+        "load",
+        "policy",
+        "out tok/s",
+        "req/s",
+        "TTFT p50",
+        "TTFT p99",
+        "e2e p99",
+        "preempt",
+        "peak running",
+        "KV held",
+        "step ms",
+        "core µs",
+        "real s",
+    ):
         t.add_column(col, justify="right")
     for r in sweep["rows"]:
-        t.add_row(f"×{r['load']:g}", r["policy"], f"{r['output_tokens_per_s']:.0f}",
-                  f"{r['requests_per_s']:.2f}", f"{r['ttft_p50_s']:.2f}",
-                  f"{r['ttft_p99_s']:.2f}", f"{r['e2e_p99_s']:.1f}", str(r["preemptions"]),
-                  str(r["peak_running"]), f"{(r['kv_mean_held_share'] or 0):.0%}",
-                  f"{r['step_ms']:.1f}", f"{r['core_us_per_step']:.0f}", f"{r['real_s']:.0f}")
+        t.add_row(
+            f"×{r['load']:g}",
+            r["policy"],
+            f"{r['output_tokens_per_s']:.0f}",
+            f"{r['requests_per_s']:.2f}",
+            f"{r['ttft_p50_s']:.2f}",
+            f"{r['ttft_p99_s']:.2f}",
+            f"{r['e2e_p99_s']:.1f}",
+            str(r["preemptions"]),
+            str(r["peak_running"]),
+            f"{(r['kv_mean_held_share'] or 0):.0%}",
+            f"{r['step_ms']:.1f}",
+            f"{r['core_us_per_step']:.0f}",
+            f"{r['real_s']:.0f}",
+        )
     console = Console(width=190)
     console.print(t)
     for policy, best in sweep["at_slo"].items():
-        console.print(f"p99 TTFT ≤ {sweep['ttft_slo_s']:g} s: {policy}: " + (
-            "never met" if best is None else
-            f"{best['output_tokens_per_s']:.0f} output tokens/s (load ×{best['load']:g})"))
+        console.print(
+            f"p99 TTFT ≤ {sweep['ttft_slo_s']:g} s: {policy}: "
+            + (
+                "never met"
+                if best is None
+                else f"{best['output_tokens_per_s']:.0f} output tokens/s (load ×{best['load']:g})"
+            )
+        )
     for name, value in sweep["at_slo_ratios"].items():
         if value:
             console.print(f"at p99 TTFT ≤ {sweep['ttft_slo_s']:g} s: {name} = {value:.2f}×")
     for r in sweep["reserve_vs_paged"]:
-        console.print(f"load ×{r['load']:g}: reserve keeps {r['throughput_ratio']:.0%} of paged's "
-                      f"throughput; p99 TTFT ×{(r['ttft_p99_ratio'] or 0):.2f}; peak running "
-                      f"{r['reserve_peak_running']} vs {r['paged_peak_running']}")
+        console.print(
+            f"load ×{r['load']:g}: reserve keeps {r['throughput_ratio']:.0%} of paged's "
+            f"throughput; p99 TTFT ×{(r['ttft_p99_ratio'] or 0):.2f}; peak running "
+            f"{r['reserve_peak_running']} vs {r['paged_peak_running']}"
+        )

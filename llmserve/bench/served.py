@@ -36,16 +36,23 @@ async def run_workload(
         await gen.run(Workload("warmup", specs, concurrency=warmup), time.perf_counter())
     poller = StatusPoller(scheduler, poll_s)
     before = counters_of(await poller.status())
-    bar = tqdm(total=len(workload.requests), desc=label, unit="req", disable=not progress,
-               leave=False, mininterval=0.5)
+    bar = tqdm(
+        total=len(workload.requests),
+        desc=label,
+        unit="req",
+        disable=not progress,
+        leave=False,
+        mininterval=0.5,
+    )
     tokens = 0
 
     def done(record: RequestRecord) -> None:
         nonlocal tokens
         tokens += record.completion_tokens
         bar.update(1)
-        bar.set_postfix(out_tok_s=f"{tokens / max(1e-9, time.perf_counter() - t0):.0f}",
-                        refresh=False)
+        bar.set_postfix(
+            out_tok_s=f"{tokens / max(1e-9, time.perf_counter() - t0):.0f}", refresh=False
+        )
 
     stop = asyncio.Event()
     t0 = time.perf_counter()
@@ -66,9 +73,16 @@ async def run_workload(
 def bench_settings(base: StackSettings, policy: Policy) -> StackSettings:
     """`base` with the policy, fresh loopback ports and queue limits a benchmark never hits."""
     ports = _free_ports(2)
-    return replace(base, policy=policy.kv, mode=policy.mode, gateway_port=ports[0],
-                   scheduler_port=ports[1], worker_base_port=_free_run(base.workers, ports),
-                   max_queued_requests=1_000_000, max_queued_tokens=2**40)
+    return replace(
+        base,
+        policy=policy.kv,
+        mode=policy.mode,
+        gateway_port=ports[0],
+        scheduler_port=ports[1],
+        worker_base_port=_free_run(base.workers, ports),
+        max_queued_requests=1_000_000,
+        max_queued_tokens=2**40,
+    )
 
 
 def run_policy(
@@ -79,15 +93,22 @@ def run_policy(
     stack = Stack(settings, log_dir / policy.label)
     stack.start()
     try:
-        result = asyncio.run(run_workload(settings.gateway, settings.scheduler, workload,
-                                          policy.label, progress))
+        result = asyncio.run(
+            run_workload(settings.gateway, settings.scheduler, workload, policy.label, progress)
+        )
     finally:
         stack.stop()
-    result.config = {"policy": policy.label, "model": settings.model, "dtype": settings.dtype,
-                     "workers": settings.workers, "token_budget": settings.token_budget,
-                     "max_running": settings.max_running, "kv_capacity": settings.kv_capacity,
-                     "block_size": settings.block_size,
-                     "chunked_prefill": settings.chunked_prefill}
+    result.config = {
+        "policy": policy.label,
+        "model": settings.model,
+        "dtype": settings.dtype,
+        "workers": settings.workers,
+        "token_budget": settings.token_budget,
+        "max_running": settings.max_running,
+        "kv_capacity": settings.kv_capacity,
+        "block_size": settings.block_size,
+        "chunked_prefill": settings.chunked_prefill,
+    }
     return result
 
 

@@ -45,13 +45,21 @@ class SimSettings:
     status_every_s: float = 1.0  # virtual seconds between Status samples
 
     def core(self, policy: Policy) -> CoreConfig:
-        return CoreConfig(token_budget=self.token_budget, max_running=self.max_running,
-                          policy=policy.kv, mode=policy.mode,
-                          chunked_prefill=self.chunked_prefill)
+        return CoreConfig(
+            token_budget=self.token_budget,
+            max_running=self.max_running,
+            policy=policy.kv,
+            mode=policy.mode,
+            chunked_prefill=self.chunked_prefill,
+        )
 
     def specs(self) -> list[WorkerSpec]:
-        return [WorkerSpec(f"sim{i}", self.kv_capacity // self.block_size, self.block_size,
-                           self.max_context) for i in range(self.workers)]
+        return [
+            WorkerSpec(
+                f"sim{i}", self.kv_capacity // self.block_size, self.block_size, self.max_context
+            )
+            for i in range(self.workers)
+        ]
 
 
 class Simulation:
@@ -77,9 +85,14 @@ class Simulation:
         else:
             arrivals = deque(sorted(workload.requests, key=lambda r: r.arrival_s or 0.0))
             later = deque()
-        bar = tqdm(total=len(workload.requests), desc=f"sim {self.policy.label}", unit="req",
-                   disable=not progress, leave=False,
-                   mininterval=0.5)
+        bar = tqdm(
+            total=len(workload.requests),
+            desc=f"sim {self.policy.label}",
+            unit="req",
+            disable=not progress,
+            leave=False,
+            mininterval=0.5,
+        )
         next_sample = 0.0
         while arrivals or later or self._has_work():
             while arrivals and (workload.closed or (arrivals[0].arrival_s or 0.0) <= self.now):
@@ -111,14 +124,17 @@ class Simulation:
         self.core_s += time.perf_counter() - t
         self._events()
         if not any(b.items for b in batches):
-            raise RuntimeError(f"nothing can run: head of queue waits for "
-                               f"{self.core.head_reason}; raise the KV capacity or budget")
+            raise RuntimeError(
+                f"nothing can run: head of queue waits for "
+                f"{self.core.head_reason}; raise the KV capacity or budget"
+            )
         seconds = max(self._seconds(b) for b in batches) + self.settings.step_overhead_s
         self.now += seconds
         self.busy_s += seconds
         self.steps += 1
-        sampled = {w.seq.request_id: self._token(w.seq) for b in batches for w in b.items
-                   if w.sample}
+        sampled = {
+            w.seq.request_id: self._token(w.seq) for b in batches for w in b.items if w.sample
+        }
         t = time.perf_counter()
         self.core.postprocess(batches, sampled)
         self.core_s += time.perf_counter() - t
@@ -136,13 +152,24 @@ class Simulation:
     def _arrive(self, spec: RequestSpec) -> None:
         rid = str(spec.index)
         arrival = self.now if spec.arrival_s is None else spec.arrival_s
-        record = RequestRecord(spec.index, spec.prompt_tokens, spec.output_tokens, arrival,
-                               arrival, token_gaps=array("d"))  # type: ignore[arg-type]
+        record = RequestRecord(
+            spec.index,
+            spec.prompt_tokens,
+            spec.output_tokens,
+            arrival,
+            arrival,
+            token_gaps=array("d"),
+        )  # type: ignore[arg-type]
         self.records[rid] = record
         self.target[rid] = spec.output_tokens
-        seq = Sequence(rid, [WORD_ID] * spec.prompt_tokens, spec.limit,
-                       eos_ids=frozenset({EOS_ID}), ignore_eos=spec.limit == spec.output_tokens,
-                       arrival=arrival)
+        seq = Sequence(
+            rid,
+            [WORD_ID] * spec.prompt_tokens,
+            spec.limit,
+            eos_ids=frozenset({EOS_ID}),
+            ignore_eos=spec.limit == spec.output_tokens,
+            arrival=arrival,
+        )
         try:
             self.core.add(seq)
         except Refused as refused:
@@ -173,25 +200,45 @@ class Simulation:
 
     def _sample(self) -> None:
         snap = self.core.snapshot()
-        self.samples.append(StatusSample(
-            t=self.now, waiting=snap.waiting, running=snap.running,
-            kv_capacity=sum(w.capacity for w in snap.workers),
-            kv_written=sum(w.written for w in snap.workers),
-            kv_reserved_unwritten=sum(w.reserved_unwritten for w in snap.workers),
-            finished=snap.finished, preemptions=snap.preemptions, stalls=dict(snap.stalls),
-            head_wait_reason=snap.head_wait_reason,
-        ))
+        self.samples.append(
+            StatusSample(
+                t=self.now,
+                waiting=snap.waiting,
+                running=snap.running,
+                kv_capacity=sum(w.capacity for w in snap.workers),
+                kv_written=sum(w.written for w in snap.workers),
+                kv_reserved_unwritten=sum(w.reserved_unwritten for w in snap.workers),
+                finished=snap.finished,
+                preemptions=snap.preemptions,
+                stalls=dict(snap.stalls),
+                head_wait_reason=snap.head_wait_reason,
+            )
+        )
 
     def _result(self, workload: Workload, wall: float) -> RunResult:
         records = sorted(self.records.values(), key=lambda r: r.index)
-        config = {"policy": self.policy.label, **asdict(self.settings),
-                  "cost_model": {k: v for k, v in asdict(self.cost).items() if k != "meta"}}
+        config = {
+            "policy": self.policy.label,
+            **asdict(self.settings),
+            "cost_model": {k: v for k, v in asdict(self.cost).items() if k != "meta"},
+        }
         counters = {
-            "stalls": dict(self.core.stalls), "refused": dict(self.core.refused),
-            "steps": self.steps, "virtual_s": self.now, "busy_s": self.busy_s,
-            "real_s": wall, "core_s": self.core_s,
+            "stalls": dict(self.core.stalls),
+            "refused": dict(self.core.refused),
+            "steps": self.steps,
+            "virtual_s": self.now,
+            "busy_s": self.busy_s,
+            "real_s": wall,
+            "core_s": self.core_s,
             "core_us_per_step": 1e6 * self.core_s / max(1, self.steps),
             "preemptions": self.core.preemptions,
         }
-        return RunResult(self.policy.label, records, self.samples, self.now, config=config,
-                         counters=counters, kind="simulated")
+        return RunResult(
+            self.policy.label,
+            records,
+            self.samples,
+            self.now,
+            config=config,
+            counters=counters,
+            kind="simulated",
+        )

@@ -43,16 +43,25 @@ class Workload:
 
     def describe(self) -> dict[str, Any]:
         loop = f"closed loop, {self.concurrency} clients" if self.closed else "open loop"
-        return {"name": self.name, "loop": loop, "requests": len(self.requests),
-                "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
-                **self.params}
+        return {
+            "name": self.name,
+            "loop": loop,
+            "requests": len(self.requests),
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            **self.params,
+        }
 
 
 def fixed(num: int, prompt_tokens: int, output_tokens: int, concurrency: int) -> Workload:
     """`num` identical requests from `concurrency` clients, each sending the next when done."""
     specs = [RequestSpec(i, prompt_tokens, output_tokens) for i in range(num)]
-    return Workload(f"fixed-{concurrency}x{prompt_tokens}+{output_tokens}", specs, concurrency,
-                    {"kind": "fixed", "prompt_len": prompt_tokens, "output_len": output_tokens})
+    return Workload(
+        f"fixed-{concurrency}x{prompt_tokens}+{output_tokens}",
+        specs,
+        concurrency,
+        {"kind": "fixed", "prompt_len": prompt_tokens, "output_len": output_tokens},
+    )
 
 
 def poisson(
@@ -66,9 +75,18 @@ def poisson(
     for i in range(num):
         specs.append(RequestSpec(i, prompt_tokens, output_tokens, arrival_s=t))
         t += rng.expovariate(rate)
-    return Workload(f"poisson-{rate:g}rps", specs, 0,
-                    {"kind": "poisson", "rate_rps": rate, "seed": seed,
-                     "prompt_len": prompt_tokens, "output_len": output_tokens})
+    return Workload(
+        f"poisson-{rate:g}rps",
+        specs,
+        0,
+        {
+            "kind": "poisson",
+            "rate_rps": rate,
+            "seed": seed,
+            "prompt_len": prompt_tokens,
+            "output_len": output_tokens,
+        },
+    )
 
 
 def from_trace(
@@ -82,18 +100,29 @@ def from_trace(
     larger max_tokens, which is what `reserve` reserves for."""
     scaled = scale_trace(rows if rows is not None else load_trace(), scale)
     specs = [
-        RequestSpec(i, r.prompt_tokens, r.output_tokens,
-                    None if concurrency else r.arrival_s,
-                    max(max_tokens, r.output_tokens) if max_tokens else 0)
+        RequestSpec(
+            i,
+            r.prompt_tokens,
+            r.output_tokens,
+            None if concurrency else r.arrival_s,
+            max(max_tokens, r.output_tokens) if max_tokens else 0,
+        )
         for i, r in enumerate(scaled)
     ]
-    params = {"kind": "azure-conv-2023 trace", "length_scale": scale.length_scale,
-              "time_scale": scale.time_scale, "load_factor": round(scale.load_factor, 4),
-              "slice_start_s": scale.start_s, "slice_duration_s": scale.duration_s,
-              "max_tokens": max_tokens or "exact (= output length)"}
+    params = {
+        "kind": "azure-conv-2023 trace",
+        "length_scale": scale.length_scale,
+        "time_scale": scale.time_scale,
+        "load_factor": round(scale.load_factor, 4),
+        "slice_start_s": scale.start_s,
+        "slice_duration_s": scale.duration_s,
+        "max_tokens": max_tokens or "exact (= output length)",
+    }
     if scale.max_prompt_tokens or scale.max_output_tokens:
-        params |= {"max_prompt_tokens": scale.max_prompt_tokens,
-                   "max_output_tokens": scale.max_output_tokens}
+        params |= {
+            "max_prompt_tokens": scale.max_prompt_tokens,
+            "max_output_tokens": scale.max_output_tokens,
+        }
     span = specs[-1].arrival_s if specs and not concurrency else 0.0
     name = f"trace-len{scale.length_scale:g}-time{scale.time_scale:g}"
     return Workload(name, specs, concurrency, params | {"span_s": round(span or 0.0, 1)})
