@@ -167,8 +167,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def run_loop(self) -> None:
         while True:
             if not self._has_work():
+                self.wake.clear()  # before any await: a Submit during the releases sets it again
                 await self._send_releases(self.core.take_releases())  # the workers' view too
-                self.wake.clear()
                 await self.wake.wait()
                 continue
             started = time.perf_counter()
@@ -177,8 +177,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self._check()
             self._dispatch(self.core.take_events())
             if not any(b.items for b in batches):
+                self.wake.clear()  # before any await, as above
                 await self._send_releases(batches)
-                self.wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), timeout=0.05)
                 continue
