@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-import socket
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
+from llmserve.ports import free_port, free_ports, free_run
+
+__all__ = ["free_port", "free_run", "running_stack", "tiny_settings"]
 from llmserve.stack import Stack, StackSettings
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def tiny_settings(**overrides) -> StackSettings:
@@ -41,28 +26,8 @@ def tiny_settings(**overrides) -> StackSettings:
     )
     settings = replace(base, **overrides)
     if workers > 1:  # worker ports must be consecutive: find a free run
-        start = free_port()
-        while not all(_is_free(start + i) for i in range(workers)):
-            start = free_port()
-        settings = replace(settings, worker_base_port=start)
+        settings = replace(settings, worker_base_port=free_run(workers, ports[:2]))
     return settings
-
-
-def free_run(n: int) -> int:
-    """The first of `n` consecutive free ports (e.g. for --metrics-base-port)."""
-    start = free_port()
-    while not all(_is_free(start + i) for i in range(n)):
-        start = free_port()
-    return start
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 @contextmanager

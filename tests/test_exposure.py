@@ -6,13 +6,12 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import socket
 from pathlib import Path
 
 from gateway.settings import GatewaySettings
 from llmserve.stack import Stack
 from scheduler_svc.settings import SchedulerSettings
-from tests.stacks import running_stack, tiny_settings
+from tests.stacks import free_run, running_stack, tiny_settings
 from worker_svc.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,25 +59,6 @@ def listening(pid: int) -> list[tuple[str, int]]:
                 addr, port = local.split(":")
                 found.append((str(_address(addr)), int(port, 16)))
     return found
-
-
-def free_run(n: int) -> int:
-    """The first of `n` consecutive free loopback ports."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            start = s.getsockname()[1]
-        if start + n < 65536 and all(_free(start + i) for i in range(n)):
-            return start
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def test_a_running_stack_listens_on_loopback_only(tmp_path) -> None:

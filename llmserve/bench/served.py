@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -15,6 +14,7 @@ from llmserve.bench.policy import Policy
 from llmserve.bench.poller import StatusPoller, counter_delta, counters_of
 from llmserve.bench.records import RequestRecord, RunResult
 from llmserve.bench.workload import RequestSpec, Workload
+from llmserve.ports import free_ports, free_run
 from llmserve.stack import Stack, StackSettings
 
 
@@ -72,14 +72,14 @@ async def run_workload(
 
 def bench_settings(base: StackSettings, policy: Policy) -> StackSettings:
     """`base` with the policy, fresh loopback ports and queue limits a benchmark never hits."""
-    ports = _free_ports(2)
+    ports = free_ports(2)
     return replace(
         base,
         policy=policy.kv,
         mode=policy.mode,
         gateway_port=ports[0],
         scheduler_port=ports[1],
-        worker_base_port=_free_run(base.workers, ports),
+        worker_base_port=free_run(base.workers, ports),
         max_queued_requests=1_000_000,
         max_queued_tokens=2**40,
     )
@@ -110,32 +110,3 @@ def run_policy(
         "chunked_prefill": settings.chunked_prefill,
     }
     return result
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _free_run(n: int, taken: list[int]) -> int:
-    """The first of `n` consecutive free ports (workers take base, base+1, ...)."""
-    while True:
-        start = _free_ports(1)[0]
-        run = range(start, start + n)
-        if run.stop < 65536 and not set(run) & set(taken) and all(map(_is_free, run)):
-            return start
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
