@@ -90,3 +90,25 @@ def test_sampling_follows_the_softmax() -> None:
     logits = torch.tensor([0.0, math.log(3.0)] + [-1e9] * 8)  # p = 0.25, 0.75
     seen = draws(logits, SamplingSettings(temperature=1.0), 1000)
     assert abs(seen.count(1) / 1000 - 0.75) < 0.06
+
+
+def test_a_mixed_batch_gives_each_row_its_own_settings() -> None:
+    """Greedy, seeded, top-k and plain rows in one call; the plain rows share one batched draw
+    but keep their own temperatures."""
+    logits = torch.tensor([0.0, math.log(3.0)] + [-1e9] * 8)  # p = 0.25, 0.75
+    rows = [
+        SamplingSettings(temperature=1.0),
+        SamplingSettings(temperature=0.01),  # sharp: always the likelier token
+        SamplingSettings(temperature=0.0),  # greedy
+        SamplingSettings(temperature=1.0, seed=5),
+        SamplingSettings(temperature=1.0, top_k=1),
+    ]
+    rng = torch.Generator().manual_seed(0)
+    seen: list[list[int]] = [[] for _ in rows]
+    for _ in range(600):
+        tokens = sample_tokens(logits.expand(len(rows), -1), rows, [0] * len(rows), rng)
+        for row, token in enumerate(tokens):
+            seen[row].append(token)
+    assert abs(seen[0].count(1) / 600 - 0.75) < 0.07
+    assert set(seen[1]) == {1} and set(seen[2]) == {1} and set(seen[4]) == {1}
+    assert len(set(seen[3])) == 1  # same seed and index: the same draw every time

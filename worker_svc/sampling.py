@@ -37,14 +37,27 @@ def sample_tokens(
         chosen = logits[greedy_rows].argmax(dim=-1).tolist()
         for row, token in zip(greedy_rows, chosen, strict=True):
             out[row] = token
+    plain = [i for i, s in enumerate(settings) if _plain(s)]
+    if plain:  # unseeded temperature-only rows: one batched draw
+        temps = torch.tensor([settings[i].temperature for i in plain]).unsqueeze(1)  # [rows, 1]
+        rows = logits[plain].float()
+        probs = torch.softmax((rows - rows.max(dim=-1, keepdim=True).values) / temps, dim=-1)
+        chosen = torch.multinomial(probs, 1, generator=rng).squeeze(1).tolist()
+        for row, token in zip(plain, chosen, strict=True):
+            out[row] = token
     for row, s in enumerate(settings):
-        if s.greedy:
+        if s.greedy or _plain(s):
             continue
         gen = rng
         if s.seed is not None:
             gen = torch.Generator().manual_seed(draw_seed(s.seed, sample_indices[row]))
         out[row] = sample_one(logits[row], s, gen)
     return out
+
+
+def _plain(s: SamplingSettings) -> bool:
+    """Unseeded, temperature only: rows that can share one batched draw."""
+    return not s.greedy and s.seed is None and s.top_k == 0 and not 0.0 < s.top_p < 1.0
 
 
 def sample_one(logits: torch.Tensor, s: SamplingSettings, gen: torch.Generator) -> int:
