@@ -31,8 +31,10 @@ def sample_tokens(
     rng: torch.Generator,  # used for unseeded draws
 ) -> list[int]:
     """One token per row."""
-    out: list[int] = [0] * len(settings)
     greedy_rows = [i for i, s in enumerate(settings) if s.greedy]
+    if len(greedy_rows) == len(settings):  # the common case: no row copy, one argmax
+        return logits.argmax(dim=-1).tolist()
+    out: list[int] = [0] * len(settings)
     if greedy_rows:
         chosen = logits[greedy_rows].argmax(dim=-1).tolist()
         for row, token in zip(greedy_rows, chosen, strict=True):
