@@ -9,34 +9,36 @@ import pytest
 from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.plan import Refused
-from scheduler_svc.sequence import Finish
+from scheduler_svc.sequence import Finish, Sequence
 from tests.sim import check_invariants, ran, seq, step
 
 
-def run_to_end(core: Scheduler, limit: int = 2000) -> dict[str, list[int]]:
-    """Run until idle; the outputs of every request known to the core so far."""
-    live = dict(core.seqs) | getattr(core, "_test_seen", {})
+def run_to_end(
+    core: Scheduler, seqs: list[Sequence] | None = None, limit: int = 2000
+) -> dict[str, list[int]]:
+    """Run until idle; the outputs of `seqs` (default: every request the core holds now)."""
+    live = list(core.seqs.values()) if seqs is None else seqs
     for _ in range(limit):
         if not core.waiting and not any(ws.running for ws in core.workers):
             break
         step(core)
         check_invariants(core)
-    return {rid: list(s.output_ids) for rid, s in live.items()}
+    return {s.request_id: list(s.output_ids) for s in live}
 
 
-def workload(core: Scheduler, n: int = 12, seed: int = 1) -> None:
+def workload(core: Scheduler, n: int = 12, seed: int = 1) -> list[Sequence]:
     rng = random.Random(seed)
-    for i in range(n):
-        core.add(seq(f"r{i}", rng.randint(1, 20), rng.randint(1, 30)))
-    core._test_seen = dict(core.seqs)  # keep finished requests visible to run_to_end
+    seqs = [seq(f"r{i}", rng.randint(1, 20), rng.randint(1, 30)) for i in range(n)]
+    for s in seqs:
+        core.add(s)
+    return seqs
 
 
 def test_preemption_loses_nothing_outputs_identical() -> None:
     roomy = Scheduler(CoreConfig(token_budget=16, max_running=8), [WorkerSpec("w", 1000, 4, 4096)])
     tight = Scheduler(CoreConfig(token_budget=16, max_running=8), [WorkerSpec("w", 14, 4, 4096)])
-    workload(roomy)
-    workload(tight)
-    expected, got = run_to_end(roomy), run_to_end(tight)
+    expected = run_to_end(roomy, workload(roomy))
+    got = run_to_end(tight, workload(tight))
     assert tight.preemptions > 0 and roomy.preemptions == 0
     assert got == expected
     assert all(len(v) > 0 for v in got.values())
@@ -45,16 +47,13 @@ def test_preemption_loses_nothing_outputs_identical() -> None:
 def test_chunked_prefill_gives_the_same_output_as_one_shot() -> None:
     chunked = Scheduler(CoreConfig(token_budget=5), [WorkerSpec("w", 500, 2, 4096)])
     oneshot = Scheduler(CoreConfig(token_budget=64), [WorkerSpec("w", 500, 2, 4096)])
-    for core in (chunked, oneshot):
-        core.add(seq("long", 23, 6))
-        core.add(seq("short", 3, 9))
-    first = ran(chunked.schedule())
-    assert first["long"] == 5  # the prompt goes in chunks within the budget
-    chunked.postprocess(chunked.schedule()[:0], {})  # nothing executed; state unchanged
-    chunked2 = Scheduler(CoreConfig(token_budget=5), [WorkerSpec("w", 500, 2, 4096)])
-    chunked2.add(seq("long", 23, 6))
-    chunked2.add(seq("short", 3, 9))
-    assert run_to_end(chunked2) == run_to_end(oneshot)
+    requests = {}
+    for name, core in (("chunked", chunked), ("oneshot", oneshot)):
+        requests[name] = [seq("long", 23, 6), seq("short", 3, 9)]
+        for s in requests[name]:
+            core.add(s)
+    assert ran(step(chunked)) == {"long": 5}  # the prompt goes in chunks within the budget
+    assert run_to_end(chunked, requests["chunked"]) == run_to_end(oneshot, requests["oneshot"])
 
 
 def test_cancel_frees_kv_at_the_next_step() -> None:
@@ -114,13 +113,12 @@ def test_requests_go_to_the_worker_with_the_most_free_kv() -> None:
 def test_failed_worker_requeues_its_requests_and_outputs_match() -> None:
     specs = [WorkerSpec("w0", 200, 4, 4096), WorkerSpec("w1", 200, 4, 4096)]
     steady, failing = Scheduler(CoreConfig(), specs), Scheduler(CoreConfig(), specs)
-    for core in (steady, failing):
-        workload(core, n=6, seed=3)
+    steady_seqs, failing_seqs = (workload(core, n=6, seed=3) for core in (steady, failing))
     for _ in range(4):
         step(failing)
     moved = failing.fail_worker(0)
     assert moved and all(s.worker is None for s in moved)
-    assert run_to_end(failing) == run_to_end(steady)
+    assert run_to_end(failing, failing_seqs) == run_to_end(steady, steady_seqs)
 
 
 @pytest.mark.parametrize("policy", list(KvPolicy))
