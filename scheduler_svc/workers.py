@@ -20,7 +20,6 @@ class WorkerClient:
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.info: worker_pb2.WorkerInfo | None = None
-        self.last_kv: worker_pb2.KvReport | None = None
         self.last_forward = 0.0  # seconds of the last Execute's forward pass
         self.session = uuid.uuid4().hex[:12]  # this scheduler process
         self.restores = 0
@@ -67,7 +66,7 @@ class WorkerClient:
                 )
             )
         reply = await self.stub.Execute(request, timeout=timeout)
-        self.last_kv, self.last_forward = reply.kv, reply.forward_seconds
+        self.last_forward = reply.forward_seconds
         return {r.request_id: r.token_id for r in reply.results if r.has_token}
 
     async def close(self) -> None:

@@ -11,6 +11,7 @@ import grpc
 from llmserve.bench.records import StatusSample
 from llmserve.server import CHANNEL_OPTIONS
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.plan import Snapshot
 
 COUNTERS = [
     "steps",
@@ -24,7 +25,8 @@ COUNTERS = [
 ]
 
 
-def sample_of(reply: scheduler_pb2.StatusReply, t: float) -> StatusSample:
+def sample_of(reply: scheduler_pb2.StatusReply | Snapshot, t: float) -> StatusSample:
+    """From the Status RPC's reply or, in the simulation, the core's own snapshot (same names)."""
     return StatusSample(
         t=t,
         waiting=reply.waiting,

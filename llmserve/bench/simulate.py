@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from llmserve.bench.cost_model import BatchShape, CostModel
 from llmserve.bench.policy import Policy
+from llmserve.bench.poller import sample_of
 from llmserve.bench.prompts import WORD_ID
 from llmserve.bench.records import RequestRecord, RunResult, StatusSample
 from llmserve.bench.workload import RequestSpec, Workload
@@ -199,21 +200,7 @@ class Simulation:
         return bool(self.core.waiting) or any(ws.running for ws in self.core.workers)
 
     def _sample(self) -> None:
-        snap = self.core.snapshot()
-        self.samples.append(
-            StatusSample(
-                t=self.now,
-                waiting=snap.waiting,
-                running=snap.running,
-                kv_capacity=sum(w.capacity for w in snap.workers),
-                kv_written=sum(w.written for w in snap.workers),
-                kv_reserved_unwritten=sum(w.reserved_unwritten for w in snap.workers),
-                finished=snap.finished,
-                preemptions=snap.preemptions,
-                stalls=dict(snap.stalls),
-                head_wait_reason=snap.head_wait_reason,
-            )
-        )
+        self.samples.append(sample_of(self.core.snapshot(), self.now))
 
     def _result(self, workload: Workload, wall: float) -> RunResult:
         records = sorted(self.records.values(), key=lambda r: r.index)
