@@ -4,6 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
 STUBS   := llmserve/v1/__init__.py
+KERNELS := .stamp-kernels
 PROTOS  := $(wildcard protos/llmserve/v1/*.proto)
 
 .PHONY: all setup stubs demo test test-fast up lint bench bench-sim bench-worker clean prometheus
@@ -23,7 +24,13 @@ $(STUBS): $(VENV)/.installed $(PROTOS)
 	$(PYTHON) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 	touch $@
 
-setup: $(VENV)/.installed $(STUBS)
+# the fused CPU decode kernels (worker_svc/cpu_kernels.c); without a C compiler the worker runs
+# its plain torch path, so a failed build does not stop setup
+$(KERNELS): $(VENV)/.installed worker_svc/cpu_kernels.c worker_svc/cpu_kernels.py
+	$(PYTHON) -m worker_svc.cpu_kernels
+	touch $@
+
+setup: $(VENV)/.installed $(STUBS) $(KERNELS)
 stubs: $(STUBS)
 
 # Debian's prometheus and docker-compose, for the metrics and deployment tests and `make up`

@@ -32,6 +32,7 @@ class AttentionPlan:
     decode_blocks: torch.Tensor  # [num_decode * max_blocks] block ids (padding: block 0)
     decode_bias: torch.Tensor  # [num_decode, 1, decode_context] fp32: 0, or -inf for padding
     decode_context: int  # max_blocks * block_size (padded key length)
+    decode_lengths: torch.Tensor  # [num_decode] int64: cached positions incl. the new token
     prefills: list[PrefillSpan]
 
 
@@ -74,6 +75,7 @@ def build_plan(
         context = 0
         decode_bias = torch.zeros(0, 1, 0)
         decode_blocks = torch.zeros(0, dtype=torch.int64)
+        lengths = torch.zeros(0, dtype=torch.int64)
     spans = []
     for offset, length, start, table in prefills:
         if start == 0:
@@ -83,4 +85,4 @@ def build_plan(
         rows = slot_rows(context_slots(table, end, block_size), num_kv_heads).view(-1)
         mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]  # [length, end]
         spans.append(PrefillSpan(offset, length, start, rows, mask))
-    return AttentionPlan(num_decode, decode_blocks, decode_bias, context, spans)
+    return AttentionPlan(num_decode, decode_blocks, decode_bias, context, lengths, spans)

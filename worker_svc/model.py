@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from worker_svc import cpu_kernels
 from worker_svc.attention_plan import AttentionPlan
 from worker_svc.kv_pool import KvPool
 from worker_svc.linear import Linear, packing_available
@@ -31,8 +32,19 @@ class LayerLinears:
     down: Linear
 
 
+# Decode-only steps of up to this many requests take the fused-kernel path (bf16). Above it the
+# batched torch ops win: their matmuls use every core, the kernels one.
+KERNEL_MAX_DECODES = 16
+
+
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: Weights, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Weights,
+        dtype: torch.dtype,
+        use_kernels: bool = True,
+    ) -> None:
         self.config = config
         self.weights = weights
         self.dtype = dtype
@@ -51,6 +63,9 @@ class LlamaModel:
         groups = config.num_heads // config.num_kv_heads
         kv_of_head = torch.arange(config.num_heads) // groups  # [heads]
         self.head_of_query = kv_of_head.view(1, config.num_heads, 1, 1)
+        self.kernels = cpu_kernels.load() if use_kernels and dtype == torch.bfloat16 else None
+        if self.kernels is not None:  # attention scores of one KV head's query group
+            self.scratch = torch.empty(groups * config.max_context, dtype=torch.float32)
 
     @torch.inference_mode()
     def forward(
@@ -65,6 +80,8 @@ class LlamaModel:
         """Returns logits: [rows, vocab] fp32."""
         cfg, w = self.config, self.weights
         num_tokens = token_ids.shape[0]
+        if self.kernels is not None and plan.num_decode == num_tokens <= KERNEL_MAX_DECODES:
+            return self.forward_small_decode(token_ids, positions, slots, plan, pool, logit_rows)
         q_size, kv_size = cfg.q_size, cfg.kv_size
         qk_heads = cfg.num_heads + cfg.num_kv_heads
         eps = cfg.rms_norm_eps
@@ -87,6 +104,48 @@ class LlamaModel:
             x = x + lin.down(F.silu(gate) * up)
         x = rms_norm(x[logit_rows], w.final_norm, eps)  # x: [rows, hidden]
         return self.lm_head(x).float()  # [rows, vocab]
+
+    def forward_small_decode(
+        self,
+        token_ids: torch.Tensor,  # [n] int64, one token per request
+        positions: torch.Tensor,  # [n] int64
+        slots: torch.Tensor,  # [n] int64
+        plan: AttentionPlan,
+        pool: KvPool,
+        logit_rows: torch.Tensor,  # [rows] int64
+    ) -> torch.Tensor:
+        """forward() for a few decodes: norms, RoPE, the K/V store and attention run as fused
+        kernels (four calls per layer instead of ~35 torch ops); the matmuls are the same."""
+        cfg, w, kern = self.config, self.weights, self.kernels
+        assert kern is not None
+        n, eps, kv_heads = token_ids.shape[0], cfg.rms_norm_eps, cfg.num_kv_heads
+        x = w.embed[token_ids]  # x: [n, hidden], a fresh tensor: updated in place below
+        h = torch.empty_like(x)  # the normed input of the next matmul
+        q = torch.empty(n, cfg.num_heads, cfg.head_dim, dtype=x.dtype)
+        attn = torch.empty_like(q)
+        tables = plan.decode_blocks.view(n, -1)  # [n, max_blocks]
+        # one layer's K (or V) pool in bytes; pointers instead of per-layer views
+        layer_bytes = pool.k.stride(0) * pool.k.element_size()
+        k_base, v_base = pool.k.data_ptr(), pool.v.data_ptr()
+        scale = cfg.head_dim**-0.5
+        kern.add_rms_norm(x, None, w.layers[0].attn_norm, eps, h)
+        for layer_index, lin in enumerate(self.linears):
+            k_layer = k_base + layer_index * layer_bytes
+            v_layer = v_base + layer_index * layer_bytes
+            qkv = lin.qkv(h)  # [n, (heads + 2 * kv_heads) * head_dim]
+            cos, sin = self.rope.cos, self.rope.sin
+            kern.rope_store(qkv, cos, sin, positions, slots, q, k_layer, v_layer, kv_heads)
+            kern.decode_attention(
+                q, k_layer, v_layer, tables, plan.decode_lengths, pool.block_size, kv_heads,
+                scale, self.scratch, attn,
+            )  # fmt: skip
+            kern.add_rms_norm(x, lin.o(attn.view(n, -1)), w.layers[layer_index].mlp_norm, eps, h)
+            gate, up = lin.gate_up(h).chunk(2, dim=-1)
+            down = lin.down(F.silu(gate) * up)
+            following = w.layers[layer_index + 1] if layer_index + 1 < len(w.layers) else None
+            norm = following.attn_norm if following is not None else w.final_norm
+            kern.add_rms_norm(x, down, norm, eps, h)  # h: the next layer's input, or the final
+        return self.lm_head(h[logit_rows]).float()  # [rows, vocab]
 
     def attention(
         self,

@@ -22,14 +22,16 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype = torch.bfloat16,
         num_threads: int | None = None,
+        use_kernels: bool = True,
     ) -> None:
         """num_threads: if given, sets torch's (process-wide) intra-op thread count. On a CPU
-        shared with other busy processes, 1 thread avoids stalls at every parallel region."""
+        shared with other busy processes, 1 thread avoids stalls at every parallel region.
+        use_kernels: allow the fused CPU kernels for small bf16 decode steps (model.py)."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.config = config
         self.block_size = block_size
-        self.model = LlamaModel(config, weights, dtype)
+        self.model = LlamaModel(config, weights, dtype, use_kernels)
         self.pool = KvPool(config, num_blocks, block_size, dtype)
         self.rng = fresh_generator()
 

@@ -1,0 +1,165 @@
+"""The fused bf16 decode kernels: each against its torch formulation, and the model's small-decode
+path against its torch path and against fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.model_support import (
+    model,
+    one_torch_thread,  # noqa: F401  (autouse fixture)
+    prompt_ids,
+    scattered_table,
+)
+from worker_svc import cpu_kernels
+from worker_svc.model_config import ModelConfig
+from worker_svc.rope import RopeTable, apply_rope
+from worker_svc.runner import ModelRunner
+from worker_svc.work import WorkItem
+
+KERNELS = cpu_kernels.load()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler: kernels not built")
+BF16 = torch.bfloat16
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference in units of 2^-8 of the larger magnitude: correct rounding to bf16
+    (8 significant bits) stays within 1."""
+    scale = torch.maximum(a.float().abs(), b.float().abs()).clamp_min(1e-3)
+    return float(((a.float() - b.float()).abs() / (scale * 2**-8)).max())
+
+
+@needs_kernels
+def test_add_rms_norm_matches_torch() -> None:
+    assert KERNELS is not None
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 576, generator=gen).to(BF16)
+    delta = torch.randn(5, 576, generator=gen).to(BF16)
+    weight = (1 + 0.1 * torch.randn(576, generator=gen)).to(BF16)
+    expect_x = x + delta
+    expect_h = F.rms_norm(expect_x, (576,), weight, 1e-5)
+    out = torch.empty_like(x)
+    KERNELS.add_rms_norm(x, delta, weight, 1e-5, out)
+    assert torch.equal(x, expect_x)  # the residual add rounds exactly as torch's
+    assert bf16_ulps(out, expect_h) <= 1.0
+    KERNELS.add_rms_norm(x, None, weight, 1e-5, out)  # norm only: x unchanged
+    assert torch.equal(x, expect_x)
+    assert bf16_ulps(out, expect_h) <= 1.0
+
+
+@needs_kernels
+def test_rope_store_matches_apply_rope_and_writes_kv_to_its_slots() -> None:
+    assert KERNELS is not None
+    heads, kv_heads, dim, n = 9, 3, 64, 4
+    gen = torch.Generator().manual_seed(1)
+    rope = RopeTable(dim, 100000.0, 512, BF16)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen).to(BF16)
+    positions = torch.tensor([0, 7, 300, 511])
+    slots = torch.tensor([12, 3, 40, 25])
+    k_pool = torch.zeros(64, kv_heads, dim, dtype=BF16)
+    v_pool = torch.zeros_like(k_pool)
+    q = torch.empty(n, heads, dim, dtype=BF16)
+    KERNELS.rope_store(
+        qkv, rope.cos, rope.sin, positions, slots, q, k_pool.data_ptr(), v_pool.data_ptr(),
+        kv_heads,
+    )  # fmt: skip
+    # reference: the same bf16 inputs and tables, in fp32; the kernel rounds once, at the end
+    cos, sin = (t.float() for t in rope.lookup(positions))
+    qk = qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim).float()
+    qk = apply_rope(qk, cos, sin)
+    assert bf16_ulps(q, qk[:, :heads]) <= 1.0
+    assert bf16_ulps(k_pool[slots], qk[:, heads:]) <= 1.0
+    assert torch.equal(v_pool[slots], qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim))
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_pool[untouched].any() and not v_pool[untouched].any()
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
+def test_decode_attention_matches_fp32_attention(heads: int, kv_heads: int, dim: int) -> None:
+    """Scattered, out-of-order blocks, different lengths per request (one ends mid-block)."""
+    assert KERNELS is not None
+    block_size, num_blocks = 4, 40
+    lengths = torch.tensor([1, 13, 37])
+    gen = torch.Generator().manual_seed(2)
+    k_pool = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(BF16)
+    v_pool = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(BF16)
+    q = torch.randn(len(lengths), heads, dim, generator=gen).to(BF16)
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.stack([order[i * 10 : (i + 1) * 10] for i in range(len(lengths))])
+    out = torch.empty_like(q)
+    scratch = torch.empty(heads // kv_heads * 64)
+    KERNELS.decode_attention(
+        q, k_pool.data_ptr(), v_pool.data_ptr(), tables, lengths, block_size, kv_heads,
+        dim**-0.5, scratch, out,
+    )  # fmt: skip
+    for r, length in enumerate(lengths.tolist()):
+        slots = tables[r].repeat_interleave(block_size) * block_size
+        slots = (slots + torch.arange(block_size).repeat(10))[:length]
+        k = k_pool.view(-1, kv_heads, dim)[slots].float().transpose(0, 1)  # [kv, len, dim]
+        v = v_pool.view(-1, kv_heads, dim)[slots].float().transpose(0, 1)
+        expect = F.scaled_dot_product_attention(
+            q[r].float().unsqueeze(1), k, v, enable_gqa=True
+        )  # [heads, 1, dim]
+        assert bf16_ulps(out[r], expect.squeeze(1)) <= 2.0, r
+
+
+def decode_logits(runner: ModelRunner, prompts: list[list[int]], table_seed: int) -> torch.Tensor:
+    """Prefill each prompt but its last token alone, then decode all last tokens in one step."""
+    tables = []
+    for i, ids in enumerate(prompts):
+        table = scattered_table(64, 4, 16, seed=table_seed + i)
+        table = [b + 16 * i for b in table]  # disjoint blocks per request
+        tables.append(table)
+        runner.compute_logits([WorkItem(str(i), ids[:-1], 0, table, sample=False)])
+    items = [WorkItem(str(i), [ids[-1]], len(ids) - 1, tables[i]) for i, ids in enumerate(prompts)]
+    return runner.compute_logits(items)
+
+
+def check_small_decode_path(source: str, prompts: list[list[int]]) -> None:
+    config, weights = model(source, BF16)
+    fast = ModelRunner(config, weights, num_blocks=16 * len(prompts), block_size=4, dtype=BF16)
+    plain = ModelRunner(
+        config, weights, 16 * len(prompts), 4, dtype=BF16, use_kernels=False
+    )  # fmt: skip
+    assert fast.model.kernels is not None and plain.model.kernels is None
+    config32, weights32 = model(source, torch.float32)
+    exact = ModelRunner(config32, weights32, 16 * len(prompts), 4, dtype=torch.float32)
+    ours, theirs = decode_logits(fast, prompts, 3), decode_logits(plain, prompts, 3)
+    reference = decode_logits(exact, prompts, 3)
+    scale = reference.abs().max()
+    # no worse than the torch bf16 path (both round the same weights), and close to it
+    assert (ours - reference).abs().max() <= 1.5 * (theirs - reference).abs().max() + 1e-3 * scale
+    assert (ours - theirs).abs().max() < 0.05 * scale
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
+@needs_kernels
+def test_tiny_small_decode_path_matches_torch_path_and_fp32() -> None:
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (2, 9, 30)]
+    check_small_decode_path("tiny", prompts)
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_smollm2_small_decode_path_matches_torch_path_and_fp32() -> None:
+    prompts = [prompt_ids(p) for p in ("The capital of France is", "def fibonacci(n):")]
+    check_small_decode_path("smollm2", prompts)
+
+
+def test_kernels_can_be_switched_off(monkeypatch) -> None:
+    monkeypatch.setenv("LLMSERVE_CPU_KERNELS", "0")
+    assert cpu_kernels.load() is None
+    config, weights = model("tiny", BF16)
+    assert ModelRunner(config, weights, 8, 4, dtype=BF16).model.kernels is None
+
+
+def test_kernels_are_not_used_for_fp32() -> None:
+    config, weights = model("tiny", torch.float32)
+    runner = ModelRunner(config, weights, 8, 4, dtype=torch.float32)
+    assert runner.model.kernels is None
+    assert isinstance(config, ModelConfig)

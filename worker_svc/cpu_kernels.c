@@ -1,0 +1,164 @@
+/* Fused bf16 kernels for small decode steps on CPU (see cpu_kernels.py).
+
+   At batch 1 a decode step is ~120 small torch ops per layer-pass whose fixed cost (dispatch,
+   allocation, thread fork/join) rivals the matmuls. These three kernels replace the small ops of
+   a decode-only step; the matmuls stay in oneDNN. Single-threaded, plain C (no torch headers):
+   built in well under a second with the system C compiler, loaded with ctypes.
+
+   bf16 is handled as uint16_t; arithmetic is fp32, rounded once to bf16 (nearest even) on store. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf2f(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
+    return (uint16_t)(u >> 16);
+}
+
+#define MAX_DIM 256
+#define MAX_GROUP 16
+
+/* x[r] += delta[r] (if delta), rounded to bf16; h[r] = x[r] / rms(x[r]) * weight.
+   x, delta, h: [rows, hidden]; weight: [hidden]. */
+void add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weight, int64_t rows,
+                       int64_t hidden, float eps, uint16_t *h) {
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *xr = x + r * hidden;
+        float sum = 0.f;
+        if (delta) {
+            const uint16_t *dr = delta + r * hidden;
+            for (int64_t i = 0; i < hidden; i++) {
+                uint16_t s = f2bf(bf2f(xr[i]) + bf2f(dr[i]));
+                xr[i] = s;
+                float v = bf2f(s);
+                sum += v * v;
+            }
+        } else {
+            for (int64_t i = 0; i < hidden; i++) {
+                float v = bf2f(xr[i]);
+                sum += v * v;
+            }
+        }
+        const float scale = 1.f / sqrtf(sum / (float)hidden + eps);
+        uint16_t *hr = h + r * hidden;
+        for (int64_t i = 0; i < hidden; i++) hr[i] = f2bf(bf2f(xr[i]) * scale * bf2f(weight[i]));
+    }
+}
+
+/* Rotary embedding of q and k (HF rotate_half layout) and the K/V store into one layer's pool.
+   qkv: [n, (heads + 2 * kv_heads) * dim]; cos, sin: [max_positions, dim], sin sign-folded
+   ([-sin_lo, sin_hi]); positions, slots: [n]; q_out: [n, heads, dim];
+   k_pool, v_pool: [slots, kv_heads, dim] (one layer). */
+void rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin,
+                     const int64_t *positions, const int64_t *slots, int64_t n, int64_t heads,
+                     int64_t kv_heads, int64_t dim, uint16_t *q_out, uint16_t *k_pool,
+                     uint16_t *v_pool) {
+    const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
+    for (int64_t t = 0; t < n; t++) {
+        const uint16_t *row = qkv + t * width;
+        const uint16_t *c = cos + positions[t] * dim, *s = sin + positions[t] * dim;
+        for (int64_t hd = 0; hd < heads + kv_heads; hd++) {
+            const uint16_t *x = row + hd * dim;
+            uint16_t *dst = hd < heads ? q_out + (t * heads + hd) * dim
+                                       : k_pool + (slots[t] * kv_heads + hd - heads) * dim;
+            for (int64_t d = 0; d < dim; d++) {
+                const int64_t other = d < half ? d + half : d - half;
+                dst[d] = f2bf(bf2f(x[d]) * bf2f(c[d]) + bf2f(x[other]) * bf2f(s[d]));
+            }
+        }
+        memcpy(v_pool + slots[t] * kv_heads * dim, row + (heads + kv_heads) * dim,
+               (size_t)(kv_heads * dim) * sizeof(uint16_t));
+    }
+}
+
+/* One query token per request against its cached K/V in a paged pool.
+   q, out: [nd, heads, dim]; k_pool, v_pool: [num_blocks, block_size, kv_heads, dim] (one layer);
+   tables: [nd, max_blocks] block ids; lengths: [nd] cached positions, the new token's included;
+   scores: scratch of at least group * max(lengths) floats. */
+static inline __attribute__((always_inline)) void attend(
+    const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *tables,
+    const int64_t *lengths, int64_t nd, int64_t max_blocks, int64_t block_size, int64_t heads,
+    int64_t kv_heads, const int64_t dim, float scale, float *scores, uint16_t *out) {
+    const int64_t group = heads / kv_heads;
+    const int64_t pos_stride = kv_heads * dim;
+    for (int64_t r = 0; r < nd; r++) {
+        const int64_t len = lengths[r];
+        const int64_t *table = tables + r * max_blocks;
+        for (int64_t g = 0; g < kv_heads; g++) {
+            float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], mx[MAX_GROUP], kf[MAX_DIM];
+            for (int64_t j = 0; j < group; j++) {
+                const uint16_t *qr = q + (r * heads + g * group + j) * dim;
+                for (int64_t d = 0; d < dim; d++) {
+                    qf[j][d] = bf2f(qr[d]) * scale;
+                    acc[j][d] = 0.f;
+                }
+                mx[j] = -INFINITY;
+            }
+            for (int64_t t = 0; t < len; t++) {
+                const int64_t slot = table[t / block_size] * block_size + t % block_size;
+                const uint16_t *kr = k_pool + slot * pos_stride + g * dim;
+                for (int64_t d = 0; d < dim; d++) kf[d] = bf2f(kr[d]);
+                for (int64_t j = 0; j < group; j++) {
+                    float s = 0.f;
+                    for (int64_t d = 0; d < dim; d++) s += qf[j][d] * kf[d];
+                    scores[j * len + t] = s;
+                    if (s > mx[j]) mx[j] = s;
+                }
+            }
+            float denom[MAX_GROUP];
+            for (int64_t j = 0; j < group; j++) {
+                float sum = 0.f;
+                for (int64_t t = 0; t < len; t++) {
+                    const float e = expf(scores[j * len + t] - mx[j]);
+                    scores[j * len + t] = e;
+                    sum += e;
+                }
+                denom[j] = sum;
+            }
+            for (int64_t t = 0; t < len; t++) {
+                const int64_t slot = table[t / block_size] * block_size + t % block_size;
+                const uint16_t *vr = v_pool + slot * pos_stride + g * dim;
+                for (int64_t d = 0; d < dim; d++) kf[d] = bf2f(vr[d]);
+                for (int64_t j = 0; j < group; j++) {
+                    const float p = scores[j * len + t];
+                    for (int64_t d = 0; d < dim; d++) acc[j][d] += p * kf[d];
+                }
+            }
+            for (int64_t j = 0; j < group; j++) {
+                uint16_t *o = out + (r * heads + g * group + j) * dim;
+                const float inv = 1.f / denom[j];
+                for (int64_t d = 0; d < dim; d++) o[d] = f2bf(acc[j][d] * inv);
+            }
+        }
+    }
+}
+
+/* Returns 0, or -1 when the shape is beyond the fixed scratch sizes. Common shapes get code
+   specialised on a constant head_dim (and group), which the compiler vectorises fully. */
+int decode_attention_bf16(const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool,
+                          const int64_t *tables, const int64_t *lengths, int64_t nd,
+                          int64_t max_blocks, int64_t block_size, int64_t heads,
+                          int64_t kv_heads, int64_t dim, float scale, float *scores,
+                          uint16_t *out) {
+    if (dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP)
+        return -1;
+#define ATTEND(H, D) \
+    attend(q, k_pool, v_pool, tables, lengths, nd, max_blocks, block_size, H, kv_heads, D, \
+           scale, scores, out)
+    if (dim == 64 && heads == 3 * kv_heads) ATTEND(3 * kv_heads, 64);
+    else if (dim == 64) ATTEND(heads, 64);
+    else if (dim == 128) ATTEND(heads, 128);
+    else ATTEND(heads, dim);
+#undef ATTEND
+    return 0;
+}

@@ -1,0 +1,185 @@
+"""Builds (with the system C compiler) and loads the fused bf16 decode kernels of cpu_kernels.c.
+
+The build takes well under a second and happens once: `make setup` runs it, and a worker that
+finds no up-to-date library builds it on first use (into the package directory, or into
+~/.cache/llmserve when that is read-only). Without a C compiler, or with LLMSERVE_CPU_KERNELS=0,
+`load()` returns None and the model runs its plain torch path.
+
+python -m worker_svc.cpu_kernels   # build now, print where the library is
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros"]
+# reassociation lets the compiler vectorise the dot products' sums
+FLAGS += ["-fassociative-math"]
+# LLMSERVE_KERNEL_ARCH: the -march to build for; "native" (the default) suits a build on the
+# machine that runs it; an image built once for many hosts should say e.g. x86-64-v3.
+ARCH = os.environ.get("LLMSERVE_KERNEL_ARCH", "native")
+ARCH_FLAGS = [[f"-march={ARCH}"], []]  # the second is the fallback on compilers without it
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+def _library_name() -> str:
+    flags = " ".join([*FLAGS, ARCH]).encode()
+    digest = hashlib.sha256(SOURCE.read_bytes() + flags).hexdigest()[:12]
+    return f"_cpu_kernels-{digest}.so"
+
+
+def _candidates() -> list[Path]:
+    name = _library_name()
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llmserve"
+    return [SOURCE.with_name(name), cache / name]
+
+
+def build() -> Path | None:
+    """The library's path, compiling it first if no up-to-date copy exists; None if impossible."""
+    for path in _candidates():
+        if path.exists():
+            return path
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("no C compiler found: the model runs without its fused CPU kernels")
+        return None
+    for path in _candidates():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+            os.close(handle)
+        except OSError:
+            continue  # not writable: try the next place
+        for arch in ARCH_FLAGS:
+            command = [compiler, *FLAGS, *arch, "-o", tmp, str(SOURCE), "-lm"]
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode == 0:
+                os.replace(tmp, path)  # atomic: concurrent builders leave one whole file
+                return path
+        os.unlink(tmp)
+        log.warning("building %s failed: %s", SOURCE.name, done.stderr.strip()[-500:])
+        return None
+    return None
+
+
+class CpuKernels:
+    """Thin typed wrappers; every tensor argument must be contiguous bf16 (int64 for indices)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._norm = library.add_rms_norm_bf16
+        self._norm.argtypes = [_P, _P, _P, _I, _I, _F, _P]
+        self._norm.restype = None
+        self._rope = library.rope_store_bf16
+        self._rope.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P]
+        self._rope.restype = None
+        self._attend = library.decode_attention_bf16
+        self._attend.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P]
+        self._attend.restype = ctypes.c_int
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,  # [rows, hidden], updated in place: x += delta
+        delta: torch.Tensor | None,  # [rows, hidden]
+        weight: torch.Tensor,  # [hidden]
+        eps: float,
+        out: torch.Tensor,  # [rows, hidden]: rms_norm(x) * weight
+    ) -> None:
+        rows, hidden = x.shape
+        d = delta.data_ptr() if delta is not None else None
+        self._norm(x.data_ptr(), d, weight.data_ptr(), rows, hidden, eps, out.data_ptr())
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,  # [n, (heads + 2 * kv_heads) * dim]
+        cos: torch.Tensor,  # [max_positions, dim]
+        sin: torch.Tensor,  # [max_positions, dim], sign-folded
+        positions: torch.Tensor,  # [n] int64
+        slots: torch.Tensor,  # [n] int64
+        q_out: torch.Tensor,  # [n, heads, dim]
+        k_layer: int,  # data pointers of one layer's pool: [slots, kv_heads, dim]
+        v_layer: int,
+        kv_heads: int,
+    ) -> None:
+        n, heads, dim = q_out.shape
+        self._rope(
+            qkv.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            positions.data_ptr(),
+            slots.data_ptr(),
+            n,
+            heads,
+            kv_heads,
+            dim,
+            q_out.data_ptr(),
+            k_layer,
+            v_layer,
+        )
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,  # [nd, heads, dim]
+        k_layer: int,  # data pointers of one layer's pool: [blocks, block_size, kv_heads, dim]
+        v_layer: int,
+        tables: torch.Tensor,  # [nd, max_blocks] int64
+        lengths: torch.Tensor,  # [nd] int64
+        block_size: int,
+        kv_heads: int,
+        scale: float,
+        scratch: torch.Tensor,  # fp32, at least group * max(lengths)
+        out: torch.Tensor,  # [nd, heads, dim]
+    ) -> None:
+        nd, heads, dim = q.shape
+        status = self._attend(
+            q.data_ptr(),
+            k_layer,
+            v_layer,
+            tables.data_ptr(),
+            lengths.data_ptr(),
+            nd,
+            tables.shape[1],
+            block_size,
+            heads,
+            kv_heads,
+            dim,
+            scale,
+            scratch.data_ptr(),
+            out.data_ptr(),
+        )
+        if status:
+            raise ValueError(f"decode_attention: unsupported shape {tuple(q.shape)}")
+
+
+_loaded: CpuKernels | None = None
+_tried = False
+
+
+def load() -> CpuKernels | None:
+    """The kernels, built on first use; None when disabled or no compiler is available."""
+    global _loaded, _tried
+    if os.environ.get("LLMSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    if not _tried:
+        _tried = True
+        path = build()
+        if path is not None:
+            _loaded = CpuKernels(ctypes.CDLL(str(path)))
+    return _loaded
+
+
+if __name__ == "__main__":
+    built = build()
+    print(built if built else "not built: no C compiler (the torch path will be used)")
