@@ -91,10 +91,9 @@ def test_decode_attention_matches_fp32_attention(heads: int, kv_heads: int, dim:
     order = torch.randperm(num_blocks, generator=gen)
     tables = torch.stack([order[i * 10 : (i + 1) * 10] for i in range(len(lengths))])
     out = torch.empty_like(q)
-    scratch = torch.empty(heads // kv_heads * 64)
     KERNELS.decode_attention(
         q, k_pool.data_ptr(), v_pool.data_ptr(), tables, lengths, block_size, kv_heads,
-        dim**-0.5, scratch, out,
+        dim**-0.5, out,
     )  # fmt: skip
     for r, length in enumerate(lengths.tolist()):
         slots = tables[r].repeat_interleave(block_size) * block_size

@@ -2,12 +2,15 @@
 
    At batch 1 a decode step is ~120 small torch ops per layer-pass whose fixed cost (dispatch,
    allocation, thread fork/join) rivals the matmuls. These three kernels replace the small ops of
-   a decode-only step; the matmuls stay in oneDNN. Single-threaded, plain C (no torch headers):
-   built in well under a second with the system C compiler, loaded with ctypes.
+   a decode-only step; the matmuls stay in oneDNN. Plain C (no torch headers), built in well under
+   a second with the system C compiler and loaded with ctypes. Attention is split over OpenMP
+   threads; loaded into a torch process, libgomp.so.1 resolves to the copy torch already loaded,
+   so it shares torch's thread pool (and its thread count) rather than adding a second one.
 
    bf16 is handled as uint16_t; arithmetic is fp32, rounded once to bf16 (nearest even) on store. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline float bf2f(uint16_t b) {
@@ -23,6 +26,27 @@ static inline uint16_t f2bf(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
     u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
     return (uint16_t)(u >> 16);
+}
+
+/* exp(x) for x <= 0 (scores minus their max), relative error < 2e-6, in plain arithmetic that
+   the compiler vectorises (libm's expf is a scalar call). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.f ? -87.f : x; /* keeps 2^n normal; exp(-87) is below bf16's interest anyway */
+    const int n = (int)(x * 1.44269504f); /* truncates toward 0: n in [x / ln2, 0] */
+    const float r = x - (float)n * 0.693147182f; /* r in (-ln2, 0] */
+    float p = 1.f / 40320.f;
+    p = p * r + 1.f / 5040.f;
+    p = p * r + 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const uint32_t bits = (uint32_t)(n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
 }
 
 #define MAX_DIM 256
@@ -83,82 +107,98 @@ void rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *s
 
 /* One query token per request against its cached K/V in a paged pool.
    q, out: [nd, heads, dim]; k_pool, v_pool: [num_blocks, block_size, kv_heads, dim] (one layer);
-   tables: [nd, max_blocks] block ids; lengths: [nd] cached positions, the new token's included;
-   scores: scratch of at least group * max(lengths) floats. */
-static inline __attribute__((always_inline)) void attend(
+   tables: [nd, max_blocks] block ids; lengths: [nd] cached positions, the new token's included.
+   Returns 0, or -1 if scratch memory could not be had. */
+static inline __attribute__((always_inline)) int attend(
     const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *tables,
     const int64_t *lengths, int64_t nd, int64_t max_blocks, int64_t block_size, int64_t heads,
-    int64_t kv_heads, const int64_t dim, float scale, float *scores, uint16_t *out) {
+    int64_t kv_heads, const int64_t dim, float scale, uint16_t *out) {
     const int64_t group = heads / kv_heads;
     const int64_t pos_stride = kv_heads * dim;
-    for (int64_t r = 0; r < nd; r++) {
+    /* a task: one request's KV heads [g0, g1). Whole requests when there are enough of them, so
+       each cached position is read as one contiguous row of all KV heads; else one KV head per
+       task, so that even one request keeps every thread busy. */
+    const int64_t split = nd >= 4 ? 1 : kv_heads;
+    const int64_t task_kv = kv_heads / split, task_heads = task_kv * group;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) if (nd * split >= 2)
+    for (int64_t task = 0; task < nd * split; task++) {
+        const int64_t r = task / split, g0 = (task % split) * task_kv;
         const int64_t len = lengths[r];
         const int64_t *table = tables + r * max_blocks;
-        for (int64_t g = 0; g < kv_heads; g++) {
-            float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], mx[MAX_GROUP], kf[MAX_DIM];
-            for (int64_t j = 0; j < group; j++) {
-                const uint16_t *qr = q + (r * heads + g * group + j) * dim;
-                for (int64_t d = 0; d < dim; d++) {
-                    qf[j][d] = bf2f(qr[d]) * scale;
-                    acc[j][d] = 0.f;
-                }
-                mx[j] = -INFINITY;
-            }
-            for (int64_t t = 0; t < len; t++) {
-                const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                const uint16_t *kr = k_pool + slot * pos_stride + g * dim;
-                for (int64_t d = 0; d < dim; d++) kf[d] = bf2f(kr[d]);
+        /* scores: [task_heads, len]; qf, acc: [task_heads, dim] */
+        float *buffer = malloc((size_t)(task_heads * (len + 2 * dim)) * sizeof(float));
+        if (!buffer) {
+            failed = 1;
+            continue;
+        }
+        float *scores = buffer, *qf = buffer + task_heads * len, *acc = qf + task_heads * dim;
+        float mx[MAX_GROUP * 64], kf[MAX_DIM];
+        const uint16_t *qr = q + (r * heads + g0 * group) * dim; /* this task's query heads */
+        for (int64_t i = 0; i < task_heads * dim; i++) {
+            qf[i] = bf2f(qr[i]) * scale;
+            acc[i] = 0.f;
+        }
+        for (int64_t h = 0; h < task_heads; h++) mx[h] = -INFINITY;
+        for (int64_t t = 0; t < len; t++) {
+            const int64_t slot = table[t / block_size] * block_size + t % block_size;
+            const uint16_t *kr = k_pool + slot * pos_stride + g0 * dim;
+            for (int64_t g = 0; g < task_kv; g++) {
+                for (int64_t d = 0; d < dim; d++) kf[d] = bf2f(kr[g * dim + d]);
                 for (int64_t j = 0; j < group; j++) {
+                    const float *qh = qf + (g * group + j) * dim;
                     float s = 0.f;
-                    for (int64_t d = 0; d < dim; d++) s += qf[j][d] * kf[d];
-                    scores[j * len + t] = s;
-                    if (s > mx[j]) mx[j] = s;
+                    for (int64_t d = 0; d < dim; d++) s += qh[d] * kf[d];
+                    scores[(g * group + j) * len + t] = s;
+                    if (s > mx[g * group + j]) mx[g * group + j] = s;
                 }
-            }
-            float denom[MAX_GROUP];
-            for (int64_t j = 0; j < group; j++) {
-                float sum = 0.f;
-                for (int64_t t = 0; t < len; t++) {
-                    const float e = expf(scores[j * len + t] - mx[j]);
-                    scores[j * len + t] = e;
-                    sum += e;
-                }
-                denom[j] = sum;
-            }
-            for (int64_t t = 0; t < len; t++) {
-                const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                const uint16_t *vr = v_pool + slot * pos_stride + g * dim;
-                for (int64_t d = 0; d < dim; d++) kf[d] = bf2f(vr[d]);
-                for (int64_t j = 0; j < group; j++) {
-                    const float p = scores[j * len + t];
-                    for (int64_t d = 0; d < dim; d++) acc[j][d] += p * kf[d];
-                }
-            }
-            for (int64_t j = 0; j < group; j++) {
-                uint16_t *o = out + (r * heads + g * group + j) * dim;
-                const float inv = 1.f / denom[j];
-                for (int64_t d = 0; d < dim; d++) o[d] = f2bf(acc[j][d] * inv);
             }
         }
+        float inv[MAX_GROUP * 64];
+        for (int64_t h = 0; h < task_heads; h++) {
+            float *row = scores + h * len, sum = 0.f;
+            for (int64_t t = 0; t < len; t++) {
+                row[t] = exp_nonpositive(row[t] - mx[h]);
+                sum += row[t];
+            }
+            inv[h] = 1.f / sum;
+        }
+        for (int64_t t = 0; t < len; t++) {
+            const int64_t slot = table[t / block_size] * block_size + t % block_size;
+            const uint16_t *vr = v_pool + slot * pos_stride + g0 * dim;
+            for (int64_t g = 0; g < task_kv; g++) {
+                for (int64_t d = 0; d < dim; d++) kf[d] = bf2f(vr[g * dim + d]);
+                for (int64_t j = 0; j < group; j++) {
+                    const float p = scores[(g * group + j) * len + t];
+                    float *a = acc + (g * group + j) * dim;
+                    for (int64_t d = 0; d < dim; d++) a[d] += p * kf[d];
+                }
+            }
+        }
+        uint16_t *o = out + (r * heads + g0 * group) * dim;
+        for (int64_t h = 0; h < task_heads; h++)
+            for (int64_t d = 0; d < dim; d++) o[h * dim + d] = f2bf(acc[h * dim + d] * inv[h]);
+        free(buffer);
     }
+    return failed ? -1 : 0;
 }
 
-/* Returns 0, or -1 when the shape is beyond the fixed scratch sizes. Common shapes get code
-   specialised on a constant head_dim (and group), which the compiler vectorises fully. */
+/* Returns 0; -1 when the shape is beyond the fixed buffer sizes; -2 when out of memory. Common
+   shapes get code specialised on a constant head_dim (and group), which the compiler vectorises
+   fully. */
 int decode_attention_bf16(const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool,
                           const int64_t *tables, const int64_t *lengths, int64_t nd,
                           int64_t max_blocks, int64_t block_size, int64_t heads,
-                          int64_t kv_heads, int64_t dim, float scale, float *scores,
-                          uint16_t *out) {
-    if (dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP)
-        return -1;
+                          int64_t kv_heads, int64_t dim, float scale, uint16_t *out) {
+    if (dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads || heads > MAX_GROUP * 64) return -1;
 #define ATTEND(H, D) \
     attend(q, k_pool, v_pool, tables, lengths, nd, max_blocks, block_size, H, kv_heads, D, \
-           scale, scores, out)
-    if (dim == 64 && heads == 3 * kv_heads) ATTEND(3 * kv_heads, 64);
-    else if (dim == 64) ATTEND(heads, 64);
-    else if (dim == 128) ATTEND(heads, 128);
-    else ATTEND(heads, dim);
+           scale, out)
+    int status;
+    if (dim == 64 && heads == 3 * kv_heads) status = ATTEND(3 * kv_heads, 64);
+    else if (dim == 64) status = ATTEND(heads, 64);
+    else if (dim == 128) status = ATTEND(heads, 128);
+    else status = ATTEND(heads, dim);
 #undef ATTEND
-    return 0;
+    return status ? -2 : 0;
 }

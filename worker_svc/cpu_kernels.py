@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros"]
 # reassociation lets the compiler vectorise the dot products' sums
-FLAGS += ["-fassociative-math"]
+FLAGS += ["-fassociative-math", "-fopenmp"]
 # LLMSERVE_KERNEL_ARCH: the -march to build for; "native" (the default) suits a build on the
 # machine that runs it; an image built once for many hosts should say e.g. x86-64-v3.
 ARCH = os.environ.get("LLMSERVE_KERNEL_ARCH", "native")
@@ -86,7 +86,7 @@ class CpuKernels:
         self._rope.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P]
         self._rope.restype = None
         self._attend = library.decode_attention_bf16
-        self._attend.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P]
+        self._attend.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P]
         self._attend.restype = ctypes.c_int
 
     def add_rms_norm(
@@ -139,7 +139,6 @@ class CpuKernels:
         block_size: int,
         kv_heads: int,
         scale: float,
-        scratch: torch.Tensor,  # fp32, at least group * max(lengths)
         out: torch.Tensor,  # [nd, heads, dim]
     ) -> None:
         nd, heads, dim = q.shape
@@ -156,11 +155,12 @@ class CpuKernels:
             kv_heads,
             dim,
             scale,
-            scratch.data_ptr(),
             out.data_ptr(),
         )
-        if status:
+        if status == -1:
             raise ValueError(f"decode_attention: unsupported shape {tuple(q.shape)}")
+        if status:
+            raise MemoryError("decode_attention: no memory for attention scores")
 
 
 _loaded: CpuKernels | None = None

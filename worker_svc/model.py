@@ -64,8 +64,6 @@ class LlamaModel:
         kv_of_head = torch.arange(config.num_heads) // groups  # [heads]
         self.head_of_query = kv_of_head.view(1, config.num_heads, 1, 1)
         self.kernels = cpu_kernels.load() if use_kernels and dtype == torch.bfloat16 else None
-        if self.kernels is not None:  # attention scores of one KV head's query group
-            self.scratch = torch.empty(groups * config.max_context, dtype=torch.float32)
 
     @torch.inference_mode()
     def forward(
@@ -137,7 +135,7 @@ class LlamaModel:
             kern.rope_store(qkv, cos, sin, positions, slots, q, k_layer, v_layer, kv_heads)
             kern.decode_attention(
                 q, k_layer, v_layer, tables, plan.decode_lengths, pool.block_size, kv_heads,
-                scale, self.scratch, attn,
+                scale, attn,
             )  # fmt: skip
             kern.add_rms_norm(x, lin.o(attn.view(n, -1)), w.layers[layer_index].mlp_norm, eps, h)
             gate, up = lin.gate_up(h).chunk(2, dim=-1)
