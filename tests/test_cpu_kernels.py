@@ -3,6 +3,8 @@ path against its torch path and against fp32."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,7 +105,10 @@ def test_decode_attention_matches_fp32_attention(heads: int, kv_heads: int, dim:
         expect = F.scaled_dot_product_attention(
             q[r].float().unsqueeze(1), k, v, enable_gqa=True
         )  # [heads, 1, dim]
-        assert bf16_ulps(out[r], expect.squeeze(1)) <= 2.0, r
+        # probabilities may be rounded to bf16 (2^-9 relative) before P @ V, as torch's bf16
+        # path rounds them: the error is bounded by the values' size, not the output's
+        error = (out[r].float() - expect.squeeze(1)).abs().max()
+        assert error <= 2**-7 * v.abs().max(), (r, error)
 
 
 def decode_logits(runner: ModelRunner, prompts: list[list[int]], table_seed: int) -> torch.Tensor:
@@ -162,3 +167,13 @@ def test_kernels_are_not_used_for_fp32() -> None:
     runner = ModelRunner(config, weights, 8, 4, dtype=torch.float32)
     assert runner.model.kernels is None
     assert isinstance(config, ModelConfig)
+
+
+@needs_kernels
+def test_source_builds_for_this_cpu_without_the_fallback(tmp_path) -> None:
+    """The build falls back to generic flags if the preferred ones fail; a compile error in the
+    CPU-specific code would otherwise go unnoticed (and slow)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler is not None
+    done = cpu_kernels.compile_source(compiler, cpu_kernels.ARCH_FLAGS[0], str(tmp_path / "k.so"))
+    assert done.returncode == 0, done.stderr

@@ -52,10 +52,124 @@ static inline float exp_nonpositive(float x) {
 #define MAX_DIM 256
 #define MAX_GROUP 16
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_AVX512_BF16 1
+
+/* Lane i of the result: the sum of v[i]'s 16 lanes (a transposing reduction: 30 shuffles and
+   adds for 16 sums, where 16 separate horizontal sums would take ~100). */
+static inline __m512 sum_lanes16(const __m512 v[16]) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: the lane's sums of v[4i .. 4i+3] */
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44),
+                                    _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+    const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44),
+                                    _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
+}
+
+/* Scores of `heads` query heads (bf16, head_dim 64, heads / kv_heads per KV head) against the
+   cached keys of positions [0, len rounded down to 16), 16 positions at a time, with bf16 dot
+   products (vdpbf16ps: exact products, fp32 sums). scores: [heads, len]; mx: running maxima.
+   Returns the number of positions done. */
+static int64_t qk_scores_bf16_64(const uint16_t *q, const uint16_t *k_pool, int64_t pos_stride,
+                                 const int64_t *table, int64_t block_size, int64_t len,
+                                 int64_t kv_count, int64_t group, float scale, float *scores,
+                                 float *mx) {
+    const int64_t done = len & ~(int64_t)15;
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    for (int64_t g = 0; g < kv_count; g++) {
+        for (int64_t j = 0; j < group; j++) {
+            const int64_t h = g * group + j;
+            const __m512i q_lo = _mm512_loadu_si512(q + h * 64);
+            const __m512i q_hi = _mm512_loadu_si512(q + h * 64 + 32);
+            __m512 best = _mm512_set1_ps(-INFINITY);
+            for (int64_t t0 = 0; t0 < done; t0 += 16) {
+                __m512 acc[16];
+                for (int i = 0; i < 16; i++) {
+                    const int64_t t = t0 + i;
+                    const uint16_t *kr =
+                        k_pool + (table[t / block_size] * block_size + t % block_size) * pos_stride
+                        + g * 64;
+                    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(),
+                                                (__m512bh)_mm512_loadu_si512(kr),
+                                                (__m512bh)q_lo);
+                    acc[i] = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(kr + 32),
+                                              (__m512bh)q_hi);
+                }
+                const __m512 s = _mm512_mul_ps(sum_lanes16(acc), scale_v);
+                _mm512_storeu_ps(scores + h * len + t0, s);
+                best = _mm512_max_ps(best, s);
+            }
+            if (done) {
+                const float m = _mm512_reduce_max_ps(best);
+                if (m > mx[h]) mx[h] = m;
+            }
+        }
+    }
+    return done;
+}
+
+/* acc[h] = sum over positions [0, len rounded down to 2) of p[h][t] * V[t] for head_dim 64, two
+   positions per vdpbf16ps. probs: [heads, len] bf16 (rounded, as torch's bf16 P @ V rounds
+   them); acc: [heads, 64] fp32, overwritten. Returns the positions done. */
+static int64_t pv_bf16_64(const uint16_t *probs, const uint16_t *v_pool, int64_t pos_stride,
+                          const int64_t *table, int64_t block_size, int64_t len,
+                          int64_t kv_count, int64_t group, float *acc) {
+    const int64_t done = len & ~(int64_t)1;
+    for (int64_t g = 0; g < kv_count; g++) {
+        /* sums[j][0..3]: dims interleaved by the 16-bit unpacks, put back in order below */
+        __m512 sums[MAX_GROUP][4];
+        for (int64_t j = 0; j < group; j++)
+            for (int c = 0; c < 4; c++) sums[j][c] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < done; t += 2) {
+            const uint16_t *v0 =
+                v_pool + (table[t / block_size] * block_size + t % block_size) * pos_stride + g * 64;
+            const int64_t u = t + 1;
+            const uint16_t *v1 =
+                v_pool + (table[u / block_size] * block_size + u % block_size) * pos_stride + g * 64;
+            __m512i pairs[4];
+            for (int c = 0; c < 2; c++) {
+                const __m512i a = _mm512_loadu_si512(v0 + 32 * c);
+                const __m512i b = _mm512_loadu_si512(v1 + 32 * c);
+                pairs[2 * c] = _mm512_unpacklo_epi16(a, b);
+                pairs[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+            }
+            for (int64_t j = 0; j < group; j++) {
+                uint32_t pair; /* (p[t], p[t + 1]) as two bf16 in one 32-bit lane */
+                memcpy(&pair, probs + (g * group + j) * len + t, 4);
+                const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pair);
+                for (int c = 0; c < 4; c++)
+                    sums[j][c] = _mm512_dpbf16_ps(sums[j][c], (__m512bh)pairs[c], p);
+            }
+        }
+        for (int64_t j = 0; j < group; j++) {
+            float lanes[4][16];
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(lanes[c], sums[j][c]);
+            float *a = acc + (g * group + j) * 64;
+            /* register c = 2 * half + (0: unpacklo, 1: unpackhi); lane 4k + i holds dim
+               32 * half + 8k + 4 * (c & 1) + i */
+            for (int c = 0; c < 4; c++)
+                for (int k = 0; k < 4; k++)
+                    for (int i = 0; i < 4; i++)
+                        a[32 * (c >> 1) + 8 * k + 4 * (c & 1) + i] = lanes[c][4 * k + i];
+        }
+    }
+    return done;
+}
+#endif
+
+
 /* x[r] += delta[r] (if delta), rounded to bf16; h[r] = x[r] / rms(x[r]) * weight.
    x, delta, h: [rows, hidden]; weight: [hidden]. */
 void add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weight, int64_t rows,
                        int64_t hidden, float eps, uint16_t *h) {
+#pragma omp parallel for schedule(static) if (rows >= 16)
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *xr = x + r * hidden;
         float sum = 0.f;
@@ -88,6 +202,7 @@ void rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *s
                      int64_t kv_heads, int64_t dim, uint16_t *q_out, uint16_t *k_pool,
                      uint16_t *v_pool) {
     const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
+#pragma omp parallel for schedule(static) if (n >= 16)
     for (int64_t t = 0; t < n; t++) {
         const uint16_t *row = qkv + t * width;
         const uint16_t *c = cos + positions[t] * dim, *s = sin + positions[t] * dim;
@@ -95,10 +210,10 @@ void rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *s
             const uint16_t *x = row + hd * dim;
             uint16_t *dst = hd < heads ? q_out + (t * heads + hd) * dim
                                        : k_pool + (slots[t] * kv_heads + hd - heads) * dim;
-            for (int64_t d = 0; d < dim; d++) {
-                const int64_t other = d < half ? d + half : d - half;
-                dst[d] = f2bf(bf2f(x[d]) * bf2f(c[d]) + bf2f(x[other]) * bf2f(s[d]));
-            }
+            for (int64_t d = 0; d < half; d++) /* rotate_half: (x_lo, x_hi) -> (-x_hi, x_lo) */
+                dst[d] = f2bf(bf2f(x[d]) * bf2f(c[d]) + bf2f(x[d + half]) * bf2f(s[d]));
+            for (int64_t d = half; d < dim; d++)
+                dst[d] = f2bf(bf2f(x[d]) * bf2f(c[d]) + bf2f(x[d - half]) * bf2f(s[d]));
         }
         memcpy(v_pool + slots[t] * kv_heads * dim, row + (heads + kv_heads) * dim,
                (size_t)(kv_heads * dim) * sizeof(uint16_t));
@@ -126,8 +241,10 @@ static inline __attribute__((always_inline)) int attend(
         const int64_t r = task / split, g0 = (task % split) * task_kv;
         const int64_t len = lengths[r];
         const int64_t *table = tables + r * max_blocks;
-        /* scores: [task_heads, len]; qf, acc: [task_heads, dim] */
-        float *buffer = malloc((size_t)(task_heads * (len + 2 * dim)) * sizeof(float));
+        /* scores: [task_heads, len] fp32; qf, acc: [task_heads, dim]; then room for the
+           probabilities in bf16: [task_heads, len] (rounded up to whole floats) */
+        const int64_t floats = task_heads * (len + 2 * dim) + (task_heads * len + 1) / 2;
+        float *buffer = malloc((size_t)floats * sizeof(float));
         if (!buffer) {
             failed = 1;
             continue;
@@ -140,7 +257,13 @@ static inline __attribute__((always_inline)) int attend(
             acc[i] = 0.f;
         }
         for (int64_t h = 0; h < task_heads; h++) mx[h] = -INFINITY;
-        for (int64_t t = 0; t < len; t++) {
+        int64_t first = 0; /* positions before this were scored by the SIMD path */
+#ifdef HAVE_AVX512_BF16
+        if (dim == 64)
+            first = qk_scores_bf16_64(qr, k_pool + g0 * dim, pos_stride, table, block_size, len,
+                                      task_kv, group, scale, scores, mx);
+#endif
+        for (int64_t t = first; t < len; t++) {
             const int64_t slot = table[t / block_size] * block_size + t % block_size;
             const uint16_t *kr = k_pool + slot * pos_stride + g0 * dim;
             for (int64_t g = 0; g < task_kv; g++) {
@@ -163,7 +286,16 @@ static inline __attribute__((always_inline)) int attend(
             }
             inv[h] = 1.f / sum;
         }
-        for (int64_t t = 0; t < len; t++) {
+        first = 0;
+#ifdef HAVE_AVX512_BF16
+        if (dim == 64 && group <= MAX_GROUP) {
+            uint16_t *probs = (uint16_t *)(acc + task_heads * dim);
+            for (int64_t i = 0; i < task_heads * len; i++) probs[i] = f2bf(scores[i]);
+            first = pv_bf16_64(probs, v_pool + g0 * dim, pos_stride, table, block_size, len,
+                               task_kv, group, acc);
+        }
+#endif
+        for (int64_t t = first; t < len; t++) {
             const int64_t slot = table[t / block_size] * block_size + t % block_size;
             const uint16_t *vr = v_pool + slot * pos_stride + g0 * dim;
             for (int64_t g = 0; g < task_kv; g++) {

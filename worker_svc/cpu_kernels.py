@@ -64,15 +64,19 @@ def build() -> Path | None:
         except OSError:
             continue  # not writable: try the next place
         for arch in ARCH_FLAGS:
-            command = [compiler, *FLAGS, *arch, "-o", tmp, str(SOURCE), "-lm"]
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            done = compile_source(compiler, arch, tmp)
             if done.returncode == 0:
                 os.replace(tmp, path)  # atomic: concurrent builders leave one whole file
                 return path
+            log.warning("building %s with %s failed: %s", SOURCE.name, arch, done.stderr[-800:])
         os.unlink(tmp)
-        log.warning("building %s failed: %s", SOURCE.name, done.stderr.strip()[-500:])
         return None
     return None
+
+
+def compile_source(compiler: str, arch: list[str], output: str) -> subprocess.CompletedProcess:
+    command = [compiler, *FLAGS, *arch, "-o", output, str(SOURCE), "-lm"]
+    return subprocess.run(command, capture_output=True, text=True, check=False)
 
 
 class CpuKernels:
