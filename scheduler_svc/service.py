@@ -23,6 +23,7 @@ from scheduler_svc.workers import WorkerClient
 
 log = logging.getLogger("scheduler")
 UNKNOWN = grpc.StatusCode.UNKNOWN  # what a worker answers when its execution raised
+SEND_GRACE_S = 0.002  # how long a step's token events wait for the next step's requests to leave
 
 FINISH_TO_PROTO = {
     Finish.STOP: common_pb2.FINISH_REASON_STOP,
@@ -52,6 +53,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if self.check:
             log.warning("%s is set: checking the core's invariants after every step", ENV_VAR)
         self.on_step = None  # metrics hook: (batches, seconds executing them) after each step
+        self.outbox: list[Event] = []  # events for the streams, handed over in order by _flush
+        self.flush_handle: asyncio.TimerHandle | None = None
 
     # ---- gRPC handlers -------------------------------------------------------------------
 
@@ -165,8 +168,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             check_invariants(self.core)  # raises InvariantError: the loop crashes, see _died
 
     async def run_loop(self) -> None:
+        """One iteration per step. A step's token events are handed to the request streams only
+        once the next step's Execute calls are on their way: writing 32 streams takes the event
+        loop milliseconds, which would otherwise idle the workers between steps."""
+        pending: list[Event] = []  # events not yet handed to the streams
         while True:
             if not self._has_work():
+                self._dispatch(pending)
+                pending = []
                 self.wake.clear()  # before any await: a Submit during the releases sets it again
                 await self._send_releases(self.core.take_releases())  # the workers' view too
                 await self.wake.wait()
@@ -175,22 +184,25 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             batches = self.core.schedule()
             core = time.perf_counter() - started
             self._check()
-            self._dispatch(self.core.take_events())
+            pending += self.core.take_events()
             if not any(b.items for b in batches):
+                self._dispatch(pending)
+                pending = []
                 self.wake.clear()  # before any await, as above
                 await self._send_releases(batches)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), timeout=0.05)
                 continue
             executing = time.perf_counter()
-            sampled = await self._execute(batches)
+            sampled = await self._execute(batches, pending)
+            pending = []
             if self.on_step is not None:
                 self.on_step(batches, time.perf_counter() - executing)
             post = time.perf_counter()
             self.core.postprocess(batches, sampled)
             core += time.perf_counter() - post
             self._check()
-            self._dispatch(self.core.take_events())
+            pending = self.core.take_events()
             forward = max(self.clients[b.worker].last_forward for b in batches if b.items)
             self.times.add(time.perf_counter() - started, forward, core)
 
@@ -218,11 +230,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _has_work(self) -> bool:
         return bool(self.core.waiting) or any(ws.running for ws in self.core.workers)
 
-    async def _execute(self, batches: list[WorkerBatch]) -> dict[str, int]:
+    async def _execute(self, batches: list[WorkerBatch], events: list[Event]) -> dict[str, int]:
+        """Run one step on the workers; hand `events` to the streams once the calls are sent."""
         step = self.core.steps
         calls = [
-            self.clients[b.worker].execute(step, b, self.settings.execute_timeout) for b in batches
+            asyncio.ensure_future(
+                self.clients[b.worker].execute(step, b, self.settings.execute_timeout)
+            )
+            for b in batches
         ]
+        # The streams' writes (milliseconds of event-loop time for a few dozen requests) wait a
+        # moment, so that the requests reach the workers first instead of queueing behind them.
+        last = max(self.clients[b.worker].last_forward for b in batches)
+        self._dispatch(events, delay=min(SEND_GRACE_S, last / 4))
         results = await asyncio.gather(*calls, return_exceptions=True)
         sampled: dict[str, int] = {}
         for batch, result in zip(batches, results, strict=True):
@@ -266,7 +286,21 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 f"the model failed on this request's batch on {name} (see its log)",
             )
 
-    def _dispatch(self, events: list[Event]) -> None:
+    def _dispatch(self, events: list[Event], delay: float = 0.0) -> None:
+        """Queue events for their streams; hand them over now, or after `delay` seconds. Events
+        always reach the streams in the order they were queued (a later immediate dispatch
+        first hands over the delayed ones), so no finish overtakes a token."""
+        self.outbox.extend(events)
+        if delay <= 0.0:
+            self._flush()
+        elif self.flush_handle is None and self.outbox:
+            self.flush_handle = asyncio.get_running_loop().call_later(delay, self._flush)
+
+    def _flush(self) -> None:
+        if self.flush_handle is not None:
+            self.flush_handle.cancel()
+            self.flush_handle = None
+        events, self.outbox = self.outbox, []
         merged: dict[str, scheduler_pb2.TokenEvent] = defaultdict(scheduler_pb2.TokenEvent)
         for ev in events:
             out = merged[ev.request_id]
