@@ -19,7 +19,8 @@ from llmserve.bench.workload import RequestSpec, Workload
 PAD_ID = 2
 
 
-def load_hf_model(dtype_name: str = "bf16"):
+def load_hf_model(dtype_name: str = "bf16", attention: str = "eager"):
+    """SmolLM2 from the same GGUF as the served stack, with the given attention implementation."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoConfig, LlamaForCausalLM
@@ -36,6 +37,7 @@ def load_hf_model(dtype_name: str = "bf16"):
     model.tie_weights()
     model.model.rotary_emb = type(model.model.rotary_emb)(config)  # its buffers were on meta
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    model.set_attn_implementation(attention)
     return model.to(dtype).eval()
 
 
@@ -92,7 +94,11 @@ def run_static(model, workload: Workload, batch_size: int) -> RunResult:
         records,
         [],
         time.perf_counter() - t0,
-        config={"batch_size": batch_size, "padding": "left"},
+        config={
+            "batch_size": batch_size,
+            "padding": "left",
+            "attention": model.config._attn_implementation,
+        },
         kind="transformers",
     )
 
@@ -134,7 +140,10 @@ def run_generate_batch(model, workload: Workload, max_per_batch: int) -> RunResu
         records,
         [],
         wall,
-        config={"max_requests_per_batch": max_per_batch},
+        config={
+            "max_requests_per_batch": max_per_batch,
+            "attention": model.config._attn_implementation,
+        },
         kind="transformers",
     )
 

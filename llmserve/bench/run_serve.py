@@ -83,7 +83,7 @@ def _transformers(args: argparse.Namespace, workload: Workload, which: list[str]
         import torch
 
         torch.set_num_threads(args.threads)
-    model = hf_baseline.load_hf_model(args.dtype)
+    model = hf_baseline.load_hf_model(args.dtype, args.hf_attention)
     out = []
     if "static" in which:
         out.append(hf_baseline.run_static(model, workload, workload.concurrency))
