@@ -80,10 +80,15 @@ def test_rope_store_matches_apply_rope_and_writes_kv_to_its_slots() -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
-def test_decode_attention_matches_fp32_attention(heads: int, kv_heads: int, dim: int) -> None:
-    """Scattered, out-of-order blocks, different lengths per request (one ends mid-block)."""
+def test_decode_attention_matches_fp32_attention(
+    heads: int, kv_heads: int, dim: int, threads: int
+) -> None:
+    """Scattered, out-of-order blocks, different lengths per request (one ends mid-block);
+    single-threaded and split over OpenMP threads."""
     assert KERNELS is not None
+    KERNELS.set_threads(threads)
     block_size, num_blocks = 4, 40
     lengths = torch.tensor([1, 13, 37])
     gen = torch.Generator().manual_seed(2)

@@ -52,6 +52,12 @@ static inline float exp_nonpositive(float x) {
 #define MAX_DIM 256
 #define MAX_GROUP 16
 
+/* OpenMP threads for the parallel kernels: set from torch's thread count before each step, since
+   OpenMP's own default is per calling thread (the worker's forward thread would get every core). */
+static int kernel_threads = 1;
+
+void set_threads(int threads) { kernel_threads = threads > 0 ? threads : 1; }
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_AVX512_BF16 1
@@ -169,7 +175,7 @@ static int64_t pv_bf16_64(const uint16_t *probs, const uint16_t *v_pool, int64_t
    x, delta, h: [rows, hidden]; weight: [hidden]. */
 void add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weight, int64_t rows,
                        int64_t hidden, float eps, uint16_t *h) {
-#pragma omp parallel for schedule(static) if (rows >= 16)
+#pragma omp parallel for schedule(static) if (rows >= 16) num_threads(kernel_threads)
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *xr = x + r * hidden;
         float sum = 0.f;
@@ -202,7 +208,7 @@ void rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *s
                      int64_t kv_heads, int64_t dim, uint16_t *q_out, uint16_t *k_pool,
                      uint16_t *v_pool) {
     const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
-#pragma omp parallel for schedule(static) if (n >= 16)
+#pragma omp parallel for schedule(static) if (n >= 16) num_threads(kernel_threads)
     for (int64_t t = 0; t < n; t++) {
         const uint16_t *row = qkv + t * width;
         const uint16_t *c = cos + positions[t] * dim, *s = sin + positions[t] * dim;
@@ -236,7 +242,7 @@ static inline __attribute__((always_inline)) int attend(
     const int64_t split = nd >= 4 ? 1 : kv_heads;
     const int64_t task_kv = kv_heads / split, task_heads = task_kv * group;
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) if (nd * split >= 2)
+#pragma omp parallel for schedule(dynamic, 1) if (nd * split >= 2) num_threads(kernel_threads)
     for (int64_t task = 0; task < nd * split; task++) {
         const int64_t r = task / split, g0 = (task % split) * task_kv;
         const int64_t len = lengths[r];

@@ -92,6 +92,13 @@ class CpuKernels:
         self._attend = library.decode_attention_bf16
         self._attend.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P]
         self._attend.restype = ctypes.c_int
+        self._threads = library.set_threads
+        self._threads.argtypes = [ctypes.c_int]
+        self._threads.restype = None
+
+    def set_threads(self, threads: int) -> None:
+        """OpenMP threads for the parallel kernels (pass torch.get_num_threads())."""
+        self._threads(threads)
 
     def add_rms_norm(
         self,

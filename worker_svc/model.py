@@ -126,6 +126,7 @@ class LlamaModel:
         layer_bytes = pool.k.stride(0) * pool.k.element_size()
         k_base, v_base = pool.k.data_ptr(), pool.v.data_ptr()
         scale = cfg.head_dim**-0.5
+        kern.set_threads(torch.get_num_threads())  # as many as the matmuls use
         kern.add_rms_norm(x, None, w.layers[0].attn_norm, eps, h)
         for layer_index, lin in enumerate(self.linears):
             k_layer = k_base + layer_index * layer_bytes
