@@ -58,6 +58,12 @@ static int kernel_threads = 1;
 
 void set_threads(int threads) { kernel_threads = threads > 0 ? threads : 1; }
 
+/* The pool row of cached position t of a request: block table lookup, then the slot's row. */
+static inline const uint16_t *position_row(const uint16_t *pool, const int64_t *table, int64_t t,
+                                           int64_t block_size, int64_t pos_stride) {
+    return pool + (table[t / block_size] * block_size + t % block_size) * pos_stride;
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_AVX512_BF16 1
@@ -100,8 +106,7 @@ static int64_t qk_scores_bf16_64(const uint16_t *q, const uint16_t *k_pool, int6
                 for (int i = 0; i < 16; i++) {
                     const int64_t t = t0 + i;
                     const uint16_t *kr =
-                        k_pool + (table[t / block_size] * block_size + t % block_size) * pos_stride
-                        + g * 64;
+                        position_row(k_pool, table, t, block_size, pos_stride) + g * 64;
                     __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(),
                                                 (__m512bh)_mm512_loadu_si512(kr),
                                                 (__m512bh)q_lo);
@@ -134,11 +139,9 @@ static int64_t pv_bf16_64(const uint16_t *probs, const uint16_t *v_pool, int64_t
         for (int64_t j = 0; j < group; j++)
             for (int c = 0; c < 4; c++) sums[j][c] = _mm512_setzero_ps();
         for (int64_t t = 0; t < done; t += 2) {
-            const uint16_t *v0 =
-                v_pool + (table[t / block_size] * block_size + t % block_size) * pos_stride + g * 64;
             const int64_t u = t + 1;
-            const uint16_t *v1 =
-                v_pool + (table[u / block_size] * block_size + u % block_size) * pos_stride + g * 64;
+            const uint16_t *v0 = position_row(v_pool, table, t, block_size, pos_stride) + g * 64;
+            const uint16_t *v1 = position_row(v_pool, table, u, block_size, pos_stride) + g * 64;
             __m512i pairs[4];
             for (int c = 0; c < 2; c++) {
                 const __m512i a = _mm512_loadu_si512(v0 + 32 * c);
@@ -270,8 +273,7 @@ static inline __attribute__((always_inline)) int attend(
                                       task_kv, group, scale, scores, mx);
 #endif
         for (int64_t t = first; t < len; t++) {
-            const int64_t slot = table[t / block_size] * block_size + t % block_size;
-            const uint16_t *kr = k_pool + slot * pos_stride + g0 * dim;
+            const uint16_t *kr = position_row(k_pool, table, t, block_size, pos_stride) + g0 * dim;
             for (int64_t g = 0; g < task_kv; g++) {
                 for (int64_t d = 0; d < dim; d++) kf[d] = bf2f(kr[g * dim + d]);
                 for (int64_t j = 0; j < group; j++) {
@@ -302,8 +304,7 @@ static inline __attribute__((always_inline)) int attend(
         }
 #endif
         for (int64_t t = first; t < len; t++) {
-            const int64_t slot = table[t / block_size] * block_size + t % block_size;
-            const uint16_t *vr = v_pool + slot * pos_stride + g0 * dim;
+            const uint16_t *vr = position_row(v_pool, table, t, block_size, pos_stride) + g0 * dim;
             for (int64_t g = 0; g < task_kv; g++) {
                 for (int64_t d = 0; d < dim; d++) kf[d] = bf2f(vr[g * dim + d]);
                 for (int64_t j = 0; j < group; j++) {
