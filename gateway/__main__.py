@@ -15,7 +15,7 @@ from gateway.service import GatewayService
 from gateway.settings import GatewaySettings
 from gateway.tokenizer import Tokenizer, load_default_tokenizer
 from llmserve.flags import add_flags, from_args
-from llmserve.server import CHANNEL_OPTIONS, Server, setup_logging
+from llmserve.server import CHANNEL_OPTIONS, Server, die_with_parent, setup_logging
 from llmserve.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 HELP = {
@@ -75,6 +75,7 @@ async def serve(settings: GatewaySettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    die_with_parent()  # when started by `llmserve up`
     parser = add_flags(argparse.ArgumentParser(prog="gateway"), GatewaySettings, HELP)
     asyncio.run(serve(from_args(GatewaySettings, parser.parse_args(argv))))
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable
 
@@ -27,6 +29,22 @@ CHANNEL_OPTIONS = [
 ]
 
 log = logging.getLogger("llmserve")
+PARENT_PID_VAR = "LLMSERVE_PARENT_PID"  # set by `llmserve up` for the processes it starts
+
+
+def die_with_parent() -> None:
+    """Started by `llmserve up` (or a test's stack): get SIGTERM when that process dies, even by
+    SIGKILL (Linux PR_SET_PDEATHSIG). Done here, at the child's start, rather than in a
+    preexec_fn: code between fork and exec is unsafe in a parent with threads."""
+    parent = os.environ.get(PARENT_PID_VAR)
+    if not parent:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def setup_logging(name: str) -> logging.Logger:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import signal
 import subprocess
@@ -12,15 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmserve.server import wait_healthy
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if `llmserve up` dies, even by SIGKILL (Linux only)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+from llmserve.server import PARENT_PID_VAR, wait_healthy
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +141,7 @@ class Stack:
                 stderr=subprocess.STDOUT,
                 cwd=root,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                env={**os.environ, PARENT_PID_VAR: str(os.getpid())},  # see die_with_parent
             )
         return self.procs[name]
 

@@ -9,7 +9,7 @@ import dataclasses
 import grpc
 
 from llmserve.flags import add_flags, from_args
-from llmserve.server import Server, setup_logging
+from llmserve.server import Server, die_with_parent, setup_logging
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.service import SchedulerService
@@ -76,6 +76,7 @@ async def serve(settings: SchedulerSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    die_with_parent()  # when started by `llmserve up`
     parser = add_flags(argparse.ArgumentParser(prog="scheduler_svc"), SchedulerSettings, HELP)
     asyncio.run(serve(from_args(SchedulerSettings, parser.parse_args(argv))))
 

@@ -10,7 +10,7 @@ import time
 import torch
 
 from llmserve.flags import add_flags, from_args
-from llmserve.server import Server, setup_logging
+from llmserve.server import Server, die_with_parent, setup_logging
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.loader import load_model
 from worker_svc.metrics import WorkerMetrics
@@ -62,6 +62,7 @@ async def serve(settings: WorkerSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    die_with_parent()  # when started by `llmserve up`
     parser = add_flags(argparse.ArgumentParser(prog="worker_svc"), WorkerSettings, HELP)
     asyncio.run(serve(from_args(WorkerSettings, parser.parse_args(argv))))
 
