@@ -25,7 +25,8 @@ RUN mkdir -p llmserve/v1 \
     && pip install --no-deps -e . \
     && python -c "from llmserve.model_files import default_gguf_path; print(default_gguf_path())"
 # the worker's fused CPU kernels: built once here for x86-64 CPUs with AVX2 (x86-64-v3); on an
-# older CPU run the worker with LLMSERVE_CPU_KERNELS=0. gcc is removed again afterwards.
+# older CPU the worker sees the missing features and runs its torch path. gcc is removed again
+# afterwards.
 ENV LLMSERVE_KERNEL_ARCH=x86-64-v3
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && python -m worker_svc.cpu_kernels \

@@ -182,3 +182,15 @@ def test_source_builds_for_this_cpu_without_the_fallback(tmp_path) -> None:
     assert compiler is not None
     done = cpu_kernels.compile_source(compiler, cpu_kernels.ARCH_FLAGS[0], str(tmp_path / "k.so"))
     assert done.returncode == 0, done.stderr
+
+
+def test_a_library_built_for_a_newer_cpu_is_not_loaded() -> None:
+    """An image's kernels are built for x86-64-v3; a CPU without AVX2 must fall back to torch
+    rather than crash on the first illegal instruction."""
+    old_cpu = {"sse4_2", "popcnt", "avx", "sse2"}
+    assert cpu_kernels.missing_cpu_features("x86-64-v3", old_cpu) == ["avx2", "fma", "bmi2"]
+    assert cpu_kernels.missing_cpu_features("x86-64-v3", old_cpu | {"avx2", "fma", "bmi2"}) == []
+    assert cpu_kernels.missing_cpu_features("native", old_cpu) == []
+    assert cpu_kernels.missing_cpu_features("x86-64-v3", None) == []  # not Linux: cannot tell
+    flags = cpu_kernels.cpu_flags()
+    assert flags is None or "sse2" in flags  # read from this machine's /proc/cpuinfo

@@ -185,10 +185,42 @@ def load() -> CpuKernels | None:
         return None
     if not _tried:
         _tried = True
+        missing = missing_cpu_features(ARCH, cpu_flags())
+        if missing:  # a library built elsewhere (an image) for a newer CPU would crash here
+            log.warning("CPU lacks %s for -march=%s: torch path", ", ".join(missing), ARCH)
+            return None
         path = build()
         if path is not None:
             _loaded = CpuKernels(ctypes.CDLL(str(path)))
     return _loaded
+
+
+# What each -march level named in LLMSERVE_KERNEL_ARCH needs, as /proc/cpuinfo spells it
+# ("native" is built where it runs: nothing to check).
+ARCH_NEEDS = {
+    "x86-64-v2": ["sse4_2", "popcnt"],
+    "x86-64-v3": ["sse4_2", "popcnt", "avx2", "fma", "bmi2"],
+    "x86-64-v4": ["sse4_2", "popcnt", "avx2", "fma", "bmi2", "avx512f", "avx512bw"],
+}
+
+
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo; None where there is no such file."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return None
+
+
+def missing_cpu_features(arch: str, flags: set[str] | None) -> list[str]:
+    """Features the -march level needs that this CPU lacks (none known: nothing missing)."""
+    if flags is None:
+        return []
+    return [f for f in ARCH_NEEDS.get(arch, []) if f not in flags]
 
 
 if __name__ == "__main__":
