@@ -70,22 +70,10 @@ def prompt_ids(text: str) -> list[int]:
 @functools.cache
 def hf_from_gguf():
     """LlamaForCausalLM filled by transformers' own GGUF reader (its dequantize and q/k
-    un-permute), independent of ours. (from_pretrained(gguf_file=...) needs accelerate.)"""
-    from transformers import AutoConfig, LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    un-permute), independent of ours: the benchmark's baseline model, in fp32."""
+    from llmserve.bench.hf_baseline import load_hf_model
 
-    from llmserve.model_files import default_gguf_path
-
-    path = default_gguf_path()
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    with torch.device("meta"):  # skip random init; every parameter is assigned below
-        hf_model = LlamaForCausalLM(config)
-    parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf_model)
-    result = hf_model.load_state_dict(parsed["tensors"], strict=False, assign=True)
-    assert set(result.missing_keys) <= {"lm_head.weight"}, result
-    hf_model.tie_weights()
-    hf_model.model.rotary_emb = type(hf_model.model.rotary_emb)(config)  # buffers were on meta
-    return hf_model.float().eval()
+    return load_hf_model("fp32", attention="sdpa")
 
 
 @functools.cache

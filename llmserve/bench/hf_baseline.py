@@ -20,7 +20,8 @@ PAD_ID = 2
 
 
 def load_hf_model(dtype_name: str = "bf16", attention: str = "eager"):
-    """SmolLM2 from the same GGUF as the served stack, with the given attention implementation."""
+    """SmolLM2 from the same GGUF as the served stack, read by transformers' own GGUF reader,
+    with the given attention implementation. (from_pretrained(gguf_file=...) needs accelerate.)"""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoConfig, LlamaForCausalLM
@@ -30,10 +31,12 @@ def load_hf_model(dtype_name: str = "bf16", attention: str = "eager"):
 
     path = default_gguf_path()
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    with torch.device("meta"):
+    with torch.device("meta"):  # skip random init; every parameter is assigned below
         model = LlamaForCausalLM(config)
     parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)
-    model.load_state_dict(parsed["tensors"], strict=False, assign=True)
+    result = model.load_state_dict(parsed["tensors"], strict=False, assign=True)
+    if set(result.missing_keys) - {"lm_head.weight"}:  # lm_head is tied to the embedding
+        raise RuntimeError(f"the GGUF does not fill LlamaForCausalLM: {result}")
     model.tie_weights()
     model.model.rotary_emb = type(model.model.rotary_emb)(config)  # its buffers were on meta
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
