@@ -17,7 +17,10 @@ from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.workers import WorkerClient
 
 HELP = {
-    "workers": "comma-separated worker addresses",
+    "workers": "comma-separated worker addresses; more may join by registering (worker "
+    "--scheduler)",
+    "overlap": "plan and send each worker's next step while its current one runs",
+    "stream_interval_ms": "gather token events this long before sending them (0 = every step)",
     "policy": "KV allocation: reserve prompt+max_tokens at admission, or paged as it grows",
     "mode": "continuous batching, or static (the baseline)",
     "token_budget": "new tokens processed in one execution, per worker",

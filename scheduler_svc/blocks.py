@@ -30,10 +30,13 @@ class BlockPool:
         """Blocks still to allocate so that `request_id` holds `positions` positions."""
         return max(0, blocks_for(positions, self.block_size) - self.allocated(request_id))
 
-    def grow(self, request_id: str, positions: int) -> None:
+    def grow(self, request_id: str, positions: int) -> list[int]:
+        """Allocate what is missing; return the new blocks (appended to its table)."""
         table = self.tables.setdefault(request_id, [])
-        for _ in range(self.missing(request_id, positions)):
-            table.append(self.free.popleft())
+        popleft = self.free.popleft
+        new = [popleft() for _ in range(self.missing(request_id, positions))]
+        table += new
+        return new
 
     def release(self, request_id: str) -> None:
         self.free.extend(self.tables.pop(request_id, ()))

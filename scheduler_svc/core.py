@@ -1,9 +1,13 @@
-"""The batching core: one `schedule()` per model execution, as in the seed's Figure 2.
+"""The batching core: one `plan()` per model execution of a worker, as in the seed's Figure 2.
 
-1. check results and clean up finished requests (free their KV)   -> `postprocess`, `_reap`
+1. clean up finished requests (free their KV)                       -> `_reap`
 2. prepare the running requests' next work (grow KV; preempt if paged KV runs out)
 3. admit waiting requests in FCFS order while budget, running limit and KV allow
-4. the caller executes the batches and hands the sampled tokens back to `postprocess`
+4. the caller executes the step and hands the sampled tokens back to `complete`
+
+Every worker has its own step loop over the one shared FCFS queue. A step may be planned while
+the worker's previous step still runs (overlap): a request then decodes the token the worker
+sampled in that step, which the core learns one step late (`Sequence.num_inflight`).
 """
 
 from __future__ import annotations
@@ -11,36 +15,29 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-from scheduler_svc.blocks import BlockPool, blocks_for
+from scheduler_svc.blocks import blocks_for
 from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, StallReason, WorkerSpec
-from scheduler_svc.plan import Event, Refused, Snapshot, Work, WorkerBatch, WorkerKv
-from scheduler_svc.sequence import Finish, SeqStatus, Sequence
+from scheduler_svc.output import Event, Refused, Snapshot
+from scheduler_svc.sequence import NO_HANDLE, Finish, SeqStatus, Sequence
+from scheduler_svc.step import Step, Work
+from scheduler_svc.worker_state import WorkerState
 
-
-class WorkerState:
-    def __init__(self, spec: WorkerSpec) -> None:
-        self.spec = spec
-        self.pool = BlockPool(spec.num_blocks, spec.block_size)
-        self.running: list[Sequence] = []  # in admission order: the newest is preempted first
-        self.released: list[str] = []
-        self.healthy = True
-        self.draining = False  # stopping: finishes what it runs, takes nothing new
-        self.batch_open = True  # static mode: may new requests join this step?
+RUNNING, FINISHED = SeqStatus.RUNNING, SeqStatus.FINISHED
 
 
 class Scheduler:
     def __init__(
         self,
         config: CoreConfig,
-        workers: list[WorkerSpec],
+        workers: Iterable[WorkerSpec] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not workers:
-            raise ValueError("the scheduler needs at least one worker")
         self.config = config
-        self.workers = [WorkerState(spec) for spec in workers]
+        self.workers: list[WorkerState] = []
+        for spec in workers:
+            self.add_worker(spec)
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.waiting_tokens = 0  # sum of num_pending over `waiting`, kept as it changes
@@ -49,8 +46,48 @@ class Scheduler:
         self.refused: Counter[str] = Counter()
         self.head_reason: StallReason | None = None
         self.steps = self.admitted = self.finished = self.preemptions = 0
-        self.outbox: list[Event] = []
-        self._planned: dict[str, int] = {}  # request -> positions it will hold after this step
+        self.outbox: list[Event | tuple[str, int]] = []  # (request id, token) for tokens
+        self.wakes: set[int] = set()  # workers that should plan: the head waits for them
+        self.stop_ids: frozenset[int] = frozenset()  # every request's stop tokens, together
+        self.chunked = config.chunked_prefill
+        self.reserve = config.policy is KvPolicy.RESERVE
+        self.static = config.mode is BatchMode.STATIC
+
+    # ---- workers in and out --------------------------------------------------------------
+
+    def add_worker(self, spec: WorkerSpec) -> int:
+        """A worker joins: it takes admissions from its first step."""
+        index = len(self.workers)
+        self.workers.append(WorkerState(spec, index))
+        return index
+
+    def remove_worker(self, index: int) -> None:
+        """A worker has left the stack (drained, or gone for good): requeue what it held."""
+        ws = self.workers[index]
+        if ws.running or ws.done:
+            self.fail_worker(index)
+        ws.healthy, ws.gone = False, True
+
+    def fail_worker(self, index: int) -> list[Sequence]:
+        """A worker is gone: requeue its requests (prompt + generated) for recompute elsewhere."""
+        ws = self.workers[index]
+        ws.healthy = False
+        self._reap(ws)
+        moved = list(ws.running)
+        for seq in reversed(moved):  # newest first: the oldest ends at the queue's front
+            self._preempt(ws, seq)
+        ws.reset_pool()
+        return moved
+
+    def restore_worker(self, index: int, spec: WorkerSpec | None = None) -> None:
+        """A failed worker answers again (a replacement may bring another pool)."""
+        ws = self.workers[index]
+        ws.reset_pool(spec)
+        ws.healthy, ws.draining, ws.gone = True, False, False
+
+    def drain_worker(self, index: int) -> None:
+        """The worker is stopping: its running requests finish there; nothing new joins it."""
+        self.workers[index].draining = True
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -60,11 +97,12 @@ class Scheduler:
         self._check_can_ever_run(seq)
         seq.status, seq.arrival = SeqStatus.WAITING, seq.arrival or self.clock()
         self.seqs[seq.request_id] = seq
+        self.stop_ids |= seq.stop_ids
         self.waiting.append(seq)
         self.waiting_tokens += seq.num_pending
 
     def abort(self, request_id: str, finish: Finish = Finish.CANCELLED, error: str = "") -> bool:
-        """Finish a request now; a running one frees its KV at the next clean-up."""
+        """Finish a request now; a running one frees its KV at its worker's next step."""
         seq = self.seqs.get(request_id)
         if seq is None or seq.is_finished:
             return False
@@ -76,140 +114,256 @@ class Scheduler:
             del self.seqs[request_id]
         return True
 
-    def fail_worker(self, index: int) -> list[Sequence]:
-        """A worker is gone: requeue its requests (prompt + generated) for recompute elsewhere."""
-        ws = self.workers[index]
-        ws.healthy = False
-        moved = [s for s in ws.running if not s.is_finished]
-        for seq in reversed(list(ws.running)):
-            if seq.is_finished:
-                self._release(index, seq)
-                self.seqs.pop(seq.request_id, None)
-            else:
-                self._preempt(index, seq)
-        ws.pool = BlockPool(ws.spec.num_blocks, ws.spec.block_size)
-        ws.released.clear()
-        return moved
-
-    def restore_worker(self, index: int) -> None:
-        self.workers[index].healthy = True
-        self.workers[index].draining = False
-
-    def drain_worker(self, index: int) -> None:
-        """The worker is stopping: its running requests finish there; nothing new joins it."""
-        self.workers[index].draining = True
-
-    def take_releases(self) -> list[WorkerBatch]:
-        """Requests freed since the last execution, per worker, for a release-only call."""
-        batches = []
-        for i, ws in enumerate(self.workers):
-            if ws.released and ws.healthy:
-                batches.append(WorkerBatch(i, released=ws.released))
-                ws.released = []
-        return batches
-
     def take_events(self) -> list[Event]:
+        return [
+            Event(e[0], token_id=e[1]) if type(e) is tuple else e for e in self.take_raw_events()
+        ]
+
+    def take_raw_events(self) -> list[Event | tuple[str, int]]:
+        """Events in order; a token is a plain (request id, token) tuple (cheaper)."""
         events, self.outbox = self.outbox, []
         return events
 
+    def take_wakes(self) -> set[int]:
+        wakes, self.wakes = self.wakes, set()
+        return wakes
+
     # ---- one step ------------------------------------------------------------------------
 
-    def schedule(self) -> list[WorkerBatch]:
-        self._reap()
-        self._planned.clear()
-        batches = [WorkerBatch(i) for i in range(len(self.workers))]
-        budgets = [self._budget()] * len(self.workers)
-        for i, ws in enumerate(self.workers):
-            ws.batch_open = self.config.mode is BatchMode.CONTINUOUS or self._forming(ws)
-            if ws.healthy:
-                self._prepare_running(i, budgets, batches[i])
-        self._admit(budgets, batches)
-        for i, ws in enumerate(self.workers):
-            batches[i].released, ws.released = ws.released, []
-        self.steps += 1
-        return [b for b in batches if b.items or b.released]
+    def plan(self, index: int) -> Step:
+        """The next execution of one worker (its own step loop calls this)."""
+        return self.plan_workers([index])[0]
 
-    def postprocess(self, batches: list[WorkerBatch], sampled: dict[str, int]) -> None:
-        """Record what the executions wrote and sampled; finished requests leave at once."""
-        for batch in batches:
-            for work in batch.items:
-                seq = work.seq
-                if seq.is_finished or seq.worker != batch.worker:
-                    continue  # cancelled or moved while the execution ran
-                seq.num_computed = work.start + work.num_tokens
-                if work.sample:
-                    self._append_token(seq, sampled[seq.request_id], batch.worker)
-        self._reap()
+    def schedule(self) -> list[Step]:
+        """One execution on every live worker at once (lock-step: tests and the simulator)."""
+        healthy = [ws.index for ws in self.workers if ws.healthy]
+        return [s for s in self.plan_workers(healthy) if s.has_work or s.released]
+
+    def plan_workers(self, indices: list[int]) -> list[Step]:
+        steps: dict[int, Step] = {}
+        budget = sys.maxsize if self.static else self.config.token_budget
+        for index in indices:
+            ws = self.workers[index]
+            self._reap(ws)
+            if not ws.running:
+                ws.closed = False
+            step = steps[index] = Step(index, budget)
+            if ws.healthy:
+                self._prepare_running(ws, step)
+        self._admit(steps)
+        for index, step in steps.items():
+            ws = self.workers[index]
+            step.released, ws.released = ws.released, []
+            ws.steps += 1
+            self.steps += 1
+        return list(steps.values())
+
+    def complete(self, step: Step, tokens: list[int]) -> None:
+        """Record what an execution sampled: `tokens` in the step's order (sampling chunks,
+        then decodes). A request preempted, moved or finished since the step was planned has
+        another handle (or none): its token is dropped, never emitted."""
+        ws = self.workers[step.worker]
+        i = 0
+        for work in step.chunks:
+            if work.sample:
+                seq, i = work.seq, i + 1
+                if seq.handle == work.handle:
+                    self._sampled(seq, tokens[i - 1])
+        if i:
+            tokens = tokens[i:]
+        append = self.outbox.append
+        decodes = zip(step.decodes, step.decode_handles, tokens, strict=True)
+        if self.stop_ids.isdisjoint(tokens):  # the usual step: no request stops by a token
+            for seq, handle, token in decodes:
+                if seq.handle == handle:
+                    out = seq.output_ids
+                    out.append(token)
+                    append((seq.request_id, token))
+                    if len(out) >= seq.max_out:
+                        self._finish(seq, Finish.LENGTH)
+            return self._closed(ws, tokens or i)
+        for seq, handle, token in decodes:
+            if seq.handle == handle:
+                out = seq.output_ids
+                out.append(token)
+                append((seq.request_id, token))
+                if token in seq.stop_ids:
+                    self._finish(seq, Finish.STOP)
+                elif len(out) >= seq.max_out:
+                    self._finish(seq, Finish.LENGTH)
+        self._closed(ws, tokens or i)
+
+    @staticmethod
+    def _closed(ws: WorkerState, sampled: object) -> None:
+        if sampled:  # static mode: the batch has produced a token
+            ws.closed = True
+
+    def fail_step(self, step: Step, error: str) -> list[str]:
+        """The worker answered that this execution raised: fail its requests (re-queueing them
+        would carry a request that breaks the model to every worker)."""
+        failed = []
+        for seq, handle in [(w.seq, w.handle) for w in step.chunks] + list(
+            zip(step.decodes, step.decode_handles, strict=True)
+        ):
+            if seq.handle == handle and not seq.is_finished:
+                self._finish(seq, Finish.ERROR, error)
+                failed.append(seq.request_id)
+        return failed
 
     # ---- step parts ----------------------------------------------------------------------
 
-    def _prepare_running(self, index: int, budgets: list[int], batch: WorkerBatch) -> None:
-        ws = self.workers[index]
-        for seq in list(ws.running):
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            n = self._chunk(seq, budgets[index])
-            if n == 0:
-                continue
-            if not self._make_room(index, seq, seq.num_computed + n):
+    def _prepare_running(self, ws: WorkerState, step: Step) -> None:
+        """Every running request's next work, in admission order, within the token budget.
+        The usual step (only decodes, the budget enough for all) takes a loop of its own."""
+        if ws.prefilling or step.budget < len(ws.running):
+            return self._prepare_within_budget(ws, step)
+        decodes, handles = step.decodes, step.decode_handles
+        for seq in ws.running:  # a preemption removes from the end: safe to iterate
+            computed, known = seq.num_computed, seq.known
+            if known >= seq.stop_at or known - computed != 1:
+                continue  # finished, or its last token is in flight: nothing to compute
+            if computed >= seq.held and not self._make_room(ws, seq, computed + 1, step):
                 continue  # it preempted itself
-            self._plan(ws, batch, budgets, index, seq, n)
+            seq.num_computed, seq.known = computed + 1, known + 1
+            decodes.append(seq)
+            handles.append(seq.handle)
+        step.budget -= len(decodes)
 
-    def _make_room(self, index: int, seq: Sequence, positions: int) -> bool:
-        ws = self.workers[index]
-        while not ws.pool.can_grow(seq.request_id, positions):
+    def _prepare_within_budget(self, ws: WorkerState, step: Step) -> None:
+        """A request decodes when the worker holds its next token (its last work sampled);
+        otherwise its next tokens are prompt (or recompute) tokens, sent as a chunk."""
+        for seq in ws.running:
+            computed, known = seq.num_computed, seq.known
+            if known >= seq.stop_at or step.budget == 0:
+                continue  # finished, its last token in flight, or no budget left
+            if seq not in ws.prefilling:
+                if computed >= seq.held and not self._make_room(ws, seq, computed + 1, step):
+                    continue
+                seq.num_computed, seq.known = computed + 1, known + 1
+                step.decodes.append(seq)
+                step.decode_handles.append(seq.handle)
+                step.budget -= 1
+                continue
+            n = self._chunk(seq, step.budget)
+            if n and (computed + n <= seq.held or self._make_room(ws, seq, computed + n, step)):
+                step.budget -= n
+                self._plan_chunk(ws, step, seq, n)
+
+    def _plan_chunk(self, ws: WorkerState, step: Step, seq: Sequence, n: int) -> None:
+        start = seq.num_computed
+        sample = start + n == seq.known
+        step.chunks.append(Work(seq, seq.handle, start, n, sample))
+        seq.num_computed = start + n
+        if sample:
+            seq.known += 1
+            ws.prefilling.discard(seq)
+        else:
+            ws.prefilling.add(seq)
+
+    def _make_room(self, ws: WorkerState, seq: Sequence, positions: int, step: Step) -> bool:
+        pool = ws.pool
+        while not pool.can_grow(seq.request_id, positions):
             victim = ws.running[-1]
-            self._preempt(index, victim)
+            self._preempt(ws, victim)
             if victim is seq:
                 return False
+        self._grow(ws, seq, positions, step)
         return True
 
-    def _admit(self, budgets: list[int], batches: list[WorkerBatch]) -> None:
-        self.head_reason = None
-        while self.waiting:
-            seq = self.waiting[0]
-            first_reason: StallReason | None = None
-            for index in self._by_free_kv():
-                reason = self._why_not(index, seq, budgets[index])
-                if reason is None:
-                    self.waiting.popleft()
-                    self.waiting_tokens -= seq.num_pending
-                    self._start(index, seq, budgets, batches[index])
-                    break
-                first_reason = first_reason or reason
-            else:
-                if first_reason is not None:
-                    self.head_reason = first_reason
-                    self.stalls[first_reason.value] += 1
-                return
+    def _grow(self, ws: WorkerState, seq: Sequence, positions: int, step: Step) -> None:
+        new = ws.pool.grow(seq.request_id, positions)
+        seq.held = ws.pool.allocated(seq.request_id) * ws.spec.block_size
+        step.grants.append((seq.handle, new))
 
-    def _why_not(self, index: int, seq: Sequence, budget: int) -> StallReason | None:
-        ws = self.workers[index]
-        if not ws.batch_open:
+    def _admit(self, steps: dict[int, Step]) -> None:
+        self.head_reason = None
+        waiting = self.waiting
+        while waiting:
+            seq = waiting[0]
+            ws, reason = self._place(seq, steps)
+            if ws is None:
+                if reason is None:  # no worker present could ever hold it
+                    self.abort(seq.request_id, Finish.ERROR, "no worker left can hold it")
+                    continue
+                return  # it fits only on workers that are down: wait for one to return
+            step = steps.get(ws.index)
+            if reason is None and step is None:
+                self.wakes.add(ws.index)  # its place is on a worker not planning now
+                return
+            n = self._chunk(seq, step.budget) if step is not None else 0
+            if reason is None and n == 0:
+                reason = StallReason.TOKEN_BUDGET
+            if reason is not None:
+                self.head_reason = reason
+                self.stalls[reason] += 1
+                ws.stalls[reason] += 1
+                return
+            waiting.popleft()
+            self.waiting_tokens -= seq.known
+            self._start(ws, seq, step, n)
+
+    def _place(
+        self, seq: Sequence, steps: dict[int, Step]
+    ) -> tuple[WorkerState | None, StallReason | None]:
+        """The worker for the head of the queue: among the live workers that can ever hold it,
+        the one with the most free KV positions whose running limit and KV allow it now.
+        Otherwise the best one and its reason; (None, None) if no worker can hold it at all;
+        (None, reason) if only workers that are down could."""
+        candidates = self._candidates(seq, live=True)
+        if not candidates:
+            return None, (StallReason.KV_CAPACITY if self._candidates(seq, live=False) else None)
+        if len(candidates) > 1:
+            candidates.sort(key=lambda w: (-w.free_positions, w.index not in steps, w.index))
+        first: StallReason | None = None
+        for ws in candidates:
+            reason = self._why_not(ws, seq)
+            if reason is None:
+                return ws, None
+            first = first or reason
+        return candidates[0], first
+
+    def _candidates(self, seq: Sequence, live: bool) -> list[WorkerState]:
+        """Workers whose context and pool can ever hold `seq`; those that hold all of prompt +
+        max_tokens come first, a shorter context (finishing early) only if none does."""
+        full: list[WorkerState] = []
+        partial: list[WorkerState] = []
+        want = len(seq.prompt_ids) + seq.max_tokens
+        for ws in self.workers:
+            if ws.gone or (live and not ws.live):
+                continue
+            spec = ws.spec
+            if seq.known >= spec.max_context:
+                continue
+            if blocks_for(min(want, spec.max_context), spec.block_size) > spec.num_blocks:
+                continue
+            (full if want <= spec.max_context else partial).append(ws)
+        return full or partial
+
+    def _why_not(self, ws: WorkerState, seq: Sequence) -> StallReason | None:
+        """The per-worker limits that do not depend on the step's token budget."""
+        if self.static and ws.closed and ws.running:
             return StallReason.STATIC_BATCH
         if len(ws.running) >= self.config.max_running:
             return StallReason.MAX_RUNNING
-        n = self._chunk(seq, budget)
-        if n == 0:
-            return StallReason.TOKEN_BUDGET
-        now = blocks_for(seq.num_computed + n, ws.spec.block_size)
+        bs = ws.spec.block_size
+        now = blocks_for(self._chunk(seq, self._full_budget()) or seq.known, bs)
         need = now
-        if self.config.policy is KvPolicy.RESERVE:
-            need = blocks_for(seq.max_length(ws.spec.max_context), ws.spec.block_size)
-        if need <= ws.pool.num_free:
+        if self.reserve:
+            need = blocks_for(seq.max_length(ws.spec.max_context), bs)
+        free = ws.pool.num_free
+        if need <= free:
             return None
-        if now <= ws.pool.num_free + self._reserved_unused(ws):
+        if now <= free + ws.reserved_unused():
             return StallReason.KV_RESERVED
         return StallReason.KV_CAPACITY
 
-    def _start(self, index: int, seq: Sequence, budgets: list[int], batch: WorkerBatch) -> None:
-        ws = self.workers[index]
-        seq.status, seq.worker = SeqStatus.RUNNING, index
-        n = self._chunk(seq, budgets[index])
-        hold = seq.num_computed + n
-        if self.config.policy is KvPolicy.RESERVE:
-            hold = seq.max_length(ws.spec.max_context)
-        ws.pool.grow(seq.request_id, hold)
+    def _start(self, ws: WorkerState, seq: Sequence, step: Step, n: int) -> None:
+        seq.status, seq.worker = RUNNING, ws.index
+        seq.handle, ws.next_handle = ws.next_handle, ws.next_handle + 1
+        seq.stop_at = seq.max_length(ws.spec.max_context)
+        seq.max_out = seq.stop_at - len(seq.prompt_ids)
+        self._grow(ws, seq, seq.stop_at if self.reserve else n, step)
+        step.added.append(seq)
         ws.running.append(seq)
         self.admitted += 1
         if seq.admitted_at is None:
@@ -217,115 +371,90 @@ class Scheduler:
             self.outbox.append(
                 Event(seq.request_id, admitted=True, queue_time=seq.admitted_at - seq.arrival)
             )
-        self._plan(ws, batch, budgets, index, seq, n)
-
-    def _plan(
-        self,
-        ws: WorkerState,
-        batch: WorkerBatch,
-        budgets: list[int],
-        index: int,
-        seq: Sequence,
-        n: int,
-    ) -> None:
-        end = seq.num_computed + n
-        ws.pool.grow(seq.request_id, end)
-        table = ws.pool.table(seq.request_id)[: blocks_for(end, ws.spec.block_size)]
-        batch.items.append(Work(seq, seq.num_computed, n, end == seq.num_tokens, table))
-        budgets[index] -= n
-        self._planned[seq.request_id] = seq.num_computed + n
+        step.budget -= n
+        self._plan_chunk(ws, step, seq, n)
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def _budget(self) -> int:
+    def _full_budget(self) -> int:
         """Static batching predates token budgets: its batch is prefilled in one execution."""
-        if self.config.mode is BatchMode.STATIC:
-            return sys.maxsize
-        return self.config.token_budget
-
-    @staticmethod
-    def _forming(ws: WorkerState) -> bool:
-        """Static mode: a batch takes members until one of them has produced a token."""
-        return not any(s.output_ids for s in ws.running)
+        return sys.maxsize if self.static else self.config.token_budget
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens `seq` can process within `budget`: 1 in decode, a prompt (chunk) in prefill."""
-        pending = seq.num_pending
-        if self.config.chunked_prefill or seq.num_computed or seq.output_ids:
+        pending = seq.known - seq.num_computed
+        if self.chunked or seq.num_computed or seq.output_ids:
             return min(pending, budget)
         return pending if pending <= budget else 0
 
-    def _reserved_unused(self, ws: WorkerState) -> int:
-        """Blocks held by running requests beyond what they hold after this step."""
-        bs = ws.spec.block_size
-        return sum(
-            ws.pool.allocated(s.request_id)
-            - blocks_for(self._planned.get(s.request_id, s.num_computed), bs)
-            for s in ws.running
-        )
-
-    def _by_free_kv(self) -> list[int]:
-        healthy = [i for i, ws in enumerate(self.workers) if ws.healthy and not ws.draining]
-        return sorted(healthy, key=lambda i: -self.workers[i].pool.num_free)
-
-    def _append_token(self, seq: Sequence, token: int, index: int) -> None:
+    def _sampled(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)
-        self.outbox.append(Event(seq.request_id, token_id=token))
-        max_context = self.workers[index].spec.max_context
-        if token in seq.eos_ids and not seq.ignore_eos:
+        self.outbox.append((seq.request_id, token))
+        if token in seq.stop_ids:
             self._finish(seq, Finish.STOP)
-        elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= max_context:
+        elif len(seq.output_ids) >= seq.max_out:
             self._finish(seq, Finish.LENGTH)
 
     def _finish(self, seq: Sequence, finish: Finish, error: str = "") -> None:
-        seq.status, seq.finish, seq.error = SeqStatus.FINISHED, finish, error
+        seq.status, seq.finish, seq.error = FINISHED, finish, error
         self.finished += 1
         self.outbox.append(
             Event(seq.request_id, finish=finish, error=error, preemptions=seq.preemptions)
         )
+        if seq.worker is not None and seq.handle != NO_HANDLE:
+            self.workers[seq.worker].done.append((seq, seq.handle))
+            seq.handle, seq.stop_at = NO_HANDLE, 0
 
-    def _preempt(self, index: int, seq: Sequence) -> None:
+    def _preempt(self, ws: WorkerState, seq: Sequence) -> None:
         """Free `seq`'s KV and put it back at the front of the queue, to be recomputed."""
-        self._release(index, seq)
-        seq.status, seq.worker, seq.num_computed = SeqStatus.WAITING, None, 0
+        ws.running.remove(seq)
+        ws.prefilling.discard(seq)
+        ws.pool.release(seq.request_id)
+        ws.released.append(seq.handle)
+        seq.status, seq.worker, seq.handle = SeqStatus.WAITING, None, NO_HANDLE
+        seq.num_computed = seq.held = 0
+        seq.known = seq.num_tokens
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
-        self.waiting_tokens += seq.num_pending
+        self.waiting_tokens += seq.known
 
-    def _release(self, index: int, seq: Sequence) -> None:
-        ws = self.workers[index]
-        ws.running.remove(seq)
-        ws.pool.release(seq.request_id)
-        ws.released.append(seq.request_id)
-        self._planned.pop(seq.request_id, None)
-
-    def _reap(self) -> None:
-        for index, ws in enumerate(self.workers):
-            for seq in [s for s in ws.running if s.is_finished]:
-                self._release(index, seq)
-                self.seqs.pop(seq.request_id, None)
+    def _reap(self, ws: WorkerState) -> None:
+        if not ws.done:
+            return
+        for seq, handle in ws.done:
+            ws.prefilling.discard(seq)
+            ws.pool.release(seq.request_id)
+            ws.released.append(handle)
+            if self.seqs.get(seq.request_id) is seq:
+                del self.seqs[seq.request_id]
+        ws.done = []
+        ws.running = [s for s in ws.running if s.status is RUNNING]
 
     def _check_can_ever_run(self, seq: Sequence) -> None:
         prompt = len(seq.prompt_ids)
-        healthy = [ws.spec for ws in self.workers if ws.healthy] or [self.workers[0].spec]
-        context = max(spec.max_context for spec in healthy)
-        capacity = max(spec.capacity for spec in healthy)
-        if prompt >= context:
+        specs = [ws.spec for ws in self.workers if ws.healthy]
+        specs = specs or [ws.spec for ws in self.workers if not ws.gone]
+        if not specs:
+            self._refuse("no_worker", "no worker has joined the scheduler yet")
+        fits = [s for s in specs if prompt < s.max_context]
+        if not fits:
+            context = max(s.max_context for s in specs)
             self._refuse(
                 "context",
                 f"prompt of {prompt} tokens leaves no room to generate within the model's "
                 f"context of {context} tokens; shorten the prompt",
             )
-        need = seq.max_length(context)
-        if need > capacity:
+        if not any(seq.max_length(s.max_context) <= s.capacity for s in fits):
+            need = min(seq.max_length(s.max_context) for s in fits)
+            capacity = max(s.capacity for s in fits)
             self._refuse(
                 "kv_capacity",
                 f"request needs up to {need} KV positions (prompt {prompt} + max_tokens "
                 f"{seq.max_tokens}) but a worker holds {capacity}; lower max_tokens or raise "
                 f"the KV capacity",
             )
-        if not self.config.chunked_prefill and prompt > self._budget():
+        if not self.chunked and prompt > self._full_budget():
             self._refuse(
                 "token_budget",
                 f"prompt of {prompt} tokens exceeds the token budget of "
@@ -343,7 +472,7 @@ class Scheduler:
             waiting=len(self.waiting),
             waiting_tokens=self.waiting_tokens,
             running=sum(len(ws.running) for ws in self.workers),
-            workers=[self._kv_of(ws) for ws in self.workers],
+            workers=[ws.kv() for ws in self.workers if not ws.gone],
             stalls=dict(self.stalls),
             head_wait_reason=self.head_reason.value if self.head_reason and self.waiting else "",
             steps=self.steps,
@@ -353,19 +482,4 @@ class Scheduler:
             refused=dict(self.refused),
             # FCFS: the head arrived first (preempted requests return to the front)
             oldest_wait=now - self.waiting[0].arrival if self.waiting else 0.0,
-        )
-
-    def _kv_of(self, ws: WorkerState) -> WorkerKv:
-        bs = ws.spec.block_size
-        written = sum(s.num_computed for s in ws.running)
-        allocated = (ws.pool.num_blocks - ws.pool.num_free) * bs
-        return WorkerKv(
-            name=ws.spec.name,
-            capacity=ws.spec.capacity,
-            written=written,
-            reserved_unwritten=allocated - written,
-            free=ws.pool.num_free * bs,
-            running=len(ws.running),
-            healthy=ws.healthy,
-            draining=ws.draining,
         )

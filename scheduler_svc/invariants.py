@@ -2,14 +2,14 @@
 
 After every step, per worker: free + written + reserved-but-unwritten = capacity; every block is
 either free or owned by exactly one running request; every running request holds the KV its
-tokens need (what it has written, and what this step will write); a waiting request holds none.
+planned tokens need and has a handle of its own; a waiting request holds none.
 """
 
 from __future__ import annotations
 
 from scheduler_svc.blocks import blocks_for
 from scheduler_svc.core import Scheduler
-from scheduler_svc.sequence import SeqStatus
+from scheduler_svc.sequence import NO_HANDLE, SeqStatus
 
 ENV_VAR = "LLMSERVE_CHECK_INVARIANTS"
 
@@ -23,7 +23,7 @@ def check_invariants(core: Scheduler) -> None:
     running_ids: set[str] = set()
     for index, ws in enumerate(core.workers):
         name, pool, bs = ws.spec.name, ws.pool, ws.spec.block_size
-        kv = core._kv_of(ws)
+        kv = ws.kv()
         _require(
             kv.free + kv.written + kv.reserved_unwritten == kv.capacity,
             f"{name}: free {kv.free} + written {kv.written} + reserved {kv.reserved_unwritten} "
@@ -57,17 +57,28 @@ def check_invariants(core: Scheduler) -> None:
         for s in ws.running:
             _require(s.worker == index, f"{s.request_id}: on {name} but says worker {s.worker}")
             _require(s.status is not SeqStatus.WAITING, f"{s.request_id}: running and waiting")
-            need = max(s.num_computed, core._planned.get(s.request_id, 0))
             held = pool.allocated(s.request_id)
             _require(
-                held >= blocks_for(need, bs),
-                f"{s.request_id}: needs {need} positions on {name} but holds {held} blocks",
+                held >= blocks_for(s.num_computed, bs) and s.held == held * bs,
+                f"{s.request_id}: needs {s.num_computed} positions on {name} but holds {held} "
+                f"blocks (it counts {s.held} positions)",
             )
+            _require(
+                0 <= s.num_inflight <= 2 and s.num_computed <= s.known,
+                f"{s.request_id}: {s.known} tokens known, {s.num_tokens} + {s.num_inflight} "
+                f"in flight, {s.num_computed} computed",
+            )
+        live = [s.handle for s in ws.running if s.status is SeqStatus.RUNNING]
+        _require(len(set(live)) == len(live), f"{name}: two running requests share a handle")
     waiting_ids = [s.request_id for s in core.waiting]
     _require(len(set(waiting_ids)) == len(waiting_ids), "a request waits twice")
     for s in core.waiting:
         _require(
-            s.status is SeqStatus.WAITING and s.worker is None and s.num_computed == 0,
+            s.status is SeqStatus.WAITING
+            and s.worker is None
+            and s.num_computed == 0
+            and s.known == s.num_tokens
+            and s.handle == NO_HANDLE,
             f"{s.request_id}: waiting with status {s.status}, worker {s.worker}, "
             f"{s.num_computed} positions written",
         )

@@ -22,7 +22,8 @@ from prometheus_client.registry import Collector
 
 from scheduler_svc.config import StallReason
 from scheduler_svc.core import Scheduler
-from scheduler_svc.plan import Snapshot, WorkerBatch
+from scheduler_svc.output import Snapshot
+from scheduler_svc.step import Step
 
 if TYPE_CHECKING:
     from scheduler_svc.service import SchedulerService
@@ -55,7 +56,7 @@ class SchedulerMetrics:
         )
         self.execution = Histogram(
             "llmserve_scheduler_execution_duration_seconds",
-            "One step's executions on all workers, as the scheduler waits for them",
+            "One execution's forward pass on a worker, as the worker reports it",
             buckets=SECONDS_BUCKETS,
             registry=registry,
         )
@@ -64,18 +65,20 @@ class SchedulerMetrics:
         """Follow `service.core` and observe each step; call on the loop the core runs on."""
         self.core = service.core
         service.on_step = self.on_step
+        service.on_join = self.on_join
         self.registry.register(CoreCollector(service.core, _running_loop()))
         for ws in service.core.workers:
-            self.batch_requests.labels(ws.spec.name)
-            self.batch_tokens.labels(ws.spec.name)
+            self.on_join(ws.spec.name)
 
-    def on_step(self, batches: list[WorkerBatch], seconds: float) -> None:
+    def on_join(self, name: str) -> None:
+        self.batch_requests.labels(name)
+        self.batch_tokens.labels(name)
+
+    def on_step(self, index: int, step: Step, seconds: float) -> None:
         self.execution.observe(seconds)
-        for batch in batches:
-            if batch.items:
-                name = self.core.workers[batch.worker].spec.name
-                self.batch_requests.labels(name).observe(len(batch.items))
-                self.batch_tokens.labels(name).observe(batch.num_tokens)
+        name = self.core.workers[index].spec.name
+        self.batch_requests.labels(name).observe(step.num_requests)
+        self.batch_tokens.labels(name).observe(step.num_tokens)
 
     def serve(self, host: str, port: int) -> None:
         disable_created_metrics()  # no `_created` series: nothing reads them

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import Any
 
+NO_HANDLE = -1
+
 
 class SeqStatus(Enum):
     WAITING = "waiting"
@@ -22,6 +24,13 @@ class Finish(StrEnum):
 
 @dataclass(slots=True, eq=False)  # identity: list.remove() must not compare every field
 class Sequence:
+    """Counts are kept as plain fields (not properties) because the step loop reads them for
+    every running request in every step.
+
+    `num_computed` counts the positions whose KV is written once the steps already sent have run;
+    `known` = prompt + output + the tokens those steps will sample, which the scheduler does not
+    know yet (with overlap, one step ahead)."""
+
     request_id: str
     prompt_ids: list[int]
     max_tokens: int
@@ -30,13 +39,28 @@ class Sequence:
     sampling: Any = None  # passed through to the worker untouched
     arrival: float = 0.0
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # positions whose KV is written
+    num_computed: int = 0
+    known: int = 0  # set from the prompt in __post_init__
+    stop_at: int = 0  # `known` at which nothing more is sampled on its worker; 0 once finished
+    max_out: int = 0  # tokens it may generate on its worker (max_tokens, or less by context)
+    stop_ids: frozenset[int] = frozenset()  # tokens that end it: eos_ids unless ignore_eos
+    held: int = 0  # positions its allocated blocks cover
     status: SeqStatus = SeqStatus.WAITING
     finish: Finish | None = None
     error: str = ""
     worker: int | None = None
+    handle: int = NO_HANDLE  # its id on the worker's step stream; changes with every placement
     admitted_at: float | None = None  # first admission (queue time ends)
     preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.known = len(self.prompt_ids) + len(self.output_ids)
+        self.stop_ids = frozenset() if self.ignore_eos else self.eos_ids
+
+    @property
+    def num_inflight(self) -> int:
+        """Tokens sampled by steps sent but not yet completed."""
+        return self.known - len(self.prompt_ids) - len(self.output_ids)
 
     @property
     def tokens(self) -> list[int]:
@@ -44,12 +68,13 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the scheduler knows: prompt + generated (not those still in flight)."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
     def num_pending(self) -> int:
         """Tokens whose KV is not written yet: the whole prompt at first, 1 in decode."""
-        return self.num_tokens - self.num_computed
+        return self.known - self.num_computed
 
     def max_length(self, max_context: int) -> int:
         """The most positions this request can ever hold: what `reserve` sets aside."""

@@ -1,9 +1,9 @@
-"""The scheduler service: gRPC in front of the pure core, and the step loop that drives workers."""
+"""The scheduler service: gRPC in front of the pure core, one step loop per worker, and the
+worker set as workers join, fail, come back and leave."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -15,15 +15,15 @@ import grpc
 from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from scheduler_svc.core import Scheduler
 from scheduler_svc.invariants import ENV_VAR, check_invariants
-from scheduler_svc.plan import Event, Refused, WorkerBatch
+from scheduler_svc.output import Event, Refused
 from scheduler_svc.sequence import Finish, Sequence
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.step_times import StepTimes
+from scheduler_svc.worker_loop import WorkerLoop
 from scheduler_svc.workers import WorkerClient
 
 log = logging.getLogger("scheduler")
-UNKNOWN = grpc.StatusCode.UNKNOWN  # what a worker answers when its execution raised
-SEND_GRACE_S = 0.002  # how long a step's token events wait for the next step's requests to leave
+FORGET_AFTER_S = 30.0  # a registered worker unreachable this long leaves the stack
 
 FINISH_TO_PROTO = {
     Finish.STOP: common_pb2.FINISH_REASON_STOP,
@@ -36,25 +36,88 @@ REFUSED_CODE = {
     "kv_capacity": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "token_budget": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "duplicate": grpc.StatusCode.ALREADY_EXISTS,
+    "no_worker": grpc.StatusCode.UNAVAILABLE,
 }
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, settings: SchedulerSettings, clients: list[WorkerClient]) -> None:
         self.settings = settings
-        self.clients = clients
-        self.core = Scheduler(settings.core(), [c.spec() for c in clients])
-        self.eos_ids = frozenset(clients[0].info.eos_token_ids) if clients[0].info else frozenset()
+        self.clients: list[WorkerClient] = []
+        self.loops: list[WorkerLoop | None] = []
+        self.core = Scheduler(settings.core())
+        self.eos_ids: frozenset[int] = frozenset()
         self.streams: dict[str, asyncio.Queue[scheduler_pb2.TokenEvent]] = {}
-        self.wake = asyncio.Event()
-        self.loop_task: asyncio.Task | None = None
         self.times = StepTimes()
-        self.check = os.environ.get(ENV_VAR, "") not in ("", "0")  # debug: check every step
-        if self.check:
+        self.check_every_step = os.environ.get(ENV_VAR, "") not in ("", "0")
+        if self.check_every_step:
             log.warning("%s is set: checking the core's invariants after every step", ENV_VAR)
-        self.on_step = None  # metrics hook: (batches, seconds executing them) after each step
-        self.outbox: list[Event] = []  # events for the streams, handed over in order by _flush
+        self.on_step = None  # metrics hook: (worker index, step, forward seconds) per execution
+        self.on_join = None  # metrics hook: (worker name) when a worker joins
+        self.outbox: list = []  # events for the streams, handed over in order by _flush
         self.flush_handle: asyncio.TimerHandle | None = None
+        self.interval = settings.stream_interval_ms / 1e3
+        self.started = False
+        for client in clients:
+            self.join(client)
+
+    # ---- the worker set ------------------------------------------------------------------
+
+    def join(self, client: WorkerClient) -> int:
+        """A described worker joins the stack and gets admissions from its first step."""
+        index = self.core.add_worker(client.spec())
+        self.clients.append(client)
+        self.loops.append(None)
+        if not self.eos_ids and client.info is not None:
+            self.eos_ids = frozenset(client.info.eos_token_ids)
+        if self.on_join is not None:
+            self.on_join(client.spec().name)
+        if self.started:
+            self.start_loop(index)
+        return index
+
+    def start_loop(self, index: int) -> None:
+        loop = self.loops[index] = WorkerLoop(self, index, self.clients[index])
+        loop.start()
+        self.wake_all()
+
+    def worker_lost(self, index: int, err: BaseException) -> None:
+        ws = self.core.workers[index]
+        if ws.draining and not ws.running:
+            log.info("worker %s has drained and left", ws.spec.name)
+            self.core.remove_worker(index)
+        else:
+            log.error("worker %s failed: %s; re-queueing its requests", ws.spec.name, err)
+            self.core.fail_worker(index)
+        self.clients[index].unreachable_since = time.monotonic()
+        if not any(w.healthy for w in self.core.workers):
+            for seq in list(self.core.waiting):
+                self.core.abort(seq.request_id, Finish.ERROR, "no worker available")
+        self.dispatch(self.core.take_raw_events())
+        self.wake_all()
+
+    async def Register(self, request, context):
+        address = request.address.strip()
+        if not address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "register needs an address")
+        known = [i for i, c in enumerate(self.clients) if c.target == address]
+        if known:
+            return scheduler_pb2.RegisterReply(joined=False)  # the watcher handles its returns
+        client = WorkerClient(address, static=False)
+        try:
+            await client.describe(timeout=5.0)
+        except grpc.aio.AioRpcError as err:
+            await client.close()
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"cannot reach the worker at {address}: {err.code().name}",
+            )
+        if any(c.target == address for c in self.clients):  # registered while we described
+            await client.close()
+            return scheduler_pb2.RegisterReply(joined=False)
+        log.info("worker %s joined: %s", address, str(client.info).replace("\n", " "))
+        self.join(client)
+        return scheduler_pb2.RegisterReply(joined=True)
 
     # ---- gRPC handlers -------------------------------------------------------------------
 
@@ -65,7 +128,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             request_id=rid,
             prompt_ids=list(request.prompt_token_ids),
             max_tokens=s.max_tokens,
-            eos_ids=self.eos_ids,
             ignore_eos=s.ignore_eos,
             sampling=worker_pb2.WorkSampling(
                 temperature=s.temperature if s.HasField("temperature") else 1.0,
@@ -76,6 +138,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         )
         if not any(ws.healthy for ws in self.core.workers):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is available")
+        seq.eos_ids = self.eos_ids
+        seq.stop_ids = frozenset() if seq.ignore_eos else self.eos_ids
         if not seq.prompt_ids or seq.max_tokens < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt or max_tokens < 1")
         try:
@@ -86,7 +150,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             )
         queue: asyncio.Queue[scheduler_pb2.TokenEvent] = asyncio.Queue()
         self.streams[rid] = queue
-        self.wake.set()
+        self.wake_all()
         finished = False
         try:
             while not finished:
@@ -96,11 +160,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             self.streams.pop(rid, None)
             if not finished and self.core.abort(rid):
-                self.wake.set()  # the client went away: free its KV at the next step
+                self.wake_all()  # the client went away: free its KV at the next step
 
     async def Cancel(self, request, context):
         found = self.core.abort(request.request_id)
-        self.wake.set()
+        self.dispatch(self.core.take_raw_events())
+        self.wake_all()
         return scheduler_pb2.CancelReply(found=found)
 
     async def Status(self, request, context):
@@ -111,7 +176,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             mode=cfg.mode.value,
             token_budget=cfg.token_budget,
             max_running=cfg.max_running,
-            block_size=self.core.workers[0].spec.block_size,
+            block_size=max((w.block_size for w in snap.workers), default=0),
             chunked_prefill=cfg.chunked_prefill,
             steps=snap.steps,
             waiting=snap.waiting,
@@ -122,169 +187,116 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             finished=snap.finished,
             preemptions=snap.preemptions,
             oldest_wait_s=snap.oldest_wait,
-            max_context=min(ws.spec.max_context for ws in self.core.workers),
-            model=self.clients[0].info.model if self.clients[0].info else "",
+            max_context=max((w.max_context for w in snap.workers if w.healthy), default=0),
+            model=self.clients[0].info.model if self.clients and self.clients[0].info else "",
             executed_steps=self.times.executed_steps,
             step_seconds=self.times.step_seconds,
             forward_seconds=self.times.forward_seconds,
             core_seconds=self.times.core_seconds,
+            overlap=self.settings.overlap,
         )
         reply.stalls.update(snap.stalls)
         reply.refused.update(snap.refused)
+        clients = {c.spec().name: c for c in self.clients if c.info is not None}
         for kv in snap.workers:
-            reply.workers.append(
-                scheduler_pb2.WorkerKv(
-                    name=kv.name,
-                    capacity=kv.capacity,
-                    written=kv.written,
-                    reserved_unwritten=kv.reserved_unwritten,
-                    free=kv.free,
-                    running=kv.running,
-                    healthy=kv.healthy,
-                    draining=kv.draining,
-                )
+            client = clients.get(kv.name)
+            out = reply.workers.add(
+                name=kv.name,
+                capacity=kv.capacity,
+                written=kv.written,
+                reserved_unwritten=kv.reserved_unwritten,
+                free=kv.free,
+                running=kv.running,
+                healthy=kv.healthy,
+                draining=kv.draining,
+                block_size=kv.block_size,
+                max_context=kv.max_context,
+                steps=kv.steps,
             )
+            out.stalls.update(kv.stalls)
+            if client is not None:
+                out.address = client.target
+                out.forward_seconds = client.forward_seconds
+                out.idle_seconds = client.idle_seconds
+                out.step_bytes = client.step_bytes
         return reply
 
-    # ---- the step loop -------------------------------------------------------------------
+    # ---- the step loops -------------------------------------------------------------------
 
     def start(self) -> None:
-        self.loop_task = asyncio.create_task(self.run_loop())
+        self.started = True
+        for index, ws in enumerate(self.core.workers):
+            if ws.healthy:
+                self.start_loop(index)
         self.watch_task = asyncio.create_task(self.watch_workers())
-        for task in (self.loop_task, self.watch_task):
-            task.add_done_callback(self._died)
+        self.watch_task.add_done_callback(self.died)
 
-    def _died(self, task: asyncio.Task) -> None:
-        """A crashed step loop would leave every request hanging: exit, so clients see
-        UNAVAILABLE and a supervisor can restart the scheduler."""
+    def died(self, task: asyncio.Task) -> None:
+        """A crashed loop would leave requests hanging: exit, so clients see UNAVAILABLE and a
+        supervisor can restart the scheduler."""
         if task.cancelled() or task.exception() is None:
             return
         err = task.exception()
-        log.critical("%s crashed; exiting", task.get_coro().__name__, exc_info=err)
+        log.critical("%s crashed; exiting", task.get_name(), exc_info=err)
         os._exit(70)  # log records are flushed as written
 
-    def _check(self) -> None:
-        if self.check:
-            check_invariants(self.core)  # raises InvariantError: the loop crashes, see _died
+    def check(self) -> None:
+        if self.check_every_step:
+            check_invariants(self.core)  # raises InvariantError: the loop crashes, see died
 
-    async def run_loop(self) -> None:
-        """One iteration per step. A step's token events are handed to the request streams only
-        once the next step's Execute calls are on their way: writing 32 streams takes the event
-        loop milliseconds, which would otherwise idle the workers between steps."""
-        pending: list[Event] = []  # events not yet handed to the streams
-        while True:
-            if not self._has_work():
-                self._dispatch(pending)
-                pending = []
-                self.wake.clear()  # before any await: a Submit during the releases sets it again
-                await self._send_releases(self.core.take_releases())  # the workers' view too
-                await self.wake.wait()
-                continue
-            started = time.perf_counter()
-            batches = self.core.schedule()
-            core = time.perf_counter() - started
-            self._check()
-            pending += self.core.take_events()
-            if not any(b.items for b in batches):
-                self._dispatch(pending)
-                pending = []
-                self.wake.clear()  # before any await, as above
-                await self._send_releases(batches)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.wake.wait(), timeout=0.05)
-                continue
-            executing = time.perf_counter()
-            sampled = await self._execute(batches, pending)
-            pending = []
-            if self.on_step is not None:
-                self.on_step(batches, time.perf_counter() - executing)
-            post = time.perf_counter()
-            self.core.postprocess(batches, sampled)
-            core += time.perf_counter() - post
-            self._check()
-            pending = self.core.take_events()
-            forward = max(self.clients[b.worker].last_forward for b in batches if b.items)
-            self.times.add(time.perf_counter() - started, forward, core)
+    def after_plan(self) -> None:
+        self.check()
+        for index in self.core.take_wakes():
+            loop = self.loops[index]
+            if loop is not None:
+                loop.wake.set()
+        if self.core.outbox:  # admissions, and requests no worker can hold
+            self.dispatch(self.core.take_raw_events())
+
+    def wake_all(self) -> None:
+        for loop in self.loops:
+            if loop is not None:
+                loop.wake.set()
 
     async def watch_workers(self, period: float = 0.25) -> None:
-        """Drain a worker whose health turns NOT_SERVING (it is stopping); bring a failed worker
-        back once it answers Describe again with the same pool."""
+        """Drain a worker whose health turns NOT_SERVING (it is stopping); bring a failed or
+        departed worker back once it answers Describe again (a replacement may bring another
+        pool); forget a registered one that stays away."""
         while True:
             await asyncio.sleep(period)
             for index, ws in enumerate(self.core.workers):
+                client = self.clients[index]
                 if ws.healthy:
-                    if not ws.draining and await self.clients[index].serving() is False:
+                    if not ws.draining and await client.serving() is False:
                         log.info("worker %s is stopping: draining it", ws.spec.name)
                         self.core.drain_worker(index)
                     continue
-                try:
-                    await self.clients[index].describe(timeout=1.0)
-                except grpc.aio.AioRpcError:
-                    continue
-                if self.clients[index].spec() == ws.spec:
-                    log.info("worker %s is back", ws.spec.name)
-                    self.core.restore_worker(index)
-                    self.clients[index].restores += 1  # the worker forgets what it held
-                    self.wake.set()
+                if ws.gone and not client.static:
+                    continue  # a registered worker comes back by registering again
+                await self.try_restore(index)
 
-    def _has_work(self) -> bool:
-        return bool(self.core.waiting) or any(ws.running for ws in self.core.workers)
+    async def try_restore(self, index: int) -> None:
+        ws, client = self.core.workers[index], self.clients[index]
+        try:
+            await client.describe(timeout=1.0)
+        except grpc.aio.AioRpcError:
+            since = client.unreachable_since or time.monotonic()
+            if not client.static and not ws.gone and time.monotonic() - since > FORGET_AFTER_S:
+                log.info("worker %s stayed away: it leaves the stack", ws.spec.name)
+                self.core.remove_worker(index)
+            return
+        if await client.serving() is not True:
+            return  # answering, but not (yet, or any more) taking work
+        log.info("worker %s is back", ws.spec.name)
+        self.core.restore_worker(index, client.spec())
+        client.unreachable_since = None
+        self.start_loop(index)
 
-    async def _execute(self, batches: list[WorkerBatch], events: list[Event]) -> dict[str, int]:
-        """Run one step on the workers; hand `events` to the streams once the calls are sent."""
-        step = self.core.steps
-        calls = [
-            asyncio.ensure_future(
-                self.clients[b.worker].execute(step, b, self.settings.execute_timeout)
-            )
-            for b in batches
-        ]
-        # The streams' writes (milliseconds of event-loop time for a few dozen requests) wait a
-        # moment, so that the requests reach the workers first instead of queueing behind them.
-        last = max(self.clients[b.worker].last_forward for b in batches)
-        self._dispatch(events, delay=min(SEND_GRACE_S, last / 4))
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        sampled: dict[str, int] = {}
-        for batch, result in zip(batches, results, strict=True):
-            if isinstance(result, grpc.aio.AioRpcError) and result.code() is UNKNOWN:
-                self._batch_failed(batch, result)
-            elif isinstance(result, BaseException):
-                self._worker_failed(batch.worker, result)
-            else:
-                sampled.update(result)
-        return sampled
+    # ---- events to the request streams ---------------------------------------------------
 
-    async def _send_releases(self, batches: list[WorkerBatch]) -> None:
-        for batch in batches:
-            try:
-                await self.clients[batch.worker].execute(self.core.steps, batch, 10.0)
-            except grpc.aio.AioRpcError as err:
-                self._worker_failed(batch.worker, err)
-
-    def _worker_failed(self, index: int, err: BaseException) -> None:
-        name = self.core.workers[index].spec.name
-        log.error("worker %s failed: %s; re-queueing its requests", name, err)
-        moved = self.core.fail_worker(index)
-        if not any(ws.healthy for ws in self.core.workers):
-            for seq in moved + list(self.core.waiting):
-                self.core.abort(seq.request_id, Finish.ERROR, "no worker available")
-
-    def _batch_failed(self, batch: WorkerBatch, err: grpc.aio.AioRpcError) -> None:
-        """The worker answered, but its execution raised: fail this batch's requests and keep the
-        worker. Re-queueing them would carry a request that breaks the model to every worker."""
-        name = self.core.workers[batch.worker].spec.name
-        log.error(
-            "worker %s failed to execute a batch of %d requests: %s; failing them",
-            name,
-            len(batch.items),
-            err.details(),
-        )
-        for work in batch.items:
-            self.core.abort(
-                work.seq.request_id,
-                Finish.ERROR,
-                f"the model failed on this request's batch on {name} (see its log)",
-            )
+    def dispatch(self, events: list) -> None:
+        if events:
+            self._dispatch(events, self.interval)
 
     def _dispatch(self, events: list[Event], delay: float = 0.0) -> None:
         """Queue events for their streams; hand them over now, or after `delay` seconds. Events
@@ -303,6 +315,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         events, self.outbox = self.outbox, []
         merged: dict[str, scheduler_pb2.TokenEvent] = defaultdict(scheduler_pb2.TokenEvent)
         for ev in events:
+            if type(ev) is tuple:  # a token: (request id, token)
+                merged[ev[0]].token_ids.append(ev[1])
+                continue
             out = merged[ev.request_id]
             if ev.admitted:
                 out.admitted, out.queue_time_s = True, ev.queue_time

@@ -11,7 +11,7 @@ from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy
 class SchedulerSettings:
     host: str = "127.0.0.1"
     port: int = 50052
-    workers: str = "127.0.0.1:50061"  # comma-separated worker addresses
+    workers: str = "127.0.0.1:50061"  # comma-separated worker addresses ("" = only registered)
     policy: KvPolicy = KvPolicy.PAGED
     mode: BatchMode = BatchMode.CONTINUOUS
     token_budget: int = 256
@@ -19,11 +19,13 @@ class SchedulerSettings:
     chunked_prefill: bool = True
     kv_capacity: int = 0  # expected positions per worker; 0 = take the workers' reports
     execute_timeout: float = 120.0  # seconds before a silent worker counts as failed
+    overlap: bool = True  # plan and send step N+1 while step N runs
+    stream_interval_ms: float = 0.0  # gather token events this long before sending them
     metrics_port: int = 0  # Prometheus HTTP port; 0 = off
 
     def __post_init__(self) -> None:
-        if not self.worker_targets:
-            raise ValueError("--workers needs at least one address")
+        if self.stream_interval_ms < 0:
+            raise ValueError("--stream-interval-ms must be >= 0")
         self.core()  # validates budget and running limit
 
     @property

@@ -1,4 +1,4 @@
-"""Where the step loop's time goes: the core, the workers' forward passes, and the rest (gRPC)."""
+"""Where the step loops' time goes: the core, the workers' forward passes, and the rest (gRPC)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class StepTimes:
     executed_steps: int = 0
-    step_seconds: float = 0.0  # schedule() .. postprocess() and event dispatch
-    forward_seconds: float = 0.0  # the slowest worker's forward pass, per step
-    core_seconds: float = 0.0  # schedule() + postprocess()
+    step_seconds: float = 0.0  # each step's share of its worker's wall time (plan .. complete)
+    forward_seconds: float = 0.0  # the worker's forward pass
+    core_seconds: float = 0.0  # plan() + complete()
 
-    def add(self, step: float, forward: float, core: float) -> None:
+    def add(self, step: float, forward: float, complete: float) -> None:
         self.executed_steps += 1
         self.step_seconds += step
         self.forward_seconds += forward
-        self.core_seconds += core
+        self.core_seconds += complete

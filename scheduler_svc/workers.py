@@ -1,8 +1,8 @@
-"""gRPC clients of the workers: Describe at start, Execute once per step."""
+"""gRPC clients of the workers: Describe and health, and the step stream."""
 
 from __future__ import annotations
 
-import uuid
+import asyncio
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -10,24 +10,24 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmserve.server import CHANNEL_OPTIONS
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.config import WorkerSpec
-from scheduler_svc.plan import WorkerBatch
+
+
+class WorkerLost(Exception):
+    """The worker's step stream broke, ended, or its answer did not come in time."""
 
 
 class WorkerClient:
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, static: bool = True) -> None:
         self.target = target
+        self.static = static  # named in --workers (else it registered itself)
         self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.info: worker_pb2.WorkerInfo | None = None
-        self.last_forward = 0.0  # seconds of the last Execute's forward pass
-        self.session = uuid.uuid4().hex[:12]  # this scheduler process
-        self.restores = 0
-
-    @property
-    def epoch(self) -> str:
-        """Changes with every scheduler process and every re-admission of this worker."""
-        return f"{self.session}.{self.restores}"
+        self.last_forward = 0.0  # seconds of the last step's forward pass
+        self.forward_seconds = self.idle_seconds = 0.0
+        self.step_bytes = 0
+        self.unreachable_since: float | None = None
 
     async def serving(self, timeout: float = 1.0) -> bool | None:
         """The worker's health: True SERVING, False NOT_SERVING (stopping), None unreachable."""
@@ -50,24 +50,35 @@ class WorkerClient:
             max_context=self.info.max_context,
         )
 
-    async def execute(self, step: int, batch: WorkerBatch, timeout: float) -> dict[str, int]:
-        request = worker_pb2.ExecuteRequest(step=step, released=batch.released, epoch=self.epoch)
-        for work in batch.items:
-            seq = work.seq
-            request.items.append(
-                worker_pb2.WorkItem(
-                    request_id=seq.request_id,
-                    token_ids=work.token_ids,
-                    start_position=work.start,
-                    block_table=work.block_table,
-                    sample=work.sample,
-                    sampling=seq.sampling,
-                    sample_index=len(seq.output_ids),
-                )
-            )
-        reply = await self.stub.Execute(request, timeout=timeout)
-        self.last_forward = reply.forward_seconds
-        return {r.request_id: r.token_id for r in reply.results if r.has_token}
+    def open(self) -> StepStream:
+        return StepStream(self.stub.Steps())
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+class StepStream:
+    """One scheduler's step stream to one worker: write steps, read their results in order."""
+
+    def __init__(self, call) -> None:
+        self.call = call
+
+    async def send(self, step: worker_pb2.Step) -> None:
+        try:
+            await self.call.write(step)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as err:
+            raise WorkerLost(f"step stream broke: {err}") from err
+
+    async def receive(self, timeout: float) -> worker_pb2.StepResult:
+        try:
+            result = await asyncio.wait_for(self.call.read(), timeout)
+        except TimeoutError as err:
+            raise WorkerLost(f"no answer to a step in {timeout:.0f} s") from err
+        except grpc.aio.AioRpcError as err:
+            raise WorkerLost(f"{err.code().name}: {err.details()}") from err
+        if result is grpc.aio.EOF:
+            raise WorkerLost("the worker ended the step stream")
+        return result
+
+    def cancel(self) -> None:
+        self.call.cancel()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from scheduler_svc import invariants
 from scheduler_svc.core import Scheduler
-from scheduler_svc.plan import WorkerBatch
 from scheduler_svc.sequence import Sequence
+from scheduler_svc.step import Step
 
 
 def fake_token(tokens: list[int]) -> int:
@@ -19,19 +19,49 @@ def seq(rid: str, prompt: int, max_tokens: int, **kw) -> Sequence:
     return Sequence(rid, ids, max_tokens, **kw)
 
 
-def step(core: Scheduler) -> list[WorkerBatch]:
-    """One execution: schedule, 'run the model', post-process. Returns what ran."""
-    batches = core.schedule()
-    sampled = {
-        w.seq.request_id: fake_token(w.seq.tokens) for b in batches for w in b.items if w.sample
-    }
-    core.postprocess(batches, sampled)
-    return batches
+def sample(step: Step) -> list[int]:
+    """What a worker would sample: the next token of each sampled request's whole context.
+    With overlap the core does not know the token still in flight, the worker does; the fake
+    model's context is what the core knows when the step completes, which is the same."""
+    return [fake_token(s.tokens) for s in step.sampled_seqs()]
 
 
-def ran(batches: list[WorkerBatch]) -> dict[str, int]:
+def step(core: Scheduler) -> list[Step]:
+    """One execution on every worker: schedule, 'run the model', post-process. Returns what ran."""
+    steps = core.schedule()
+    for s in steps:
+        core.complete(s, sample(s))
+    return steps
+
+
+def ran(steps: list[Step]) -> dict[str, int]:
     """request id -> tokens processed in this execution."""
-    return {w.seq.request_id: w.num_tokens for b in batches for w in b.items}
+    out: dict[str, int] = {}
+    for s in steps:
+        out.update(s.ran())
+    return out
+
+
+class Overlapped:
+    """One worker driven as the service drives it with overlap: step N+1 is planned before step
+    N's tokens are known, then N completes."""
+
+    def __init__(self, core: Scheduler, worker: int = 0) -> None:
+        self.core, self.worker = core, worker
+        self.inflight: Step | None = None
+
+    def step(self) -> Step:
+        """Plan and send the next step, then complete the one before it. Returns the new one."""
+        planned = self.core.plan(self.worker)
+        if self.inflight is not None:
+            self.core.complete(self.inflight, sample(self.inflight))
+        self.inflight = planned
+        return planned
+
+    def flush(self) -> None:
+        if self.inflight is not None:
+            self.core.complete(self.inflight, sample(self.inflight))
+            self.inflight = None
 
 
 def check_invariants(core: Scheduler) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.core import Scheduler
-from scheduler_svc.plan import Refused
+from scheduler_svc.output import Refused
 from scheduler_svc.sequence import Finish, Sequence
 from tests.sim import check_invariants, ran, seq, step
 

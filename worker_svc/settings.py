@@ -10,13 +10,18 @@ class WorkerSettings:
     host: str = "127.0.0.1"
     port: int = 50061
     name: str = ""  # shown in metrics and status; default "worker-<port>"
-    model: str = "smollm2"  # smollm2 | tiny | path to a .gguf file | Hugging Face model dir
+    model: str = "smollm2"  # smollm2 | tiny | sim | path to a .gguf file | Hugging Face model dir
     dtype: str = "bf16"  # bf16 | fp32
     kv_capacity: int = 16384  # token positions in the preallocated KV pool
     block_size: int = 16
     threads: int = 0  # torch threads; 0 = torch's default
     metrics_port: int = 0  # Prometheus HTTP port; 0 = off
     drain_timeout: float = 30.0  # on SIGTERM: seconds to finish the requests held here
+    max_context: int = 0  # positions one request may reach; 0 = the model's context
+    scheduler: str = ""  # register with this scheduler at start (and keep registering)
+    advertise: str = ""  # the address the scheduler reaches this worker at; "" = host:port
+    sim_step_ms: float = 5.0  # --model sim: each execution takes this long ...
+    sim_token_us: float = 0.0  # ... plus this per token processed
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -28,12 +33,18 @@ class WorkerSettings:
                 f"--kv-capacity {self.kv_capacity} is not a multiple of --block-size "
                 f"{self.block_size}"
             )
+        if self.max_context < 0 or self.sim_step_ms < 0 or self.sim_token_us < 0:
+            raise ValueError("--max-context, --sim-step-ms and --sim-token-us must be >= 0")
         if self.dtype not in ("bf16", "fp32"):
             raise ValueError(f"--dtype must be bf16 or fp32, got {self.dtype!r}")
 
     @property
     def num_blocks(self) -> int:
         return self.kv_capacity // self.block_size
+
+    @property
+    def address(self) -> str:
+        return self.advertise or f"{self.host}:{self.port}"
 
     @property
     def display_name(self) -> str:

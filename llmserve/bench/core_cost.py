@@ -48,10 +48,10 @@ class SteadyState:
 
     def _step(self) -> tuple[float, float]:
         t0 = time.perf_counter()
-        batches = self.core.schedule()
+        steps = self.core.schedule()
         t1 = time.perf_counter()
-        sampled = {w.seq.request_id: 7 for b in batches for w in b.items if w.sample}
-        self.core.postprocess(batches, sampled)
+        for step in steps:
+            self.core.complete(step, [7] * step.num_sampled)
         t2 = time.perf_counter()
         finished = sum(1 for e in self.core.take_events() if e.finish is not None)
         for _ in range(finished if self.short else 0):

@@ -11,7 +11,7 @@ import grpc
 from llmserve.bench.records import StatusSample
 from llmserve.server import CHANNEL_OPTIONS
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
-from scheduler_svc.plan import Snapshot
+from scheduler_svc.output import Snapshot
 
 COUNTERS = [
     "steps",

@@ -1,0 +1,28 @@
+"""A planned step as the message a worker receives: only what changed since its last step."""
+
+from __future__ import annotations
+
+from llmserve.v1 import worker_pb2
+from scheduler_svc.step import Step
+
+
+def step_message(number: int, step: Step) -> worker_pb2.Step:
+    msg = worker_pb2.Step(step=number, decodes=step.decode_handles, released=step.released)
+    for seq in step.added:
+        msg.added.add(
+            handle=seq.handle,
+            request_id=seq.request_id,
+            sampling=seq.sampling,
+            sample_index=len(seq.output_ids),
+        )
+    for handle, blocks in step.grants:
+        if blocks:
+            msg.grants.add(handle=handle, blocks=blocks)
+    for work in step.chunks:
+        msg.chunks.add(
+            handle=work.handle,
+            token_ids=work.token_ids,
+            start_position=work.start,
+            sample=work.sample,
+        )
+    return msg

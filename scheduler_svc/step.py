@@ -1,0 +1,72 @@
+"""One worker's next execution as the core plans it: the step object that carries the worker,
+the batch and the token budget left while it is being formed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Work:
+    """A multi-token share of an execution (a prompt, a chunk of it, or a recompute):
+    `num_tokens` tokens from position `start`."""
+
+    seq: Sequence
+    handle: int
+    start: int
+    num_tokens: int
+    sample: bool  # the chunk reaches the end of the known tokens: a new token comes out
+
+    @property
+    def token_ids(self) -> list[int]:
+        prompt, end = self.seq.prompt_ids, self.start + self.num_tokens
+        if self.start >= len(prompt):
+            return self.seq.output_ids[self.start - len(prompt) : end - len(prompt)]
+        return self.seq.tokens[self.start : end]
+
+
+@dataclass(slots=True)
+class Step:
+    """What one worker executes next. Decodes carry no tokens: the worker feeds each request
+    the token it sampled itself in the step before (it keeps it, with the block table and the
+    sampling settings), so a decode is only its handle.
+
+    The worker answers with the sampled tokens in this order: the chunks with `sample`, then
+    the decodes."""
+
+    worker: int
+    budget: int  # tokens this execution may still take
+    chunks: list[Work] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
+    decode_handles: list[int] = field(default_factory=list)
+    added: list[Sequence] = field(default_factory=list)  # placed on the worker in this step
+    grants: list[tuple[int, list[int]]] = field(default_factory=list)  # (handle, new blocks)
+    released: list[int] = field(default_factory=list)  # handles freed since the last step
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.decodes or self.chunks)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.decodes) + len(self.chunks)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(w.num_tokens for w in self.chunks)
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.decodes) + sum(1 for w in self.chunks if w.sample)
+
+    def sampled_seqs(self) -> list[Sequence]:
+        """The requests whose tokens the worker returns, in its order."""
+        return [w.seq for w in self.chunks if w.sample] + self.decodes
+
+    def ran(self) -> dict[str, int]:
+        """request id -> tokens processed in this execution."""
+        out = {s.request_id: 1 for s in self.decodes}
+        out.update((w.seq.request_id, w.num_tokens) for w in self.chunks)
+        return out

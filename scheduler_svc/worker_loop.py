@@ -1,0 +1,106 @@
+"""The step loop of one worker: plan its next step, send it, complete the one before.
+
+With overlap, step N+1 is planned and sent while N runs, so the worker finds its next batch
+waiting; without, each step is planned once the one before has completed (the seed's order)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from scheduler_svc.messages import step_message
+from scheduler_svc.step import Step
+from scheduler_svc.workers import StepStream, WorkerClient, WorkerLost
+
+if TYPE_CHECKING:
+    from scheduler_svc.service import SchedulerService
+
+log = logging.getLogger("scheduler")
+IDLE_POLL_S = 0.05  # an idle loop looks at the queue at least this often
+
+
+class WorkerLoop:
+    def __init__(self, service: SchedulerService, index: int, client: WorkerClient) -> None:
+        self.service = service
+        self.core = service.core
+        self.index = index
+        self.client = client
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self.depth = 2 if service.settings.overlap else 1  # steps in flight at most
+        self.last_result = 0.0
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.run(), name=f"worker-loop-{self.index}")
+        self.task.add_done_callback(self.service.died)
+
+    async def run(self) -> None:
+        """Drive the worker until it fails or leaves; the service decides what comes next."""
+        stream = self.client.open()
+        try:
+            await self.drive(stream)
+        except WorkerLost as err:
+            self.service.worker_lost(self.index, err)
+        finally:
+            stream.cancel()
+
+    async def drive(self, stream: StepStream) -> None:
+        inflight: deque[tuple[Step, float]] = deque()
+        events: list = []  # the last completed step's events, handed over after the next send
+        timeout = self.service.settings.execute_timeout
+        ws = self.core.workers[self.index]
+        while ws.healthy:
+            if len(inflight) < self.depth:
+                self.wake.clear()  # before planning: a Submit from now on wakes it again
+                started = time.perf_counter()
+                step = self.core.plan(self.index)
+                self.service.times.core_seconds += time.perf_counter() - started
+                self.service.after_plan()
+                if step.has_work or step.released:
+                    msg = step_message(self.core.steps, step)
+                    self.client.step_bytes += msg.ByteSize()
+                    await stream.send(msg)
+                    inflight.append((step, started))
+                    self.service.dispatch(events)
+                    events = []
+                    if step.has_work and len(inflight) < self.depth:
+                        continue  # overlap: plan the next step now, then wait for this one
+                elif not inflight:
+                    self.service.dispatch(events)
+                    events = []
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.wake.wait(), IDLE_POLL_S)
+                    continue
+            result = await stream.receive(timeout)
+            step, sent = inflight.popleft()
+            events += self.complete(step, result, sent)
+
+    def complete(self, step: Step, result, sent: float) -> list:
+        service, client = self.service, self.client
+        started = time.perf_counter()
+        if result.error:
+            name = self.core.workers[self.index].spec.name
+            log.error(
+                "worker %s failed a step of %d requests: %s", name, step.num_requests, result.error
+            )
+            self.core.fail_step(
+                step, f"the model failed on this request's batch on {name} (see its log)"
+            )
+        else:
+            self.core.complete(step, list(result.tokens))
+        now = time.perf_counter()
+        service.check()
+        client.last_forward = result.forward_seconds
+        client.forward_seconds += result.forward_seconds
+        client.idle_seconds += result.idle_seconds
+        if step.has_work:
+            slot = now - max(sent, self.last_result)  # this step's share of the wall time
+            service.times.add(slot, result.forward_seconds, now - started)
+            if service.on_step is not None:
+                service.on_step(self.index, step, result.forward_seconds)
+        self.last_result = now
+        return self.core.take_raw_events()

@@ -1,0 +1,50 @@
+"""The scheduler core driving a worker's step session in-process: the same step messages the
+service sends over gRPC, executed by the simulated model, with or without overlap."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from scheduler_svc import invariants
+from scheduler_svc.core import Scheduler
+from scheduler_svc.messages import step_message
+from scheduler_svc.step import Step
+from worker_svc.session import Session
+from worker_svc.sim import SimRunner, sim_config
+
+
+class InProcessWorker:
+    def __init__(self, core: Scheduler, index: int, overlap: bool) -> None:
+        spec = core.workers[index].spec
+        runner = SimRunner(sim_config(spec.max_context), spec.num_blocks, spec.block_size, 0.0)
+        self.core, self.index = core, index
+        self.session = Session(runner, spec.num_blocks)
+        self.depth = 2 if overlap else 1
+        self.inflight: deque[tuple[Step, object]] = deque()
+
+    def tick(self) -> bool:
+        """Plan (and 'send') one step if there is room in flight, else complete the oldest.
+        Returns whether anything happened."""
+        if len(self.inflight) < self.depth:
+            step = self.core.plan(self.index)
+            invariants.check_invariants(self.core)
+            if step.has_work or step.released:
+                result, _, _ = self.session.run(step_message(self.core.steps, step))
+                self.inflight.append((step, result))
+                return True
+        if not self.inflight:
+            return False
+        step, result = self.inflight.popleft()
+        assert not result.error, result.error
+        self.core.complete(step, list(result.tokens))
+        invariants.check_invariants(self.core)
+        return True
+
+
+def run_all(core: Scheduler, overlap: bool, limit: int = 5000) -> None:
+    workers = [InProcessWorker(core, i, overlap) for i in range(len(core.workers))]
+    for _ in range(limit):
+        busy = [w.tick() for w in workers if core.workers[w.index].healthy]
+        if not any(busy) and not core.waiting:
+            return
+    raise AssertionError("the workload did not finish")
