@@ -158,6 +158,7 @@ def status_dict(reply) -> dict:
         "finished",
         "preemptions",
         "oldest_wait_s",
+        "overlap",
     ]
     out = {k: getattr(reply, k) for k in keys}
     out["stalls"] = dict(reply.stalls)
@@ -171,6 +172,14 @@ def status_dict(reply) -> dict:
             "free": w.free,
             "running": w.running,
             "healthy": w.healthy,
+            "draining": w.draining,
+            "address": w.address,
+            "block_size": w.block_size,
+            "max_context": w.max_context,
+            "steps": w.steps,
+            "stalls": dict(w.stalls),
+            "forward_seconds": w.forward_seconds,
+            "step_bytes": w.step_bytes,
         }
         for w in reply.workers
     ]
@@ -182,7 +191,8 @@ def format_status(s: dict) -> str:
     lines = [
         f"model {s['model']}  policy {s['policy']}  mode {s['mode']}  budget {s['token_budget']}"
         f"  max running {s['max_running']}  block size {s['block_size']}"
-        f"  chunked prefill {'on' if s['chunked_prefill'] else 'off'}",
+        f"  chunked prefill {'on' if s['chunked_prefill'] else 'off'}"
+        f"  overlap {'on' if s['overlap'] else 'off'}",
         f"steps {s['steps']}  admitted {s['admitted']}  finished {s['finished']}"
         f"  preemptions {s['preemptions']}",
         f"waiting {s['waiting']} ({s['waiting_tokens']} tokens, oldest {s['oldest_wait_s']:.2f} s)"
@@ -190,13 +200,18 @@ def format_status(s: dict) -> str:
         f"head of queue waits: {head} ({REASONS.get(head, '')})"
         if head
         else "head of queue waits: nothing waits",
-        "KV positions per worker:",
+        f"workers ({len(s['workers'])}), KV in positions:",
     ]
     for w in s["workers"]:
+        state = "" if w["healthy"] else "  UNHEALTHY"
+        state += "  DRAINING" if w["draining"] else ""
+        stalls = ", ".join(f"{k} {v}" for k, v in sorted(w["stalls"].items()))
         lines.append(
-            f"  {w['name']:<10} capacity {w['capacity']:>7}  written {w['written']:>7}  "
+            f"  {w['name']:<10} {w['address']:<21} block {w['block_size']:>3}  "
+            f"context {w['max_context']:>6}  steps {w['steps']:>7}{state}\n"
+            f"  {'':<10} capacity {w['capacity']:>7}  written {w['written']:>7}  "
             f"reserved-unwritten {w['reserved_unwritten']:>7}  free {w['free']:>7}  "
-            f"running {w['running']}{'' if w['healthy'] else '  UNHEALTHY'}"
+            f"running {w['running']}" + (f"  stalls: {stalls}" if stalls else "")
         )
     stalls = ", ".join(f"{k} {v}" for k, v in sorted(s["stalls"].items())) or "none"
     refused = ", ".join(f"{k} {v}" for k, v in sorted(s["refused"].items())) or "none"

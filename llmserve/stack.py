@@ -34,6 +34,9 @@ class StackSettings:
     max_queued_requests: int = 256
     max_queued_tokens: int = 262144
     default_max_tokens: int = 128
+    overlap: bool = True  # the scheduler plans a worker's next step while its step runs
+    stream_interval_ms: float = 0.0
+    sim_step_ms: float = 5.0  # model "sim": each execution takes this long
 
     @property
     def gateway(self) -> str:
@@ -55,33 +58,14 @@ class Stack:
     settings: StackSettings
     log_dir: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    joined: dict[str, list[str]] = field(default_factory=dict)  # workers started by join_worker
 
     def commands(self) -> dict[str, list[str]]:
         s = self.settings
         py = [sys.executable, "-m"]
-        threads = s.threads or max(1, (os.cpu_count() or 1) // s.workers)
         cmds = {}
         for i in range(s.workers):
-            cmds[f"worker{i}"] = [
-                *py,
-                "worker_svc",
-                "--port",
-                str(s.worker_base_port + i),
-                "--name",
-                f"worker{i}",
-                "--model",
-                s.model,
-                "--dtype",
-                s.dtype,
-                "--kv-capacity",
-                str(s.kv_capacity),
-                "--block-size",
-                str(s.block_size),
-                "--threads",
-                str(threads),
-                "--metrics-port",
-                str(s.metrics_port(2 + i)),
-            ]
+            cmds[f"worker{i}"] = self.worker_command(i, s.worker_base_port + i)
         cmds["scheduler"] = [
             *py,
             "scheduler_svc",
@@ -100,6 +84,9 @@ class Stack:
             "--kv-capacity",
             str(s.kv_capacity),
             "--chunked-prefill" if s.chunked_prefill else "--no-chunked-prefill",
+            "--overlap" if s.overlap else "--no-overlap",
+            "--stream-interval-ms",
+            str(s.stream_interval_ms),
             "--metrics-port",
             str(s.metrics_port(1)),
         ]
@@ -119,7 +106,45 @@ class Stack:
             "--metrics-port",
             str(s.metrics_port(0)),
         ]
-        return cmds
+        return cmds | self.joined
+
+    def worker_command(self, index: int, port: int, *extra: str) -> list[str]:
+        s = self.settings
+        threads = s.threads or max(1, (os.cpu_count() or 1) // s.workers)
+        return [
+            sys.executable,
+            "-m",
+            "worker_svc",
+            "--port",
+            str(port),
+            "--name",
+            f"worker{index}",
+            "--model",
+            s.model,
+            "--dtype",
+            s.dtype,
+            "--kv-capacity",
+            str(s.kv_capacity),
+            "--block-size",
+            str(s.block_size),
+            "--threads",
+            str(threads),
+            "--metrics-port",
+            str(s.metrics_port(2 + index)),
+            "--sim-step-ms",
+            str(s.sim_step_ms),
+            *extra,
+        ]
+
+    def join_worker(self, index: int, port: int, *extra: str, timeout: float = 60.0) -> str:
+        """Start one more worker that registers with the running scheduler (later flags, such
+        as another --kv-capacity, override the stack's). Returns its process name."""
+        name = f"worker{index}"
+        command = self.worker_command(index, port, *extra)
+        self.joined[name] = [*command, "--scheduler", self.settings.scheduler]
+        self.launch(name)
+        asyncio.run(wait_healthy(f"127.0.0.1:{port}", timeout))
+        return name
 
     def start(self, timeout: float = 180.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 
 from scheduler_svc.blocks import blocks_for
 from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, StallReason, WorkerSpec
-from scheduler_svc.output import Event, Refused, Snapshot
+from scheduler_svc.output import Event, Refused, Snapshot, StepTokens
 from scheduler_svc.sequence import NO_HANDLE, Finish, SeqStatus, Sequence
 from scheduler_svc.step import Step, Work
 from scheduler_svc.worker_state import WorkerState
@@ -46,7 +46,7 @@ class Scheduler:
         self.refused: Counter[str] = Counter()
         self.head_reason: StallReason | None = None
         self.steps = self.admitted = self.finished = self.preemptions = 0
-        self.outbox: list[Event | tuple[str, int]] = []  # (request id, token) for tokens
+        self.outbox: list[Event | tuple[str, int] | StepTokens] = []  # tuple: (request, token)
         self.wakes: set[int] = set()  # workers that should plan: the head waits for them
         self.stop_ids: frozenset[int] = frozenset()  # every request's stop tokens, together
         self.chunked = config.chunked_prefill
@@ -115,12 +115,19 @@ class Scheduler:
         return True
 
     def take_events(self) -> list[Event]:
-        return [
-            Event(e[0], token_id=e[1]) if type(e) is tuple else e for e in self.take_raw_events()
-        ]
+        events: list[Event] = []
+        for e in self.take_raw_events():
+            if type(e) is tuple:
+                events.append(Event(e[0], token_id=e[1]))
+            elif type(e) is StepTokens:
+                events += (Event(rid, token_id=token) for rid, token in e)
+            else:
+                events.append(e)
+        return events
 
-    def take_raw_events(self) -> list[Event | tuple[str, int]]:
-        """Events in order; a token is a plain (request id, token) tuple (cheaper)."""
+    def take_raw_events(self) -> list[Event | tuple[str, int] | StepTokens]:
+        """Events in order; a token is a plain (request id, token) tuple, a decode step's
+        tokens one StepTokens (cheaper)."""
         events, self.outbox = self.outbox, []
         return events
 
@@ -171,27 +178,36 @@ class Scheduler:
                     self._sampled(seq, tokens[i - 1])
         if i:
             tokens = tokens[i:]
-        append = self.outbox.append
+        emitted = StepTokens(step.decodes, tokens)
+        self.outbox.append(emitted)
         decodes = zip(step.decodes, step.decode_handles, tokens, strict=True)
         if self.stop_ids.isdisjoint(tokens):  # the usual step: no request stops by a token
             for seq, handle, token in decodes:
-                if seq.handle == handle:
-                    out = seq.output_ids
-                    out.append(token)
-                    append((seq.request_id, token))
-                    if len(out) >= seq.max_out:
-                        self._finish(seq, Finish.LENGTH)
-            return self._closed(ws, tokens or i)
-        for seq, handle, token in decodes:
-            if seq.handle == handle:
+                if seq.handle != handle:
+                    self._drop(emitted, seq)
+                    continue
                 out = seq.output_ids
                 out.append(token)
-                append((seq.request_id, token))
-                if token in seq.stop_ids:
-                    self._finish(seq, Finish.STOP)
-                elif len(out) >= seq.max_out:
+                if len(out) >= seq.max_out:
                     self._finish(seq, Finish.LENGTH)
+            return self._closed(ws, tokens or i)
+        for seq, handle, token in decodes:
+            if seq.handle != handle:
+                self._drop(emitted, seq)
+                continue
+            out = seq.output_ids
+            out.append(token)
+            if token in seq.stop_ids:
+                self._finish(seq, Finish.STOP)
+            elif len(out) >= seq.max_out:
+                self._finish(seq, Finish.LENGTH)
         self._closed(ws, tokens or i)
+
+    @staticmethod
+    def _drop(emitted: StepTokens, seq: Sequence) -> None:
+        if emitted.dropped is None:
+            emitted.dropped = set()
+        emitted.dropped.add(seq)
 
     @staticmethod
     def _closed(ws: WorkerState, sampled: object) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_svc.sequence import Finish
+from scheduler_svc.sequence import Finish, Sequence
 
 
 @dataclass(slots=True)
@@ -16,6 +16,23 @@ class Event:
     finish: Finish | None = None
     error: str = ""
     preemptions: int = 0
+
+
+@dataclass(slots=True)
+class StepTokens:
+    """The tokens a step's decodes produced, as one event (one per token costs the step loop
+    a tuple each): request i got tokens[i], except the requests in `dropped` (moved, finished
+    or preempted since the step was planned)."""
+
+    seqs: list[Sequence]
+    tokens: list[int]
+    dropped: set[Sequence] | None = None
+
+    def __iter__(self):
+        dropped = self.dropped
+        for seq, token in zip(self.seqs, self.tokens, strict=True):
+            if dropped is None or seq not in dropped:
+                yield seq.request_id, token
 
 
 @dataclass(slots=True)

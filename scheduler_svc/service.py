@@ -15,7 +15,7 @@ import grpc
 from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from scheduler_svc.core import Scheduler
 from scheduler_svc.invariants import ENV_VAR, check_invariants
-from scheduler_svc.output import Event, Refused
+from scheduler_svc.output import Event, Refused, StepTokens
 from scheduler_svc.sequence import Finish, Sequence
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.step_times import StepTimes
@@ -317,6 +317,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         for ev in events:
             if type(ev) is tuple:  # a token: (request id, token)
                 merged[ev[0]].token_ids.append(ev[1])
+                continue
+            if type(ev) is StepTokens:  # a decode step's tokens
+                for rid, token in ev:
+                    merged[rid].token_ids.append(token)
                 continue
             out = merged[ev.request_id]
             if ev.admitted:

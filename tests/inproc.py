@@ -48,3 +48,46 @@ def run_all(core: Scheduler, overlap: bool, limit: int = 5000) -> None:
         if not any(busy) and not core.waiting:
             return
     raise AssertionError("the workload did not finish")
+
+
+class InProcessClient:
+    """A worker client whose step stream is an in-process session of the simulated model:
+    the scheduler service's loops run against it without gRPC (tests)."""
+
+    def __init__(self, spec, eos_ids=(2,), static: bool = True) -> None:
+        from llmserve.v1 import worker_pb2
+
+        self.target = f"inproc:{spec.name}"
+        self.static = static
+        self.spec_ = spec
+        self.info = worker_pb2.WorkerInfo(name=spec.name, eos_token_ids=list(eos_ids))
+        self.last_forward = self.forward_seconds = self.idle_seconds = 0.0
+        self.step_bytes = 0
+        self.unreachable_since = None
+
+    def spec(self):
+        return self.spec_
+
+    def open(self):
+        return InProcessStream(self.spec_)
+
+    async def serving(self, timeout: float = 1.0) -> bool:
+        return True
+
+
+class InProcessStream:
+    def __init__(self, spec) -> None:
+        import asyncio
+
+        runner = SimRunner(sim_config(spec.max_context), spec.num_blocks, spec.block_size, 0.0)
+        self.session = Session(runner, spec.num_blocks)
+        self.results: asyncio.Queue = asyncio.Queue()
+
+    async def send(self, step) -> None:
+        self.results.put_nowait(self.session.run(step)[0])
+
+    async def receive(self, timeout: float):
+        return await self.results.get()
+
+    def cancel(self) -> None:
+        pass

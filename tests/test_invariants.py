@@ -9,12 +9,12 @@ import os
 
 import pytest
 
-from llmserve.v1 import worker_pb2
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.invariants import InvariantError, check_invariants
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.settings import SchedulerSettings
+from tests.inproc import InProcessClient
 from tests.sim import seq, step
 
 SPEC = WorkerSpec("w0", num_blocks=8, block_size=4, max_context=64)
@@ -58,22 +58,10 @@ def test_broken_bookkeeping_is_caught(corrupt) -> None:
         check_invariants(core)
 
 
-class FakeWorker:
-    def __init__(self) -> None:
-        self.info = worker_pb2.WorkerInfo(name="w0", eos_token_ids=[2])
-        self.last_forward = 0.0
-
-    def spec(self) -> WorkerSpec:
-        return SPEC
-
-    async def execute(self, step, batch, timeout) -> dict[str, int]:
-        return {w.seq.request_id: 7 for w in batch.items if w.sample}
-
-
 def run_service_until_exit(break_it, exits: list[int]) -> None:
     async def scenario() -> None:
-        service = SchedulerService(SchedulerSettings(), [FakeWorker()])
-        service.check = True
+        service = SchedulerService(SchedulerSettings(), [InProcessClient(SPEC)])
+        service.check_every_step = True
         service.core.add(seq("a", 5, 20))
         break_it(service)
         service.start()
@@ -82,7 +70,8 @@ def run_service_until_exit(break_it, exits: list[int]) -> None:
                 break
             await asyncio.sleep(0.01)
         service.watch_task.cancel()
-        service.loop_task.cancel()
+        for loop in service.loops:
+            loop.task.cancel()
 
     asyncio.run(scenario())
 
@@ -96,10 +85,10 @@ def test_a_broken_step_loop_exits_the_scheduler_loudly(how, monkeypatch, caplog)
         if how == "invariant":
             service.core.workers[0].pool.free.append(0)  # block 0 free twice
         else:
-            monkeypatch.setattr(service.core, "schedule", lambda: 1 / 0)
+            monkeypatch.setattr(service.core, "plan", lambda index: 1 / 0)
 
     with caplog.at_level(logging.CRITICAL, logger="scheduler"):
         run_service_until_exit(break_it, exits)
     assert exits == [70]
-    assert "run_loop crashed" in caplog.text
+    assert "worker-loop-0 crashed" in caplog.text
     assert ("InvariantError" if how == "invariant" else "ZeroDivisionError") in caplog.text

@@ -44,11 +44,11 @@ def figure4_metrics() -> tuple[SchedulerMetrics, Scheduler]:
     step(core)
     core.add(seq("C", 6, max_tokens=6))
     metrics = SchedulerMetrics()
-    service = SimpleNamespace(core=core, on_step=None)
+    service = SimpleNamespace(core=core, on_step=None, on_join=None)
     metrics.attach(service)
-    batches = core.schedule()
-    service.on_step(batches, 0.02)
-    core.postprocess(batches, {"B": 7})
+    [planned] = core.schedule()
+    service.on_step(0, planned, 0.02)
+    core.complete(planned, [7])
     return metrics, core
 
 
@@ -88,7 +88,9 @@ def test_a_scrape_from_another_thread_takes_the_snapshot_on_the_core_loop() -> N
         metrics, _ = figure4_metrics()
         metrics.attach(
             SimpleNamespace(
-                core=Scheduler(CoreConfig(), [WorkerSpec("w1", 8, 1, 64)]), on_step=None
+                core=Scheduler(CoreConfig(), [WorkerSpec("w1", 8, 1, 64)]),
+                on_step=None,
+                on_join=None,
             )
         )
         return await asyncio.to_thread(generate_latest, metrics.registry)
@@ -225,7 +227,9 @@ def all_families() -> list:
     GatewayMetrics(registry)
     WorkerMetrics("worker0", registry)
     SchedulerMetrics(registry).attach(
-        SimpleNamespace(core=Scheduler(CoreConfig(), [WorkerSpec("w0", 8, 1, 64)]), on_step=None)
+        SimpleNamespace(
+            core=Scheduler(CoreConfig(), [WorkerSpec("w0", 8, 1, 64)]), on_step=None, on_join=None
+        )
     )
     return list(registry.collect())
 

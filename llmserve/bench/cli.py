@@ -120,8 +120,32 @@ def add_bench_parser(sub) -> None:
     )
     cal.set_defaults(func=_cmd_calibrate)
 
+    over = kinds.add_parser(
+        "overhead",
+        help="the control plane at GPU-class step times: real processes, simulated workers",
+    )
+    over.add_argument("--step-ms", default="2,5,20", help="simulated execution times (ms)")
+    over.add_argument("--running", default="32,256", help="concurrent streams, in all")
+    over.add_argument("--workers", default="1,4", help="simulated workers")
+    over.add_argument("--window", type=float, default=4.0, help="seconds measured per config")
+    over.add_argument("--max-tokens", type=int, default=4000, help="per request (closed loop)")
+    over.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=20.0,
+        help="the scheduler gathers token events this long (one message per request)",
+    )
+    _out_flags(over, "overhead")
+    over.set_defaults(func=_cmd_overhead)
+
     core = kinds.add_parser("core", help="microseconds per schedule() vs running/admitted/queue")
     core.add_argument("--quick", action="store_true")
+    core.add_argument(
+        "--baseline-rev",
+        default="",
+        help="also measure the core of this git revision, side by side (e.g. 47d2b63, the "
+        "lock-step core before per-worker loops)",
+    )
     _out_flags(core, "core")
     core.set_defaults(func=_cmd_core)
 
@@ -227,6 +251,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         f"ns -> {path}"
     )
     return 0
+
+
+def _cmd_overhead(args: argparse.Namespace) -> int:
+    from llmserve.bench.run_overhead import run_overhead
+
+    return run_overhead(args, _command())
 
 
 def _cmd_core(args: argparse.Namespace) -> int:

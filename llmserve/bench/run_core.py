@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import tempfile
 from dataclasses import asdict
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -12,10 +16,45 @@ from rich.table import Table
 from llmserve.bench.core_cost import core_cost, default_grid
 from llmserve.bench.report import machine
 
+BASELINE_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from llmserve.bench.core_cost import core_cost
+rows = []
+for running, waiting, admit in json.loads(sys.argv[2]):
+    c = core_cost(running, waiting, admit)
+    rows.append([c.schedule_us, c.postprocess_us])
+print(json.dumps(rows))
+"""
+
+
+def baseline_costs(rev: str, grid: list[tuple[int, int, int]]) -> list[list[float]]:
+    """The same grid measured with the core of an earlier revision (a git archive of it, run
+    in a subprocess of this Python), for a side-by-side comparison in one run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(
+            ["git", "archive", rev, "scheduler_svc", "llmserve/bench/core_cost.py"],
+            check=True,
+            capture_output=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        (Path(tmp) / "llmserve" / "__init__.py").touch()
+        (Path(tmp) / "llmserve" / "bench" / "__init__.py").touch()
+        out = subprocess.run(
+            [sys.executable, "-c", BASELINE_SCRIPT, tmp, json.dumps(grid)],
+            check=True,
+            capture_output=True,
+            text=True,
+            cwd=tmp,
+        ).stdout
+    return json.loads(out)
+
 
 def run_core(args: argparse.Namespace, command: str) -> int:
+    grid = default_grid(args.quick)
+    base = baseline_costs(args.baseline_rev, grid) if args.baseline_rev else None
     rows = []
-    for running, waiting, admit in default_grid(args.quick):
+    for running, waiting, admit in grid:
         cost = core_cost(running, waiting, admit)
         rows.append(cost)
         if not args.no_progress:
@@ -32,9 +71,13 @@ def run_core(args: argparse.Namespace, command: str) -> int:
         "schedule() µs",
         "postprocess() µs",
         "snapshot() µs",
+        "schedule+post µs",
+        *([f"at {args.baseline_rev} µs", "speed-up"] if base else []),
     ):
         t.add_column(col, justify="right")
-    for c in rows:
+    for i, c in enumerate(rows):
+        total = c.schedule_us + c.postprocess_us
+        extra = [f"{sum(base[i]):.0f}", f"{sum(base[i]) / total:.1f}x"] if base else []
         t.add_row(
             str(c.running),
             str(c.admitted_per_step),
@@ -42,13 +85,21 @@ def run_core(args: argparse.Namespace, command: str) -> int:
             f"{c.schedule_us:.0f}",
             f"{c.postprocess_us:.0f}",
             f"{c.snapshot_us:.0f}",
+            f"{total:.0f}",
+            *extra,
         )
     Console(width=120).print(t)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.name}.json"
     path.write_text(
         json.dumps(
-            {"command": command, "machine": machine(), "rows": [asdict(c) for c in rows]}, indent=1
+            {
+                "command": command,
+                "machine": machine(),
+                "rows": [asdict(c) for c in rows],
+                "baseline": {"rev": args.baseline_rev, "rows": base} if base else None,
+            },
+            indent=1,
         )
     )
     print(f"wrote {path}")

@@ -24,8 +24,9 @@ from llmserve.bench.records import RequestRecord, RunResult, StatusSample
 from llmserve.bench.workload import RequestSpec, Workload
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
-from scheduler_svc.plan import Refused, WorkerBatch
+from scheduler_svc.output import Refused
 from scheduler_svc.sequence import Sequence
+from scheduler_svc.step import Step
 
 EOS_ID = 2
 
@@ -124,7 +125,9 @@ class Simulation:
         batches = self.core.schedule()
         self.core_s += time.perf_counter() - t
         self._events()
-        if not any(b.items for b in batches):
+        if not any(b.has_work for b in batches):
+            if not self.core.waiting or any(ws.running for ws in self.core.workers):
+                return self._events()  # only finished requests left their workers
             raise RuntimeError(
                 f"nothing can run: head of queue waits for "
                 f"{self.core.head_reason}; raise the KV capacity or budget"
@@ -133,18 +136,17 @@ class Simulation:
         self.now += seconds
         self.busy_s += seconds
         self.steps += 1
-        sampled = {
-            w.seq.request_id: self._token(w.seq) for b in batches for w in b.items if w.sample
-        }
+        tokens = [[self._token(s) for s in b.sampled_seqs()] for b in batches]
         t = time.perf_counter()
-        self.core.postprocess(batches, sampled)
+        for batch, sampled in zip(batches, tokens, strict=True):
+            self.core.complete(batch, sampled)
         self.core_s += time.perf_counter() - t
         return self._events()
 
-    def _seconds(self, batch: WorkerBatch) -> float:
-        return self.cost.seconds(
-            BatchShape.of([(w.start, w.num_tokens, w.sample) for w in batch.items])
-        )
+    def _seconds(self, batch: Step) -> float:
+        work = [(w.start, w.num_tokens, w.sample) for w in batch.chunks]
+        work += [(s.num_computed - 1, 1, True) for s in batch.decodes]
+        return self.cost.seconds(BatchShape.of(work))
 
     def _token(self, seq: Sequence) -> int:
         ends = len(seq.output_ids) + 1 >= self.target[seq.request_id]
