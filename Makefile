@@ -7,7 +7,7 @@ STUBS   := llmserve/v1/__init__.py
 KERNELS := .stamp-kernels
 PROTOS  := $(wildcard protos/llmserve/v1/*.proto)
 
-.PHONY: all setup stubs demo test test-fast up lint bench bench-sim bench-worker clean prometheus
+.PHONY: all setup stubs demo test test-fast up lint bench bench-sim bench-worker bench-overhead clean prometheus
 
 all: setup
 
@@ -58,6 +58,8 @@ test-fast: setup
 	$(PYTHON) -m pytest tests -m "not slow"
 
 METRICS_BASE_PORT ?= 9400
+# the lock-step core before per-worker step loops, measured side by side by `bench core`
+CORE_BASELINE     ?= 47d2b63
 PROMETHEUS_PORT   ?= 9090
 
 up: setup
@@ -79,7 +81,11 @@ bench: setup
 	  --baselines none --out results/bench
 	$(BIN)/llmserve bench sim --name sim-short --duration 600 --max-tokens 2048 --loads 1,2 \
 	  --out results/bench
-	$(BIN)/llmserve bench core --quick --name core-quick --out results/bench
+	$(BIN)/llmserve bench core --quick --name core-quick --baseline-rev $(CORE_BASELINE) --out results/bench
+
+# The control plane at GPU-class step times: real processes, simulated workers (about 6 min).
+bench-overhead: setup
+	$(BIN)/llmserve bench overhead --out results/bench
 
 # The whole hour of the trace through the simulated cluster, swept over load (about 20 min).
 bench-sim: setup
@@ -87,7 +93,7 @@ bench-sim: setup
 	  --out results/bench
 	$(BIN)/llmserve bench sim --name sim-exact --loads 1,1.25 --policies \
 	  continuous+paged,continuous+reserve --out results/bench
-	$(BIN)/llmserve bench core --out results/bench
+	$(BIN)/llmserve bench core --baseline-rev $(CORE_BASELINE) --out results/bench
 
 clean:
 	rm -rf $(VENV) llmserve/v1 results .pytest_cache

@@ -26,14 +26,30 @@ HELP = {
 
 
 async def scheduler_status(stub, timeout: float = 180.0) -> scheduler_pb2.StatusReply:
+    """The scheduler's status once it has a worker (its context bounds the prompts)."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         try:
-            return await stub.Status(scheduler_pb2.StatusRequest(), timeout=2.0)
+            status = await stub.Status(scheduler_pb2.StatusRequest(), timeout=2.0)
+            if status.max_context > 0:
+                return status
         except grpc.aio.AioRpcError:
-            if asyncio.get_running_loop().time() > deadline:
-                raise SystemExit("the scheduler did not answer") from None
-            await asyncio.sleep(0.2)
+            pass
+        if asyncio.get_running_loop().time() > deadline:
+            raise SystemExit("the scheduler did not answer with a worker") from None
+        await asyncio.sleep(0.2)
+
+
+async def follow_context(stub, service: GatewayService, period: float = 5.0) -> None:
+    """Workers come and go: keep the prompt limit at the largest context of the live ones."""
+    while True:
+        await asyncio.sleep(period)
+        try:
+            status = await stub.Status(scheduler_pb2.StatusRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            continue
+        if status.max_context > 0:
+            service.max_context = status.max_context
 
 
 async def serve(settings: GatewaySettings) -> None:
@@ -71,7 +87,11 @@ async def serve(settings: GatewaySettings) -> None:
         metrics.attach(service)
         metrics.serve(settings.host, settings.metrics_port)
         log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
-    await server.run()
+    follower = asyncio.create_task(follow_context(stub, service))
+    try:
+        await server.run()
+    finally:
+        follower.cancel()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,6 +37,8 @@ class StackSettings:
     overlap: bool = True  # the scheduler plans a worker's next step while its step runs
     stream_interval_ms: float = 0.0
     sim_step_ms: float = 5.0  # model "sim": each execution takes this long
+    discover: str = ""  # more --workers entries for the scheduler, e.g. dns:NAME:PORT
+    discovery_interval: float = 5.0
 
     @property
     def gateway(self) -> str:
@@ -72,7 +74,11 @@ class Stack:
             "--port",
             str(s.scheduler_port),
             "--workers",
-            ",".join(s.worker_address(i) for i in range(s.workers)),
+            ",".join(
+                [s.worker_address(i) for i in range(s.workers)] + [s.discover] * bool(s.discover)
+            ),
+            "--discovery-interval",
+            str(s.discovery_interval),
             "--policy",
             s.policy,
             "--mode",
@@ -136,12 +142,17 @@ class Stack:
             *extra,
         ]
 
-    def join_worker(self, index: int, port: int, *extra: str, timeout: float = 60.0) -> str:
-        """Start one more worker that registers with the running scheduler (later flags, such
-        as another --kv-capacity, override the stack's). Returns its process name."""
+    def join_worker(
+        self, index: int, port: int, *extra: str, register: bool = True, timeout: float = 60.0
+    ) -> str:
+        """Start one more worker that registers with the running scheduler (or, without
+        `register`, waits to be discovered); later flags, such as another --kv-capacity,
+        override the stack's. Returns its process name."""
         name = f"worker{index}"
         command = self.worker_command(index, port, *extra)
-        self.joined[name] = [*command, "--scheduler", self.settings.scheduler]
+        self.joined[name] = (
+            [*command, "--scheduler", self.settings.scheduler] if register else command
+        )
         self.launch(name)
         asyncio.run(wait_healthy(f"127.0.0.1:{port}", timeout))
         return name

@@ -17,8 +17,9 @@ from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.workers import WorkerClient
 
 HELP = {
-    "workers": "comma-separated worker addresses; more may join by registering (worker "
-    "--scheduler)",
+    "workers": "comma-separated worker addresses, or dns:NAME:PORT for every address NAME "
+    "resolves to (a headless Service); more may join by registering (worker --scheduler)",
+    "discovery_interval": "seconds between lookups of the dns: entries of --workers",
     "overlap": "plan and send each worker's next step while its current one runs",
     "stream_interval_ms": "gather token events this long before sending them (0 = every step)",
     "policy": "KV allocation: reserve prompt+max_tokens at admission, or paged as it grows",

@@ -28,13 +28,18 @@ class BlockPool:
 
     def missing(self, request_id: str, positions: int) -> int:
         """Blocks still to allocate so that `request_id` holds `positions` positions."""
-        return max(0, blocks_for(positions, self.block_size) - self.allocated(request_id))
+        return max(0, -(-positions // self.block_size) - len(self.tables.get(request_id, ())))
 
     def grow(self, request_id: str, positions: int) -> list[int]:
         """Allocate what is missing; return the new blocks (appended to its table)."""
-        table = self.tables.setdefault(request_id, [])
+        table = self.tables.get(request_id)
+        if table is None:
+            table = self.tables[request_id] = []
+        need = -(-positions // self.block_size) - len(table)
+        if need <= 0:
+            return []
         popleft = self.free.popleft
-        new = [popleft() for _ in range(self.missing(request_id, positions))]
+        new = [popleft() for _ in range(need)]
         table += new
         return new
 

@@ -161,8 +161,9 @@ class Scheduler:
         for index, step in steps.items():
             ws = self.workers[index]
             step.released, ws.released = ws.released, []
-            ws.steps += 1
-            self.steps += 1
+            if step.has_work:  # an execution; release-only and empty steps are not
+                ws.steps += 1
+                self.steps += 1
         return list(steps.values())
 
     def complete(self, step: Step, tokens: list[int]) -> None:
@@ -287,8 +288,9 @@ class Scheduler:
         return True
 
     def _grow(self, ws: WorkerState, seq: Sequence, positions: int, step: Step) -> None:
-        new = ws.pool.grow(seq.request_id, positions)
-        seq.held = ws.pool.allocated(seq.request_id) * ws.spec.block_size
+        pool = ws.pool
+        new = pool.grow(seq.request_id, positions)
+        seq.held = len(pool.tables[seq.request_id]) * pool.block_size
         step.grants.append((seq.handle, new))
 
     def _admit(self, steps: dict[int, Step]) -> None:

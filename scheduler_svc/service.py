@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 import uuid
 from collections import defaultdict
@@ -16,7 +17,7 @@ from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb
 from scheduler_svc.core import Scheduler
 from scheduler_svc.invariants import ENV_VAR, check_invariants
 from scheduler_svc.output import Event, Refused, StepTokens
-from scheduler_svc.sequence import Finish, Sequence
+from scheduler_svc.sequence import Finish, SeqStatus, Sequence
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.step_times import StepTimes
 from scheduler_svc.worker_loop import WorkerLoop
@@ -82,9 +83,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.wake_all()
 
     def worker_lost(self, index: int, err: BaseException) -> None:
+        """Its stream ended. Holding nothing, a drained worker, or one that joined by itself,
+        has left (it is welcome back); otherwise it failed: its requests are recomputed
+        elsewhere, and a fixed --workers address stays listed, unhealthy, until it returns."""
         ws = self.core.workers[index]
-        if ws.draining and not ws.running:
-            log.info("worker %s has drained and left", ws.spec.name)
+        if not any(s.status is SeqStatus.RUNNING for s in ws.running) and (
+            ws.draining or not self.clients[index].static
+        ):
+            log.info("worker %s has left (%s)", ws.spec.name, err)
             self.core.remove_worker(index)
         else:
             log.error("worker %s failed: %s; re-queueing its requests", ws.spec.name, err)
@@ -101,22 +107,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if not address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "register needs an address")
         known = [i for i, c in enumerate(self.clients) if c.target == address]
-        if known:
-            return scheduler_pb2.RegisterReply(joined=False)  # the watcher handles its returns
-        client = WorkerClient(address, static=False)
-        try:
-            await client.describe(timeout=5.0)
-        except grpc.aio.AioRpcError as err:
-            await client.close()
+        if known:  # a departed worker is back; a failed one is the watcher's (try_restore)
+            gone = self.core.workers[known[0]].gone
+            if gone:
+                await self.try_restore(known[0])
+            return scheduler_pb2.RegisterReply(joined=gone and not self.core.workers[known[0]].gone)
+        if not await self.add_address(address):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"cannot reach the worker at {address}: {err.code().name}",
+                f"cannot reach the worker at {address}: check its --advertise address",
             )
-        if any(c.target == address for c in self.clients):  # registered while we described
-            await client.close()
-            return scheduler_pb2.RegisterReply(joined=False)
-        log.info("worker %s joined: %s", address, str(client.info).replace("\n", " "))
-        self.join(client)
         return scheduler_pb2.RegisterReply(joined=True)
 
     # ---- gRPC handlers -------------------------------------------------------------------
@@ -230,6 +230,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 self.start_loop(index)
         self.watch_task = asyncio.create_task(self.watch_workers())
         self.watch_task.add_done_callback(self.died)
+        if self.settings.dns_names:
+            self.discover_task = asyncio.create_task(self.discover())
+            self.discover_task.add_done_callback(self.died)
 
     def died(self, task: asyncio.Task) -> None:
         """A crashed loop would leave requests hanging: exit, so clients see UNAVAILABLE and a
@@ -274,6 +277,44 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 if ws.gone and not client.static:
                     continue  # a registered worker comes back by registering again
                 await self.try_restore(index)
+
+    async def discover(self) -> None:
+        """Resolve each dns: name again and again; an address not seen before joins. (An
+        address that disappears is a worker that left: its stream ends, see worker_lost.)"""
+        loop = asyncio.get_running_loop()
+        while True:
+            for host, port in self.settings.dns_names:
+                try:
+                    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                except OSError as err:
+                    log.warning("cannot resolve %s: %s", host, err)
+                    continue
+                for info in infos:
+                    ip = info[4][0]
+                    await self.add_address(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+            await asyncio.sleep(self.settings.discovery_interval)
+
+    async def add_address(self, address: str) -> bool:
+        """Describe the worker at `address` and let it join; False if it is known already or
+        does not answer. A departed one that answers again comes back."""
+        for index, client in enumerate(self.clients):
+            if client.target == address:
+                if self.core.workers[index].gone:
+                    await self.try_restore(index)
+                return False
+        client = WorkerClient(address, static=False)
+        try:
+            await client.describe(timeout=5.0)
+        except grpc.aio.AioRpcError as err:
+            await client.close()
+            log.debug("worker %s does not answer: %s", address, err.code().name)
+            return False
+        if any(c.target == address for c in self.clients):  # joined while we described it
+            await client.close()
+            return False
+        log.info("worker %s joined: %s", address, str(client.info).replace("\n", " "))
+        self.join(client)
+        return True
 
     async def try_restore(self, index: int) -> None:
         ws, client = self.core.workers[index], self.clients[index]

@@ -11,7 +11,11 @@ from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy
 class SchedulerSettings:
     host: str = "127.0.0.1"
     port: int = 50052
-    workers: str = "127.0.0.1:50061"  # comma-separated worker addresses ("" = only registered)
+    # comma-separated worker addresses; dns:NAME:PORT = every address NAME resolves to, looked
+    # up again every discovery_interval seconds (a Kubernetes headless Service); workers may
+    # also register themselves ("" = only those)
+    workers: str = "127.0.0.1:50061"
+    discovery_interval: float = 5.0
     policy: KvPolicy = KvPolicy.PAGED
     mode: BatchMode = BatchMode.CONTINUOUS
     token_budget: int = 256
@@ -24,13 +28,35 @@ class SchedulerSettings:
     metrics_port: int = 0  # Prometheus HTTP port; 0 = off
 
     def __post_init__(self) -> None:
+        for entry in self.entries:
+            if entry.startswith("dns:"):
+                host, _, port = entry[4:].rpartition(":")
+                if not host or not port.isdigit():
+                    raise ValueError(f"--workers entry {entry!r}: use dns:NAME:PORT")
+        if self.discovery_interval <= 0:
+            raise ValueError("--discovery-interval must be > 0")
         if self.stream_interval_ms < 0:
             raise ValueError("--stream-interval-ms must be >= 0")
         self.core()  # validates budget and running limit
 
     @property
-    def worker_targets(self) -> list[str]:
+    def entries(self) -> list[str]:
         return [t.strip() for t in self.workers.split(",") if t.strip()]
+
+    @property
+    def worker_targets(self) -> list[str]:
+        """The fixed addresses (waited for at start, polled when they fail)."""
+        return [t for t in self.entries if not t.startswith("dns:")]
+
+    @property
+    def dns_names(self) -> list[tuple[str, int]]:
+        """(name, port) of each dns: entry."""
+        out = []
+        for entry in self.entries:
+            if entry.startswith("dns:"):
+                host, _, port = entry[4:].rpartition(":")
+                out.append((host, int(port)))
+        return out
 
     def core(self) -> CoreConfig:
         return CoreConfig(

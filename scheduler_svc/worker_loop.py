@@ -73,7 +73,9 @@ class WorkerLoop:
                     self.service.dispatch(events)
                     events = []
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.wake.wait(), IDLE_POLL_S)
+                        async with asyncio.timeout(IDLE_POLL_S):  # never swallows a cancel
+                            await self.wake.wait()
+                    stream.check()
                     continue
             result = await stream.receive(timeout)
             step, sent = inflight.popleft()

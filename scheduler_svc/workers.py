@@ -71,7 +71,8 @@ class StepStream:
 
     async def receive(self, timeout: float) -> worker_pb2.StepResult:
         try:
-            result = await asyncio.wait_for(self.call.read(), timeout)
+            async with asyncio.timeout(timeout):  # unlike wait_for, never swallows a cancel
+                result = await self.call.read()
         except TimeoutError as err:
             raise WorkerLost(f"no answer to a step in {timeout:.0f} s") from err
         except grpc.aio.AioRpcError as err:
@@ -79,6 +80,11 @@ class StepStream:
         if result is grpc.aio.EOF:
             raise WorkerLost("the worker ended the step stream")
         return result
+
+    def check(self) -> None:
+        """An idle loop reads nothing: notice a stream the worker has ended (it left or died)."""
+        if self.call.done():
+            raise WorkerLost("the worker ended the step stream")
 
     def cancel(self) -> None:
         self.call.cancel()

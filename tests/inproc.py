@@ -87,7 +87,13 @@ class InProcessStream:
         self.results.put_nowait(self.session.run(step)[0])
 
     async def receive(self, timeout: float):
+        import asyncio
+
+        await asyncio.sleep(0.001)  # a step takes a moment: other loops and handlers run
         return await self.results.get()
+
+    def check(self) -> None:
+        pass
 
     def cancel(self) -> None:
         pass

@@ -22,7 +22,7 @@ def workers(scheduler: str) -> dict[str, object]:
 
 def test_a_worker_joins_under_load_takes_admissions_then_drains_and_leaves(tmp_path) -> None:
     settings = tiny_settings(workers=1, kv_capacity=2048, token_budget=64, max_running=4)
-    n, max_tokens = 10, 120
+    n, max_tokens = 12, 400
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler
         expected = Streams(gw, [greedy_request(i, max_tokens) for i in range(n)]).join(120)
@@ -70,3 +70,21 @@ def test_placement_by_free_positions_within_each_workers_context(tmp_path) -> No
         assert len(second.tokens) == 300, second.details
         assert len(first.tokens) == 40, first.details
         wait_idle(sched)
+
+
+def test_a_worker_behind_a_dns_name_is_discovered_and_joins(tmp_path) -> None:
+    """The scheduler's --workers names dns:localhost:PORT (as it would a Kubernetes headless
+    Service): a worker started later on that port, registering with no one, joins at the next
+    lookup and takes admissions."""
+    port = free_port()
+    settings = tiny_settings(
+        workers=1, discover=f"dns:localhost:{port}", discovery_interval=0.3, max_running=1
+    )
+    with running_stack(settings, tmp_path) as stack:
+        gw, sched = settings.gateway, settings.scheduler
+        assert [w.name for w in client.status(sched).workers] == ["worker0"]
+        stack.join_worker(1, port, register=False)
+        wait_for(lambda: "worker1" in workers(sched), 15, "worker1 discovered")
+        streams = Streams(gw, [greedy_request(i, 60) for i in range(2)])  # one per worker
+        wait_for(lambda: workers(sched)["worker1"].running == 1, 30, "worker1 takes one")
+        assert all(len(o.tokens) == 60 for o in streams.join(60))

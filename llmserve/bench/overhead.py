@@ -171,8 +171,7 @@ def run_config(
     name = f"{config.step_ms:g}ms-{config.running}r-{config.workers}w-" + (
         "overlap" if config.overlap else "serial"
     )
-    with Stack(settings, out / "logs" / name) as stack:
-        stack.start(timeout=120)
+    with Stack(settings, out / "logs" / name):
         row = asyncio.run(measure(settings, config.running, window_s, max_tokens))
     return replace(row, step_ms=config.step_ms, running=config.running)
 

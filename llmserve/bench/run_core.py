@@ -52,7 +52,12 @@ def baseline_costs(rev: str, grid: list[tuple[int, int, int]]) -> list[list[floa
 
 def run_core(args: argparse.Namespace, command: str) -> int:
     grid = default_grid(args.quick)
-    base = baseline_costs(args.baseline_rev, grid) if args.baseline_rev else None
+    base = None
+    if args.baseline_rev:
+        try:
+            base = baseline_costs(args.baseline_rev, grid)
+        except (subprocess.CalledProcessError, OSError) as err:  # e.g. a shallow clone
+            print(f"no baseline: {args.baseline_rev} could not be measured ({err})")
     rows = []
     for running, waiting, admit in grid:
         cost = core_cost(running, waiting, admit)
