@@ -181,13 +181,24 @@ def _workers(snap: Snapshot) -> Iterator[Metric]:
         "KV token positions by state: written, allocated but not yet written, free",
         labels=["worker", "state"],
     )
+    stalls = CounterMetricFamily(
+        PREFIX + "worker_admission_stalls",
+        "Steps whose admission stopped, by the worker whose limit stopped it and the limit",
+        labels=["worker", "reason"],
+    )
+    steps = CounterMetricFamily(
+        PREFIX + "worker_steps", "Executions sent to the worker", labels=["worker"]
+    )
     for kv in snap.workers:
+        steps.add_metric([kv.name], kv.steps)
+        for reason in StallReason:
+            stalls.add_metric([kv.name, reason.value], kv.stalls.get(reason.value, 0))
         running.add_metric([kv.name], kv.running)
         healthy.add_metric([kv.name], float(kv.healthy))
         capacity.add_metric([kv.name], kv.capacity)
         for state in KV_STATES:
             positions.add_metric([kv.name, state], getattr(kv, state))
-    yield from (running, healthy, capacity, positions)
+    yield from (running, healthy, capacity, positions, stalls, steps)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
