@@ -46,6 +46,7 @@ class Scheduler:
         self.refused: Counter[str] = Counter()
         self.head_reason: StallReason | None = None
         self.steps = self.admitted = self.finished = self.preemptions = 0
+        self.generated = 0  # tokens sampled and kept
         self.outbox: list[Event | tuple[str, int] | StepTokens] = []  # tuple: (request, token)
         self.wakes: set[int] = set()  # workers that should plan: the head waits for them
         self.stop_ids: frozenset[int] = frozenset()  # every request's stop tokens, together
@@ -181,6 +182,7 @@ class Scheduler:
             tokens = tokens[i:]
         emitted = StepTokens(step.decodes, tokens)
         self.outbox.append(emitted)
+        self.generated += len(tokens)
         decodes = zip(step.decodes, step.decode_handles, tokens, strict=True)
         if self.stop_ids.isdisjoint(tokens):  # the usual step: no request stops by a token
             for seq, handle, token in decodes:
@@ -204,8 +206,8 @@ class Scheduler:
                 self._finish(seq, Finish.LENGTH)
         self._closed(ws, tokens or i)
 
-    @staticmethod
-    def _drop(emitted: StepTokens, seq: Sequence) -> None:
+    def _drop(self, emitted: StepTokens, seq: Sequence) -> None:
+        self.generated -= 1
         if emitted.dropped is None:
             emitted.dropped = set()
         emitted.dropped.add(seq)
@@ -406,6 +408,7 @@ class Scheduler:
         return pending if pending <= budget else 0
 
     def _sampled(self, seq: Sequence, token: int) -> None:
+        self.generated += 1
         seq.output_ids.append(token)
         self.outbox.append((seq.request_id, token))
         if token in seq.stop_ids:

@@ -9,14 +9,14 @@ import os
 import socket
 import time
 import uuid
-from collections import defaultdict
 
 import grpc
 
 from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from scheduler_svc.core import Scheduler
 from scheduler_svc.invariants import ENV_VAR, check_invariants
-from scheduler_svc.output import Event, Refused, StepTokens
+from scheduler_svc.output import Refused
+from scheduler_svc.relay import EventRelay
 from scheduler_svc.sequence import Finish, SeqStatus, Sequence
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.step_times import StepTimes
@@ -26,12 +26,6 @@ from scheduler_svc.workers import WorkerClient
 log = logging.getLogger("scheduler")
 FORGET_AFTER_S = 30.0  # a registered worker unreachable this long leaves the stack
 
-FINISH_TO_PROTO = {
-    Finish.STOP: common_pb2.FINISH_REASON_STOP,
-    Finish.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    Finish.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
-    Finish.ERROR: common_pb2.FINISH_REASON_ERROR,
-}
 REFUSED_CODE = {
     "context": grpc.StatusCode.INVALID_ARGUMENT,
     "kv_capacity": grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -55,9 +49,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             log.warning("%s is set: checking the core's invariants after every step", ENV_VAR)
         self.on_step = None  # metrics hook: (worker index, step, forward seconds) per execution
         self.on_join = None  # metrics hook: (worker name) when a worker joins
-        self.outbox: list = []  # events for the streams, handed over in order by _flush
-        self.flush_handle: asyncio.TimerHandle | None = None
-        self.interval = settings.stream_interval_ms / 1e3
+        self.relay = EventRelay(self.streams, settings.stream_interval_ms / 1e3)
         self.started = False
         for client in clients:
             self.join(client)
@@ -194,6 +186,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             forward_seconds=self.times.forward_seconds,
             core_seconds=self.times.core_seconds,
             overlap=self.settings.overlap,
+            generated_tokens=self.core.generated,
         )
         reply.stalls.update(snap.stalls)
         reply.refused.update(snap.refused)
@@ -337,41 +330,4 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def dispatch(self, events: list) -> None:
         if events:
-            self._dispatch(events, self.interval)
-
-    def _dispatch(self, events: list[Event], delay: float = 0.0) -> None:
-        """Queue events for their streams; hand them over now, or after `delay` seconds. Events
-        always reach the streams in the order they were queued (a later immediate dispatch
-        first hands over the delayed ones), so no finish overtakes a token."""
-        self.outbox.extend(events)
-        if delay <= 0.0:
-            self._flush()
-        elif self.flush_handle is None and self.outbox:
-            self.flush_handle = asyncio.get_running_loop().call_later(delay, self._flush)
-
-    def _flush(self) -> None:
-        if self.flush_handle is not None:
-            self.flush_handle.cancel()
-            self.flush_handle = None
-        events, self.outbox = self.outbox, []
-        merged: dict[str, scheduler_pb2.TokenEvent] = defaultdict(scheduler_pb2.TokenEvent)
-        for ev in events:
-            if type(ev) is tuple:  # a token: (request id, token)
-                merged[ev[0]].token_ids.append(ev[1])
-                continue
-            if type(ev) is StepTokens:  # a decode step's tokens
-                for rid, token in ev:
-                    merged[rid].token_ids.append(token)
-                continue
-            out = merged[ev.request_id]
-            if ev.admitted:
-                out.admitted, out.queue_time_s = True, ev.queue_time
-            if ev.token_id is not None:
-                out.token_ids.append(ev.token_id)
-            if ev.finish is not None:
-                out.finish_reason = FINISH_TO_PROTO[ev.finish]
-                out.error, out.preemptions = ev.error, ev.preemptions
-        for rid, out in merged.items():
-            queue = self.streams.get(rid)
-            if queue is not None:
-                queue.put_nowait(out)
+            self.relay.dispatch(events)

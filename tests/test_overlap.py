@@ -82,6 +82,7 @@ def test_overlap_a_finished_request_computes_at_most_one_token_it_never_emits() 
     assert decodes["B"] == 3  # one more than the two that produced tokens: the wasted one
     kv = core.snapshot().workers[0]
     assert (kv.running, kv.free) == (0, 100)
+    assert core.generated == 6  # the dropped token is not counted
 
 
 @pytest.mark.parametrize("policy", list(KvPolicy))

@@ -1,23 +1,15 @@
-"""The scheduler service's hand-over of token events to request streams: a step's events may wait
-a moment (so that the next step's requests reach the workers first), but never reorder."""
+"""The relay of token events to request streams: with a stream interval, events wait and travel
+merged per request, spread over the interval in slices; they never reorder."""
 
 from __future__ import annotations
 
 import asyncio
 
 from llmserve.v1 import common_pb2
-from scheduler_svc.output import Event
+from scheduler_svc.output import Event, StepTokens
+from scheduler_svc.relay import SLICES, EventRelay
 from scheduler_svc.sequence import Finish
-from scheduler_svc.service import SchedulerService
-
-
-def bare_service() -> SchedulerService:
-    """Only the dispatch state: no core, no workers."""
-    service = SchedulerService.__new__(SchedulerService)
-    service.streams = {}
-    service.outbox = []
-    service.flush_handle = None
-    return service
+from tests.sim import seq
 
 
 def drain(queue: asyncio.Queue) -> list:
@@ -27,15 +19,24 @@ def drain(queue: asyncio.Queue) -> list:
     return items
 
 
-def test_delayed_events_arrive_after_the_delay_merged_per_request() -> None:
+def test_without_an_interval_events_are_handed_over_at_once() -> None:
+    async def scenario() -> list:
+        streams = {"a": asyncio.Queue()}
+        EventRelay(streams, 0.0).dispatch([Event("a", token_id=5), ("a", 6)])
+        return drain(streams["a"])
+
+    got = asyncio.run(scenario())
+    assert len(got) == 1 and list(got[0].token_ids) == [5, 6]
+
+
+def test_delayed_events_arrive_within_the_interval_merged_per_request() -> None:
     async def scenario() -> tuple[list, list]:
-        service = bare_service()
-        queue: asyncio.Queue = asyncio.Queue()
-        service.streams["a"] = queue
-        service._dispatch([Event("a", token_id=5), Event("a", token_id=6)], delay=0.02)
-        before = drain(queue)
+        streams = {"a": asyncio.Queue()}
+        relay = EventRelay(streams, 0.02)
+        relay.dispatch([Event("a", token_id=5), ("a", 6)])
+        before = drain(streams["a"])
         await asyncio.sleep(0.05)
-        return before, drain(queue)
+        return before, drain(streams["a"])
 
     before, after = asyncio.run(scenario())
     assert before == []
@@ -43,20 +44,42 @@ def test_delayed_events_arrive_after_the_delay_merged_per_request() -> None:
 
 
 def test_an_immediate_dispatch_first_hands_over_the_delayed_events() -> None:
-    """A step's tokens are delayed; the request then finishes and the loop goes idle, which
-    dispatches at once: the stream must see the tokens before the finish, and each only once."""
+    """A step's tokens are delayed; the request then finishes and is flushed at once: the stream
+    sees the tokens before the finish, and each only once."""
 
     async def scenario() -> list:
-        service = bare_service()
-        queue: asyncio.Queue = asyncio.Queue()
-        service.streams["a"] = queue
-        service._dispatch([Event("a", token_id=7)], delay=0.5)
-        service._dispatch([Event("a", finish=Finish.LENGTH)])
-        got = drain(queue)
+        streams = {"a": asyncio.Queue()}
+        relay = EventRelay(streams, 0.5)
+        relay.dispatch([("a", 7)])
+        relay.dispatch([Event("a", finish=Finish.LENGTH)], now=True)
+        got = drain(streams["a"])
         await asyncio.sleep(0.6)  # the cancelled timer must not hand anything over again
-        return got + drain(queue)
+        return got + drain(streams["a"])
 
     events = asyncio.run(scenario())
-    tokens = [t for e in events for t in e.token_ids]
-    assert tokens == [7]
+    assert [t for e in events for t in e.token_ids] == [7]
     assert events[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def test_many_requests_are_handed_over_in_slices_not_one_burst() -> None:
+    """200 streams with a 50 ms interval: no tick hands over more than a few slices' worth, and
+    every stream gets its tokens within the interval, in order."""
+
+    async def scenario() -> tuple[list[int], dict[str, list[int]]]:
+        ids = [f"r{i}" for i in range(200)]
+        streams = {rid: asyncio.Queue() for rid in ids}
+        relay = EventRelay(streams, 0.05)
+        seqs = [seq(rid, 1, 1) for rid in ids]
+        relay.dispatch([StepTokens(seqs, [1] * 200)])
+        relay.dispatch([StepTokens(seqs, [2] * 200)])
+        sizes = []
+        for _ in range(SLICES + 2):
+            await asyncio.sleep(0.05 / SLICES)
+            sizes.append(sum(q.qsize() for q in streams.values()))
+        got = {rid: [t for e in drain(q) for t in e.token_ids] for rid, q in streams.items()}
+        return sizes, got
+
+    sizes, got = asyncio.run(scenario())
+    handed = [b - a for a, b in zip([0, *sizes], sizes, strict=False)]
+    assert max(handed) <= 200 * 3 // SLICES  # hash slices: roughly a tenth each
+    assert all(tokens == [1, 2] for tokens in got.values())

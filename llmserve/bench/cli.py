@@ -132,7 +132,7 @@ def add_bench_parser(sub) -> None:
     over.add_argument(
         "--stream-interval-ms",
         type=float,
-        default=20.0,
+        default=50.0,
         help="the scheduler gathers token events this long (one message per request)",
     )
     _out_flags(over, "overhead")
