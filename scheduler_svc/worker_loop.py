@@ -33,6 +33,7 @@ class WorkerLoop:
         self.task: asyncio.Task | None = None
         self.depth = 2 if service.settings.overlap else 1  # steps in flight at most
         self.last_result = 0.0
+        self.events: list = []  # the last completed step's, handed over after the next send
 
     def start(self) -> None:
         self.task = asyncio.create_task(self.run(), name=f"worker-loop-{self.index}")
@@ -44,13 +45,17 @@ class WorkerLoop:
         try:
             await self.drive(stream)
         except WorkerLost as err:
+            self.hand_over()  # tokens already recorded reach their streams before any requeue
             self.service.worker_lost(self.index, err)
         finally:
             stream.cancel()
 
+    def hand_over(self) -> None:
+        events, self.events = self.events, []
+        self.service.dispatch(events)
+
     async def drive(self, stream: StepStream) -> None:
         inflight: deque[tuple[Step, float]] = deque()
-        events: list = []  # the last completed step's events, handed over after the next send
         timeout = self.service.settings.execute_timeout
         ws = self.core.workers[self.index]
         while ws.healthy:
@@ -65,13 +70,11 @@ class WorkerLoop:
                     self.client.step_bytes += msg.ByteSize()
                     await stream.send(msg)
                     inflight.append((step, started))
-                    self.service.dispatch(events)
-                    events = []
+                    self.hand_over()
                     if step.has_work and len(inflight) < self.depth:
                         continue  # overlap: plan the next step now, then wait for this one
                 elif not inflight:
-                    self.service.dispatch(events)
-                    events = []
+                    self.hand_over()
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(IDLE_POLL_S):  # never swallows a cancel
                             await self.wake.wait()
@@ -79,7 +82,7 @@ class WorkerLoop:
                     continue
             result = await stream.receive(timeout)
             step, sent = inflight.popleft()
-            events += self.complete(step, result, sent)
+            self.events += self.complete(step, result, sent)
 
     def complete(self, step: Step, result, sent: float) -> list:
         service, client = self.service, self.client

@@ -9,15 +9,18 @@ import os
 
 import pytest
 
+from llmserve.v1 import worker_pb2
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.invariants import InvariantError, check_invariants
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.settings import SchedulerSettings
+from scheduler_svc.workers import WorkerLost
 from tests.inproc import InProcessClient
 from tests.sim import seq, step
 
 SPEC = WorkerSpec("w0", num_blocks=8, block_size=4, max_context=64)
+SAMPLING = worker_pb2.WorkSampling(temperature=0.0)
 
 
 def busy_core() -> Scheduler:
@@ -92,3 +95,52 @@ def test_a_broken_step_loop_exits_the_scheduler_loudly(how, monkeypatch, caplog)
     assert exits == [70]
     assert "worker-loop-0 crashed" in caplog.text
     assert ("InvariantError" if how == "invariant" else "ZeroDivisionError") in caplog.text
+
+
+def test_tokens_recorded_before_a_worker_dies_reach_the_stream_no_gap_no_duplicate() -> None:
+    """The worker's stream breaks on a send, right after a step's tokens were recorded but
+    before the loop handed them over: the client still gets every token once, in order (the
+    rest are recomputed on the other worker)."""
+
+    class Dying(InProcessClient):
+        def __init__(self, spec) -> None:
+            super().__init__(spec)
+            self.sends = 0
+
+        def open(self):
+            stream, client = super().open(), self
+            send = stream.send
+
+            async def dying_send(step) -> None:
+                client.sends += 1
+                if client.sends == 6:
+                    raise WorkerLost("killed")
+                await send(step)
+
+            stream.send = dying_send
+            return stream
+
+    async def scenario() -> tuple[list[int], list[int]]:
+        spec0, spec1 = WorkerSpec("w0", 64, 4, 256), WorkerSpec("w1", 60, 4, 256)
+        service = SchedulerService(SchedulerSettings(), [Dying(spec0), InProcessClient(spec1)])
+        service.check_every_step = True
+        queue: asyncio.Queue = asyncio.Queue()
+        service.streams["a"] = queue
+        request = seq("a", 5, 30)
+        request.sampling = SAMPLING
+        service.core.add(request)
+        service.start()
+        tokens: list[int] = []
+        while True:
+            event = await asyncio.wait_for(queue.get(), 10)
+            tokens += event.token_ids
+            if event.finish_reason:
+                break
+        service.watch_task.cancel()
+        for loop in service.loops:
+            if loop is not None:
+                loop.task.cancel()
+        return tokens, list(request.output_ids)
+
+    tokens, outputs = asyncio.run(scenario())
+    assert len(tokens) == 30 and tokens == outputs

@@ -128,6 +128,9 @@ def add_bench_parser(sub) -> None:
     over.add_argument("--running", default="32,256", help="concurrent streams, in all")
     over.add_argument("--workers", default="1,4", help="simulated workers")
     over.add_argument("--window", type=float, default=4.0, help="seconds measured per config")
+    over.add_argument(
+        "--repeats", type=int, default=1, help="runs per config; the median (by busy) is shown"
+    )
     over.add_argument("--max-tokens", type=int, default=4000, help="per request (closed loop)")
     over.add_argument(
         "--stream-interval-ms",

@@ -207,6 +207,11 @@ if __name__ == "__main__":  # one configuration: python -m llmserve.bench.overhe
     os._exit(0)  # do not wait on gRPC's threads at exit
 
 
+def median_row(runs: list[Row]) -> Row:
+    """The run with the median busy fraction (its other figures with it)."""
+    return sorted(runs, key=lambda r: r.busy)[len(runs) // 2]
+
+
 def table(rows: list[Row]) -> str:
     head = (
         "| step | running | workers | overlap | worker busy | outside forward / step | "

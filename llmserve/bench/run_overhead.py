@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from llmserve.bench.overhead import grid, rows_json, run_config, table
+from llmserve.bench.overhead import grid, median_row, rows_json, run_config, table
 from llmserve.bench.report import machine
 
 
@@ -22,7 +22,11 @@ def run_overhead(args: argparse.Namespace, command: str) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for config in configs:
-        row = run_config(config, args.out, args.window, args.max_tokens, args.stream_interval_ms)
+        runs = [
+            run_config(config, args.out, args.window, args.max_tokens, args.stream_interval_ms)
+            for _ in range(args.repeats)
+        ]
+        row = median_row(runs)
         rows.append(row)
         if not args.no_progress:
             print(
