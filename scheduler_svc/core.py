@@ -237,15 +237,16 @@ class Scheduler:
         if ws.prefilling or step.budget < len(ws.running):
             return self._prepare_within_budget(ws, step)
         decodes, handles = step.decodes, step.decode_handles
+        add_decode, add_handle = decodes.append, handles.append
         for seq in ws.running:  # a preemption removes from the end: safe to iterate
             computed, known = seq.num_computed, seq.known
-            if known >= seq.stop_at or known - computed != 1:
+            if known >= seq.stop_at:
                 continue  # finished, or its last token is in flight: nothing to compute
             if computed >= seq.held and not self._make_room(ws, seq, computed + 1, step):
                 continue  # it preempted itself
             seq.num_computed, seq.known = computed + 1, known + 1
-            decodes.append(seq)
-            handles.append(seq.handle)
+            add_decode(seq)
+            add_handle(seq.handle)
         step.budget -= len(decodes)
 
     def _prepare_within_budget(self, ws: WorkerState, step: Step) -> None:

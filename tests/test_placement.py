@@ -135,3 +135,44 @@ def test_workers_of_different_block_sizes_and_contexts_serve_a_mixed_load() -> N
     run_all(core, overlap=True)
     assert all(s.is_finished and s.output_ids for s in seqs)
     assert all(ws.pool.num_free == ws.spec.num_blocks for ws in core.workers)
+
+
+def test_refused_when_no_single_worker_holds_it_though_two_together_would() -> None:
+    """Context from one worker and KV from another do not add up: refused at once."""
+    from scheduler_svc.output import Refused
+
+    core = Scheduler(
+        CoreConfig(), [WorkerSpec("long", 10, 1, 4096), WorkerSpec("big", 1000, 1, 64)]
+    )
+    try:
+        core.add(seq("r", 100, 20))  # context: only "long" (10 positions of KV)
+    except Refused as err:
+        assert err.reason == "kv_capacity"
+    else:
+        raise AssertionError("accepted a request no worker can hold")
+
+
+def test_a_request_only_a_failed_worker_can_hold_waits_for_it_then_runs() -> None:
+    core = Scheduler(
+        CoreConfig(), [WorkerSpec("long", 200, 1, 4096), WorkerSpec("short", 200, 1, 64)]
+    )
+    core.add(seq("r", 100, 5))
+    core.fail_worker(0)
+    step(core)
+    assert [s.request_id for s in core.waiting] == ["r"] and not core.seqs["r"].is_finished
+    core.restore_worker(0)
+    step(core)
+    assert placed(core) == {"r": "long"}
+
+
+def test_a_request_no_worker_left_can_hold_ends_with_an_error() -> None:
+    from scheduler_svc.sequence import Finish
+
+    core = Scheduler(
+        CoreConfig(), [WorkerSpec("long", 200, 1, 4096), WorkerSpec("short", 200, 1, 64)]
+    )
+    r = seq("r", 100, 5)
+    core.add(r)
+    core.remove_worker(0)
+    step(core)
+    assert r.finish is Finish.ERROR and "no worker" in r.error and not core.waiting

@@ -176,15 +176,17 @@ def run_config(
     """One configuration in a child process of its own: a fresh stack and a fresh gRPC state
     (grpc.aio does not take several event loops in one process well)."""
     args = [json.dumps(asdict(config)), str(out), str(window_s), str(max_tokens)]
-    child = subprocess.run(
-        [sys.executable, "-m", "llmserve.bench.overhead", *args, str(stream_interval_ms)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if child.returncode != 0:
-        raise RuntimeError(f"{config}: the measurement failed:\n{child.stderr[-3000:]}")
-    return Row(**json.loads(child.stdout.strip().splitlines()[-1]))
+    command = [sys.executable, "-m", "llmserve.bench.overhead", *args, str(stream_interval_ms)]
+    for attempt in (1, 2):
+        try:
+            child = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            print(f"  {config}: no result in 300 s (attempt {attempt})", flush=True)
+            continue
+        if child.returncode == 0:
+            return Row(**json.loads(child.stdout.strip().splitlines()[-1]))
+        print(f"  {config}: failed (attempt {attempt}):\n{child.stderr[-2000:]}", flush=True)
+    raise RuntimeError(f"{config}: the measurement failed twice")
 
 
 def measure_config(
@@ -195,7 +197,9 @@ def measure_config(
         "overlap" if config.overlap else "serial"
     )
     with Stack(settings, out / "logs" / name):
-        row = asyncio.run(measure(settings, config.running, window_s, max_tokens))
+        # not asyncio.run: its teardown can wait forever on a thread gRPC left behind
+        loop = asyncio.new_event_loop()
+        row = loop.run_until_complete(measure(settings, config.running, window_s, max_tokens))
     return replace(row, step_ms=config.step_ms, running=config.running)
 
 
