@@ -143,6 +143,7 @@ def add_bench_parser(sub) -> None:
 
     core = kinds.add_parser("core", help="microseconds per schedule() vs running/admitted/queue")
     core.add_argument("--quick", action="store_true")
+    core.add_argument("--rounds", type=int, default=3, help="measurements per row; the fastest")
     core.add_argument(
         "--baseline-rev",
         default="",

@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from llmserve.bench.core_cost import core_cost, default_grid
+from llmserve.bench.core_cost import CoreCost, core_cost, default_grid
 from llmserve.bench.report import machine
 
 BASELINE_SCRIPT = """
@@ -29,8 +29,8 @@ print(json.dumps(rows))
 
 
 def baseline_costs(rev: str, grid: list[tuple[int, int, int]]) -> list[list[float]]:
-    """The same grid measured with the core of an earlier revision (a git archive of it, run
-    in a subprocess of this Python), for a side-by-side comparison in one run."""
+    """The grid measured with the core of an earlier revision (a git archive of it, run in a
+    subprocess of this Python): [schedule µs, postprocess µs] per row."""
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(
             ["git", "archive", rev, "scheduler_svc", "llmserve/bench/core_cost.py"],
@@ -51,21 +51,31 @@ def baseline_costs(rev: str, grid: list[tuple[int, int, int]]) -> list[list[floa
 
 
 def run_core(args: argparse.Namespace, command: str) -> int:
+    """Each row: this core and the baseline's measured back to back, `--rounds` times, the
+    fastest of each kept (this machine's speed drifts over minutes; interleaving keeps the
+    ratio honest)."""
     grid = default_grid(args.quick)
-    base = None
-    if args.baseline_rev:
-        try:
-            base = baseline_costs(args.baseline_rev, grid)
-        except (subprocess.CalledProcessError, OSError) as err:  # e.g. a shallow clone
-            print(f"no baseline: {args.baseline_rev} could not be measured ({err})")
-    rows = []
+    rows: list[CoreCost] = []
+    base: list[list[float]] | None = [] if args.baseline_rev else None
     for running, waiting, admit in grid:
-        cost = core_cost(running, waiting, admit)
+        ours, theirs = [], []
+        for _ in range(args.rounds):
+            ours.append(core_cost(running, waiting, admit))
+            if base is not None:
+                try:
+                    theirs.append(baseline_costs(args.baseline_rev, [(running, waiting, admit)])[0])
+                except (subprocess.CalledProcessError, OSError) as err:  # e.g. a shallow clone
+                    print(f"no baseline: {args.baseline_rev} could not be measured ({err})")
+                    base = None
+        cost = min(ours, key=lambda c: c.schedule_us + c.postprocess_us)
         rows.append(cost)
+        if base is not None:
+            base.append(min(theirs, key=sum))
         if not args.no_progress:
             print(
                 f"  running {running}, admitted/step {admit}, waiting {waiting}: "
-                f"{cost.schedule_us:.0f} µs",
+                f"{cost.schedule_us + cost.postprocess_us:.0f} µs"
+                + (f" (baseline {sum(base[-1]):.0f} µs)" if base else ""),
                 flush=True,
             )
     t = Table(title="scheduler core cost per step (one worker; fastest of 30 steps)")
