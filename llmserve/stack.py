@@ -77,8 +77,7 @@ class Stack:
             ",".join(
                 [s.worker_address(i) for i in range(s.workers)] + [s.discover] * bool(s.discover)
             ),
-            "--discovery-interval",
-            str(s.discovery_interval),
+            *(["--discovery-interval", str(s.discovery_interval)] if s.discover else []),
             "--policy",
             s.policy,
             "--mode",
@@ -137,8 +136,7 @@ class Stack:
             str(threads),
             "--metrics-port",
             str(s.metrics_port(2 + index)),
-            "--sim-step-ms",
-            str(s.sim_step_ms),
+            *(["--sim-step-ms", str(s.sim_step_ms)] if s.model == "sim" else []),
             *extra,
         ]
 

@@ -17,8 +17,8 @@ from scheduler_svc.config import CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.metrics import SchedulerMetrics
 from tests.sim import seq, step
-from worker_svc.metrics import WorkerMetrics, phase_of
-from worker_svc.work import WorkItem
+from worker_svc.metrics import WorkerMetrics
+from worker_svc.work import WorkItem, phase_of, shape_of
 
 LABELS = {
     "worker",
@@ -114,8 +114,8 @@ def test_worker_metrics_follow_executions_and_the_pool_report() -> None:
         capacity_positions=64, written_positions=9, used_blocks=3, free_blocks=13
     )
     items = [WorkItem("a", [1] * 8, 0, [0, 1]), WorkItem("b", [7], 5, [2], sample_index=2)]
-    metrics.on_execute(items, 0.25, report)
-    metrics.on_execute([], 0.0, worker_pb2.KvReport(capacity_positions=64, free_blocks=16))
+    metrics.on_execute(shape_of(items), 0.25, report)
+    metrics.on_execute(None, 0.0, worker_pb2.KvReport(capacity_positions=64, free_blocks=16))
     value = metrics.registry.get_sample_value
     one = {"worker": "worker0", "phase": "mixed"}
     assert value("llmserve_worker_forward_duration_seconds_sum", one) == 0.25

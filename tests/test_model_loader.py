@@ -61,7 +61,9 @@ def test_unknown_source_is_refused(tmp_path) -> None:
 def test_smollm2_config_from_gguf_metadata_and_load_time() -> None:
     start = time.process_time()  # CPU seconds: robust to other load on a shared machine
     config, weights = load_model("smollm2", torch.bfloat16)
-    assert time.process_time() - start < 10.0
+    # not a speed test (make bench-worker times it): a guard against a pathological loader,
+    # e.g. dequantizing in Python loops (minutes); 10-13 CPU s here depending on the host's speed
+    assert time.process_time() - start < 60.0
     assert (config.num_layers, config.hidden_size, config.intermediate_size) == (30, 576, 1536)
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (9, 3, 64)
     assert (config.vocab_size, config.max_context) == (49152, 8192)

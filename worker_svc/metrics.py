@@ -15,7 +15,7 @@ from prometheus_client import (
 )
 
 from llmserve.v1 import worker_pb2
-from worker_svc.work import WorkItem
+from worker_svc.work import BatchShape
 
 if TYPE_CHECKING:
     from worker_svc.service import WorkerService
@@ -23,14 +23,6 @@ if TYPE_CHECKING:
 PHASES = ("prefill", "decode", "mixed")
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 SECONDS_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-
-
-def phase_of(items: list[WorkItem]) -> str:
-    """decode: every item feeds back its last sampled token; prefill: none does; else mixed."""
-    decodes = sum(1 for i in items if i.sample_index > 0 and len(i.token_ids) == 1)
-    if decodes == len(items):
-        return "decode"
-    return "prefill" if decodes == 0 else "mixed"
 
 
 class WorkerMetrics:
@@ -90,13 +82,12 @@ class WorkerMetrics:
         service.on_execute = self.on_execute
 
     def on_execute(
-        self, items: list[WorkItem], seconds: float, report: worker_pb2.KvReport
+        self, shape: BatchShape | None, seconds: float, report: worker_pb2.KvReport
     ) -> None:
-        if items:
-            phase = phase_of(items)
-            self.forward.labels(self.worker, phase).observe(seconds)
-            self.tokens.labels(self.worker, phase).observe(sum(len(i.token_ids) for i in items))
-            self.sampled.inc(sum(1 for i in items if i.sample))
+        if shape is not None:
+            self.forward.labels(self.worker, shape.phase).observe(seconds)
+            self.tokens.labels(self.worker, shape.phase).observe(shape.tokens)
+            self.sampled.inc(shape.sampled)
         self.on_report(report)
 
     def on_report(self, report: worker_pb2.KvReport) -> None:

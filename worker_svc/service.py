@@ -69,10 +69,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         def run(step: worker_pb2.Step) -> None:
             if session.closed:
                 return
-            result, batch, seconds = session.run(step)
+            result, shape, seconds = session.run(step)
             if self.on_execute is not None:
                 try:
-                    self.on_execute(batch, seconds, result.kv)
+                    self.on_execute(shape, seconds, result.kv)
                 except Exception:  # metrics must never cost a step its answer
                     log.exception("metrics hook failed")
             loop.call_soon_threadsafe(results.put_nowait, result)

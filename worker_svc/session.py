@@ -7,7 +7,7 @@ import time
 from typing import Protocol
 
 from llmserve.v1 import worker_pb2
-from worker_svc.work import SamplingSettings, WorkItem
+from worker_svc.work import BatchShape, SamplingSettings, WorkItem, shape_of
 
 
 class Runner(Protocol):
@@ -39,15 +39,17 @@ class Session:
         self.closed = False  # another stream took over: execute nothing more
         self.last_end = 0.0  # when the last step finished (perf_counter)
 
-    def run(self, step: worker_pb2.Step) -> tuple[worker_pb2.StepResult, list[WorkItem], float]:
-        """Apply the step's changes, execute it, remember what it sampled."""
+    def run(self, step: worker_pb2.Step) -> tuple[worker_pb2.StepResult, BatchShape | None, float]:
+        """Apply the step's changes, execute it, remember what it sampled. Returns the result,
+        the shape of what ran (for metrics) and the forward seconds."""
         started = time.perf_counter()
         idle = started - self.last_end if self.last_end else 0.0
         result = worker_pb2.StepResult(step=step.step, idle_seconds=idle)
-        batch: list[WorkItem] = []
+        shape = None
         seconds = 0.0
         try:
             batch = self.apply(step)
+            shape = shape_of(batch)
             if batch:
                 tokens = self.runner.execute(batch)
                 seconds = time.perf_counter() - started
@@ -57,7 +59,7 @@ class Session:
         self.last_end = time.perf_counter()
         result.forward_seconds = seconds
         result.kv.CopyFrom(self.report())
-        return result, batch, seconds
+        return result, shape, seconds
 
     def apply(self, step: worker_pb2.Step) -> list[WorkItem]:
         items = self.items

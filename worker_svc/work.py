@@ -30,3 +30,27 @@ class WorkItem:
     @property
     def end_position(self) -> int:
         return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """What an execution processed, taken before it runs (it then advances its items)."""
+
+    phase: str  # prefill | decode | mixed
+    tokens: int
+    sampled: int
+
+
+def phase_of(items: list[WorkItem]) -> str:
+    """decode: every item feeds back its last sampled token; prefill: none does; else mixed."""
+    decodes = sum(1 for i in items if i.sample_index > 0 and len(i.token_ids) == 1)
+    if decodes == len(items):
+        return "decode"
+    return "prefill" if decodes == 0 else "mixed"
+
+
+def shape_of(items: list[WorkItem]) -> BatchShape | None:
+    if not items:
+        return None
+    tokens = sum(len(i.token_ids) for i in items)
+    return BatchShape(phase_of(items), tokens, sum(1 for i in items if i.sample))
