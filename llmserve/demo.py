@@ -27,7 +27,21 @@ QUESTIONS = [
     "Write one sentence about the sea.",
     "What is 12 times 12?",
 ]
-BASE = StackSettings(gateway_port=50351, scheduler_port=50352, worker_base_port=50361)
+
+
+def native_bf16() -> bool:
+    """Does this CPU compute bf16 natively (AVX-512 BF16)? Without it torch emulates bf16
+    matmuls with another rounding: slower, and SmolLM2's greedy answers drift (on such a host
+    it answered "L'Étoile, la Marseillaise" to the capital of France in bf16, Paris in fp32)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_bf16" in f.read()
+    except OSError:
+        return False
+
+
+DTYPE = "bf16" if native_bf16() else "fp32"
+BASE = StackSettings(gateway_port=50351, scheduler_port=50352, worker_base_port=50361, dtype=DTYPE)
 
 
 @dataclass
@@ -73,7 +87,9 @@ def concurrently(target: str, requests: list) -> list[Outcome]:
 
 
 def part1(log_dir: Path) -> bool:
-    console.rule("[bold]1. Concurrent chat requests (SmolLM2-135M-Instruct, paged, continuous)")
+    console.rule(
+        f"[bold]1. Concurrent chat requests (SmolLM2-135M-Instruct {DTYPE}, paged, continuous)"
+    )
     with Stack(BASE, log_dir / "part1") as stack:
         target = stack.settings.gateway
         requests = [
@@ -106,7 +122,11 @@ def part1(log_dir: Path) -> bool:
 
 
 def figure4(policy: str, log_dir: Path) -> dict:
-    settings = replace(BASE, policy=policy, kv_capacity=24, block_size=1, token_budget=8)
+    # the seed's order (no overlap): with overlap, KV is allocated one step ahead and B + C
+    # would just exceed 24 positions at C's last step (docs/control-plane.md)
+    settings = replace(
+        BASE, policy=policy, kv_capacity=24, block_size=1, token_budget=8, overlap=False
+    )
     prompt = " a b c d e f"  # six tokens
     with Stack(settings, log_dir / f"fig4-{policy}") as stack:
         b, c = Outcome(), Outcome()
