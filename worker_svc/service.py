@@ -25,7 +25,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.session = Session(runner, runner.pool.num_blocks)
         self.last_call = 0.0
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
-        self.on_execute = None  # metrics hook: (items, seconds, report), also for releases only
+        self.on_execute = None  # metrics hook: (shape, seconds, report), also for releases only
+        self.end_stream = lambda: None  # ends the current step stream (when the worker stops)
 
     async def drain(self) -> None:
         """On SIGTERM (health already NOT_SERVING, so the scheduler sends nothing new): keep
@@ -37,6 +38,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await asyncio.sleep(0.05)
         if self.session.items:
             log.warning("drain timed out with %d requests still held", len(self.session.items))
+        self.end_stream()  # the scheduler sees this worker leave now, not after the grace
 
     def describe(self) -> worker_pb2.WorkerInfo:
         cfg, pool = self.runner.config, self.runner.pool
@@ -86,6 +88,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 self.executor.submit(lambda: loop.call_soon_threadsafe(results.put_nowait, END))
 
         reader = asyncio.create_task(read())
+        self.end_stream = lambda: results.put_nowait(END)
         try:
             while (result := await results.get()) is not END:
                 yield result
