@@ -183,24 +183,15 @@ class Scheduler:
         emitted = StepTokens(step.decodes, tokens)
         self.outbox.append(emitted)
         self.generated += len(tokens)
-        decodes = zip(step.decodes, step.decode_handles, tokens, strict=True)
-        if self.stop_ids.isdisjoint(tokens):  # the usual step: no request stops by a token
-            for seq, handle, token in decodes:
-                if seq.handle != handle:
-                    self._drop(emitted, seq)
-                    continue
-                out = seq.output_ids
-                out.append(token)
-                if len(out) >= seq.max_out:
-                    self._finish(seq, Finish.LENGTH)
-            return self._closed(ws, tokens or i)
-        for seq, handle, token in decodes:
+        # the usual step has no stop token at all: one isdisjoint instead of a lookup per token
+        check_stops = not self.stop_ids.isdisjoint(tokens)
+        for seq, handle, token in zip(step.decodes, step.decode_handles, tokens, strict=True):
             if seq.handle != handle:
                 self._drop(emitted, seq)
                 continue
             out = seq.output_ids
             out.append(token)
-            if token in seq.stop_ids:
+            if check_stops and token in seq.stop_ids:
                 self._finish(seq, Finish.STOP)
             elif len(out) >= seq.max_out:
                 self._finish(seq, Finish.LENGTH)
