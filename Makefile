@@ -7,7 +7,7 @@ STUBS   := llmserve/v1/__init__.py
 KERNELS := .stamp-kernels
 PROTOS  := $(wildcard protos/llmserve/v1/*.proto)
 
-.PHONY: all setup stubs demo test test-fast up lint bench bench-sim bench-worker bench-overhead clean prometheus
+.PHONY: all setup stubs demo test test-fast up lint bench bench-sim bench-worker bench-overhead clean prometheus internal-token
 
 all: setup
 
@@ -56,6 +56,13 @@ test: setup prometheus
 
 test-fast: setup
 	$(PYTHON) -m pytest tests -m "not slow"
+
+# the token every internal call carries in docker compose (its secret `internal-token`): random,
+# written once, never committed. Readable by the containers' user (uid 10001), so mode 644.
+internal-token: deploy/internal-token
+deploy/internal-token:
+	$(PY) -c 'import secrets; print(secrets.token_urlsafe(32))' > $@.tmp
+	chmod 644 $@.tmp && mv $@.tmp $@
 
 METRICS_BASE_PORT ?= 9400
 # the lock-step core before per-worker step loops, measured side by side by `bench core`

@@ -9,19 +9,35 @@ import dataclasses
 import grpc
 
 from gateway.auth import ApiKeyInterceptor
+from gateway.inflate import SERVER_OPTIONS
 from gateway.malformed import MalformedRequestInterceptor
 from gateway.metrics import GatewayMetrics
 from gateway.service import GatewayService
 from gateway.settings import GatewaySettings
 from gateway.tokenizer import Tokenizer, load_default_tokenizer
+from llmserve.auth import INTERNAL_TOKEN_HELP, internal_token
 from llmserve.flags import add_flags, from_args
-from llmserve.server import CHANNEL_OPTIONS, Server, die_with_parent, setup_logging
+from llmserve.server import Server, die_with_parent, internal_channel, setup_logging
 from llmserve.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 HELP = {
     "scheduler": "address of the scheduler service",
     "max_queued_requests": "refuse with RESOURCE_EXHAUSTED beyond this many waiting requests",
     "max_queued_tokens": "refuse with RESOURCE_EXHAUSTED beyond this many waiting prompt tokens",
+    "max_request_bytes": "refuse larger requests with RESOURCE_EXHAUSTED (compressed ones too, "
+    "as inflated)",
+    "max_messages": "refuse chats with more messages (INVALID_ARGUMENT) before rendering them; "
+    "0 = the model's context in tokens (a message renders to one token at least)",
+    "max_prompt_chars": "refuse longer prompts or chats (INVALID_ARGUMENT) before tokenizing "
+    "them; 0 = the model's context times the longest token's characters (no longer text fits)",
+    "resubmit_timeout": "a request held by a scheduler that dies is sent again, with the tokens "
+    "already streamed, to its replacement if it is back within this many seconds",
+    "drain_timeout": "on SIGTERM: seconds for the streams in flight to finish",
+    "tokenize_threads": "threads that render chat templates and tokenize prompts, off the event "
+    "loop that streams every response",
+    "api_key_file": "a file holding the API key clients must send (else $LLMSERVE_API_KEY); an "
+    "empty or unreadable file stops the gateway at start",
+    "internal_token_file": INTERNAL_TOKEN_HELP,
 }
 
 
@@ -33,8 +49,9 @@ async def scheduler_status(stub, timeout: float = 180.0) -> scheduler_pb2.Status
             status = await stub.Status(scheduler_pb2.StatusRequest(), timeout=2.0)
             if status.max_context > 0:
                 return status
-        except grpc.aio.AioRpcError:
-            pass
+        except grpc.aio.AioRpcError as err:
+            if err.code() is grpc.StatusCode.UNAUTHENTICATED:
+                raise SystemExit(f"the scheduler refused this gateway: {err.details()}") from None
         if asyncio.get_running_loop().time() > deadline:
             raise SystemExit("the scheduler did not answer with a worker") from None
         await asyncio.sleep(0.2)
@@ -56,11 +73,12 @@ async def serve(settings: GatewaySettings) -> None:
     log = setup_logging("gateway")
     log.info("settings: %s", dataclasses.asdict(settings))  # the key itself is never logged
     api_key = settings.api_key()
+    token = internal_token(settings.internal_token_file)
     metrics = GatewayMetrics() if settings.metrics_port else None
     interceptors = (metrics.interceptors() if metrics else []) + (  # metrics see refusals too
         [ApiKeyInterceptor(api_key)] if api_key else []
     )
-    interceptors.append(MalformedRequestInterceptor())  # innermost: it parses the request
+    interceptors.append(MalformedRequestInterceptor(settings.max_request_bytes))  # innermost
     server = Server(
         settings.host,
         settings.port,
@@ -68,14 +86,18 @@ async def serve(settings: GatewaySettings) -> None:
         interceptors=interceptors,
         tls=settings.tls,
         max_message_bytes=settings.max_request_bytes,
+        extra_options=SERVER_OPTIONS,  # requests are inflated by MalformedRequestInterceptor
     )
     log.info(
-        "API key %s; TLS %s", "required" if api_key else "off", "on" if settings.tls else "off"
+        "API key %s; TLS %s; internal token %s",
+        "required" if api_key else "off",
+        "on" if settings.tls else "off",
+        "sent to the scheduler" if token else "off",
     )
     tokenizer = (
         Tokenizer.from_gguf(settings.tokenizer) if settings.tokenizer else load_default_tokenizer()
     )
-    channel = grpc.aio.insecure_channel(settings.scheduler, options=CHANNEL_OPTIONS)
+    channel = internal_channel(settings.scheduler, token)
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
     status = await scheduler_status(stub)
     log.info(
@@ -89,7 +111,7 @@ async def serve(settings: GatewaySettings) -> None:
         log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
     follower = asyncio.create_task(follow_context(stub, service))
     try:
-        await server.run()
+        await server.run(grace=settings.drain_timeout)
     finally:
         follower.cancel()
 

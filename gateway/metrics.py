@@ -32,10 +32,10 @@ METHODS = ("Generate", "GenerateUnary")
 LATENCY_BUCKETS = (5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_GAP_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5)
 FINISH_LABELS = {
-    common_pb2.FINISH_REASON_UNSPECIFIED: "none",  # refused, failed, or the client went away
+    common_pb2.FINISH_REASON_UNSPECIFIED: "none",  # refused by the scheduler, or failed
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_CANCELLED: "cancelled",
+    common_pb2.FINISH_REASON_CANCELLED: "cancelled",  # the client left, or its deadline passed
     common_pb2.FINISH_REASON_ERROR: "error",
 }
 CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
@@ -52,7 +52,8 @@ class GatewayMetrics:
         )
         self.finished = Counter(
             "llmserve_gateway_requests_finished",
-            "Requests handed to the scheduler, by finish reason (none: refused, failed or gone)",
+            "Requests handed to the scheduler, by finish reason (cancelled: the client left or "
+            "its deadline passed; none: refused by the scheduler, or failed)",
             ["finish_reason"],
             registry=registry,
         )

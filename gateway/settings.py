@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,17 +18,33 @@ class GatewaySettings:
     max_queued_tokens: int = 262144  # their prompt tokens
     metrics_port: int = 0  # Prometheus HTTP port; 0 = off
     api_key_file: str = ""  # a file holding the API key; also $LLMSERVE_API_KEY; "" = no key
+    internal_token_file: str = ""  # sent to the scheduler; also $LLMSERVE_INTERNAL_TOKEN
     tls_cert: str = ""  # PEM certificate chain; with --tls-key turns TLS on
     tls_key: str = ""  # PEM private key
-    max_request_bytes: int = 1 << 20  # largest accepted request message
+    max_request_bytes: int = 1 << 20  # largest accepted request message, decompressed
+    max_messages: int = 0  # chat messages per request; 0 = the model's context in tokens
+    max_prompt_chars: int = 0  # characters of the prompt or of all messages; 0 = from the context
+    tokenize_threads: int = 2  # threads that render and tokenize prompts, off the event loop
+    resubmit_timeout: float = 30.0  # a restarted scheduler must be back this soon for resubmits
+    drain_timeout: float = 60.0  # on SIGTERM: seconds for the streams in flight to finish
 
     def api_key(self) -> str:
-        import os
-
-        if self.api_key_file:
-            with open(self.api_key_file) as f:
-                return f.read().strip()
-        return os.environ.get("LLMSERVE_API_KEY", "")
+        """The content of --api-key-file, else $LLMSERVE_API_KEY; "" = no key. A key file that
+        is empty or unreadable is SystemExit with the reason: a configured key is never off."""
+        if not self.api_key_file:
+            return os.environ.get("LLMSERVE_API_KEY", "")
+        try:
+            key = Path(self.api_key_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as err:
+            reason = getattr(err, "strerror", None) or err
+            message = f"cannot read the API key file {self.api_key_file}: {reason}"
+            raise SystemExit(message) from None
+        if not key:
+            raise SystemExit(
+                f"the API key file {self.api_key_file} is empty: write the key into it, or start "
+                "without --api-key-file to serve without a key"
+            )
+        return key
 
     @property
     def tls(self) -> tuple[str, str] | None:
@@ -40,6 +58,10 @@ class GatewaySettings:
             "max_queued_requests",
             "max_queued_tokens",
             "max_request_bytes",
+            "tokenize_threads",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        for name in ("max_messages", "max_prompt_chars"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0 = from the context)")

@@ -179,6 +179,7 @@ class Tokenizer:
     ) -> None:
         self._backend = backend
         self._tokens = tokens
+        self._longest_token_chars = max(map(len, tokens), default=1)
         self._special_ids = special_ids
         self._eos_token_id = eos_token_id
         self._bos_token_id = bos_token_id
@@ -262,6 +263,13 @@ class Tokenizer:
         return len(self._tokens)
 
     @property
+    def longest_token_chars(self) -> int:
+        """The most characters one token spells (its byte-level spelling has one character per
+        byte, never fewer than the text's characters): a text N times longer than this holds
+        at least N tokens."""
+        return self._longest_token_chars
+
+    @property
     def special_token_ids(self) -> frozenset[int]:
         """Ids of the control tokens (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, ...)."""
         return self._special_ids
@@ -292,9 +300,11 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids for `text`. Control tokens spelled in the text (`<|im_start|>`) are matched
-        whole, as the chat template needs. A BOS is prepended only if the GGUF asks for it."""
+        whole, as the chat template needs. A BOS is prepended only if the GGUF asks for it.
+        Through `encode_batch`, which releases the GIL (`encode` holds it): other threads, such
+        as the gateway's event loop, run while a long text is tokenized."""
         try:
-            ids = self._backend.encode(text, add_special_tokens=False).ids
+            ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         except TypeError as exc:
             if isinstance(text, str):  # lone surrogates are not encodable text
                 raise ValueError("text contains lone surrogates (invalid Unicode)") from exc

@@ -16,6 +16,10 @@ Decisions:
   divided by a subnormal temperature overflow to inf, which made the worker's sampling fail for
   the whole batch.
 * stop: at most 16 strings, each 1..256 characters.
+* size: `InputLimits` checks run first, on counts alone, before anything is built from the request
+  (rendering and tokenizing take time and memory in proportion to it). By default the limits are
+  what could fit the model's context: a chat message renders to one token at least, and a token
+  spells at most `longest_token_chars` characters, so a longer text cannot fit either.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "ALLOWED_ROLES",
+    "InputLimits",
     "InvalidRequest",
-    "MAX_PROMPT_CHARS",
     "MAX_STOP_CHARS",
     "MAX_STOPS",
     "ValidatedParams",
@@ -34,7 +38,6 @@ __all__ = [
     "validate",
 ]
 
-MAX_PROMPT_CHARS = 1_000_000  # prompt, or all message contents together
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 ALLOWED_ROLES = ("system", "user", "assistant")
@@ -47,6 +50,35 @@ DEFAULT_TOP_K = 0
 
 class InvalidRequest(ValueError):
     """The request is malformed; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class InputLimits:
+    """The most messages and characters a request may hold."""
+
+    max_messages: int
+    max_chars: int
+
+    @classmethod
+    def for_context(
+        cls, max_context: int, longest_token_chars: int, max_messages: int = 0, max_chars: int = 0
+    ) -> InputLimits:
+        """Explicit limits, or (0) what could fit `max_context` tokens: see the module doc."""
+        return cls(max_messages or max_context, max_chars or max_context * longest_token_chars)
+
+    def check_messages(self, count: int) -> None:
+        if count > self.max_messages:
+            raise InvalidRequest(
+                f"the chat has {count} messages; the limit is {self.max_messages}: send fewer"
+            )
+
+    def check_chars(self, chars: int, chat: bool = False) -> None:
+        """`chars`: the characters of the prompt, or of all the chat's message contents."""
+        if chars > self.max_chars:
+            what = "the chat's messages have" if chat else "the prompt has"
+            raise InvalidRequest(
+                f"{what} {chars} characters; the limit is {self.max_chars}: send a shorter text"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +106,6 @@ def _check_messages(messages: object) -> tuple[tuple[str, str], ...]:
     if not messages:
         raise InvalidRequest("messages is empty: send at least one message")
     out: list[tuple[str, str]] = []
-    total = 0
     for i, message in enumerate(messages):
         if not isinstance(message, list | tuple) or len(message) != 2:
             raise InvalidRequest(f"messages[{i}] must be a (role, content) pair")
@@ -87,12 +118,7 @@ def _check_messages(messages: object) -> tuple[tuple[str, str], ...]:
             raise InvalidRequest(
                 f"messages[{i}].content must be a string, not {type(content).__name__}"
             )
-        total += len(content)
         out.append((role, content))
-    if total > MAX_PROMPT_CHARS:
-        raise InvalidRequest(
-            f"messages hold {total} characters in all; the limit is {MAX_PROMPT_CHARS}"
-        )
     return tuple(out)
 
 
@@ -141,10 +167,6 @@ def validate(
             raise InvalidRequest(f"prompt must be a string, not {type(prompt).__name__}")
         if prompt == "":
             raise InvalidRequest("prompt is empty; send at least one character")
-        if len(prompt) > MAX_PROMPT_CHARS:
-            raise InvalidRequest(
-                f"prompt is {len(prompt)} characters long; the limit is {MAX_PROMPT_CHARS}"
-            )
     else:
         checked_messages = _check_messages(messages)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 
 from llmserve import client
+from llmserve.auth import INTERNAL_TOKEN_HELP, internal_token
 from llmserve.flags import add_flags, from_args
 from llmserve.prometheus import DASHBOARD, Prometheus, start_for_stack
 from llmserve.stack import Stack, StackSettings
@@ -43,7 +44,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     )
     stack.start()
     print(f"gateway   {settings.gateway}   (llmserve generate --target {settings.gateway} ...)")
-    print(f"scheduler {settings.scheduler}   (llmserve status --target {settings.scheduler})")
+    status = f"llmserve status --target {settings.scheduler} {' '.join(settings.token_flags)}"
+    print(f"scheduler {settings.scheduler}   ({status.strip()})")
     for i in range(settings.workers):
         print(f"worker{i}   {settings.worker_address(i)}")
     if settings.metrics_base_port:
@@ -221,7 +223,7 @@ def format_status(s: dict) -> str:
 
 def cmd_status(args: argparse.Namespace) -> int:
     try:
-        reply = client.status(args.target)
+        reply = client.status(args.target, token=internal_token(args.internal_token_file))
     except grpc.RpcError as err:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
@@ -241,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start scheduler + workers + gateway on loopback")
-    add_flags(up, StackSettings)
+    add_flags(up, StackSettings, {"internal_token_file": INTERNAL_TOKEN_HELP})
     up.add_argument("--log-dir", default="results/logs")
     up.add_argument(
         "--prometheus-port",
@@ -276,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="the scheduler's snapshot and stalls by reason")
     st.add_argument("--target", default="127.0.0.1:50052", help="scheduler address")
     st.add_argument("--json", action="store_true")
+    st.add_argument("--internal-token-file", default="", help=INTERNAL_TOKEN_HELP)
     st.set_defaults(func=cmd_status)
 
     demo = sub.add_parser("demo", help="the whole stack, a real workload, both KV policies")

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from llmserve.auth import token_metadata
 from llmserve.server import CHANNEL_OPTIONS
 from llmserve.v1 import (
     common_pb2,
@@ -77,10 +78,12 @@ def stream(
         yield from stub.Generate(request, timeout=timeout, metadata=metadata)
 
 
-def status(target: str, timeout: float = 5.0) -> scheduler_pb2.StatusReply:
+def status(target: str, timeout: float = 5.0, token: str = "") -> scheduler_pb2.StatusReply:
+    """The scheduler's Status; `token` is the internal token, when the stack has one."""
     with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        return stub.Status(scheduler_pb2.StatusRequest(), timeout=timeout)
+        request = scheduler_pb2.StatusRequest()
+        return stub.Status(request, timeout=timeout, metadata=token_metadata(token))
 
 
 def usage_dict(usage: common_pb2.Usage) -> dict[str, float | int]:

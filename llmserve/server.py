@@ -13,9 +13,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from llmserve.auth import TokenInterceptor, token_interceptors
 from llmserve.health import HealthServicer
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# On SIGTERM, in-flight calls get this long to finish (--drain-timeout): a request of the
+# default 128 tokens at CPU decode speed (~70 ms a step at batch 32) needs ~10 s, 512 tokens
+# ~40 s; on a GPU far less. Kubernetes' terminationGracePeriodSeconds must exceed it.
+DRAIN_SECONDS = 60.0
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -52,8 +57,16 @@ def setup_logging(name: str) -> logging.Logger:
     return logging.getLogger(name)
 
 
+def internal_channel(target: str, token: str) -> grpc.aio.Channel:
+    """A channel to another service; with a token, every call on it carries the token."""
+    return grpc.aio.insecure_channel(
+        target, options=CHANNEL_OPTIONS, interceptors=token_interceptors(token)
+    )
+
+
 class Server:
-    """An aio server whose health reports NOT_SERVING until `ready()` and again on SIGTERM."""
+    """An aio server whose health reports NOT_SERVING until `ready()` and again on SIGTERM.
+    With an internal `token`, every call of `service_names` must carry it."""
 
     def __init__(
         self,
@@ -63,10 +76,18 @@ class Server:
         interceptors: list[grpc.aio.ServerInterceptor] | None = None,
         tls: tuple[str, str] | None = None,  # (certificate chain file, private key file)
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        token: str = "",
+        extra_options: tuple[tuple[str, int], ...] = (),  # more grpc server arguments
     ) -> None:
+        if token:  # outermost: nothing else sees an unauthenticated call
+            interceptors = [TokenInterceptor(service_names, token), *(interceptors or [])]
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # never share a port: a second server on a busy port (a restarted worker while the
+            # old one still lives, a test stack on a port another just took) must fail to start
+            ("grpc.so_reuseport", 0),
+            *extra_options,
         ]
         self.server = grpc.aio.server(options=options, interceptors=interceptors or None)
         self.health = HealthServicer()
@@ -98,7 +119,7 @@ class Server:
     async def run(
         self,
         on_ready: Callable[[], Awaitable[None]] | None = None,
-        grace: float = 10.0,
+        grace: float = DRAIN_SECONDS,
         before_stop: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Start, call `on_ready`, serve until SIGTERM/SIGINT, then stop gracefully.

@@ -39,6 +39,8 @@ class StackSettings:
     sim_step_ms: float = 5.0  # model "sim": each execution takes this long
     discover: str = ""  # more --workers entries for the scheduler, e.g. dns:NAME:PORT
     discovery_interval: float = 5.0
+    internal_token_file: str = ""  # given to every process ("" = none, unless in the environment)
+    scheduler_flags: tuple[str, ...] = ()  # more flags for the scheduler, e.g. --hang-floor 2
 
     @property
     def gateway(self) -> str:
@@ -53,6 +55,12 @@ class StackSettings:
 
     def metrics_port(self, offset: int) -> int:
         return self.metrics_base_port + offset if self.metrics_base_port else 0
+
+    @property
+    def token_flags(self) -> list[str]:
+        """The internal token flag, absolute: the processes start in the repository root."""
+        path = self.internal_token_file
+        return ["--internal-token-file", os.path.abspath(path)] if path else []
 
 
 @dataclass
@@ -94,6 +102,8 @@ class Stack:
             str(s.stream_interval_ms),
             "--metrics-port",
             str(s.metrics_port(1)),
+            *s.token_flags,
+            *s.scheduler_flags,
         ]
         cmds["gateway"] = [
             *py,
@@ -110,6 +120,7 @@ class Stack:
             str(s.default_max_tokens),
             "--metrics-port",
             str(s.metrics_port(0)),
+            *s.token_flags,
         ]
         return cmds | self.joined
 
@@ -137,6 +148,7 @@ class Stack:
             "--metrics-port",
             str(s.metrics_port(2 + index)),
             *(["--sim-step-ms", str(s.sim_step_ms)] if s.model == "sim" else []),
+            *s.token_flags,
             *extra,
         ]
 

@@ -8,6 +8,7 @@ import dataclasses
 
 import grpc
 
+from llmserve.auth import INTERNAL_TOKEN_HELP, internal_token
 from llmserve.flags import add_flags, from_args
 from llmserve.server import Server, die_with_parent, setup_logging
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -27,11 +28,19 @@ HELP = {
     "token_budget": "new tokens processed in one execution, per worker",
     "max_running": "running requests per worker",
     "kv_capacity": "expected KV positions per worker, checked against the workers' reports",
+    "hang_floor": "a worker whose step answer or health check is missing this long (at least) "
+    "is hung: failed, its requests recomputed elsewhere",
+    "hang_factor": "... or this many times its slowest step so far, if longer",
+    "execute_timeout": "the longest a step may take, whatever the hang bound",
+    "drain_timeout": "on SIGTERM: seconds for the requests in flight to finish",
+    "internal_token_file": INTERNAL_TOKEN_HELP,
 }
 
 
-async def connect(settings: SchedulerSettings, timeout: float = 120.0) -> list[WorkerClient]:
-    clients = [WorkerClient(t) for t in settings.worker_targets]
+async def connect(
+    settings: SchedulerSettings, token: str = "", timeout: float = 120.0
+) -> list[WorkerClient]:
+    clients = [WorkerClient(t, token=token) for t in settings.worker_targets]
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     for client in clients:
@@ -40,6 +49,8 @@ async def connect(settings: SchedulerSettings, timeout: float = 120.0) -> list[W
                 await client.describe(timeout=2.0)
                 break
             except grpc.aio.AioRpcError as err:
+                if err.code() is grpc.StatusCode.UNAUTHENTICATED:
+                    raise SystemExit(f"worker {client.target}: {err.details()}") from None
                 if loop.time() > deadline:
                     raise SystemExit(
                         f"worker {client.target} did not answer: {err.details()}"
@@ -57,15 +68,18 @@ async def connect(settings: SchedulerSettings, timeout: float = 120.0) -> list[W
 async def serve(settings: SchedulerSettings) -> None:
     log = setup_logging("scheduler")
     log.info("settings: %s", dataclasses.asdict(settings))
+    token = internal_token(settings.internal_token_file)
+    log.info("internal token %s", "required and sent to the workers" if token else "off")
     server = Server(
         settings.host,
         settings.port,
         [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name],
+        token=token,
     )
-    clients = await connect(settings)
+    clients = await connect(settings, token)
     for c in clients:
         log.info("worker %s: %s", c.target, str(c.info).replace("\n", " "))
-    service = SchedulerService(settings, clients)
+    service = SchedulerService(settings, clients, token)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server.server)
 
     async def ready() -> None:
@@ -76,7 +90,7 @@ async def serve(settings: SchedulerSettings) -> None:
             metrics.serve(settings.host, settings.metrics_port)
             log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
 
-    await server.run(ready)
+    await server.run(ready, grace=settings.drain_timeout)
 
 
 def main(argv: list[str] | None = None) -> None:

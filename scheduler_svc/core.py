@@ -208,6 +208,41 @@ class Scheduler:
         if sampled:  # static mode: the batch has produced a token
             ws.closed = True
 
+    def fail_items(self, step: Step, failed: dict[int, str], where: str) -> None:
+        """The worker could not run these requests (by handle): each fails alone, the rest of
+        the step stands. Their work leaves the step, so `complete` gets the others' tokens."""
+        for seq in self.workers[step.worker].running:
+            if seq.handle in failed and not seq.is_finished:
+                error = f"worker {where} could not run this request: {failed[seq.handle]}"
+                self._finish(seq, Finish.ERROR, error)
+        step.chunks = [w for w in step.chunks if w.handle not in failed]
+        kept = [
+            p for p in zip(step.decodes, step.decode_handles, strict=True) if p[1] not in failed
+        ]
+        step.decodes = [seq for seq, _ in kept]
+        step.decode_handles = [handle for _, handle in kept]
+
+    def fail_unplaceable(self) -> list[str]:
+        """After the live workers changed: fail every waiting request that none of them can ever
+        hold (when none is live, every waiting request). No step loop may be left to see it."""
+        failed = []
+        for seq in list(self.waiting):
+            if not self._candidates(seq, live=True):
+                down = bool(self._candidates(seq, live=False))
+                reason = StallReason.KV_CAPACITY if down else None
+                self.abort(seq.request_id, Finish.ERROR, self._no_worker_message(reason))
+                failed.append(seq.request_id)
+        return failed
+
+    def _no_worker_message(self, down: StallReason | None) -> str:
+        live = sum(ws.live for ws in self.workers)
+        if down is not None:
+            return (
+                f"no live worker can hold this request (the workers that could are failed or "
+                f"draining; {live} live); retry"
+            )
+        return f"no worker can hold this request ({live} live); retry"
+
     def fail_step(self, step: Step, error: str) -> list[str]:
         """The worker answered that this execution raised: fail its requests (re-queueing them
         would carry a request that breaks the model to every worker)."""
@@ -293,11 +328,9 @@ class Scheduler:
         while waiting:
             seq = waiting[0]
             ws, reason = self._place(seq, steps)
-            if ws is None:
-                if reason is None:  # no worker present could ever hold it
-                    self.abort(seq.request_id, Finish.ERROR, "no worker left can hold it")
-                    continue
-                return  # it fits only on workers that are down: wait for one to return
+            if ws is None:  # no live worker can ever hold it: it fails now, never waits
+                self.abort(seq.request_id, Finish.ERROR, self._no_worker_message(reason))
+                continue
             step = steps.get(ws.index)
             if reason is None and step is None:
                 self.wakes.add(ws.index)  # its place is on a worker not planning now
@@ -446,10 +479,11 @@ class Scheduler:
 
     def _check_can_ever_run(self, seq: Sequence) -> None:
         prompt = len(seq.prompt_ids)
-        specs = [ws.spec for ws in self.workers if ws.healthy]
-        specs = specs or [ws.spec for ws in self.workers if not ws.gone]
+        specs = [ws.spec for ws in self.workers if ws.live]
         if not specs:
-            self._refuse("no_worker", "no worker has joined the scheduler yet")
+            self._refuse(
+                "no_worker", "no live worker: none has joined, or all are down or draining"
+            )
         fits = [s for s in specs if prompt < s.max_context]
         if not fits:
             context = max(s.max_context for s in specs)

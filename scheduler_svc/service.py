@@ -4,6 +4,7 @@ worker set as workers join, fail, come back and leave."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -12,14 +13,16 @@ import uuid
 
 import grpc
 
+from llmserve.protocol import ACCEPTED_KEY
 from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from scheduler_svc.core import Scheduler
 from scheduler_svc.invariants import ENV_VAR, check_invariants
 from scheduler_svc.output import Refused
 from scheduler_svc.relay import EventRelay
-from scheduler_svc.sequence import Finish, SeqStatus, Sequence
+from scheduler_svc.sequence import SeqStatus, Sequence
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.step_times import StepTimes
+from scheduler_svc.submit_checks import submit_problem
 from scheduler_svc.worker_loop import WorkerLoop
 from scheduler_svc.workers import WorkerClient
 
@@ -35,9 +38,16 @@ REFUSED_CODE = {
 }
 
 
+class TokenMismatch(Exception):
+    """A worker refused the scheduler's internal token."""
+
+
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, settings: SchedulerSettings, clients: list[WorkerClient]) -> None:
+    def __init__(
+        self, settings: SchedulerSettings, clients: list[WorkerClient], token: str = ""
+    ) -> None:
         self.settings = settings
+        self.token = token  # the internal token, sent to the workers that join
         self.clients: list[WorkerClient] = []
         self.loops: list[WorkerLoop | None] = []
         self.core = Scheduler(settings.core())
@@ -88,9 +98,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             log.error("worker %s failed: %s; re-queueing its requests", ws.spec.name, err)
             self.core.fail_worker(index)
         self.clients[index].unreachable_since = time.monotonic()
-        if not any(w.healthy for w in self.core.workers):
-            for seq in list(self.core.waiting):
-                self.core.abort(seq.request_id, Finish.ERROR, "no worker available")
+        self.workers_changed()
+
+    def workers_changed(self) -> None:
+        """The live workers changed: what none of them can hold fails now (no loop may be left
+        to notice); the rest may have a new place."""
+        self.core.fail_unplaceable()
         self.dispatch(self.core.take_raw_events())
         self.wake_all()
 
@@ -104,7 +117,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if gone:
                 await self.try_restore(known[0])
             return scheduler_pb2.RegisterReply(joined=gone and not self.core.workers[known[0]].gone)
-        if not await self.add_address(address):
+        try:
+            added = await self.add_address(address)
+        except TokenMismatch:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"the worker at {address} refuses this scheduler's internal token: give both "
+                f"the same --internal-token-file",
+            )
+        if not added:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"cannot reach the worker at {address}: check its --advertise address",
@@ -116,9 +137,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def Submit(self, request, context):
         rid = request.request_id or uuid.uuid4().hex
         s = request.sampling
+        prompt, resumed = list(request.prompt_token_ids), list(request.resume_token_ids)
+        problem = submit_problem(prompt, resumed, s, self.vocab_size())
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         seq = Sequence(
             request_id=rid,
-            prompt_ids=list(request.prompt_token_ids),
+            prompt_ids=prompt,
+            output_ids=resumed,
             max_tokens=s.max_tokens,
             ignore_eos=s.ignore_eos,
             sampling=worker_pb2.WorkSampling(
@@ -128,12 +154,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 seed=s.seed if s.HasField("seed") else None,
             ),
         )
-        if not any(ws.healthy for ws in self.core.workers):
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is available")
         seq.eos_ids = self.eos_ids
         seq.stop_ids = frozenset() if seq.ignore_eos else self.eos_ids
-        if not seq.prompt_ids or seq.max_tokens < 1:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt or max_tokens < 1")
+        if resumed and resumed[-1] in seq.stop_ids:  # it had ended; only the news was lost
+            yield scheduler_pb2.TokenEvent(finish_reason=common_pb2.FINISH_REASON_STOP)
+            return
         try:
             self.core.add(seq)
         except Refused as refused:
@@ -143,6 +168,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         queue: asyncio.Queue[scheduler_pb2.TokenEvent] = asyncio.Queue()
         self.streams[rid] = queue
         self.wake_all()
+        await context.send_initial_metadata(((ACCEPTED_KEY, "1"),))
         finished = False
         try:
             while not finished:
@@ -153,6 +179,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self.streams.pop(rid, None)
             if not finished and self.core.abort(rid):
                 self.wake_all()  # the client went away: free its KV at the next step
+
+    def vocab_size(self) -> int:
+        """Token ids must be below every live worker's vocabulary (0 = none has said)."""
+        sizes = [c.info.vocab_size for c in self.clients if c.info and c.info.vocab_size]
+        return min(sizes, default=0)
 
     async def Cancel(self, request, context):
         found = self.core.abort(request.request_id)
@@ -260,16 +291,30 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         pool); forget a registered one that stays away."""
         while True:
             await asyncio.sleep(period)
-            for index, ws in enumerate(self.core.workers):
-                client = self.clients[index]
-                if ws.healthy:
-                    if not ws.draining and await client.serving() is False:
-                        log.info("worker %s is stopping: draining it", ws.spec.name)
-                        self.core.drain_worker(index)
-                    continue
-                if ws.gone and not client.static:
-                    continue  # a registered worker comes back by registering again
+            await asyncio.gather(*(self.watch(i) for i in range(len(self.core.workers))))
+
+    async def watch(self, index: int) -> None:
+        """One worker's health: a live one that says NOT_SERVING drains; one that does not
+        answer for longer than its hang bound is failed (a hung process keeps its stream open);
+        a failed or departed one is brought back when it answers again."""
+        ws, client = self.core.workers[index], self.clients[index]
+        if not ws.healthy:
+            if not ws.gone or client.static:  # a registered worker comes back by registering
                 await self.try_restore(index)
+            return
+        serving = await client.serving()
+        now = time.monotonic()
+        if serving is None:
+            client.silent_since = client.silent_since or now
+            loop = self.loops[index]
+            if loop is not None and now - client.silent_since > loop.hang_bound():
+                loop.fail(f"no answer to health checks for {now - client.silent_since:.1f} s")
+            return
+        client.silent_since = None
+        if serving is False and not ws.draining:
+            log.info("worker %s is stopping: draining it", ws.spec.name)
+            self.core.drain_worker(index)
+            self.workers_changed()
 
     async def discover(self) -> None:
         """Resolve each dns: name again and again; an address not seen before joins. (An
@@ -284,7 +329,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     continue
                 for info in infos:
                     ip = info[4][0]
-                    await self.add_address(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+                    with contextlib.suppress(TokenMismatch):  # logged; it stays out
+                        await self.add_address(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
             await asyncio.sleep(self.settings.discovery_interval)
 
     async def add_address(self, address: str) -> bool:
@@ -295,11 +341,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 if self.core.workers[index].gone:
                     await self.try_restore(index)
                 return False
-        client = WorkerClient(address, static=False)
+        client = WorkerClient(address, static=False, token=self.token)
         try:
             await client.describe(timeout=5.0)
         except grpc.aio.AioRpcError as err:
             await client.close()
+            if err.code() is grpc.StatusCode.UNAUTHENTICATED:
+                log.error("worker %s refuses this scheduler's internal token", address)
+                raise TokenMismatch(address) from None
             log.debug("worker %s does not answer: %s", address, err.code().name)
             return False
         if any(c.target == address for c in self.clients):  # joined while we described it
@@ -323,7 +372,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             return  # answering, but not (yet, or any more) taking work
         log.info("worker %s is back", ws.spec.name)
         self.core.restore_worker(index, client.spec())
-        client.unreachable_since = None
+        client.unreachable_since = client.silent_since = None
         self.start_loop(index)
 
     # ---- events to the request streams ---------------------------------------------------

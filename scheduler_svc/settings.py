@@ -22,10 +22,16 @@ class SchedulerSettings:
     max_running: int = 32
     chunked_prefill: bool = True
     kv_capacity: int = 0  # expected positions per worker; 0 = take the workers' reports
-    execute_timeout: float = 120.0  # seconds before a silent worker counts as failed
+    execute_timeout: float = 120.0  # seconds before a silent worker counts as failed, at most
+    # a worker is hung (failed, its requests recomputed elsewhere) when a step's answer, or its
+    # health check, is missing for max(hang_floor, hang_factor x its slowest step so far)
+    hang_floor: float = 5.0
+    hang_factor: float = 10.0
     overlap: bool = True  # plan and send step N+1 while step N runs
     stream_interval_ms: float = 0.0  # gather token events this long before sending them
     metrics_port: int = 0  # Prometheus HTTP port; 0 = off
+    drain_timeout: float = 60.0  # on SIGTERM: seconds for the requests in flight to finish
+    internal_token_file: str = ""  # every call must carry this token; also $LLMSERVE_INTERNAL_TOKEN
 
     def __post_init__(self) -> None:
         for entry in self.entries:
@@ -35,6 +41,8 @@ class SchedulerSettings:
                     raise ValueError(f"--workers entry {entry!r}: use dns:NAME:PORT")
         if self.discovery_interval <= 0:
             raise ValueError("--discovery-interval must be > 0")
+        if self.hang_floor <= 0 or self.hang_factor < 1 or self.execute_timeout <= 0:
+            raise ValueError("--hang-floor and --execute-timeout must be > 0, --hang-factor >= 1")
         if self.stream_interval_ms < 0:
             raise ValueError("--stream-interval-ms must be >= 0")
         self.core()  # validates budget and running limit

@@ -34,10 +34,24 @@ class WorkerLoop:
         self.depth = 2 if service.settings.overlap else 1  # steps in flight at most
         self.last_result = 0.0
         self.events: list = []  # the last completed step's, handed over after the next send
+        self.slowest = 0.0  # the longest a step of this worker has taken (wall seconds)
+        self.failure: str | None = None  # why the service failed this loop from outside
 
     def start(self) -> None:
         self.task = asyncio.create_task(self.run(), name=f"worker-loop-{self.index}")
         self.task.add_done_callback(self.service.died)
+
+    def hang_bound(self) -> float:
+        """How long a step's answer may take before the worker counts as hung:
+        max(--hang-floor, --hang-factor x its slowest step so far), at most --execute-timeout."""
+        s = self.service.settings
+        return min(s.execute_timeout, max(s.hang_floor, s.hang_factor * self.slowest))
+
+    def fail(self, reason: str) -> None:
+        """The worker is alive to TCP but not answering (hung): give up on it now."""
+        if self.task is not None and not self.task.done() and self.failure is None:
+            self.failure = reason
+            self.task.cancel()
 
     async def run(self) -> None:
         """Drive the worker until it fails or leaves; the service decides what comes next."""
@@ -45,10 +59,16 @@ class WorkerLoop:
         try:
             await self.drive(stream)
         except WorkerLost as err:
-            self.hand_over()  # tokens already recorded reach their streams before any requeue
-            self.service.worker_lost(self.index, err)
+            lost = err
+        except asyncio.CancelledError:
+            if self.failure is None:
+                raise  # the service is stopping
+            asyncio.current_task().uncancel()
+            lost = WorkerLost(self.failure)
         finally:
             stream.cancel()
+        self.hand_over()  # tokens already recorded reach their streams before any requeue
+        self.service.worker_lost(self.index, lost)
 
     def hand_over(self) -> None:
         events, self.events = self.events, []
@@ -56,7 +76,6 @@ class WorkerLoop:
 
     async def drive(self, stream: StepStream) -> None:
         inflight: deque[tuple[Step, float]] = deque()
-        timeout = self.service.settings.execute_timeout
         ws = self.core.workers[self.index]
         while ws.healthy:
             if len(inflight) < self.depth:
@@ -80,15 +99,19 @@ class WorkerLoop:
                             await self.wake.wait()
                     stream.check()
                     continue
-            result = await stream.receive(timeout)
+            result = await stream.receive(self.hang_bound())
             step, sent = inflight.popleft()
             self.events += self.complete(step, result, sent)
 
     def complete(self, step: Step, result, sent: float) -> list:
         service, client = self.service, self.client
         started = time.perf_counter()
+        name = self.core.workers[self.index].spec.name
+        if result.failed:
+            for handle, why in result.failed.items():
+                log.warning("worker %s could not run request handle %d: %s", name, handle, why)
+            self.core.fail_items(step, dict(result.failed), name)
         if result.error:
-            name = self.core.workers[self.index].spec.name
             log.error(
                 "worker %s failed a step of %d requests: %s", name, step.num_requests, result.error
             )
@@ -102,6 +125,7 @@ class WorkerLoop:
         client.last_forward = result.forward_seconds
         client.forward_seconds += result.forward_seconds
         client.idle_seconds += result.idle_seconds
+        self.slowest = max(self.slowest, now - sent)
         if step.has_work:
             slot = now - max(sent, self.last_result)  # this step's share of the wall time
             service.times.add(slot, result.forward_seconds, now - started)

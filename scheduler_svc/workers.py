@@ -7,6 +7,7 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmserve.auth import token_metadata
 from llmserve.server import CHANNEL_OPTIONS
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.config import WorkerSpec
@@ -17,9 +18,13 @@ class WorkerLost(Exception):
 
 
 class WorkerClient:
-    def __init__(self, target: str, static: bool = True) -> None:
+    def __init__(self, target: str, static: bool = True, token: str = "") -> None:
         self.target = target
         self.static = static  # named in --workers (else it registered itself)
+        # The internal token goes on each call here rather than through a channel interceptor:
+        # an intercepted stream-stream call (Steps, the hot path) proxies every write through a
+        # queue and a task, and raises InvalidStateError where a broken stream raised an RpcError.
+        self.metadata = token_metadata(token)
         self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -27,7 +32,8 @@ class WorkerClient:
         self.last_forward = 0.0  # seconds of the last step's forward pass
         self.forward_seconds = self.idle_seconds = 0.0
         self.step_bytes = 0
-        self.unreachable_since: float | None = None
+        self.unreachable_since: float | None = None  # failed or gone since
+        self.silent_since: float | None = None  # a live worker's health checks unanswered since
 
     async def serving(self, timeout: float = 1.0) -> bool | None:
         """The worker's health: True SERVING, False NOT_SERVING (stopping), None unreachable."""
@@ -38,7 +44,9 @@ class WorkerClient:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def describe(self, timeout: float = 5.0) -> worker_pb2.WorkerInfo:
-        self.info = await self.stub.Describe(worker_pb2.DescribeRequest(), timeout=timeout)
+        self.info = await self.stub.Describe(
+            worker_pb2.DescribeRequest(), timeout=timeout, metadata=self.metadata
+        )
         return self.info
 
     def spec(self) -> WorkerSpec:
@@ -51,7 +59,7 @@ class WorkerClient:
         )
 
     def open(self) -> StepStream:
-        return StepStream(self.stub.Steps())
+        return StepStream(self.stub.Steps(metadata=self.metadata))
 
     async def close(self) -> None:
         await self.channel.close()

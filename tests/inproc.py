@@ -63,7 +63,7 @@ class InProcessClient:
         self.info = worker_pb2.WorkerInfo(name=spec.name, eos_token_ids=list(eos_ids))
         self.last_forward = self.forward_seconds = self.idle_seconds = 0.0
         self.step_bytes = 0
-        self.unreachable_since = None
+        self.unreachable_since = self.silent_since = None
 
     def spec(self):
         return self.spec_

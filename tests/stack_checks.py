@@ -42,12 +42,12 @@ def wait_for(predicate, timeout: float, what: str, period: float = 0.02):
         time.sleep(period)
 
 
-def rss_kib(pid: int) -> int:
-    """Resident memory of a process (VmRSS), in KiB."""
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """Resident memory of a process (VmRSS; VmHWM for its peak so far), in KiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
-    raise AssertionError(f"no VmRSS for pid {pid}")
+    raise AssertionError(f"no {field} for pid {pid}")
 
 
 def stack_rss(stack: Stack) -> dict[str, int]:

@@ -18,6 +18,12 @@ class Outcome:
     code: grpc.StatusCode | None = None  # the status when it did not
     details: str = ""
     ended_at: float | None = None
+    arrivals: list[float] = field(default_factory=list)  # when each delta came
+
+    def longest_gap(self) -> float:
+        """The longest wait between two deltas (seconds)."""
+        pairs = zip(self.arrivals, self.arrivals[1:], strict=False)
+        return max((b - a for a, b in pairs), default=0.0)
 
 
 class Streams:
@@ -40,6 +46,7 @@ class Streams:
                     outcome.final = message.final
                 else:
                     outcome.tokens.extend(message.delta.token_ids)
+                    outcome.arrivals.append(time.monotonic())
         except grpc.RpcError as err:
             outcome.code, outcome.details = err.code(), err.details() or ""
         outcome.ended_at = time.monotonic()

@@ -22,6 +22,7 @@ from llmserve.stack import Stack, StackSettings
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = StackSettings(workers=2, metrics_base_port=9400)
 LLMSERVE = ["gateway", "scheduler", "worker0", "worker1"]
+TOKEN_SECRET = "/run/secrets/internal-token"
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def service_of_port() -> dict[int, str]:
 
 def in_containers(command: list[str]) -> tuple[list[str], dict[str, str | None]]:
     """A plain-process command as it runs in compose: service names for loopback addresses,
-    listening on 0.0.0.0, torch threads left to the container."""
+    listening on 0.0.0.0, torch threads left to the container, the internal token required."""
     hosts = service_of_port()
 
     def address(match: re.Match) -> str:
@@ -71,7 +72,8 @@ def in_containers(command: list[str]) -> tuple[list[str], dict[str, str | None]]
 
     expected = flags([re.sub(r"127\.0\.0\.1:(\d+)", address, arg) for arg in command])
     expected.pop("--threads", None)
-    return ["python", "-m", command[2]], expected | {"--host": "0.0.0.0"}
+    in_compose = {"--host": "0.0.0.0", "--internal-token-file": TOKEN_SECRET}
+    return ["python", "-m", command[2]], expected | in_compose
 
 
 def test_compose_runs_the_same_commands_as_the_plain_processes(compose) -> None:
@@ -104,6 +106,16 @@ def test_compose_publishes_the_plain_process_ports_with_grpc_health_checks(compo
     for name in ("gateway", "scheduler"):
         conditions = compose["services"][name]["depends_on"].values()
         assert {c["condition"] for c in conditions} == {"service_healthy"}
+
+
+def test_every_service_reads_the_internal_token_from_one_uncommitted_secret(compose) -> None:
+    assert compose["secrets"]["internal-token"]["file"] == str(ROOT / "deploy/internal-token")
+    for name in LLMSERVE:
+        service = compose["services"][name]
+        assert [s["source"] for s in service["secrets"]] == ["internal-token"], name
+        assert flags(service["command"])["--internal-token-file"] == TOKEN_SECRET, name
+    ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/internal-token"], cwd=ROOT)
+    assert ignored.returncode == 0, "the token file must never be committed"
 
 
 def test_prometheus_scrapes_each_service_on_its_metrics_port(compose) -> None:

@@ -152,17 +152,45 @@ def test_refused_when_no_single_worker_holds_it_though_two_together_would() -> N
         raise AssertionError("accepted a request no worker can hold")
 
 
-def test_a_request_only_a_failed_worker_can_hold_waits_for_it_then_runs() -> None:
+def test_a_request_only_a_failed_worker_can_hold_fails_at_once_and_the_rest_still_run() -> None:
+    """Waiting for a worker that may never return left clients hanging with no reason given:
+    the request fails (the gateway answers UNAVAILABLE) and the queue behind it moves on."""
+    from scheduler_svc.sequence import Finish
+
     core = Scheduler(
         CoreConfig(), [WorkerSpec("long", 200, 1, 4096), WorkerSpec("short", 200, 1, 64)]
     )
-    core.add(seq("r", 100, 5))
+    long, short = seq("long-prompt", 100, 5), seq("short-prompt", 10, 5)
+    core.add(long)
+    core.add(short)
     core.fail_worker(0)
     step(core)
-    assert [s.request_id for s in core.waiting] == ["r"] and not core.seqs["r"].is_finished
-    core.restore_worker(0)
-    step(core)
-    assert placed(core) == {"r": "long"}
+    assert long.finish is Finish.ERROR and "failed or draining" in long.error
+    assert placed(core) == {"short-prompt": "short"} and not core.waiting
+
+
+def test_a_request_only_a_draining_worker_could_hold_fails_when_the_drain_starts() -> None:
+    from scheduler_svc.sequence import Finish
+
+    core = Scheduler(
+        CoreConfig(), [WorkerSpec("long", 200, 1, 4096), WorkerSpec("short", 200, 1, 64)]
+    )
+    r = seq("r", 100, 5)
+    core.add(r)
+    core.drain_worker(0)
+    assert core.fail_unplaceable() == ["r"]
+    assert r.finish is Finish.ERROR and not core.waiting and "r" not in core.seqs
+
+
+def test_fail_unplaceable_keeps_what_a_live_worker_can_hold() -> None:
+    core = Scheduler(
+        CoreConfig(), [WorkerSpec("long", 200, 1, 4096), WorkerSpec("short", 200, 1, 64)]
+    )
+    core.add(seq("long-prompt", 100, 5))
+    core.add(seq("short-prompt", 10, 5))
+    core.fail_worker(0)
+    assert core.fail_unplaceable() == ["long-prompt"]
+    assert [s.request_id for s in core.waiting] == ["short-prompt"]
 
 
 def test_a_request_no_worker_left_can_hold_ends_with_an_error() -> None:

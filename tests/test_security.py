@@ -59,6 +59,31 @@ def test_api_key_is_required_when_set(stack, tmp_path) -> None:
             assert proc.wait(20) == 0
 
 
+def refused_start(key_file: str) -> subprocess.CompletedProcess:
+    """A gateway started with `key_file` (its scheduler is never reached): how it ended."""
+    cmd = [sys.executable, "-m", "gateway", "--port", str(free_port()), "--scheduler",
+           "127.0.0.1:9", "--api-key-file", key_file]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize("content", ["", " \n"], ids=["empty", "blank"])
+def test_an_empty_api_key_file_stops_the_gateway_instead_of_serving_everyone(
+    tmp_path, content
+) -> None:
+    key = tmp_path / "key"
+    key.write_text(content)
+    ended = refused_start(str(key))
+    assert ended.returncode != 0
+    assert f"the API key file {key} is empty" in ended.stderr
+
+
+def test_an_unreadable_api_key_file_stops_the_gateway(tmp_path) -> None:
+    ended = refused_start(str(tmp_path / "missing"))
+    assert ended.returncode != 0
+    assert "cannot read the API key file" in ended.stderr
+    assert "No such file or directory" in ended.stderr
+
+
 def make_cert(tmp_path) -> tuple[str, str]:
     cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
     subprocess.run(

@@ -169,6 +169,15 @@ def test_lone_surrogate_is_value_error(tok: Tokenizer) -> None:
         tok.encode("a\ud800")
 
 
+def test_no_token_spells_more_characters_than_the_longest_token(tok: Tokenizer) -> None:
+    """The gateway's default character limit rests on this: a text longer than the context times
+    `longest_token_chars` cannot fit the context."""
+    spelled = [len(tok.decode([i])) for i in range(tok.vocab_size)]
+    assert max(spelled) <= tok.longest_token_chars == 81  # SmolLM2's: a newline and 80 spaces
+    text = "\n" + " " * 80
+    assert len(tok.encode(text * 100)) >= len(text * 100) / tok.longest_token_chars
+
+
 CHATS = [
     [{"role": "user", "content": "What is 2+2?"}],
     [

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gateway.validation import (
-    MAX_PROMPT_CHARS,
+    InputLimits,
     InvalidRequest,
     ValidatedParams,
     check_fits,
@@ -77,16 +77,11 @@ def test_messages_ok_and_empty_content_allowed() -> None:
         ({"messages": [("user", "x")]}, "not both"),
         ({"prompt": ""}, "prompt is empty"),
         ({"prompt": 5}, "prompt must be a string"),
-        ({"prompt": "x" * (MAX_PROMPT_CHARS + 1)}, "limit is 1000000"),
         ({"prompt": None, "messages": []}, "messages is empty"),
         ({"prompt": None, "messages": [("tool", "x")]}, r"messages\[0\]\.role is 'tool'"),
         ({"prompt": None, "messages": [("user", "a"), ("", "x")]}, r"messages\[1\]\.role"),
         ({"prompt": None, "messages": [("user", None)]}, r"messages\[0\]\.content must be"),
         ({"prompt": None, "messages": [("user",)]}, r"messages\[0\] must be a \(role"),
-        (
-            {"prompt": None, "messages": [("user", "x" * MAX_PROMPT_CHARS), ("user", "y")]},
-            "characters in all",
-        ),
         ({"max_tokens": 0}, "at least 1"),
         ({"max_tokens": -3}, "at least 1"),
         ({"max_tokens": MAX_CONTEXT + 1}, "at most the model's context of 2048"),
@@ -120,7 +115,6 @@ def test_boundaries_accepted() -> None:
     call(top_p=1e-9)
     call(stop=["s"] * 16)
     call(stop=["x" * 256])
-    call(prompt="x" * MAX_PROMPT_CHARS)
 
 
 def test_invalid_request_is_value_error() -> None:
@@ -139,3 +133,22 @@ def test_check_fits() -> None:
         check_fits(prompt_tokens=100, max_tokens=101, max_context=200)
     with pytest.raises(InvalidRequest, match="shorter than the model's context"):
         check_fits(prompt_tokens=200, max_tokens=1, max_context=200)
+
+
+def test_size_limits_default_to_what_could_fit_the_context() -> None:
+    limits = InputLimits.for_context(max_context=2048, longest_token_chars=81)
+    assert limits == InputLimits(max_messages=2048, max_chars=2048 * 81)
+    explicit = InputLimits.for_context(2048, 81, max_messages=10, max_chars=500)
+    assert explicit == InputLimits(max_messages=10, max_chars=500)
+
+
+def test_size_limits_refuse_past_them_and_say_the_limit() -> None:
+    limits = InputLimits(max_messages=4, max_chars=100)
+    limits.check_messages(4)
+    limits.check_chars(100)
+    with pytest.raises(InvalidRequest, match="the chat has 5 messages; the limit is 4"):
+        limits.check_messages(5)
+    with pytest.raises(InvalidRequest, match="the prompt has 101 characters; the limit is 100"):
+        limits.check_chars(101)
+    with pytest.raises(InvalidRequest, match="the chat's messages have 101 characters"):
+        limits.check_chars(101, chat=True)

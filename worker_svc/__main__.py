@@ -10,8 +10,9 @@ import time
 import grpc
 import torch
 
+from llmserve.auth import INTERNAL_TOKEN_HELP, internal_token
 from llmserve.flags import add_flags, from_args
-from llmserve.server import Server, die_with_parent, setup_logging
+from llmserve.server import Server, die_with_parent, internal_channel, setup_logging
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_svc.loader import load_model
 from worker_svc.metrics import WorkerMetrics
@@ -30,16 +31,22 @@ HELP = {
     "max_context": "positions one request may reach here (0 = the model's context)",
     "kv_capacity": "token positions in the KV pool, allocated once at start",
     "block_size": "positions per KV block",
+    "internal_token_file": INTERNAL_TOKEN_HELP,
 }
 
 
 async def serve(settings: WorkerSettings) -> None:
     log = setup_logging(settings.display_name)
     log.info("settings: %s", dataclasses.asdict(settings))
+    token = internal_token(settings.internal_token_file)
+    log.info("internal token %s", "required" if token else "off")
     if settings.threads:
         torch.set_num_threads(settings.threads)
     server = Server(
-        settings.host, settings.port, [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name]
+        settings.host,
+        settings.port,
+        [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
+        token=token,
     )
     started = time.perf_counter()
     runner = make_runner(settings)
@@ -66,7 +73,7 @@ async def serve(settings: WorkerSettings) -> None:
 
     async def ready() -> None:
         if settings.scheduler:
-            registering.append(asyncio.create_task(register(settings, log)))
+            registering.append(asyncio.create_task(register(settings, token, log)))
 
     async def stop() -> None:
         for task in registering:
@@ -93,11 +100,12 @@ def make_runner(settings: WorkerSettings):
     return ModelRunner(config, weights, settings.num_blocks, settings.block_size, dtype)
 
 
-async def register(settings: WorkerSettings, log, period: float = 2.0) -> None:
+async def register(settings: WorkerSettings, token: str, log, period: float = 2.0) -> None:
     """Announce this worker to the scheduler, again and again: a restarted scheduler (or one
     that started later) learns of it within `period` seconds."""
     request = scheduler_pb2.RegisterRequest(address=settings.address)
-    async with grpc.aio.insecure_channel(settings.scheduler) as channel:
+    refused = False
+    async with internal_channel(settings.scheduler, token) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         while True:
             try:
@@ -108,6 +116,9 @@ async def register(settings: WorkerSettings, log, period: float = 2.0) -> None:
                     )
             except grpc.aio.AioRpcError as err:
                 log.debug("scheduler %s: %s", settings.scheduler, err.code().name)
+                if err.code() is grpc.StatusCode.UNAUTHENTICATED and not refused:
+                    log.error("the scheduler at %s refused: %s", settings.scheduler, err.details())
+                refused = err.code() is grpc.StatusCode.UNAUTHENTICATED
             await asyncio.sleep(period)
 
 

@@ -95,3 +95,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         finally:
             reader.cancel()
             session.closed = True
+            if self.session is session:  # no scheduler drives these requests any more
+                self.session = Session(self.runner, self.runner.pool.num_blocks)
+                self.report(self.session.report())
+
+    def report(self, kv: worker_pb2.KvReport) -> None:
+        """The pool as the metrics show it, also when no step runs (a stream ended)."""
+        if self.on_execute is not None:
+            self.on_execute(None, 0.0, kv)

@@ -3,17 +3,23 @@ sampled token, sampling settings) and the execution of its steps, in order."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Protocol
 
 from llmserve.v1 import worker_pb2
+from worker_svc.model_config import ModelConfig
+from worker_svc.step_checks import blocks_problem, room_problem, sampling_problem, tokens_problem
 from worker_svc.work import BatchShape, SamplingSettings, WorkItem, shape_of
+
+log = logging.getLogger("worker")
 
 
 class Runner(Protocol):
     """What executes a batch: the real model (runner.py) or the simulated one (sim.py)."""
 
     block_size: int
+    config: ModelConfig  # vocab_size and max_context bound what a step may ask
 
     def execute(self, items: list[WorkItem]) -> list[int | None]: ...
 
@@ -28,16 +34,26 @@ def sampling_of(s: worker_pb2.WorkSampling) -> SamplingSettings:
 
 
 class Session:
-    """The worker's side of one step stream. `run` is called from the forward thread only."""
+    """The worker's side of one step stream. `run` is called from the forward thread only.
+
+    A request with bad input (or one whose execution fails on its own) fails alone: it is
+    forgotten here and reported in the result's `failed`; the rest of its step runs."""
 
     def __init__(self, runner: Runner, num_blocks: int) -> None:
         self.runner = runner
         self.num_blocks = num_blocks
+        self.block_size = runner.block_size
+        self.vocab_size = runner.config.vocab_size
+        self.max_context = runner.config.max_context
         self.items: dict[int, WorkItem] = {}  # handle -> its state; token_ids = what comes next
-        self.used_blocks = 0
+        self.owner: dict[int, int] = {}  # block -> the handle holding it
         self.written = 0  # positions written, over the requests held
         self.closed = False  # another stream took over: execute nothing more
         self.last_end = 0.0  # when the last step finished (perf_counter)
+
+    @property
+    def used_blocks(self) -> int:
+        return len(self.owner)
 
     def run(self, step: worker_pb2.Step) -> tuple[worker_pb2.StepResult, BatchShape | None, float]:
         """Apply the step's changes, execute it, remember what it sampled. Returns the result,
@@ -47,25 +63,37 @@ class Session:
         result = worker_pb2.StepResult(step=step.step, idle_seconds=idle)
         shape = None
         seconds = 0.0
+        failed: dict[int, str] = {}
         try:
-            batch = self.apply(step)
+            handles, batch = self.apply(step, failed)
             shape = shape_of(batch)
             if batch:
-                tokens = self.runner.execute(batch)
+                tokens = self.execute(handles, batch, failed)
                 seconds = time.perf_counter() - started
-                result.tokens.extend(self.advance(batch, tokens))
+                result.tokens.extend(self.advance(handles, batch, tokens, failed))
         except Exception as err:  # the scheduler fails this step's requests, keeps the worker
             result.error = f"{type(err).__name__}: {err}"
+        for handle in failed:
+            self.release(handle)
+        result.failed.update(failed)
         self.last_end = time.perf_counter()
         result.forward_seconds = seconds
         result.kv.CopyFrom(self.report())
         return result, shape, seconds
 
-    def apply(self, step: worker_pb2.Step) -> list[WorkItem]:
+    def apply(self, step: worker_pb2.Step, failed: dict[int, str]) -> tuple[list[int], list]:
+        """The step's changes, checked one request at a time (`failed` keeps each one's first
+        problem); the batch to execute."""
         items = self.items
         for handle in step.released:
             self.release(handle)
         for added in step.added:
+            why = sampling_problem(added.sampling)
+            if added.handle in items:
+                why = "its handle is already in use"
+            if why:
+                failed.setdefault(added.handle, why)
+                continue
             items[added.handle] = WorkItem(
                 added.request_id,
                 [],
@@ -76,29 +104,84 @@ class Session:
                 sample_index=added.sample_index,
             )
         for grant in step.grants:
-            items[grant.handle].block_table.extend(grant.blocks)
-            self.used_blocks += len(grant.blocks)
-        batch = []
+            item = items.get(grant.handle)
+            why = blocks_problem(list(grant.blocks), self.owner, self.num_blocks)
+            if item is None or why:
+                failed.setdefault(grant.handle, why or "unknown handle")
+                continue
+            for block in grant.blocks:
+                self.owner[block] = grant.handle
+            item.block_table.extend(grant.blocks)
+        handles, batch = [], []
         for chunk in step.chunks:
-            item = items[chunk.handle]
-            if chunk.start_position != item.start_position:
-                raise ValueError(
-                    f"{item.request_id}: chunk at position {chunk.start_position}, but "
-                    f"{item.start_position} positions are written"
-                )
+            item = items.get(chunk.handle)
+            why = self.chunk_problem(item, chunk)
+            if why:
+                failed.setdefault(chunk.handle, why)
+                continue
             item.token_ids, item.sample = list(chunk.token_ids), chunk.sample
+            handles.append(chunk.handle)
             batch.append(item)
         for handle in step.decodes:
-            item = items[handle]
-            if len(item.token_ids) != 1 or not item.sample:
-                raise ValueError(f"{item.request_id}: a decode without a sampled token")
+            item = items.get(handle)
+            why = self.decode_problem(item)
+            if why:
+                failed.setdefault(handle, why)
+                continue
+            handles.append(handle)
             batch.append(item)
-        return batch
+        if failed:  # e.g. a chunk's handle whose decode failed later in the step
+            kept = [(h, i) for h, i in zip(handles, batch, strict=True) if h not in failed]
+            handles, batch = [h for h, _ in kept], [i for _, i in kept]
+        return handles, batch
 
-    def advance(self, batch: list[WorkItem], tokens: list[int | None]) -> list[int]:
+    def chunk_problem(self, item: WorkItem | None, chunk: worker_pb2.Chunk) -> str | None:
+        if item is None:
+            return "unknown handle"
+        if chunk.start_position != item.start_position:
+            return (
+                f"chunk at position {chunk.start_position}, but {item.start_position} positions "
+                f"are written"
+            )
+        end = chunk.start_position + len(chunk.token_ids)
+        return tokens_problem(list(chunk.token_ids), self.vocab_size) or room_problem(
+            item, end, self.block_size, self.max_context
+        )
+
+    def decode_problem(self, item: WorkItem | None) -> str | None:
+        if item is None:
+            return "unknown handle"
+        if len(item.token_ids) != 1 or not item.sample:
+            return "a decode without a sampled token"
+        return room_problem(item, item.end_position, self.block_size, self.max_context)
+
+    def execute(self, handles: list[int], batch: list[WorkItem], failed: dict[int, str]) -> list:
+        """Run the batch; if it raises, run each request alone, so that only those that fail on
+        their own fail (each rewrites its KV positions whole: the broken batch leaves no trace)."""
+        try:
+            return self.runner.execute(batch)
+        except Exception as err:
+            if len(batch) == 1:
+                failed[handles[0]] = f"{type(err).__name__}: {err}"
+                return [None]
+        log.warning("a step of %d requests failed; running them one by one", len(batch))
+        tokens: list[int | None] = []
+        for handle, item in zip(handles, batch, strict=True):
+            try:
+                tokens += self.runner.execute([item])
+            except Exception as err:
+                failed[handle] = f"{type(err).__name__}: {err}"
+                tokens.append(None)
+        return tokens
+
+    def advance(
+        self, handles: list[int], batch: list[WorkItem], tokens: list, failed: dict[int, str]
+    ) -> list[int]:
         """After the execution: each item's next input is the token it sampled."""
         sampled = []
-        for item, token in zip(batch, tokens, strict=True):
+        for handle, item, token in zip(handles, batch, tokens, strict=True):
+            if handle in failed:
+                continue
             self.written += len(item.token_ids)
             item.start_position += len(item.token_ids)
             if token is None:
@@ -112,11 +195,13 @@ class Session:
     def release(self, handle: int) -> None:
         item = self.items.pop(handle, None)
         if item is not None:
-            self.used_blocks -= len(item.block_table)
+            for block in item.block_table:
+                if self.owner.get(block) == handle:
+                    del self.owner[block]
             self.written -= item.start_position
 
     def report(self) -> worker_pb2.KvReport:
-        bs = self.runner.block_size
+        bs = self.block_size
         return worker_pb2.KvReport(
             capacity_positions=self.num_blocks * bs,
             written_positions=self.written,

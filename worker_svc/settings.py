@@ -16,12 +16,13 @@ class WorkerSettings:
     block_size: int = 16
     threads: int = 0  # torch threads; 0 = torch's default
     metrics_port: int = 0  # Prometheus HTTP port; 0 = off
-    drain_timeout: float = 30.0  # on SIGTERM: seconds to finish the requests held here
+    drain_timeout: float = 60.0  # on SIGTERM: seconds to finish the requests held here
     max_context: int = 0  # positions one request may reach; 0 = the model's context
     scheduler: str = ""  # register with this scheduler at start (and keep registering)
     advertise: str = ""  # the address the scheduler reaches this worker at; "" = host:port
     sim_step_ms: float = 5.0  # --model sim: each execution takes this long ...
     sim_token_us: float = 0.0  # ... plus this per token processed
+    internal_token_file: str = ""  # every call must carry this token; also $LLMSERVE_INTERNAL_TOKEN
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -20,8 +20,10 @@ from pathlib import Path
 import grpc
 
 from llmserve import client
+from llmserve.auth import internal_token
 from llmserve.bench.prompts import prompt_text
 from llmserve.ports import free_ports, free_run
+from llmserve.server import internal_channel
 from llmserve.stack import Stack, StackSettings
 from llmserve.v1 import gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -118,7 +120,7 @@ class ClosedLoop:
 
 
 async def status(target: str) -> scheduler_pb2.StatusReply:
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with internal_channel(target, internal_token()) as channel:  # $LLMSERVE_INTERNAL_TOKEN
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         return await stub.Status(scheduler_pb2.StatusRequest(), timeout=10)
 

@@ -8,8 +8,9 @@ from typing import Any
 
 import grpc
 
+from llmserve.auth import internal_token
 from llmserve.bench.records import StatusSample
-from llmserve.server import CHANNEL_OPTIONS
+from llmserve.server import internal_channel
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.output import Snapshot
 
@@ -65,7 +66,8 @@ class StatusPoller:
         self.target = target
         self.interval_s = interval_s
         self.samples: list[StatusSample] = []
-        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        # a stack started by a benchmark inherits $LLMSERVE_INTERNAL_TOKEN: send it when set
+        self.channel = internal_channel(target, internal_token())
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
 
     async def status(self) -> scheduler_pb2.StatusReply:

@@ -1,0 +1,152 @@
+"""A shared secret on gRPC calls: the server side checks it, the client side sends it.
+
+The internal token authenticates the services to one another (gateway -> scheduler, scheduler ->
+workers, worker -> scheduler): one secret, a file every service reads at start (a Kubernetes
+Secret mounted into every pod), sent as `x-llmserve-internal-token` metadata. The gateway's public
+API key is checked by the same interceptor with its own metadata names (gateway/auth.py).
+Health checks and reflection stay open so that probes work without any secret.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+
+import grpc
+
+Metadata = tuple[tuple[str, str | bytes], ...] | None
+
+INTERNAL_TOKEN_HEADER = "x-llmserve-internal-token"
+INTERNAL_TOKEN_VAR = "LLMSERVE_INTERNAL_TOKEN"
+INTERNAL_TOKEN_HELP = (
+    "a file holding the token that every internal call carries; gateway, scheduler and workers "
+    f"share it (also ${INTERNAL_TOKEN_VAR}; '' and the variable unset = no token)"
+)
+INTERNAL_REFUSAL = (
+    "missing or wrong internal token: gateway, scheduler and workers must share one "
+    f"--internal-token-file (or ${INTERNAL_TOKEN_VAR})"
+)
+
+
+def internal_token(path: str = "") -> str:
+    """The internal token: the content of `path`, else $LLMSERVE_INTERNAL_TOKEN; "" when neither
+    is set. Set but empty, unreadable or not printable ASCII (it travels as gRPC metadata) is
+    SystemExit with the reason: a configured token is never silently off."""
+    if path:
+        source = path
+        try:
+            raw = Path(path).read_bytes()
+        except OSError as err:
+            message = f"cannot read the internal token file {path}: {err.strerror}"
+            raise SystemExit(message) from None
+    elif INTERNAL_TOKEN_VAR in os.environ:
+        source, raw = f"${INTERNAL_TOKEN_VAR}", os.environb[INTERNAL_TOKEN_VAR.encode()]
+    else:
+        return ""
+    token = raw.strip()
+    if not token:
+        raise SystemExit(f"the internal token in {source} is empty")
+    if not all(0x21 <= byte <= 0x7E for byte in token):
+        raise SystemExit(f"the internal token in {source} must be printable ASCII without spaces")
+    return token.decode()
+
+
+def internal_token_of(metadata: Metadata) -> str:
+    for name, value in metadata or ():
+        if name == INTERNAL_TOKEN_HEADER:
+            return value.decode() if isinstance(value, bytes) else value
+    return ""
+
+
+def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying the internal token (none without one)."""
+    return ((INTERNAL_TOKEN_HEADER, token),) if token else ()
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Every call of `services` must carry `token` (found by `token_of`), compared in constant
+    time over the whole token, else UNAUTHENTICATED with `refusal`. Other services (health,
+    reflection) stay open."""
+
+    def __init__(
+        self,
+        services: Iterable[str],
+        token: str,
+        token_of: Callable[[Metadata], str] = internal_token_of,
+        refusal: str = INTERNAL_REFUSAL,
+    ) -> None:
+        self.services = frozenset(services)
+        self.token = token.encode()
+        self.token_of = token_of
+        self.refusal = refusal
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method.split("/")[1] not in self.services:
+            return handler
+        given = self.token_of(details.invocation_metadata).encode()
+        if hmac.compare_digest(given, self.token):
+            return handler
+        return refused(handler, self.refusal)
+
+
+def refused(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that answers UNAUTHENTICATED (the request is
+    never parsed)."""
+
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def stream(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(handler.request_streaming, handler.response_streaming)]
+    return make(stream if handler.response_streaming else unary)
+
+
+class _SendsToken:
+    """Adds the internal token to a call's metadata (grpc's call credentials would need a
+    secure channel: on an insecure one gRPC refuses to send them)."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    async def _intercept(self, continuation, details, request):
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), (INTERNAL_TOKEN_HEADER, self.token))
+        return await continuation(details._replace(metadata=metadata), request)
+
+
+class _UnaryUnary(_SendsToken, grpc.aio.UnaryUnaryClientInterceptor):
+    intercept_unary_unary = _SendsToken._intercept
+
+
+class _UnaryStream(_SendsToken, grpc.aio.UnaryStreamClientInterceptor):
+    intercept_unary_stream = _SendsToken._intercept
+
+
+class _StreamUnary(_SendsToken, grpc.aio.StreamUnaryClientInterceptor):
+    intercept_stream_unary = _SendsToken._intercept
+
+
+class _StreamStream(_SendsToken, grpc.aio.StreamStreamClientInterceptor):
+    intercept_stream_stream = _SendsToken._intercept
+
+
+def token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
+    """Client interceptors that send the internal token on every call of a channel: one per
+    kind of call, since an aio channel files each interceptor under one kind only."""
+    if not token:
+        return []
+    return [kind(token) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]

@@ -1,0 +1,50 @@
+"""What a worker checks in a step before running it: the scheduler is a caller like any other.
+
+Each check returns what is wrong (a message) or None; a request with something wrong fails
+alone, the rest of its step runs."""
+
+from __future__ import annotations
+
+import math
+
+from llmserve.v1 import worker_pb2
+from worker_svc.work import WorkItem
+
+
+def sampling_problem(s: worker_pb2.WorkSampling) -> str | None:
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        return f"temperature must be a finite number >= 0, got {s.temperature}"
+    if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
+        return f"top_p must be in [0, 1], got {s.top_p}"
+    return None
+
+
+def blocks_problem(blocks: list[int], owner: dict[int, int], num_blocks: int) -> str | None:
+    """Granted blocks must be in the pool, distinct and free (owned by no request here)."""
+    outside = [b for b in blocks if b >= num_blocks]
+    if outside:
+        return f"block {outside[0]} is outside the pool of {num_blocks} blocks"
+    taken = [b for b in blocks if b in owner]
+    if taken:
+        return f"block {taken[0]} belongs to another request"
+    if len(set(blocks)) != len(blocks):
+        return "a block is granted twice"
+    return None
+
+
+def tokens_problem(token_ids: list[int], vocab_size: int) -> str | None:
+    if not token_ids:
+        return "no tokens to process"
+    worst = max(token_ids)
+    if worst >= vocab_size:
+        return f"token id {worst} is outside the vocabulary of {vocab_size}"
+    return None
+
+
+def room_problem(item: WorkItem, end: int, block_size: int, max_context: int) -> str | None:
+    """Positions up to `end` must lie within the context and the request's own blocks."""
+    if end > max_context:
+        return f"position {end - 1} is beyond the context of {max_context}"
+    if len(item.block_table) * block_size < end:
+        return f"its blocks do not reach position {end - 1}"
+    return None
