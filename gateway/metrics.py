@@ -106,6 +106,12 @@ class GatewayMetrics:
             "Tokens generated and passed to clients",
             registry=registry,
         )
+        self.resubmitted = Counter(
+            "llmserve_gateway_resubmissions",
+            "Requests sent again (with the tokens already streamed) because the scheduler "
+            "holding them was lost",
+            registry=registry,
+        )
         for method in METHODS:
             for code in grpc.StatusCode:
                 self.requests.labels(method, code.name)
@@ -133,6 +139,8 @@ class GatewayMetrics:
 
     def on_finish(self, finish: int, tally: Tally) -> None:
         self.finished.labels(FINISH_LABELS.get(finish, "none")).inc()
+        if tally.resubmits:
+            self.resubmitted.inc()
         if tally.first_token_at is None:
             return
         self.prompt_tokens.inc(tally.prompt_tokens)

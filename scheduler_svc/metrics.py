@@ -173,6 +173,11 @@ def _workers(snap: Snapshot) -> Iterator[Metric]:
     healthy = GaugeMetricFamily(
         PREFIX + "worker_healthy", "1 while the scheduler uses the worker", labels=["worker"]
     )
+    draining = GaugeMetricFamily(
+        PREFIX + "worker_draining",
+        "1 while the worker drains (stopping: finishes its requests, takes no new ones)",
+        labels=["worker"],
+    )
     capacity = GaugeMetricFamily(
         PREFIX + "kv_capacity_positions", "KV pool size in token positions", labels=["worker"]
     )
@@ -195,10 +200,11 @@ def _workers(snap: Snapshot) -> Iterator[Metric]:
             stalls.add_metric([kv.name, reason.value], kv.stalls.get(reason.value, 0))
         running.add_metric([kv.name], kv.running)
         healthy.add_metric([kv.name], float(kv.healthy))
+        draining.add_metric([kv.name], float(kv.draining))
         capacity.add_metric([kv.name], kv.capacity)
         for state in KV_STATES:
             positions.add_metric([kv.name, state], getattr(kv, state))
-    yield from (running, healthy, capacity, positions, stalls, steps)
+    yield from (running, healthy, draining, capacity, positions, stalls, steps)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

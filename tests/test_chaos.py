@@ -1,7 +1,8 @@
 """Chaos: under steady load, random workers and the scheduler are SIGKILLed, SIGSTOPped and
 SIGCONTed, and SIGTERMed, then restarted (never all workers at once). Every accepted request
 must end with its full output, identical to an undisturbed fp32 run (no gap, no duplicate), or
-with an explicit error, its tokens so far a prefix of that output; KV returns to 0."""
+with an explicit error; a request that has streamed tokens never fails (whatever breaks, it is
+recomputed or resubmitted); KV returns to 0."""
 
 from __future__ import annotations
 
@@ -117,6 +118,7 @@ def test_chaos_every_request_ends_whole_or_with_an_error_and_kv_returns_to_zero(
                     proc.send_signal(signal.SIGCONT)
             load.join(150)
         codes: Counter[str] = Counter()
+        why: Counter[str] = Counter()
         for i, tokens, final, code, details in load.results:
             if code is None:
                 assert tokens == expected[i], f"prompt {i}: not the undisturbed run's output"
@@ -127,11 +129,13 @@ def test_chaos_every_request_ends_whole_or_with_an_error_and_kv_returns_to_zero(
                     f"prompt {i}: {code} after wrong tokens"
                 )
                 assert details, f"prompt {i}: {code} without a message"
+                assert not tokens, f"prompt {i}: {code} after {len(tokens)} tokens: {details}"
                 codes[code.name] += 1
+                why[details[:70]] += 1
         wait_idle(sched, timeout=60)  # every request ended and its KV is free
         total = len(load.results)
         took = time.monotonic() - started
         print(f"\nchaos {took:.0f} s: {sum(faults.values())} faults {dict(faults)}; "
-              f"{total} requests: {dict(codes)}")  # fmt: skip
+              f"{total} requests: {dict(codes)}; errors: {dict(why)}")  # fmt: skip
         assert codes["complete"] >= total * 0.5
         stop_cleanly(stack)

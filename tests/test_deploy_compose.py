@@ -180,3 +180,17 @@ def test_the_health_check_command_exits_0_only_while_serving() -> None:
     finally:
         server.stop(None)
     assert check(f"127.0.0.1:{port}") == 1  # nobody listens
+
+
+def test_compose_waits_longer_than_every_services_drain(compose) -> None:
+    """SIGTERM drains each service for up to its --drain-timeout; compose must not SIGKILL it
+    first (docker's default is 10 s)."""
+    from gateway.settings import GatewaySettings
+    from scheduler_svc.settings import SchedulerSettings
+    from worker_svc.settings import WorkerSettings
+
+    drain = max(s().drain_timeout for s in (GatewaySettings, SchedulerSettings, WorkerSettings))
+    for name in LLMSERVE:
+        grace = compose["services"][name]["stop_grace_period"]
+        seconds = float(re.fullmatch(r"(\d+)s", grace).group(1))
+        assert seconds > drain, f"{name}: stop_grace_period {grace} <= the {drain:.0f} s drain"

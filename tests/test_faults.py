@@ -140,7 +140,9 @@ def test_scheduler_kill_and_restart_loses_no_request_the_gateway_holds(tmp_path)
     while it is down; the streams in flight wait, and once it is back the gateway resubmits
     them with the tokens already streamed: each client sees its whole output, no gap, no
     duplicate. The worker's view resets when the new scheduler connects (KV back to 0)."""
-    settings = tiny_settings(workers=1, kv_capacity=2048, token_budget=64)
+    settings = tiny_settings(
+        workers=1, kv_capacity=2048, token_budget=64, metrics_base_port=free_run(3)
+    )
     n, max_tokens = 3, 300
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler
@@ -160,6 +162,7 @@ def test_scheduler_kill_and_restart_loses_no_request_the_gateway_holds(tmp_path)
         print(f"\nscheduler killed and restarted: {n} streams complete and exact")
         status = wait_idle(sched)
         assert status.finished == n  # the restarted scheduler finished all three
+        assert metric(settings.metrics_port(0), "llmserve_gateway_resubmissions_total") == n
         assert generate(gw, greedy_request(0, 40))[0] == expected[0][:40]
         stop_cleanly(stack)
 
@@ -286,11 +289,16 @@ def test_bad_requests_sent_to_the_scheduler_directly_are_refused_and_harm_no_one
         stop_cleanly(stack)
 
 
-def worker_written(metrics_port: int) -> float:
+def metric(metrics_port: int, name: str) -> float:
+    """The value of a metric without labels (or with one series only) on a service's page."""
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     text = urllib.request.urlopen(url, timeout=5).read().decode()
-    [line] = [x for x in text.splitlines() if x.startswith("llmserve_worker_kv_written_positions")]
+    [line] = [x for x in text.splitlines() if x.startswith(name)]
     return float(line.split()[-1])
+
+
+def worker_written(metrics_port: int) -> float:
+    return metric(metrics_port, "llmserve_worker_kv_written_positions")
 
 
 def test_a_worker_shows_its_kv_free_once_its_scheduler_is_gone(tmp_path) -> None:

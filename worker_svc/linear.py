@@ -22,12 +22,13 @@ def packing_available(dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    """y = x @ weight.T; weight: [out, in]."""
+    """y = x @ weight.T + bias; weight: [out, in], bias: [out] or None."""
 
-    __slots__ = ("weight", "packed")
+    __slots__ = ("weight", "bias", "packed")
 
-    def __init__(self, weight: torch.Tensor, pack: bool) -> None:
+    def __init__(self, weight: torch.Tensor, pack: bool, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
+        self.bias = bias
         self.packed: torch.Tensor | None = None
         if pack:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
@@ -35,5 +36,5 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, in] -> [tokens, out]."""
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)

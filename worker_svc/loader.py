@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from worker_svc.hf_dir import load_hf_dir
 from worker_svc.model_config import ModelConfig, tiny_config
 from worker_svc.weights import LayerWeights, Weights, fuse_layer
 
@@ -163,82 +163,3 @@ def unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     rows = w.shape[0]
     half = rows // num_heads // 2
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-# ---------------------------------------------------------------------------- HF directory
-
-
-def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
-    from safetensors.torch import load_file
-
-    raw = json.loads((path / "config.json").read_text())
-    config = hf_config(raw, name=path.name)
-    state: dict[str, torch.Tensor] = {}
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
-    for file in files:
-        state.update(load_file(str(file)))
-    if any(key.endswith(".bias") for key in state):
-        raise ValueError(f"{path}: projection biases are not supported")
-
-    def take(name: str) -> torch.Tensor:
-        return state.pop(name).to(torch.float32)
-
-    layers: list[LayerWeights] = []
-    for n in range(config.num_layers):
-        p = f"model.layers.{n}."
-        layers.append(
-            fuse_layer(
-                attn_norm=take(p + "input_layernorm.weight"),
-                q=take(p + "self_attn.q_proj.weight"),
-                k=take(p + "self_attn.k_proj.weight"),
-                v=take(p + "self_attn.v_proj.weight"),
-                o=take(p + "self_attn.o_proj.weight"),
-                mlp_norm=take(p + "post_attention_layernorm.weight"),
-                gate=take(p + "mlp.gate_proj.weight"),
-                up=take(p + "mlp.up_proj.weight"),
-                down=take(p + "mlp.down_proj.weight"),
-                dtype=dtype,
-            )
-        )
-    embed = take("model.embed_tokens.weight").to(dtype)
-    if config.tie_embeddings or "lm_head.weight" not in state:
-        lm_head = embed
-    else:
-        lm_head = take("lm_head.weight").to(dtype)
-    weights = Weights(
-        embed=embed, layers=layers, final_norm=take("model.norm.weight").to(dtype), lm_head=lm_head
-    )
-    return config, weights
-
-
-def hf_config(raw: dict, name: str) -> ModelConfig:
-    """ModelConfig from an HF config.json (transformers 4.x and 5.x spellings)."""
-    model_type = raw.get("model_type", "llama")
-    if model_type not in ("llama", "mistral"):
-        raise ValueError(f"model_type {model_type!r} is not supported (llama family only)")
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"RoPE type {rope_type!r} is not supported")
-    rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-    num_heads = raw["num_attention_heads"]
-    eos = raw.get("eos_token_id", 2)
-    eos_ids = tuple(eos) if isinstance(eos, list) else (eos,)
-    return ModelConfig(
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
-        rope_theta=float(rope_theta),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_context=raw.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id") if raw.get("bos_token_id") is not None else 1,
-        eos_token_ids=tuple(int(e) for e in eos_ids if e is not None),
-        name=name,
-    )

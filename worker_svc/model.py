@@ -43,14 +43,16 @@ class LlamaModel:
         self.config = config
         self.weights = weights
         self.dtype = dtype
-        self.rope = RopeTable(config.head_dim, config.rope_theta, config.max_context, dtype)
+        self.rope = RopeTable(
+            config.head_dim, config.rope_theta, config.max_context, dtype, config.rope_scaling
+        )
         pack = packing_available(dtype)
         self.linears = [
             LayerLinears(
-                Linear(lw.qkv, pack),
-                Linear(lw.o, pack),
-                Linear(lw.gate_up, pack),
-                Linear(lw.down, pack),
+                Linear(lw.qkv, pack, lw.qkv_bias),
+                Linear(lw.o, pack, lw.o_bias),
+                Linear(lw.gate_up, pack, lw.gate_up_bias),
+                Linear(lw.down, pack, lw.down_bias),
             )
             for lw in weights.layers
         ]

@@ -4,6 +4,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+ROPE_SCALING_KINDS = ("linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Context-extension scaling of the RoPE frequencies (HF's rope_type "linear" or "llama3";
+    the llama3 fields are those of Llama 3.1's config and unused by "linear")."""
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_SCALING_KINDS:
+            raise ValueError(f"RoPE scaling {self.kind!r} is not one of {ROPE_SCALING_KINDS}")
+        if self.factor <= 0:
+            raise ValueError("RoPE scaling factor must be > 0")
+        if self.kind == "llama3" and not self.low_freq_factor < self.high_freq_factor:
+            raise ValueError("llama3 RoPE scaling needs low_freq_factor < high_freq_factor")
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -21,6 +43,7 @@ class ModelConfig:
     bos_token_id: int
     eos_token_ids: tuple[int, ...]
     name: str
+    rope_scaling: RopeScaling | None = None
 
     @property
     def q_size(self) -> int:

@@ -2,14 +2,50 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from worker_svc.model_config import RopeScaling
+
+
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> torch.Tensor:
+    """[head_dim / 2] fp32, as transformers computes them (modeling_rope_utils)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    return llama3_scaled(inv_freq, scaling)
+
+
+def llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1: wavelengths longer than original / low_freq_factor are stretched by factor,
+    shorter than original / high_freq_factor kept, and those between interpolated smoothly."""
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = s.original_max_positions / s.low_freq_factor
+    high_freq_wavelen = s.original_max_positions / s.high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_positions / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 class RopeTable:
-    def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype):
-        inv_freq = 1.0 / (
-            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        )  # [head_dim / 2]
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        max_positions: int,
+        dtype: torch.dtype,
+        scaling: RopeScaling | None = None,
+    ):
+        inv_freq = inverse_frequencies(head_dim, theta, scaling)  # [head_dim / 2]
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [positions, head_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [positions, head_dim]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,6 +28,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self.on_execute = None  # metrics hook: (shape, seconds, report), also for releases only
         self.end_stream = lambda: None  # ends the current step stream (when the worker stops)
+        self.shown = threading.Lock()  # the metrics hook vs a stream's end
 
     async def drain(self) -> None:
         """On SIGTERM (health already NOT_SERVING, so the scheduler sends nothing new): keep
@@ -63,8 +65,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """Steps are queued on the one forward thread as they arrive, so step N+1 starts the
         moment N ends; results go back in order. A new stream (a new or restarted scheduler)
         starts from nothing: the old one executes nothing more."""
-        self.session.closed = True
-        session = self.session = Session(self.runner, self.runner.pool.num_blocks)
+        with self.shown:
+            self.session.closed = True
+            session = self.session = Session(self.runner, self.runner.pool.num_blocks)
         loop = asyncio.get_running_loop()
         results: asyncio.Queue = asyncio.Queue()
 
@@ -72,11 +75,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             if session.closed:
                 return
             result, shape, seconds = session.run(step)
-            if self.on_execute is not None:
-                try:
-                    self.on_execute(shape, seconds, result.kv)
-                except Exception:  # metrics must never cost a step its answer
-                    log.exception("metrics hook failed")
+            with self.shown:  # a stream that has ended shows nothing more (its KV is free)
+                if self.on_execute is not None and not session.closed:
+                    try:
+                        self.on_execute(shape, seconds, result.kv)
+                    except Exception:  # metrics must never cost a step its answer
+                        log.exception("metrics hook failed")
             loop.call_soon_threadsafe(results.put_nowait, result)
 
         async def read() -> None:
@@ -94,10 +98,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 yield result
         finally:
             reader.cancel()
-            session.closed = True
-            if self.session is session:  # no scheduler drives these requests any more
-                self.session = Session(self.runner, self.runner.pool.num_blocks)
-                self.report(self.session.report())
+            with self.shown:
+                session.closed = True
+                if self.session is session:  # no scheduler drives these requests any more
+                    self.session = Session(self.runner, self.runner.pool.num_blocks)
+                    self.report(self.session.report())
 
     def report(self, kv: worker_pb2.KvReport) -> None:
         """The pool as the metrics show it, also when no step runs (a stream ended)."""

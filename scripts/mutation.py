@@ -1,0 +1,200 @@
+"""Mutation testing, module by module: `make mutation` (docs/mutation.md).
+
+For each group of modules below, mutmut runs in a copy of the tree (build/mutation/GROUP), never
+in the work tree: it mutates only the group's modules and runs only the group's fast tests (and,
+of those, only the tests that call the mutated function). The report of every group, with the
+diff of each mutant that survived, goes to results/mutation/.
+
+    python scripts/mutation.py                 # every group
+    python scripts/mutation.py core sampling   # some groups
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / "build" / "mutation"
+OUT = ROOT / "results" / "mutation"
+PACKAGES = ("gateway", "llmserve", "scheduler_svc", "worker_svc")
+KILLED = {"killed", "timeout", "caught by type check", "segfault"}
+GOAL = 90.0
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    modules: tuple[str, ...]  # what mutmut mutates
+    tests: tuple[str, ...]  # the fast tests that pin those modules down
+
+
+CORE_TESTS = (
+    "tests/test_core_behaviour.py",
+    "tests/test_core_order.py",
+    "tests/test_placement.py",
+    "tests/test_overlap.py",
+    "tests/test_seed_figures.py",
+    "tests/test_invariants.py",
+    "tests/test_step_checks.py",
+    "tests/test_bench_core_cost.py",
+)
+GROUPS = {
+    "core": Group(
+        ("scheduler_svc/core.py", "scheduler_svc/blocks.py", "scheduler_svc/worker_state.py"),
+        CORE_TESTS,
+    ),
+    "sampling": Group(("worker_svc/sampling.py",), ("tests/test_sampling.py",)),
+    "text": Group(
+        ("gateway/stops.py", "gateway/detokenizer.py"),
+        ("tests/test_stops.py", "tests/test_detokenizer.py"),
+    ),
+    "validation": Group(("gateway/validation.py",), ("tests/test_validation.py",)),
+    "auth": Group(("gateway/auth.py", "llmserve/auth.py"), ("tests/test_auth.py",)),
+    "metrics": Group(
+        ("gateway/metrics.py", "scheduler_svc/metrics.py"), ("tests/test_metrics.py",)
+    ),
+}
+
+
+def copy_tree(dest: Path) -> None:
+    """The packages (generated stubs and built kernels included), the tests and the config."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in (*PACKAGES, "tests"):
+        shutil.copytree(ROOT / name, dest / name, ignore=skip)
+    shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
+
+
+def group_config(group: Group) -> str:
+    """pyproject.toml's [tool.mutmut] with this group's modules and tests."""
+    base = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+    settings = base | {
+        "only_mutate": list(group.modules),
+        "pytest_add_cli_args_test_selection": list(group.tests),
+    }
+    lines = ["[tool.mutmut]"]
+    lines += [f"{key} = {json.dumps(value)}" for key, value in settings.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_config(dest: Path, group: Group) -> None:
+    """Replace the copy's [tool.mutmut] table (mutmut reads only pyproject.toml's)."""
+    path = dest / "pyproject.toml"
+    text = path.read_text()
+    start = text.index("[tool.mutmut]")
+    end = text.find("\n[", start + 1)
+    rest = "" if end == -1 else text[end + 1 :]
+    path.write_text(text[:start] + rest + "\n" + group_config(group))
+
+
+def run_group(name: str, group: Group, children: int) -> dict:
+    dest = WORK / name
+    copy_tree(dest)
+    write_config(dest, group)
+    log = OUT / f"{name}.log"
+    mutmut = Path(sys.executable).with_name("mutmut")
+    started = time.monotonic()
+    with log.open("w") as out:
+        done = subprocess.run(
+            [str(mutmut), "run", "--max-children", str(children)],
+            cwd=dest,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=os.environ | {"PYTHONDONTWRITEBYTECODE": "1"},
+        )
+    seconds = time.monotonic() - started
+    if done.returncode != 0:
+        raise SystemExit(f"mutmut failed for {name} (exit {done.returncode}): see {log}")
+    return summarize(name, dest, group, seconds)
+
+
+def summarize(name: str, dest: Path, group: Group, seconds: float) -> dict:
+    from mutmut.stats import status_by_exit_code
+
+    modules = {}
+    for module in group.modules:
+        meta = json.loads((dest / "mutants" / f"{module}.meta").read_text())
+        status = {key: status_by_exit_code[code] for key, code in meta["exit_code_by_key"].items()}
+        killed = sum(s in KILLED for s in status.values())
+        tested = sum(s != "skipped" for s in status.values())
+        modules[module] = {
+            "mutants": tested,
+            "killed": killed,
+            "score": round(100.0 * killed / tested, 1) if tested else 100.0,
+            "not_killed": {
+                key: {"status": s, "diff": show(dest, key)}
+                for key, s in sorted(status.items())
+                if s not in KILLED and s != "skipped"
+            },
+        }
+    return {"group": name, "seconds": round(seconds), "tests": group.tests, "modules": modules}
+
+
+def show(dest: Path, key: str) -> str:
+    mutmut = Path(sys.executable).with_name("mutmut")
+    done = subprocess.run([str(mutmut), "show", key], cwd=dest, capture_output=True, text=True)
+    return done.stdout.strip()
+
+
+def report(results: list[dict]) -> str:
+    lines = [
+        "# Mutation report",
+        "",
+        "| module | mutants | killed | score | not killed | group's run time |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        for module, m in r["modules"].items():
+            lines.append(
+                f"| {module} | {m['mutants']} | {m['killed']} | {m['score']}% "
+                f"| {len(m['not_killed'])} | {r['seconds']} s |"
+            )
+    for r in results:
+        for module, m in r["modules"].items():
+            if not m["not_killed"]:
+                continue
+            lines += ["", f"## {module}", ""]
+            for key, survivor in m["not_killed"].items():
+                lines += [f"### {key} ({survivor['status']})", "", "```diff", survivor["diff"]]
+                lines += ["```", ""]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("groups", nargs="*", help=f"of {', '.join(GROUPS)} (default: all)")
+    parser.add_argument("--children", type=int, default=2, help="mutants tested at once")
+    args = parser.parse_args()
+    unknown = set(args.groups) - GROUPS.keys()
+    if unknown:
+        parser.error(f"unknown group {', '.join(sorted(unknown))}: choose from {', '.join(GROUPS)}")
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name in args.groups or list(GROUPS):
+        print(f"mutation: {name} ...", flush=True)
+        result = run_group(name, GROUPS[name], args.children)
+        (OUT / f"{name}.json").write_text(json.dumps(result, indent=1))
+        for module, m in result["modules"].items():
+            print(f"  {module}: {m['killed']}/{m['mutants']} killed ({m['score']}%)", flush=True)
+        print(f"  {result['seconds']} s", flush=True)
+    # the report covers every group's last run, this one's and earlier ones
+    files = [OUT / f"{name}.json" for name in GROUPS]
+    results = [json.loads(f.read_text()) for f in files if f.exists()]
+    (OUT / "report.md").write_text(report(results))
+    print(f"report: {OUT / 'report.md'}")
+    low = [m for r in results for m, v in r["modules"].items() if v["score"] < GOAL]
+    if low:
+        raise SystemExit(f"below {GOAL}% killed: {', '.join(low)}")
+
+
+if __name__ == "__main__":
+    main()

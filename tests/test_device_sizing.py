@@ -1,0 +1,112 @@
+"""The GPU worker's logic that runs the same on the CPU: device names, KV sizing from memory,
+decode buckets and the static buffers of CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker_svc.cuda_graphs import DecodeGraphs, StaticDecodeInputs, bucket_for
+from worker_svc.device import MemoryProbe, resolve_device
+from worker_svc.kv_sizing import MemoryPlan
+
+GIB = 2**30
+
+
+def test_auto_is_the_cpu_here_and_a_missing_gpu_is_an_error_not_a_fallback() -> None:
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("CPU") == torch.device("cpu")
+    for name in ("cuda", "cuda:1"):
+        with pytest.raises(ValueError, match="CUDA device"):
+            resolve_device(name)
+    with pytest.raises(ValueError, match="use auto, cpu"):
+        resolve_device("tpu")
+
+
+def test_the_pool_takes_the_fraction_left_after_weights_and_the_peak_forward() -> None:
+    """80 GiB at 0.9 = 72 GiB; 1 GiB used by others, 16 GiB of weights and a 3 GiB peak leave
+    52 GiB: at 128 KiB a position (an 8B model in bf16), 425,984 positions in blocks of 16."""
+    plan = MemoryPlan(
+        total=80 * GIB, used_before=GIB, weights=16 * GIB, activation_peak=3 * GIB, fraction=0.9
+    )
+    assert plan.kv_bytes == 52 * GIB
+    positions = plan.positions(bytes_per_position=128 * 1024, block_size=16)
+    assert positions == 52 * GIB // (128 * 1024) == 425_984 and positions % 16 == 0
+    assert plan.positions(bytes_per_position=100_000, block_size=16) % 16 == 0
+
+
+def test_sizing_rounds_down_to_whole_blocks_and_refuses_when_nothing_fits() -> None:
+    plan = MemoryPlan(total=1000, used_before=0, weights=0, activation_peak=0, fraction=1.0)
+    assert plan.positions(bytes_per_position=10, block_size=16) == 96  # 6 blocks of 160 bytes
+    tight = MemoryPlan(total=GIB, used_before=0, weights=GIB, activation_peak=1, fraction=0.9)
+    with pytest.raises(ValueError, match="no room for a KV pool.*--kv-capacity"):
+        tight.positions(bytes_per_position=1024, block_size=16)
+
+
+def test_the_cpu_memory_probe_sees_a_large_allocation() -> None:
+    with MemoryProbe(torch.device("cpu")) as probe:
+        block = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched
+        assert int(block[-1]) == 1
+    assert probe.peak >= 48 * 2**20
+
+
+def test_a_decode_batch_runs_in_the_smallest_bucket_that_holds_it() -> None:
+    assert [bucket_for(n) for n in (1, 2, 3, 17, 32, 33, 256)] == [1, 2, 4, 24, 32, 48, 256]
+    assert bucket_for(257) is None
+    assert bucket_for(5, (4, 8)) == 8
+
+
+def make_inputs(rows: int = 8, blocks: int = 4) -> StaticDecodeInputs:
+    return StaticDecodeInputs(
+        rows, blocks, scratch_block=9, block_size=16, device=torch.device("cpu")
+    )
+
+
+def test_static_inputs_hold_the_batch_and_pad_the_rest_onto_the_scratch_block() -> None:
+    inputs = make_inputs()
+    batch = dict(
+        token_ids=torch.tensor([5, 6, 7]),
+        positions=torch.tensor([10, 20, 30]),
+        slots=torch.tensor([42, 43, 44]),
+        block_tables=torch.tensor([[1, 2], [3, 4], [5, 0]], dtype=torch.int32),
+        context_lens=torch.tensor([11, 21, 17], dtype=torch.int32),
+    )
+    inputs.fill(4, **batch)
+    assert inputs.token_ids[:4].tolist() == [5, 6, 7, 0]
+    assert inputs.slots[:4].tolist() == [42, 43, 44, 9 * 16]  # the pad writes the scratch slot
+    assert inputs.block_tables[:4].tolist() == [
+        [1, 2, 0, 0],
+        [3, 4, 0, 0],
+        [5, 0, 0, 0],
+        [9, 0, 0, 0],
+    ]
+    assert inputs.context_lens[:4].tolist() == [11, 21, 17, 1]
+    inputs.fill(2, **{k: v[:1] for k, v in batch.items()})  # a smaller batch: stale rows reset
+    assert inputs.token_ids[:2].tolist() == [5, 0] and inputs.slots[1] == 9 * 16
+    with pytest.raises(ValueError, match="do not fit"):
+        inputs.fill(2, **batch)
+
+
+def test_graphs_are_made_once_per_bucket_and_return_only_the_batch_rows() -> None:
+    calls = []
+
+    def step(inputs: StaticDecodeInputs, rows: int) -> torch.Tensor:
+        calls.append(rows)
+        return inputs.token_ids[:rows].float().unsqueeze(1) * 2  # "logits" [rows, 1]
+
+    graphs = DecodeGraphs(make_inputs(), step, torch.device("cpu"), buckets=(2, 4, 8))
+
+    def batch(ids: list[int]) -> dict:
+        n = len(ids)
+        return dict(
+            token_ids=torch.tensor(ids), positions=torch.zeros(n, dtype=torch.int64),
+            slots=torch.zeros(n, dtype=torch.int64),
+            block_tables=torch.zeros(n, 1, dtype=torch.int32),
+            context_lens=torch.ones(n, dtype=torch.int32),
+        )  # fmt: skip
+
+    assert graphs.run(3, **batch([1, 2, 3])).tolist() == [[2.0], [4.0], [6.0]]
+    assert graphs.run(4, **batch([4, 5, 6, 7])).tolist() == [[8.0], [10.0], [12.0], [14.0]]
+    assert graphs.run(1, **batch([9])).tolist() == [[18.0]]
+    assert graphs.captures == 2 and calls == [4, 4, 2]  # buckets 4 and 2, each made once
+    assert graphs.run(9, **batch(list(range(9)))) is None  # beyond the largest: eager
