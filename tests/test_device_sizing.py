@@ -110,3 +110,19 @@ def test_graphs_are_made_once_per_bucket_and_return_only_the_batch_rows() -> Non
     assert graphs.run(1, **batch([9])).tolist() == [[18.0]]
     assert graphs.captures == 2 and calls == [4, 4, 2]  # buckets 4 and 2, each made once
     assert graphs.run(9, **batch(list(range(9)))) is None  # beyond the largest: eager
+
+
+def test_a_worker_without_kv_capacity_sizes_its_pool_from_the_memory_limit() -> None:
+    from worker_svc.__main__ import make_runner
+    from worker_svc.memory_profile import weights_bytes
+    from worker_svc.settings import WorkerSettings
+
+    limit = 64 * 2**20
+    settings = WorkerSettings(model="tiny", dtype="fp32", cpu_memory_gib=limit / GIB)
+    runner = make_runner(settings)
+    pool = runner.pool
+    assert pool.num_blocks >= 1 and pool.block_size == settings.block_size
+    spent = pool.pool_bytes + weights_bytes(runner.model.weights)
+    assert 0.5 * 0.9 * limit < spent <= 0.9 * limit  # the fraction, less the peak forward
+    with pytest.raises(ValueError, match="no room for a KV pool"):
+        make_runner(WorkerSettings(model="tiny", dtype="fp32", cpu_memory_gib=1 / 1024))

@@ -34,7 +34,7 @@ def test_a_hung_worker_is_failed_within_its_bound_and_stalls_no_one_else(tmp_pat
     after SIGCONT it rejoins clean and gets work again."""
     settings = tiny_settings(
         workers=2, kv_capacity=4096, token_budget=64, max_running=32,
-        scheduler_flags=("--hang-floor", str(HANG_FLOOR)),
+        scheduler_flags=f"--hang-floor {HANG_FLOOR}",
     )  # fmt: skip
     n, max_tokens = 20, 200
     with running_stack(settings, tmp_path) as stack:

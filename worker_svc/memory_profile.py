@@ -1,0 +1,75 @@
+"""Sizing the KV pool from memory (no --kv-capacity): measure what the weights take and what a
+forward pass at the token budget adds at its peak, then give the pool what is left of
+--memory-fraction of the device (kv_sizing.MemoryPlan)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from worker_svc.device import MemoryProbe, device_memory
+from worker_svc.kv_sizing import MemoryPlan
+from worker_svc.model_config import ModelConfig
+from worker_svc.weights import Weights
+from worker_svc.work import WorkItem
+
+log = logging.getLogger("worker")
+
+
+def weights_bytes(weights: Weights) -> int:
+    tensors = {id(t): t for t in _tensors(weights)}  # a tied lm_head counts once
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _tensors(weights: Weights) -> list[torch.Tensor]:
+    out = [weights.embed, weights.final_norm, weights.lm_head]
+    for layer in weights.layers:
+        out += [layer.attn_norm, layer.qkv, layer.o, layer.mlp_norm, layer.gate_up, layer.down]
+        out += layer.biases()
+    return out
+
+
+def bytes_per_position(config: ModelConfig, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
+
+
+def profile_forward(runner_factory, tokens: int, block_size: int, device: torch.device) -> int:
+    """Peak bytes a forward of `tokens` prompt tokens adds, measured on a throwaway runner whose
+    pool holds just that prompt (runner_factory(num_blocks) builds it)."""
+    blocks = -(-tokens // block_size)
+    runner = runner_factory(blocks)
+    item = WorkItem("profile", [1] * tokens, 0, list(range(blocks)))
+    with MemoryProbe(device) as probe:
+        runner.execute([item])
+    return probe.peak
+
+
+def pool_positions(
+    config: ModelConfig,
+    weights: Weights,
+    dtype: torch.dtype,
+    device: torch.device,
+    settings,  # WorkerSettings
+    runner_factory,
+    used_before: int = 0,
+) -> int:
+    """The KV positions the pool gets; the figures go to the log."""
+    free, total = device_memory(device, int(settings.cpu_memory_gib * 2**30))
+    tokens = min(settings.profile_tokens, config.max_context)
+    plan = MemoryPlan(
+        total=total,
+        used_before=used_before,
+        weights=weights_bytes(weights),
+        activation_peak=profile_forward(runner_factory, tokens, settings.block_size, device),
+        fraction=settings.memory_fraction,
+    )
+    positions = plan.positions(bytes_per_position(config, dtype), settings.block_size)
+    log.info(
+        "KV pool sized from memory: %.0f%% of %.0f MiB, minus %.0f MiB in use, %.0f MiB of "
+        "weights and a %.0f MiB peak forward of %d tokens: %d positions",
+        100 * plan.fraction, total / 2**20, used_before / 2**20, plan.weights / 2**20,
+        plan.activation_peak / 2**20, tokens, positions,
+    )  # fmt: skip
+    return positions
