@@ -14,7 +14,7 @@ from gateway.malformed import MalformedRequestInterceptor
 from gateway.metrics import GatewayMetrics
 from gateway.service import GatewayService
 from gateway.settings import GatewaySettings
-from gateway.tokenizer import Tokenizer, load_default_tokenizer
+from gateway.tokenizer_files import load_tokenizer
 from llmserve.auth import INTERNAL_TOKEN_HELP, internal_token
 from llmserve.flags import add_flags, from_args
 from llmserve.server import Server, die_with_parent, internal_channel, setup_logging
@@ -22,6 +22,8 @@ from llmserve.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_
 
 HELP = {
     "scheduler": "address of the scheduler service",
+    "tokenizer": "the served model's tokenizer and chat template: a .gguf file or a Hugging Face "
+    "model directory (tokenizer.json, tokenizer_config.json); empty = the default SmolLM2's",
     "max_queued_requests": "refuse with RESOURCE_EXHAUSTED beyond this many waiting requests",
     "max_queued_tokens": "refuse with RESOURCE_EXHAUSTED beyond this many waiting prompt tokens",
     "max_request_bytes": "refuse larger requests with RESOURCE_EXHAUSTED (compressed ones too, "
@@ -94,9 +96,7 @@ async def serve(settings: GatewaySettings) -> None:
         "on" if settings.tls else "off",
         "sent to the scheduler" if token else "off",
     )
-    tokenizer = (
-        Tokenizer.from_gguf(settings.tokenizer) if settings.tokenizer else load_default_tokenizer()
-    )
+    tokenizer = load_tokenizer(settings.tokenizer)
     channel = internal_channel(settings.scheduler, token)
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
     status = await scheduler_status(stub)

@@ -166,7 +166,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             )
         else:
             text = params.prompt or ""
-        ids = self.tokenizer.encode(text)
+        # a rendered chat spells its special tokens (BOS too); a plain prompt gets the tokenizer's
+        ids = self.tokenizer.encode(text, add_special_tokens=params.messages is None)
         trim_after(len(text))
         return ids
 

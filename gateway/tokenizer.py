@@ -1,4 +1,5 @@
-"""SmolLM2's tokenizer, rebuilt from the `tokenizer.ggml.*` metadata inside the model's GGUF file.
+"""SmolLM2's tokenizer, rebuilt from the `tokenizer.ggml.*` metadata inside the model's GGUF file
+(an HF model directory's tokenizer.json is read by `gateway.tokenizer_files` into the same class).
 
 A GGUF carries no `tokenizer.json`: it stores the vocabulary, the merges, the token types and the
 special token ids under llama.cpp's key names. We read those with a small header parser (the
@@ -164,7 +165,8 @@ def _compile_chat_template(source: str) -> jinja2.Template:
 
 
 class Tokenizer:
-    """Byte-level BPE tokenizer built from a GGUF's metadata (see the module docstring)."""
+    """A `tokenizers` backend with its model's special tokens and chat template: byte-level BPE
+    built from a GGUF's metadata (see the module docstring), or an HF directory's tokenizer."""
 
     def __init__(
         self,
@@ -298,18 +300,21 @@ class Tokenizer:
 
     # -- encode / decode --
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`. Control tokens spelled in the text (`<|im_start|>`) are matched
-        whole, as the chat template needs. A BOS is prepended only if the GGUF asks for it.
+        whole, as the chat template needs. With add_special_tokens (as transformers' default) a
+        BOS is prepended where the GGUF asks for it, or tokenizer.json's post-processor adds
+        its tokens; a rendered chat template spells its own, so it is encoded without.
         Through `encode_batch`, which releases the GIL (`encode` holds it): other threads, such
         as the gateway's event loop, run while a long text is tokenized."""
         try:
-            ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
+            batch = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+            ids = batch[0].ids
         except TypeError as exc:
             if isinstance(text, str):  # lone surrogates are not encodable text
                 raise ValueError("text contains lone surrogates (invalid Unicode)") from exc
             raise
-        if self._add_bos and self._bos_token_id is not None:
+        if add_special_tokens and self._add_bos and self._bos_token_id is not None:
             return [self._bos_token_id, *ids]
         return ids
 
@@ -320,7 +325,7 @@ class Tokenizer:
     # -- chat --
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """Render `messages` with the GGUF's chat template, ending with the assistant prompt."""
+        """Render `messages` with the model's chat template, ending with the assistant prompt."""
         if self._chat_template_source is None:
             raise ChatTemplateError("this model has no chat template (tokenizer.chat_template)")
         if self._chat_template is None:

@@ -10,30 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.hf_dirs import VOCAB, save_hf_model
 from tests.model_support import (
     hf_logits,
     one_torch_thread,  # noqa: F401  (autouse fixture)
     scattered_table,
 )
-from worker_svc.hf_config import config_from_hf
+from worker_svc.hf_config import MODEL_TYPES, ROPE_TYPES, config_from_hf
 from worker_svc.loader import load_model
 from worker_svc.runner import ModelRunner
 from worker_svc.work import WorkItem
 
 ATOL = 2e-4  # fp32 against fp32: the same math in a different order
-VOCAB = 96
-SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=48,
-    intermediate_size=80,
-    num_hidden_layers=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
 LLAMA3_ROPE = dict(
     rope_type="llama3",
     rope_theta=10000.0,
@@ -72,41 +60,6 @@ SHAPES = {
         ),
     ),
 }
-
-
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """transformers' init (std 0.02, zero biases, unit norms) leaves logits near uniform and the
-    biases untested: draw every parameter instead, at scales where each one shows."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * noise)
-            elif name.endswith(".bias"):
-                p.copy_(0.5 * noise)
-            elif "embed_tokens" in name:
-                p.copy_(noise)
-            else:
-                p.copy_(noise * p.shape[1] ** -0.5)
-
-
-def save_hf_model(kind: str, overrides: dict, directory: Path, seed: int = 0):
-    """A random transformers model of this shape saved to directory (config.json +
-    model.safetensors); returns it in fp32 eval mode, the oracle."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    config_class, model_class = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    }[kind]
-    config = config_class(**{**SMALL, "tie_word_embeddings": False, **overrides})
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    model = model_class(config).float().eval()
-    randomize(model, seed)
-    model.save_pretrained(directory)
-    return model
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
@@ -225,6 +178,15 @@ def test_transformers_4_rope_scaling_spelling_reads_like_5() -> None:
     assert scaling is not None and scaling.kind == "llama3" and scaling.original_max_positions == 32
 
 
+def test_generation_config_adds_the_end_of_turn_tokens() -> None:
+    """Llama 3 Instruct: config.json names <|end_of_text|>, generation_config.json <|eot_id|>
+    too; a chat must stop at either."""
+    raw = llama_raw(eos_token_id=128001)
+    config = config_from_hf(raw, "m", generation={"eos_token_id": [128001, 128008, 128009]})
+    assert config.eos_token_ids == (128001, 128008, 128009)
+    assert config_from_hf(raw, "m").eos_token_ids == (128001,)
+
+
 @pytest.mark.parametrize(
     "raw, reason",
     [
@@ -276,3 +238,9 @@ def test_tensors_the_forward_would_ignore_are_refused(tmp_path) -> None:
     assert config["model_type"] == "qwen2"
     with pytest.raises(ValueError, match="q_norm"):
         load_model(str(tmp_path), torch.float32)
+
+
+def test_models_doc_lists_what_the_loader_accepts() -> None:
+    doc = (Path(__file__).parent.parent / "docs" / "models.md").read_text()
+    for name in (*MODEL_TYPES, *ROPE_TYPES):
+        assert f"`{name}`" in doc, name

@@ -16,7 +16,7 @@ from llmserve.server import Server, die_with_parent, internal_channel, setup_log
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_svc.device import resolve_device
 from worker_svc.loader import load_model
-from worker_svc.memory_profile import pool_positions
+from worker_svc.memory_profile import pool_positions, profile_blocks
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.runner import ModelRunner
 from worker_svc.service import WorkerService
@@ -68,9 +68,10 @@ async def serve(settings: WorkerSettings) -> None:
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server.server)
     info = service.describe()
     log.info(
-        "model %s loaded in %.1f s; KV pool %d positions (%d blocks of %d), %.1f MiB, "
+        "model %s loaded on %s in %.1f s; KV pool %d positions (%d blocks of %d), %.1f MiB, "
         "%d bytes per position",
         info.model,
+        info.device,
         time.perf_counter() - started,
         info.capacity_positions,
         info.num_blocks,
@@ -113,15 +114,17 @@ def make_runner(settings: WorkerSettings):
         return SimRunner(config, blocks, settings.block_size, step, token)
     dtype = DTYPES[settings.dtype]
     device = resolve_device(settings.device)
-
-    def runner(num_blocks: int) -> ModelRunner:
-        return ModelRunner(config, weights, num_blocks, settings.block_size, dtype)
-
-    blocks = settings.num_blocks
-    if not blocks:
-        positions = pool_positions(config, weights, dtype, device, settings, runner)
-        blocks = positions // settings.block_size
-    return runner(blocks)
+    used_before = 0  # device memory other processes hold
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used_before = total - free
+    tokens = min(settings.profile_tokens, config.max_context)
+    blocks = settings.num_blocks or profile_blocks(tokens, settings.block_size)
+    runner = ModelRunner(config, weights, blocks, settings.block_size, dtype, device=device)
+    if not settings.num_blocks:
+        positions = pool_positions(config, weights, dtype, device, settings, runner, used_before)
+        runner.resize_pool(positions // settings.block_size)
+    return runner
 
 
 async def register(settings: WorkerSettings, token: str, log, period: float = 2.0) -> None:

@@ -53,11 +53,12 @@ class Ours:
         max_batch: int,
         context: int,
         block_size: int = 16,
+        device: str = "cpu",
     ) -> None:
         self.block_size = block_size
         per_request = -(-(context + 1) // block_size)
         num_blocks = max_batch * per_request + 8
-        self.runner = ModelRunner(config, weights, num_blocks, block_size, dtype)
+        self.runner = ModelRunner(config, weights, num_blocks, block_size, dtype, device=device)
         # cached positions hold random values (timing does not depend on them); blocks are
         # handed out shuffled, as they would be after a while of serving
         self.runner.pool.k.normal_()
@@ -86,13 +87,15 @@ class Theirs:
         dtype: torch.dtype,
         context: int,
         attn: str = "sdpa",
+        device: str = "cpu",
     ) -> None:
         from worker_svc.hf_reference import hf_model
 
         self.config = config
         self.dtype = dtype
         self.attn = attn
-        self.model = hf_model(config, weights, dtype, attn=attn)
+        self.device = torch.device(device)
+        self.model = hf_model(config, weights, dtype, attn=attn).to(self.device)
         self.context = context
 
     def decode(self, batch: int) -> Callable[[], object]:
@@ -101,13 +104,12 @@ class Theirs:
         cfg = self.config
         cache = DynamicCache(config=self.model.config)
         shape = (batch, cfg.num_kv_heads, self.context, cfg.head_dim)
+        on = {"dtype": self.dtype, "device": self.device}
         for layer in range(cfg.num_layers):
-            cache.update(
-                torch.randn(shape, dtype=self.dtype), torch.randn(shape, dtype=self.dtype), layer
-            )
-        ids = torch.arange(100, 100 + batch).view(batch, 1)
-        positions = torch.full((batch, 1), self.context)
-        mask = torch.ones(batch, self.context + 1, dtype=torch.int64)
+            cache.update(torch.randn(shape, **on), torch.randn(shape, **on), layer)
+        ids = torch.arange(100, 100 + batch, device=self.device).view(batch, 1)
+        positions = torch.full((batch, 1), self.context, device=self.device)
+        mask = torch.ones(batch, self.context + 1, dtype=torch.int64, device=self.device)
 
         @torch.inference_mode()
         def step() -> object:
@@ -119,16 +121,17 @@ class Theirs:
                 use_cache=True,
             )
             cache.crop(-1)  # back to the same cached length
-            return out.logits[:, -1].argmax(-1)
+            return out.logits[:, -1].argmax(-1).tolist()  # waits for the device, as ours does
 
         return step
 
     def prefill(self, ids: list[int]) -> Callable[[], object]:
-        tokens = torch.tensor([ids])
+        tokens = torch.tensor([ids], device=self.device)
 
         @torch.inference_mode()
         def step() -> object:
-            return self.model(input_ids=tokens, logits_to_keep=1).logits[:, -1].argmax(-1)
+            logits = self.model(input_ids=tokens, logits_to_keep=1).logits
+            return logits[:, -1].argmax(-1).tolist()
 
         return step
 
@@ -144,6 +147,7 @@ def main() -> None:
     parser.add_argument("--ours-only", action="store_true")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     parser.add_argument("--theirs-attn", default="sdpa,eager", help="transformers attention impls")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -152,11 +156,11 @@ def main() -> None:
     config, weights = load_model(args.source, dtype)
     print(
         f"{config.name}  dtype={args.dtype}  threads={torch.get_num_threads()}  "
-        f"context={args.context}  reps={args.reps}"
+        f"context={args.context}  reps={args.reps}  device={args.device}"
     )
-    ours = Ours(config, weights, dtype, max(batches), args.context)
+    ours = Ours(config, weights, dtype, max(batches), args.context, device=args.device)
     attns = [] if args.ours_only else args.theirs_attn.split(",")
-    theirs = [Theirs(config, weights, dtype, args.context, attn) for attn in attns]
+    theirs = [Theirs(config, weights, dtype, args.context, a, args.device) for a in attns]
     prompt = torch.randint(
         0, config.vocab_size, (args.prefill,), generator=torch.Generator().manual_seed(0)
     ).tolist()

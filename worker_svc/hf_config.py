@@ -9,7 +9,9 @@ MODEL_TYPES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def config_from_hf(raw: dict, name: str) -> ModelConfig:
+def config_from_hf(raw: dict, name: str, generation: dict | None = None) -> ModelConfig:
+    """raw: config.json; generation: generation_config.json, whose eos_token_id may add a chat
+    model's end-of-turn token (Qwen2.5 Instruct's lists <|im_end|> and <|endoftext|>)."""
     model_type = raw.get("model_type", "llama")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} is not supported (one of {MODEL_TYPES})")
@@ -19,8 +21,8 @@ def config_from_hf(raw: dict, name: str) -> ModelConfig:
     check_no_sliding_window(raw)
     rope = rope_parameters(raw)
     num_heads = raw["num_attention_heads"]
-    eos = raw.get("eos_token_id", 2)
-    eos_ids = tuple(eos) if isinstance(eos, list) else (eos,)
+    generation_eos = (generation or {}).get("eos_token_id")
+    eos_ids = token_ids(raw.get("eos_token_id", 2)) + token_ids(generation_eos)
     return ModelConfig(
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
@@ -34,10 +36,15 @@ def config_from_hf(raw: dict, name: str) -> ModelConfig:
         max_context=raw.get("max_position_embeddings", 2048),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id") if raw.get("bos_token_id") is not None else 1,
-        eos_token_ids=tuple(int(e) for e in eos_ids if e is not None),
+        eos_token_ids=tuple(dict.fromkeys(eos_ids)),
         name=name,
         rope_scaling=rope_scaling(rope, raw),
     )
+
+
+def token_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    values = value if isinstance(value, list) else [value]
+    return tuple(int(v) for v in values if v is not None)
 
 
 def rope_parameters(raw: dict) -> dict:

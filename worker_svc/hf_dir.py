@@ -41,7 +41,10 @@ class TensorFiles:
 
 
 def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
-    config = config_from_hf(json.loads((path / "config.json").read_text()), name=path.name)
+    raw = json.loads((path / "config.json").read_text())
+    generation = path / "generation_config.json"
+    extra = json.loads(generation.read_text()) if generation.is_file() else None
+    config = config_from_hf(raw, name=path.name, generation=extra)
     files = TensorFiles(path)
     layers = [load_layer(files, f"model.layers.{n}.", dtype) for n in range(config.num_layers)]
     embed = files.take("model.embed_tokens.weight").to(dtype)

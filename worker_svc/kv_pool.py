@@ -14,7 +14,12 @@ class KvPool:
     """
 
     def __init__(
-        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
@@ -25,8 +30,10 @@ class KvPool:
         self.head_dim = config.head_dim
         self.dtype = dtype
         shape = (config.num_layers, self.num_slots, config.num_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)  # k: [layers, slots, kv_heads, head_dim]
-        self.v = torch.zeros(shape, dtype=dtype)  # v: [layers, slots, kv_heads, head_dim]
+        self.device = torch.device(device)
+        # k, v: [layers, slots, kv_heads, head_dim], allocated once, where the model runs
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
 
     @property
     def num_slots(self) -> int:

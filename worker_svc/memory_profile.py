@@ -35,11 +35,15 @@ def bytes_per_position(config: ModelConfig, dtype: torch.dtype) -> int:
     return config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
 
 
-def profile_forward(runner_factory, tokens: int, block_size: int, device: torch.device) -> int:
-    """Peak bytes a forward of `tokens` prompt tokens adds, measured on a throwaway runner whose
-    pool holds just that prompt (runner_factory(num_blocks) builds it)."""
-    blocks = -(-tokens // block_size)
-    runner = runner_factory(blocks)
+def profile_blocks(tokens: int, block_size: int) -> int:
+    """The pool a runner needs for the profiled forward (it is resized afterwards)."""
+    return -(-tokens // block_size)
+
+
+def profile_forward(runner, tokens: int, block_size: int, device: torch.device) -> int:
+    """Peak bytes a forward of `tokens` prompt tokens adds, on a runner whose pool holds just
+    that prompt (profile_blocks)."""
+    blocks = profile_blocks(tokens, block_size)
     item = WorkItem("profile", [1] * tokens, 0, list(range(blocks)))
     with MemoryProbe(device) as probe:
         runner.execute([item])
@@ -52,7 +56,7 @@ def pool_positions(
     dtype: torch.dtype,
     device: torch.device,
     settings,  # WorkerSettings
-    runner_factory,
+    runner,  # ModelRunner, its pool of profile_blocks(settings.profile_tokens)
     used_before: int = 0,
 ) -> int:
     """The KV positions the pool gets; the figures go to the log."""
@@ -62,7 +66,7 @@ def pool_positions(
         total=total,
         used_before=used_before,
         weights=weights_bytes(weights),
-        activation_peak=profile_forward(runner_factory, tokens, settings.block_size, device),
+        activation_peak=profile_forward(runner, tokens, settings.block_size, device),
         fraction=settings.memory_fraction,
     )
     positions = plan.positions(bytes_per_position(config, dtype), settings.block_size)

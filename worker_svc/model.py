@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from worker_svc import cpu_kernels
-from worker_svc.attention_plan import AttentionPlan
+from worker_svc.attention_backend import attention_backend, requested_backend
+from worker_svc.attention_plan import AttentionPlan, PagedBatch, paged_batch
 from worker_svc.kv_pool import KvPool
 from worker_svc.linear import Linear, packing_available
 from worker_svc.model_config import ModelConfig
@@ -46,21 +47,36 @@ class LlamaModel:
         self.rope = RopeTable(
             config.head_dim, config.rope_theta, config.max_context, dtype, config.rope_scaling
         )
-        pack = packing_available(dtype)
-        self.linears = [
+        self.linears, self.lm_head = self.make_linears(packing_available(dtype))
+        groups = config.num_heads // config.num_kv_heads
+        kv_of_head = torch.arange(config.num_heads) // groups  # [heads]
+        self.head_of_query = kv_of_head.view(1, config.num_heads, 1, 1)
+        self.kernels = cpu_kernels.load() if use_kernels and dtype == torch.bfloat16 else None
+        self.attention_choice = requested_backend()  # auto: Triton on CUDA, torch on CPU
+
+    def make_linears(self, pack: bool) -> tuple[list[LayerLinears], Linear]:
+        linears = [
             LayerLinears(
                 Linear(lw.qkv, pack, lw.qkv_bias),
                 Linear(lw.o, pack, lw.o_bias),
                 Linear(lw.gate_up, pack, lw.gate_up_bias),
                 Linear(lw.down, pack, lw.down_bias),
             )
-            for lw in weights.layers
+            for lw in self.weights.layers
         ]
-        self.lm_head = Linear(weights.lm_head, pack)
-        groups = config.num_heads // config.num_kv_heads
-        kv_of_head = torch.arange(config.num_heads) // groups  # [heads]
-        self.head_of_query = kv_of_head.view(1, config.num_heads, 1, 1)
-        self.kernels = cpu_kernels.load() if use_kernels and dtype == torch.bfloat16 else None
+        return linears, Linear(self.weights.lm_head, pack)
+
+    def to(self, device: torch.device) -> LlamaModel:
+        """Weights, RoPE tables and index tensors on `device` (in place; returns self). The
+        packed CPU matmuls are CPU-only: elsewhere the plain weights serve."""
+        if device.type == "cpu":
+            return self  # made on the CPU
+        self.weights = self.weights.to(device)
+        self.rope = self.rope.to(device)
+        self.head_of_query = self.head_of_query.to(device)
+        self.linears, self.lm_head = self.make_linears(False)
+        self.kernels = None
+        return self
 
     @torch.inference_mode()
     def forward(
@@ -75,10 +91,12 @@ class LlamaModel:
         """Returns logits: [rows, vocab] fp32."""
         cfg, w = self.config, self.weights
         num_tokens = token_ids.shape[0]
+        backend = attention_backend(pool.k.device, self.attention_choice)
         # decode-only steps take the fused-kernel path (bf16): measured faster than the torch
         # path from 1 to 128 requests (1.4x at 16 and 64) and level with it at 256
-        if self.kernels is not None and plan.num_decode == num_tokens:
+        if self.kernels is not None and backend == "torch" and plan.num_decode == num_tokens:
             return self.forward_small_decode(token_ids, positions, slots, plan, pool, logit_rows)
+        paged = paged_batch(plan, pool.block_size, pool.k.device) if backend == "triton" else None
         q_size, kv_size = cfg.q_size, cfg.kv_size
         qk_heads = cfg.num_heads + cfg.num_kv_heads
         eps = cfg.rms_norm_eps
@@ -93,7 +111,10 @@ class LlamaModel:
             v = qkv[:, q_size + kv_size :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             pool.k[layer_index].index_copy_(0, slots, k)
             pool.v[layer_index].index_copy_(0, slots, v)
-            attn = self.attention(layer_index, q, k, v, plan, pool)  # [tokens, heads * head_dim]
+            if paged is None:
+                attn = self.attention(layer_index, q, k, v, plan, pool)  # [tokens, q_size]
+            else:
+                attn = self.paged_attention(layer_index, q, paged, pool)  # [tokens, q_size]
             x = x + lin.o(attn)
             h = rms_norm(x, layer.mlp_norm, eps)
             gate_up = lin.gate_up(h)  # [tokens, 2 * intermediate]
@@ -156,7 +177,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         cfg = self.config
         num_tokens = q.shape[0]
-        out = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=q.dtype)
+        out = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=q.dtype, device=q.device)
         nd = plan.num_decode
         if nd == num_tokens:  # decodes only
             return self.decode_attention(layer_index, q, plan, pool).view(num_tokens, cfg.q_size)
@@ -178,6 +199,31 @@ class LlamaModel:
                 )  # o: [1, heads, length, head_dim]
             out[rows] = o.squeeze(0).transpose(0, 1)  # [length, heads, head_dim]
         return out.view(num_tokens, cfg.q_size)
+
+    def paged_attention(
+        self,
+        layer_index: int,
+        q: torch.Tensor,  # [tokens, heads, head_dim]: decodes first, then the chunks
+        batch: PagedBatch,
+        pool: KvPool,
+    ) -> torch.Tensor:
+        """attention() by the Triton kernels, which read K/V through the block tables."""
+        from worker_svc import triton_attention as kernels  # imports triton: Triton backend only
+
+        cfg = self.config
+        shape = (pool.num_blocks, pool.block_size, cfg.num_kv_heads, cfg.head_dim)
+        k_cache = pool.k[layer_index].view(shape)  # [blocks, block_size, kv_heads, head_dim]
+        v_cache = pool.v[layer_index].view(shape)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [tokens, heads, head_dim]
+        scale = cfg.head_dim**-0.5
+        kernels.paged_decode_attention(
+            q, k_cache, v_cache, batch.decode_tables, batch.decode_lengths, scale, out
+        )
+        kernels.paged_prefill_attention(
+            q, k_cache, v_cache, batch.chunk_tables, batch.chunk_offsets, batch.chunk_lengths,
+            batch.chunk_starts, batch.max_chunk_length, scale, out,
+        )  # fmt: skip
+        return out.view(q.shape[0], cfg.q_size)
 
     def decode_attention(
         self, layer_index: int, q: torch.Tensor, plan: AttentionPlan, pool: KvPool

@@ -56,6 +56,10 @@ class RopeTable:
         self.sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(dtype)
         self.max_positions = max_positions
 
+    def to(self, device: torch.device) -> RopeTable:
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        return self
+
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [tokens] -> cos, sin: [tokens, 1, head_dim] (broadcast over heads)."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)

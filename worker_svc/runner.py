@@ -23,17 +23,30 @@ class ModelRunner:
         dtype: torch.dtype = torch.bfloat16,
         num_threads: int | None = None,
         use_kernels: bool = True,
+        device: torch.device | str = "cpu",
     ) -> None:
         """num_threads: if given, sets torch's (process-wide) intra-op thread count. On a CPU
         shared with other busy processes, 1 thread avoids stalls at every parallel region.
-        use_kernels: allow the fused CPU kernels for small bf16 decode steps (model.py)."""
+        use_kernels: allow the fused CPU kernels for small bf16 decode steps (model.py; CPU only).
+        device: where the weights, the KV pool and every step's tensors live."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.config = config
         self.block_size = block_size
-        self.model = LlamaModel(config, weights, dtype, use_kernels)
-        self.pool = KvPool(config, num_blocks, block_size, dtype)
-        self.rng = fresh_generator()
+        self.device = torch.device(device)
+        on_cpu = self.device.type == "cpu"
+        self.model = LlamaModel(config, weights, dtype, use_kernels and on_cpu).to(self.device)
+        self.pool = KvPool(config, num_blocks, block_size, dtype, self.device)
+        self.staging = HostStaging(self.device)
+        self.rng = fresh_generator()  # sampling runs on the host: seeded draws stay exact
+
+    def resize_pool(self, num_blocks: int) -> None:
+        """A new, empty pool (after sizing from memory: the weights stay where they are)."""
+        cfg, dtype = self.config, self.pool.dtype
+        self.pool = None  # free the old one first
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.pool = KvPool(cfg, num_blocks, self.block_size, dtype, self.device)
 
     @torch.inference_mode()
     def execute(self, items: list[WorkItem]) -> list[int | None]:
@@ -42,12 +55,16 @@ class ModelRunner:
         logits = self.compute_logits(items)  # one row per sampled item, in item order
         out: list[int | None] = [None] * len(items)
         if wanted:
-            tokens = sample_tokens(
-                logits,
-                [items[i].sampling for i in wanted],
-                [items[i].sample_index for i in wanted],
-                self.rng,
-            )
+            settings = [items[i].sampling for i in wanted]
+            if logits.device.type != "cpu" and all(s.greedy for s in settings):
+                tokens = logits.argmax(dim=-1).tolist()  # the step's one device sync
+            else:  # drawn rows are drawn on the host, as on the CPU: seeded draws stay exact
+                tokens = sample_tokens(
+                    logits.float().cpu(),
+                    settings,
+                    [items[i].sample_index for i in wanted],
+                    self.rng,
+                )
             for i, token in zip(wanted, tokens, strict=True):
                 out[i] = token
         return out
@@ -87,13 +104,11 @@ class ModelRunner:
             ]
         else:
             rows = [first_row[i] + len(it.token_ids) - 1 for i, it in enumerate(items) if it.sample]
+        token_ids_t, positions_t, slots_t, rows_t = self.staging.send(
+            token_ids, positions, slots, rows
+        )
         return self.model.forward(
-            torch.tensor(token_ids, dtype=torch.int64),
-            torch.tensor(positions, dtype=torch.int64),
-            torch.tensor(slots, dtype=torch.int64),
-            plan,
-            self.pool,
-            torch.tensor(rows, dtype=torch.int64),
+            token_ids_t, positions_t, slots_t, plan.to(self.device), self.pool, rows_t
         )
 
     def check(self, item: WorkItem) -> None:
@@ -106,3 +121,26 @@ class ModelRunner:
             raise ValueError(f"{item.request_id}: block table too short for position {end - 1}")
         if any(not 0 <= b < self.pool.num_blocks for b in item.block_table):
             raise ValueError(f"{item.request_id}: block id outside the pool")
+
+
+class HostStaging:
+    """Index lists to the device through one pinned host buffer: one copy per step, which does
+    not wait. On the CPU the tensors are simply made."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = torch.empty(0, dtype=torch.int64)
+
+    def send(self, *lists: list[int]) -> list[torch.Tensor]:
+        if self.device.type == "cpu":
+            return [torch.tensor(v, dtype=torch.int64) for v in lists]
+        sizes = [len(v) for v in lists]
+        total = sum(sizes)
+        if self.pinned.numel() < total:
+            self.pinned = torch.empty(max(total, 2 * self.pinned.numel()), dtype=torch.int64)
+            if self.device.type == "cuda":
+                self.pinned = self.pinned.pin_memory()
+        flat = [x for v in lists for x in v]
+        self.pinned[:total].copy_(torch.tensor(flat, dtype=torch.int64))
+        on_device = self.pinned[:total].to(self.device, non_blocking=True)
+        return list(on_device.split(sizes))

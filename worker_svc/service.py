@@ -56,6 +56,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             max_context=cfg.max_context,
             vocab_size=cfg.vocab_size,
             eos_token_ids=list(cfg.eos_token_ids),
+            device=str(getattr(self.runner, "device", "cpu")),
         )
 
     async def Describe(self, request, context):

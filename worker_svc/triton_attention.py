@@ -11,20 +11,17 @@ Every load is widened to fp32 before any arithmetic (Triton's CPU interpreter co
 raw integers, so this is also what lets the tests here run the shipped kernel). For 16-bit
 caches the dots run as TF32, which holds bf16 and fp16 values exactly; fp32 caches get IEEE dots.
 
-Importing this module imports triton: callers go through attention_backend, which imports it
-only when the Triton backend is chosen. TRITON_INTERPRET=1 must be set before the first import
-to run on CPU tensors.
+Importing this module imports triton: the model imports it only once attention_backend has
+chosen Triton. TRITON_INTERPRET=1 must be set before the first import to run on CPU tensors.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
-
-DECODE_ROWS = 16  # a decode tile's rows: the smallest tl.dot operand, or the group if larger
-CHUNK_ROWS = 64  # a chunk tile's rows: CHUNK_ROWS // group query tokens per program
-KEY_TILE = 64  # key positions per step of the softmax loop
 
 
 @triton.jit
@@ -128,8 +125,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Each request's query (at position context_len - 1) against its whole cached context."""
     out = torch.empty_like(q) if out is None else out
-    rows = max(DECODE_ROWS, triton.next_power_of_2(group_size(q, k_cache)))
-    _launch(q, k_cache, v_cache, out, block_tables, context_lens, None, None, 1, scale, rows, 1)
+    _launch(q, k_cache, v_cache, out, block_tables, context_lens, None, None, 1, scale)
     return out
 
 
@@ -148,14 +144,46 @@ def paged_prefill_attention(
     """Chunks of several requests: each token attends causally within its chunk and fully to
     its request's positions before the chunk (chunked prefill, recompute)."""
     out = torch.empty_like(q) if out is None else out
-    group = group_size(q, k_cache)
-    rows = max(CHUNK_ROWS, triton.next_power_of_2(group))
-    tokens = min(rows // group, triton.next_power_of_2(max(max_query_len, 1)))
     _launch(
         q, k_cache, v_cache, out, block_tables, query_lens, query_offsets, start_positions,
-        max_query_len, scale, rows, tokens,
+        max_query_len, scale,
     )  # fmt: skip
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Tiles:
+    """A launch's tile sizes: rows are query tokens × the group's heads."""
+
+    rows: int  # BLOCK_M
+    tokens: int  # BLOCK_Q: query tokens per program
+    keys: int  # BLOCK_N: key positions per loop step
+    num_warps: int
+
+
+def tiles_for(group: int, head_dim: int, decode: bool) -> Tiles:
+    """No register spills on sm_90 at head dims 64 and 128 (ptxas -v on the compiled kernel,
+    docs/gpu.md); not yet timed on a GPU. 16 rows is the smallest tl.dot operand."""
+    if decode:
+        return Tiles(max(16, triton.next_power_of_2(group)), 1, 32, 4)
+    rows = max(64, triton.next_power_of_2(group))
+    return Tiles(rows, rows // group, 64 if head_dim <= 64 else 32, 8)
+
+
+def kernel_constants(
+    group: int, head_dim: int, tiles: Tiles, decode: bool, dtype: torch.dtype
+) -> dict[str, int | bool | str]:
+    """The kernel's compile-time arguments (what a launch passes, and what the tests compile)."""
+    return {
+        "GROUP": group,
+        "HEAD_DIM": head_dim,
+        "BLOCK_D": triton.next_power_of_2(max(head_dim, 16)),
+        "BLOCK_M": tiles.rows,
+        "BLOCK_Q": tiles.tokens,
+        "BLOCK_N": tiles.keys,
+        "DECODE": decode,
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+    }
 
 
 def group_size(q: torch.Tensor, k_cache: torch.Tensor) -> int:
@@ -176,8 +204,6 @@ def _launch(
     starts: torch.Tensor | None,
     max_query_len: int,
     scale: float,
-    block_m: int,
-    block_q: int,
 ) -> None:
     requests, head_dim, kv_heads = tables.shape[0], q.shape[2], k_cache.shape[2]
     if requests == 0 or max_query_len == 0:
@@ -185,8 +211,9 @@ def _launch(
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: the head dimension must be contiguous")
-    decode = offsets is None
-    grid = (requests, triton.cdiv(max_query_len, block_q), kv_heads)
+    decode, group = offsets is None, group_size(q, k_cache)
+    tiles = tiles_for(group, head_dim, decode)
+    grid = (requests, triton.cdiv(max_query_len, tiles.tokens), kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, tables, lengths,
         lengths if decode else offsets, lengths if decode else starts,
@@ -195,12 +222,6 @@ def _launch(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         tables.stride(0),
-        GROUP=q.shape[1] // kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(max(head_dim, 16)),
-        BLOCK_M=block_m,
-        BLOCK_Q=block_q,
-        BLOCK_N=KEY_TILE,
-        DECODE=decode,
-        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        **kernel_constants(group, head_dim, tiles, decode, k_cache.dtype),
+        num_warps=tiles.num_warps,
     )  # fmt: skip

@@ -36,6 +36,23 @@ class Weights:
     final_norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed when tied
 
+    def to(self, device: torch.device) -> Weights:
+        """A copy on `device`; a tied lm_head stays the embedding's tensor."""
+        moved = {}
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            if id(t) not in moved:
+                moved[id(t)] = t.to(device)
+            return moved[id(t)]
+
+        layers = [
+            LayerWeights(**{f: move(getattr(lw, f)) for f in LayerWeights.__dataclass_fields__})
+            for lw in self.layers
+        ]
+        return Weights(move(self.embed), layers, move(self.final_norm), move(self.lm_head))
+
     def num_parameters(self) -> int:
         tensors = [self.embed, self.final_norm]
         if self.lm_head is not self.embed:
