@@ -120,7 +120,10 @@ def make_runner(settings: WorkerSettings):
         used_before = total - free
     tokens = min(settings.profile_tokens, config.max_context)
     blocks = settings.num_blocks or profile_blocks(tokens, settings.block_size)
-    runner = ModelRunner(config, weights, blocks, settings.block_size, dtype, device=device)
+    runner = ModelRunner(
+        config, weights, blocks, settings.block_size, dtype,
+        device=device, cuda_graphs=settings.cuda_graphs and device.type == "cuda",
+    )  # fmt: skip
     if not settings.num_blocks:
         positions = pool_positions(config, weights, dtype, device, settings, runner, used_before)
         runner.resize_pool(positions // settings.block_size)

@@ -89,14 +89,43 @@ class LlamaModel:
         logit_rows: torch.Tensor,  # [rows] int64, tokens whose logits are wanted
     ) -> torch.Tensor:
         """Returns logits: [rows, vocab] fp32."""
-        cfg, w = self.config, self.weights
         num_tokens = token_ids.shape[0]
         backend = attention_backend(pool.k.device, self.attention_choice)
         # decode-only steps take the fused-kernel path (bf16): measured faster than the torch
         # path from 1 to 128 requests (1.4x at 16 and 64) and level with it at 256
         if self.kernels is not None and backend == "torch" and plan.num_decode == num_tokens:
             return self.forward_small_decode(token_ids, positions, slots, plan, pool, logit_rows)
-        paged = paged_batch(plan, pool.block_size, pool.k.device) if backend == "triton" else None
+        if backend == "triton":
+            paged = paged_batch(plan, pool.block_size, pool.k.device)
+            return self.forward_paged(token_ids, positions, slots, paged, pool, logit_rows)
+
+        def attend(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+            return self.attention(layer_index, q, k, v, plan, pool)  # [tokens, q_size]
+
+        return self.run_layers(token_ids, positions, slots, pool, logit_rows, attend)
+
+    @torch.inference_mode()
+    def forward_paged(
+        self,
+        token_ids: torch.Tensor,  # [tokens] int64
+        positions: torch.Tensor,  # [tokens] int64
+        slots: torch.Tensor,  # [tokens] int64
+        paged: PagedBatch,
+        pool: KvPool,
+        logit_rows: torch.Tensor,  # [rows] int64
+    ) -> torch.Tensor:
+        """forward() by the Triton kernels over a ready PagedBatch. It does no host work and no
+        device sync, so a decode step of a fixed shape can be captured as a CUDA graph."""
+
+        def attend(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+            return self.paged_attention(layer_index, q, paged, pool)  # [tokens, q_size]
+
+        return self.run_layers(token_ids, positions, slots, pool, logit_rows, attend)
+
+    def run_layers(self, token_ids, positions, slots, pool: KvPool, logit_rows, attend):
+        """The layers, each token's K/V stored in the pool before `attend` reads it."""
+        cfg, w = self.config, self.weights
+        num_tokens = token_ids.shape[0]
         q_size, kv_size = cfg.q_size, cfg.kv_size
         qk_heads = cfg.num_heads + cfg.num_kv_heads
         eps = cfg.rms_norm_eps
@@ -111,10 +140,7 @@ class LlamaModel:
             v = qkv[:, q_size + kv_size :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             pool.k[layer_index].index_copy_(0, slots, k)
             pool.v[layer_index].index_copy_(0, slots, v)
-            if paged is None:
-                attn = self.attention(layer_index, q, k, v, plan, pool)  # [tokens, q_size]
-            else:
-                attn = self.paged_attention(layer_index, q, paged, pool)  # [tokens, q_size]
+            attn = attend(layer_index, q, k, v)  # [tokens, q_size]
             x = x + lin.o(attn)
             h = rms_norm(x, layer.mlp_norm, eps)
             gate_up = lin.gate_up(h)  # [tokens, 2 * intermediate]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from worker_svc.attention_plan import build_plan
+from worker_svc.attention_backend import attention_backend
+from worker_svc.attention_plan import PagedBatch, build_plan
+from worker_svc.cuda_graphs import DECODE_BUCKETS, DecodeGraphs, StaticDecodeInputs
 from worker_svc.kv_pool import KvPool
 from worker_svc.model import LlamaModel
 from worker_svc.model_config import ModelConfig
@@ -24,11 +26,14 @@ class ModelRunner:
         num_threads: int | None = None,
         use_kernels: bool = True,
         device: torch.device | str = "cpu",
+        cuda_graphs: bool = False,
     ) -> None:
         """num_threads: if given, sets torch's (process-wide) intra-op thread count. On a CPU
         shared with other busy processes, 1 thread avoids stalls at every parallel region.
         use_kernels: allow the fused CPU kernels for small bf16 decode steps (model.py; CPU only).
-        device: where the weights, the KV pool and every step's tensors live."""
+        device: where the weights, the KV pool and every step's tensors live.
+        cuda_graphs: decode steps run as graphs at bucketed sizes (cuda_graphs.py) where the
+        attention is Triton's (a CUDA device; on the CPU only in tests, by the interpreter)."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.config = config
@@ -36,17 +41,45 @@ class ModelRunner:
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
         self.model = LlamaModel(config, weights, dtype, use_kernels and on_cpu).to(self.device)
-        self.pool = KvPool(config, num_blocks, block_size, dtype, self.device)
+        backend = attention_backend(self.device, self.model.attention_choice)
+        self.use_graphs = cuda_graphs and backend == "triton"
+        self.num_blocks = num_blocks  # the blocks requests may own (graphs keep one more aside)
+        self.pool = self.make_pool(num_blocks, dtype)
         self.staging = HostStaging(self.device)
         self.rng = fresh_generator()  # sampling runs on the host: seeded draws stay exact
+        self.graphs = self.make_graphs() if self.use_graphs else None
+
+    def make_pool(self, num_blocks: int, dtype: torch.dtype) -> KvPool:
+        """With graphs, one block more: the scratch block that padded decode rows write."""
+        extra = 1 if self.use_graphs else 0
+        return KvPool(self.config, num_blocks + extra, self.block_size, dtype, self.device)
+
+    def make_graphs(self) -> DecodeGraphs:
+        max_rows = max(DECODE_BUCKETS)
+        max_blocks = -(-self.config.max_context // self.block_size)
+        inputs = StaticDecodeInputs(
+            max_rows, max_blocks, self.num_blocks, self.block_size, self.device
+        )
+        rows = torch.arange(max_rows, device=self.device)
+        none = torch.zeros(0, dtype=torch.int32, device=self.device)
+
+        def step(inputs: StaticDecodeInputs, n: int) -> torch.Tensor:
+            tables, lengths = inputs.block_tables[:n], inputs.context_lens[:n]
+            paged = PagedBatch(tables, lengths, none.view(0, 1), none, none, none, 0)
+            ids, positions, slots = inputs.token_ids[:n], inputs.positions[:n], inputs.slots[:n]
+            return self.model.forward_paged(ids, positions, slots, paged, self.pool, rows[:n])
+
+        return DecodeGraphs(inputs, step, self.device)
 
     def resize_pool(self, num_blocks: int) -> None:
         """A new, empty pool (after sizing from memory: the weights stay where they are)."""
-        cfg, dtype = self.config, self.pool.dtype
-        self.pool = None  # free the old one first
+        dtype = self.pool.dtype
+        self.pool = self.graphs = None  # free the old ones first (graphs hold pool addresses)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.pool = KvPool(cfg, num_blocks, self.block_size, dtype, self.device)
+        self.num_blocks = num_blocks
+        self.pool = self.make_pool(num_blocks, dtype)
+        self.graphs = self.make_graphs() if self.use_graphs else None
 
     @torch.inference_mode()
     def execute(self, items: list[WorkItem]) -> list[int | None]:
@@ -76,6 +109,10 @@ class ModelRunner:
         bs = self.block_size
         for item in items:
             self.check(item)
+        if self.graphs is not None and not all_positions and all_decodes(items):
+            logits = self.graphs.run(len(items), **decode_inputs(items, bs))
+            if logits is not None:
+                return logits
         # rows: single-token items first (batched decode attention), then multi-token chunks
         order = [i for i, it in enumerate(items) if len(it.token_ids) == 1]
         order += [i for i, it in enumerate(items) if len(it.token_ids) > 1]
@@ -119,7 +156,7 @@ class ModelRunner:
             raise ValueError(f"{item.request_id}: positions beyond the model's context")
         if len(item.block_table) * self.block_size < end:
             raise ValueError(f"{item.request_id}: block table too short for position {end - 1}")
-        if any(not 0 <= b < self.pool.num_blocks for b in item.block_table):
+        if any(not 0 <= b < self.num_blocks for b in item.block_table):
             raise ValueError(f"{item.request_id}: block id outside the pool")
 
 
@@ -144,3 +181,29 @@ class HostStaging:
         self.pinned[:total].copy_(torch.tensor(flat, dtype=torch.int64))
         on_device = self.pinned[:total].to(self.device, non_blocking=True)
         return list(on_device.split(sizes))
+
+
+def all_decodes(items: list[WorkItem]) -> bool:
+    return all(len(i.token_ids) == 1 and i.sample for i in items)
+
+
+def decode_inputs(items: list[WorkItem], block_size: int) -> dict[str, torch.Tensor]:
+    """A decode batch as the static graph inputs take it (host tensors)."""
+    used = [-(-i.end_position // block_size) for i in items]
+    tables = torch.zeros(len(items), max(used), dtype=torch.int32)
+    for row, (item, n) in enumerate(zip(items, used, strict=True)):
+        tables[row, :n] = torch.tensor(item.block_table[:n], dtype=torch.int32)
+    starts = [i.start_position for i in items]
+    return {
+        "token_ids": torch.tensor([i.token_ids[0] for i in items], dtype=torch.int64),
+        "positions": torch.tensor(starts, dtype=torch.int64),
+        "slots": torch.tensor(
+            [
+                i.block_table[p // block_size] * block_size + p % block_size
+                for i, p in zip(items, starts, strict=True)
+            ],
+            dtype=torch.int64,
+        ),  # fmt: skip
+        "block_tables": tables,
+        "context_lens": torch.tensor([i.end_position for i in items], dtype=torch.int32),
+    }

@@ -23,7 +23,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.settings = settings
         self.runner = runner
         self.model_name = model_name
-        self.session = Session(runner, runner.pool.num_blocks)
+        self.session = Session(runner, runner.num_blocks)
         self.last_call = 0.0
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self.on_execute = None  # metrics hook: (shape, seconds, report), also for releases only
@@ -49,8 +49,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             model=self.model_name,
             dtype=self.settings.dtype,
             block_size=self.runner.block_size,
-            num_blocks=pool.num_blocks,
-            capacity_positions=pool.num_blocks * self.runner.block_size,
+            num_blocks=self.runner.num_blocks,
+            capacity_positions=self.runner.num_blocks * self.runner.block_size,
             bytes_per_position=pool.bytes_per_position,
             pool_bytes=pool.pool_bytes,
             max_context=cfg.max_context,
@@ -68,7 +68,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         starts from nothing: the old one executes nothing more."""
         with self.shown:
             self.session.closed = True
-            session = self.session = Session(self.runner, self.runner.pool.num_blocks)
+            session = self.session = Session(self.runner, self.runner.num_blocks)
         loop = asyncio.get_running_loop()
         results: asyncio.Queue = asyncio.Queue()
 
@@ -102,7 +102,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             with self.shown:
                 session.closed = True
                 if self.session is session:  # no scheduler drives these requests any more
-                    self.session = Session(self.runner, self.runner.pool.num_blocks)
+                    self.session = Session(self.runner, self.runner.num_blocks)
                     self.report(self.session.report())
 
     def report(self, kv: worker_pb2.KvReport) -> None:

@@ -45,6 +45,7 @@ class SimRunner:
     ) -> None:
         self.config = config
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.pool = SimPool(num_blocks, block_size)
         self.step_seconds = step_seconds
         self.token_seconds = token_seconds

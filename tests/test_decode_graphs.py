@@ -1,0 +1,85 @@
+"""Decode steps through the CUDA-graph path: static buffers, bucket padding onto the scratch
+block, the Triton decode kernel over the static block tables. Here the graph is not captured
+(no GPU) but its step runs eagerly in Triton's interpreter, so what a graph would replay is
+checked against the ordinary path: the same logits, and no request's KV touched by padding."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from tests.model_support import one_torch_thread  # noqa: E402, F401  (autouse fixture)
+from worker_svc.loader import tiny_model  # noqa: E402
+from worker_svc.runner import ModelRunner  # noqa: E402
+from worker_svc.work import WorkItem  # noqa: E402
+
+BLOCKS, BS = 24, 4
+
+
+@pytest.fixture
+def runners(monkeypatch) -> tuple[ModelRunner, ModelRunner]:
+    monkeypatch.setenv("LLMSERVE_ATTENTION", "triton")
+    config, weights = tiny_model(torch.float32)
+    plain = ModelRunner(config, weights, BLOCKS, BS, torch.float32)
+    graphs = ModelRunner(config, weights, BLOCKS, BS, torch.float32, cuda_graphs=True)
+    assert plain.graphs is None and graphs.graphs is not None
+    return plain, graphs
+
+
+def prompts(n: int) -> list[WorkItem]:
+    """n requests with prompts of different lengths, each on its own blocks."""
+    items = []
+    for i in range(n):
+        length = 3 + 2 * i  # 3, 5, 7, ... tokens
+        table = list(range(4 * i, 4 * i + 4))  # 16 positions each
+        items.append(WorkItem(f"r{i}", list(range(10 + i, 10 + i + length)), 0, table))
+    return items
+
+
+def decode(runner: ModelRunner, items: list[WorkItem], steps: int) -> list[torch.Tensor]:
+    """Prefill, then `steps` greedy decodes; the logits of each decode step."""
+    out = []
+    runner.execute(items)  # the prefill samples each request's first token
+    for _ in range(steps):
+        out.append(runner.compute_logits(items).clone())
+        for item, token in zip(items, out[-1].argmax(-1).tolist(), strict=True):
+            item.start_position, item.token_ids = item.end_position, [token]
+            item.sample_index += 1
+    return out
+
+
+@pytest.mark.parametrize("n", [3, 5])  # padded to buckets 4 and 8
+def test_graph_decodes_give_the_ordinary_paths_logits_and_padding_touches_no_request(
+    runners, n
+) -> None:
+    plain, graphs = runners
+    expected = decode(plain, prompts(n), steps=3)
+    got = decode(graphs, prompts(n), steps=3)
+    for a, b in zip(expected, got, strict=True):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-5), (
+            (a - b).abs().max()
+        )  # batch shapes differ
+    owned = BS * 4 * n  # the requests' slots: identical KV in both pools
+    assert torch.allclose(plain.pool.k[:, :owned], graphs.pool.k[:, :owned], atol=1e-5)
+    assert graphs.pool.k[:, owned : BLOCKS * BS].abs().sum() == 0  # padding: scratch block only
+    assert graphs.graphs.captures == 1  # one bucket, made once, reused by every step
+    assert graphs.pool.num_blocks == BLOCKS + 1 and graphs.num_blocks == BLOCKS  # the scratch
+
+
+def test_the_scratch_block_is_not_one_a_request_may_own(runners) -> None:
+    _, graphs = runners
+    with pytest.raises(ValueError, match="outside the pool"):
+        graphs.compute_logits([WorkItem("x", [1], 0, [BLOCKS])])
+
+
+def test_prefills_and_mixed_steps_do_not_take_the_graph_path(runners) -> None:
+    plain, graphs = runners
+    items = prompts(2)
+    assert torch.allclose(plain.compute_logits(items), graphs.compute_logits(items), atol=1e-5)
+    assert graphs.graphs.captures == 0
