@@ -7,7 +7,7 @@ STUBS   := llmserve/v1/__init__.py
 KERNELS := .stamp-kernels
 PROTOS  := $(wildcard protos/llmserve/v1/*.proto)
 
-.PHONY: all setup stubs demo test test-fast up lint bench bench-sim bench-worker bench-overhead clean prometheus internal-token gpu-check
+.PHONY: all setup stubs demo test test-fast mutation up lint bench bench-sim bench-worker bench-overhead clean prometheus internal-token gpu-check
 
 all: setup
 
@@ -57,6 +57,13 @@ test: setup prometheus
 test-fast: setup
 	$(PYTHON) -m pytest tests -m "not slow"
 
+# Mutation testing of the modules where a wrong line silently changes behaviour, each against its
+# own fast tests, in copies under build/mutation/ (about 40 min; some: MUTATION_GROUPS=core).
+# Report: results/mutation/report.md; see docs/mutation.md. Not part of `make test`.
+MUTATION_GROUPS ?=
+mutation: setup
+	$(PYTHON) scripts/mutation.py $(MUTATION_GROUPS)
+
 # the token every internal call carries in docker compose (its secret `internal-token`): random,
 # written once, never committed. Readable by the containers' user (uid 10001), so mode 644.
 internal-token: deploy/internal-token
@@ -68,9 +75,12 @@ METRICS_BASE_PORT ?= 9400
 # the lock-step core before per-worker step loops, measured side by side by `bench core`
 CORE_BASELINE     ?= 47d2b63
 PROMETHEUS_PORT   ?= 9090
+# the gateway's OpenAI-compatible HTTP API, on vLLM's port (0 = off)
+HTTP_PORT         ?= 8000
 
 up: setup
-	$(BIN)/llmserve up --metrics-base-port $(METRICS_BASE_PORT) --prometheus-port $(PROMETHEUS_PORT)
+	$(BIN)/llmserve up --metrics-base-port $(METRICS_BASE_PORT) --prometheus-port $(PROMETHEUS_PORT) \
+	    --http-port $(HTTP_PORT)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -9,6 +9,9 @@ import dataclasses
 import grpc
 
 from gateway.auth import ApiKeyInterceptor
+from gateway.core import GatewayCore
+from gateway.http_api import HttpApi
+from gateway.http_server import HttpServer, bind
 from gateway.inflate import SERVER_OPTIONS
 from gateway.malformed import MalformedRequestInterceptor
 from gateway.metrics import GatewayMetrics
@@ -40,6 +43,9 @@ HELP = {
     "api_key_file": "a file holding the API key clients must send (else $LLMSERVE_API_KEY); an "
     "empty or unreadable file stops the gateway at start",
     "internal_token_file": INTERNAL_TOKEN_HELP,
+    "http_port": "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+    "/v1/models, /health, /tokenize, /detokenize; vLLM serves it on 8000), on --host with the "
+    "same API key, TLS and limits as gRPC; 0 = off",
 }
 
 
@@ -59,8 +65,9 @@ async def scheduler_status(stub, timeout: float = 180.0) -> scheduler_pb2.Status
         await asyncio.sleep(0.2)
 
 
-async def follow_context(stub, service: GatewayService, period: float = 5.0) -> None:
-    """Workers come and go: keep the prompt limit at the largest context of the live ones."""
+async def follow_context(stub, core: GatewayCore, period: float = 5.0) -> None:
+    """Workers come and go: keep the prompt limit at the largest context of the live ones, and
+    the model's name at theirs."""
     while True:
         await asyncio.sleep(period)
         try:
@@ -68,7 +75,7 @@ async def follow_context(stub, service: GatewayService, period: float = 5.0) -> 
         except grpc.aio.AioRpcError:
             continue
         if status.max_context > 0:
-            service.max_context = status.max_context
+            core.max_context, core.model = status.max_context, status.model
 
 
 async def serve(settings: GatewaySettings) -> None:
@@ -90,6 +97,7 @@ async def serve(settings: GatewaySettings) -> None:
         max_message_bytes=settings.max_request_bytes,
         extra_options=SERVER_OPTIONS,  # requests are inflated by MalformedRequestInterceptor
     )
+    http_socket = bind(settings.host, settings.http_port) if settings.http_port else None
     log.info(
         "API key %s; TLS %s; internal token %s",
         "required" if api_key else "off",
@@ -103,17 +111,26 @@ async def serve(settings: GatewaySettings) -> None:
     log.info(
         "scheduler %s: model %s, context %d", settings.scheduler, status.model, status.max_context
     )
-    service = GatewayService(settings, tokenizer, stub, status.max_context)
-    gateway_pb2_grpc.add_GatewayServicer_to_server(service, server.server)
+    core = GatewayCore(settings, tokenizer, stub, status.max_context, status.model)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayService(core), server.server)
     if metrics:
-        metrics.attach(service)
+        metrics.attach(core)
         metrics.serve(settings.host, settings.metrics_port)
         log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
-    follower = asyncio.create_task(follow_context(stub, service))
-    try:
-        await server.run(grace=settings.drain_timeout)
+    follower = asyncio.create_task(follow_context(stub, core))
+    http = None
+    if http_socket is not None:
+        api = HttpApi(
+            core, api_key, metrics, settings.max_request_bytes, lambda: not server.stopping.is_set()
+        )
+        http = HttpServer(api.app(), settings)
+        http.start(http_socket)
+    try:  # on SIGTERM the HTTP API drains beside the gRPC calls
+        await server.run(grace=settings.drain_timeout, before_stop=http.drain if http else None)
     finally:
         follower.cancel()
+        if http is not None:
+            await http.stopped()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,5 @@
-"""Optional API key on the public API: `authorization: Bearer KEY` or `x-api-key: KEY` metadata.
+"""Optional API key on the public API: `authorization: Bearer KEY` or `x-api-key: KEY` metadata
+(gRPC) or headers (HTTP, gateway/http_api.py).
 
 Health checks and reflection stay open so that probes work without the key.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 from llmserve.auth import Metadata, TokenInterceptor
 
 PROTECTED_SERVICE = "llmserve.v1.Gateway"
+API_KEY_REFUSAL = "missing or wrong API key: send `authorization: Bearer KEY`"
 
 
 def key_from_metadata(metadata: Metadata) -> str:
@@ -26,5 +28,5 @@ class ApiKeyInterceptor(TokenInterceptor):
             [PROTECTED_SERVICE],
             api_key,
             token_of=key_from_metadata,
-            refusal="missing or wrong API key: send `authorization: Bearer KEY`",
+            refusal=API_KEY_REFUSAL,
         )

@@ -1,8 +1,11 @@
-"""Prometheus metrics of the gateway: calls by gRPC status code, requests by finish reason,
-latencies (queue, first token, between tokens, end to end), tokens in and out, requests in flight.
+"""Prometheus metrics of the gateway: calls by method, gRPC status code and protocol, requests by
+finish reason, latencies (queue, first token, between tokens, end to end), tokens in and out,
+requests in flight.
 
 Latencies and prompt tokens count the requests that produced output; the status code counts
-every call, refused ones included.
+every call, refused ones included. Calls of the HTTP API count under their path with
+protocol="http" and the gRPC code their HTTP status stands for (gateway/http_errors.py), so that
+one `code` label reads the same for both protocols; the other families sum both protocols.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ from prometheus_client import (
 from llmserve.v1 import common_pb2
 
 if TYPE_CHECKING:
-    from gateway.service import GatewayService, Tally
+    from gateway.core import GatewayCore
+    from gateway.usage import Tally
 
 SERVICE_PREFIX = "/llmserve.v1.Gateway/"
 METHODS = ("Generate", "GenerateUnary")
+HTTP_CHAT, HTTP_COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+HTTP_METHODS = (HTTP_CHAT, HTTP_COMPLETIONS)
 LATENCY_BUCKETS = (5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_GAP_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5)
 FINISH_LABELS = {
@@ -46,8 +52,8 @@ class GatewayMetrics:
         self.registry = registry = registry or CollectorRegistry()
         self.requests = Counter(
             "llmserve_gateway_requests",
-            "Gateway calls by method and final gRPC status code",
-            ["method", "code"],
+            "Gateway calls by method, final gRPC status code and protocol (grpc, http)",
+            ["method", "code", "protocol"],
             registry=registry,
         )
         self.finished = Counter(
@@ -112,20 +118,21 @@ class GatewayMetrics:
             "holding them was lost",
             registry=registry,
         )
-        for method in METHODS:
-            for code in grpc.StatusCode:
-                self.requests.labels(method, code.name)
+        for protocol, methods in (("grpc", METHODS), ("http", HTTP_METHODS)):
+            for method in methods:
+                for code in grpc.StatusCode:
+                    self.requests.labels(method, code.name, protocol)
         for label in FINISH_LABELS.values():
             self.finished.labels(label)
 
-    # ---- hooks of GatewayService ---------------------------------------------------------
+    # ---- hooks of GatewayCore ------------------------------------------------------------
 
-    def attach(self, service: GatewayService) -> None:
-        """Set the service's hooks and follow its admission queue."""
-        service.observer = self.on_finish
-        service.on_tokens = self.on_tokens
-        self.queued_requests.set_function(lambda: service.queue.requests)
-        self.queued_tokens.set_function(lambda: service.queue.tokens)
+    def attach(self, core: GatewayCore) -> None:
+        """Set the generation path's hooks and follow its admission queue."""
+        core.observer = self.on_finish
+        core.on_tokens = self.on_tokens
+        self.queued_requests.set_function(lambda: core.queue.requests)
+        self.queued_tokens.set_function(lambda: core.queue.tokens)
 
     def on_tokens(self, tally: Tally, count: int, now: float) -> None:
         """Called as tokens arrive, before `tally` records them."""
@@ -147,6 +154,9 @@ class GatewayMetrics:
         self.queue_time.observe(tally.queue_time)
         self.e2e.observe(time.monotonic() - tally.received)
 
+    def http_call(self, path: str) -> HttpCall:
+        return HttpCall(self, path)
+
     # ---- the server side -----------------------------------------------------------------
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
@@ -155,6 +165,22 @@ class GatewayMetrics:
     def serve(self, host: str, port: int) -> None:
         disable_created_metrics()  # no `_created` series: nothing reads them
         start_http_server(port, addr=host, registry=self.registry)
+
+
+class HttpCall:
+    """One call of the HTTP API, in flight until `end(code)` (once; later calls are no-ops).
+    Without metrics it counts nothing."""
+
+    def __init__(self, metrics: GatewayMetrics | None, path: str) -> None:
+        self.metrics, self.path = metrics, path
+        if metrics is not None:
+            metrics.in_flight.inc()
+
+    def end(self, code: str) -> None:
+        metrics, self.metrics = self.metrics, None
+        if metrics is not None:
+            metrics.in_flight.dec()
+            metrics.requests.labels(self.path, code, "http").inc()
 
 
 class StatusCodeInterceptor(grpc.aio.ServerInterceptor):
@@ -188,7 +214,7 @@ class StatusCodeInterceptor(grpc.aio.ServerInterceptor):
                 raise
             finally:
                 self.metrics.in_flight.dec()
-                self.metrics.requests.labels(method, code).inc()
+                self.metrics.requests.labels(method, code, "grpc").inc()
 
         return counted
 
@@ -205,7 +231,7 @@ class StatusCodeInterceptor(grpc.aio.ServerInterceptor):
                 raise
             finally:
                 self.metrics.in_flight.dec()
-                self.metrics.requests.labels(method, code).inc()
+                self.metrics.requests.labels(method, code, "grpc").inc()
 
         return counted
 

@@ -17,6 +17,7 @@ class GatewaySettings:
     max_queued_requests: int = 256  # requests submitted but not yet admitted to a batch
     max_queued_tokens: int = 262144  # their prompt tokens
     metrics_port: int = 0  # Prometheus HTTP port; 0 = off
+    http_port: int = 0  # the OpenAI-compatible HTTP API; 0 = off
     api_key_file: str = ""  # a file holding the API key; also $LLMSERVE_API_KEY; "" = no key
     internal_token_file: str = ""  # sent to the scheduler; also $LLMSERVE_INTERNAL_TOKEN
     tls_cert: str = ""  # PEM certificate chain; with --tls-key turns TLS on

@@ -44,6 +44,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     )
     stack.start()
     print(f"gateway   {settings.gateway}   (llmserve generate --target {settings.gateway} ...)")
+    if settings.http_url:
+        print(f"http      {settings.http_url}   (OpenAI-compatible; curl .../v1/models)")
     status = f"llmserve status --target {settings.scheduler} {' '.join(settings.token_flags)}"
     print(f"scheduler {settings.scheduler}   ({status.strip()})")
     for i in range(settings.workers):

@@ -32,6 +32,7 @@ class StackSettings:
     scheduler_port: int = 50052
     worker_base_port: int = 50061
     metrics_base_port: int = 0  # 0 = no metrics; else gateway=+0, scheduler=+1, workers=+2..
+    http_port: int = 0  # the gateway's OpenAI-compatible HTTP API (vLLM's is 8000); 0 = off
     threads: int = 0  # torch threads per worker; 0 = all cores split among workers
     max_queued_requests: int = 256
     max_queued_tokens: int = 262144
@@ -47,6 +48,11 @@ class StackSettings:
     @property
     def gateway(self) -> str:
         return f"127.0.0.1:{self.gateway_port}"
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI-compatible API's base URL ("" when off)."""
+        return f"http://127.0.0.1:{self.http_port}/v1" if self.http_port else ""
 
     @property
     def scheduler(self) -> str:
@@ -140,6 +146,7 @@ class Stack:
             str(s.default_max_tokens),
             "--metrics-port",
             str(s.metrics_port(0)),
+            *(["--http-port", str(s.http_port)] if s.http_port else []),
             *s.tokenizer_flags,
             *s.token_flags,
         ]

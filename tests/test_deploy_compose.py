@@ -1,6 +1,7 @@
 """docker-compose.yml against the plain-process topology of llmserve/stack.py: validated by
 Debian's docker-compose, then its commands, ports, health checks, Prometheus targets and Grafana
-provisioning compared with what `llmserve up --workers 2 --metrics-base-port 9400` runs."""
+provisioning compared with what `llmserve up --workers 2 --metrics-base-port 9400 --http-port 8000`
+runs."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from llmserve.prometheus import DASHBOARD, stack_targets
 from llmserve.stack import Stack, StackSettings
 
 ROOT = Path(__file__).resolve().parent.parent
-SETTINGS = StackSettings(workers=2, metrics_base_port=9400)
+SETTINGS = StackSettings(workers=2, metrics_base_port=9400, http_port=8000)
 LLMSERVE = ["gateway", "scheduler", "worker0", "worker1"]
 TOKEN_SECRET = "/run/secrets/internal-token"
 
@@ -90,9 +91,11 @@ def test_compose_publishes_the_plain_process_ports_with_grpc_health_checks(compo
     commands = Stack(SETTINGS, ROOT / "results").commands()
     for name in LLMSERVE:
         service = compose["services"][name]
-        port, metrics = flags(commands[name])["--port"], flags(commands[name])["--metrics-port"]
+        given = flags(commands[name])
+        port = given["--port"]
+        ports = [port, given["--metrics-port"], given.get("--http-port")]
         published = {p.removesuffix("/tcp") for p in service["ports"]}
-        assert published == {f"127.0.0.1:{port}:{port}", f"127.0.0.1:{metrics}:{metrics}"}
+        assert published == {f"127.0.0.1:{p}:{p}" for p in ports if p}, name
         check = service["healthcheck"]["test"]
         assert check == ["CMD", "python", "-m", "llmserve.healthcheck", f"127.0.0.1:{port}"]
         assert service["build"]["context"] == str(ROOT)

@@ -4,6 +4,7 @@ phases and pool view, the gateway's status codes and latency hooks, and naming c
 from __future__ import annotations
 
 import asyncio
+import itertools
 from types import SimpleNamespace
 
 import grpc
@@ -13,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from gateway.metrics import GatewayMetrics
 from gateway.service import Tally
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2
-from scheduler_svc.config import CoreConfig, KvPolicy, WorkerSpec
+from scheduler_svc.config import CoreConfig, KvPolicy, StallReason, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.metrics import SchedulerMetrics
 from tests.sim import seq, step
@@ -27,6 +28,7 @@ LABELS = {
     "phase",
     "state",
     "method",
+    "protocol",
     "finish_reason",
     "policy",
     "mode",
@@ -154,6 +156,34 @@ def test_gateway_latency_hooks_observe_first_token_gaps_and_the_end() -> None:
     assert value("llmserve_gateway_requests_finished_total", {"finish_reason": "none"}) == 1
 
 
+def test_every_finish_reason_is_counted_under_its_own_label() -> None:
+    """One request of each reason, and one of a reason this gateway does not know (a newer
+    scheduler's): each lands on its own label, the unknown one on "none"."""
+    metrics = GatewayMetrics()
+    reasons = {
+        common_pb2.FINISH_REASON_STOP: "stop",
+        common_pb2.FINISH_REASON_LENGTH: "length",
+        common_pb2.FINISH_REASON_CANCELLED: "cancelled",
+        common_pb2.FINISH_REASON_ERROR: "error",
+        common_pb2.FINISH_REASON_UNSPECIFIED: "none",
+    }
+    expected = {}
+    for count, (reason, label) in enumerate(reasons.items(), start=1):
+        for _ in range(count):  # a different count per reason: no two labels can be swapped
+            metrics.on_finish(reason, Tally())
+        expected[label] = count
+    metrics.on_finish(99, Tally())
+    expected["none"] += 1
+    counted = {
+        s.labels["finish_reason"]: s.value
+        for family in metrics.registry.collect()
+        if family.name == "llmserve_gateway_requests_finished"
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+    assert counted == expected
+
+
 class FakeGateway(gateway_pb2_grpc.GatewayServicer):
     """Answers by prompt: "ok", "bad" (INVALID_ARGUMENT), "full" (RESOURCE_EXHAUSTED), "slow"."""
 
@@ -246,3 +276,125 @@ def test_metric_names_and_labels_follow_prometheus_conventions() -> None:
                 assert sample.name.endswith("_total"), sample.name
         if "duration" in family.name or "latency" in family.name or "time" in family.name:
             assert family.name.endswith("_seconds"), family.name
+
+
+def scheduler_scrape(core: Scheduler) -> dict[tuple[str, tuple], float]:
+    """Every sample of the scheduler's families: (name, sorted labels) -> value."""
+    metrics = SchedulerMetrics()
+    metrics.attach(SimpleNamespace(core=core, on_step=None, on_join=None))
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in metrics.registry.collect()
+        for s in family.samples
+    }
+
+
+def test_the_scheduler_families_report_the_cores_snapshot() -> None:
+    """Each snapshot figure under its own name and labels, on two workers with different
+    stalls, one failed, after a refusal and a finished request."""
+    clock = itertools.count(10.0).__next__  # each reading one second later
+    core = Scheduler(
+        CoreConfig(token_budget=16, max_running=1, chunked_prefill=False),
+        [WorkerSpec("w0", 40, 1, 4096), WorkerSpec("w1", 30, 1, 4096)],
+        clock=clock,
+    )
+    for rid in ("a", "b", "c"):
+        core.add(seq(rid, 5, 1 if rid == "a" else 20))
+    with pytest.raises(Exception, match="token budget"):
+        core.add(seq("long", 20, 1))
+    step(core)  # a (1 token: done) on w0, b on w1; c waits (max_running)
+    step(core)  # a leaves w0, c joins it
+    core.fail_worker(1)  # b back to the queue's front
+    core.clock = lambda: 30.0
+    snap = core.snapshot()
+    got = scheduler_scrape(core)
+
+    def value(name: str, **labels) -> float:
+        return got[(f"llmserve_scheduler_{name}", tuple(sorted(labels.items())))]
+
+    assert value("waiting_requests") == snap.waiting == 1
+    assert value("waiting_tokens") == snap.waiting_tokens == 5 + 2  # b's prompt and output
+    assert value("oldest_wait_seconds") == snap.oldest_wait == 30 - 11  # b arrived at 11
+    assert (value("token_budget"), value("max_running_requests")) == (16, 1)
+    assert value("info", policy="paged", mode="continuous", chunked_prefill="false") == 1
+    reasons = {r: value("admission_stalls_total", reason=r) for r in snap.stalls}
+    assert reasons == snap.stalls and sum(reasons.values()) > 0
+    head = {r.value: value("queue_head_blocked", reason=r.value) for r in StallReason}
+    assert head == {r.value: float(r.value == snap.head_wait_reason) for r in StallReason}
+    assert value("refused_requests_total", reason="token_budget") == 1
+    assert value("refused_requests_total", reason="duplicate") == 0
+    assert value("preemptions_total") == snap.preemptions == 1
+    assert value("admissions_total") == snap.admitted == 3
+    assert value("finished_requests_total") == snap.finished == 1
+    assert value("steps_total") == snap.steps
+    for kv in snap.workers:
+        w = kv.name
+        assert value("running_requests", worker=w) == kv.running
+        assert value("worker_healthy", worker=w) == float(kv.healthy)
+        assert value("worker_draining", worker=w) == 0
+        assert value("kv_capacity_positions", worker=w) == kv.capacity
+        assert value("worker_steps_total", worker=w) == kv.steps
+        for state in ("written", "reserved_unwritten", "free"):
+            assert value("kv_positions", worker=w, state=state) == getattr(kv, state)
+        for r in StallReason:
+            assert value("worker_admission_stalls_total", worker=w, reason=r.value) == (
+                kv.stalls.get(r.value, 0)
+            )
+    assert [kv.healthy for kv in snap.workers] == [True, False]
+    assert [kv.steps for kv in snap.workers] == [2, 2]
+    core.drain_worker(0)
+    assert scheduler_scrape(core)[("llmserve_scheduler_worker_draining", (("worker", "w0"),))] == 1
+
+
+class Context:
+    def __init__(self, code=None, remaining: float | None = None) -> None:
+        self._code, self._remaining = code, remaining
+
+    def code(self):
+        return self._code
+
+    def time_remaining(self):
+        return self._remaining
+
+
+@pytest.mark.parametrize(
+    ("code", "name"),
+    [
+        (None, None),
+        (grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"),
+        (grpc.StatusCode.INVALID_ARGUMENT.value[0], "INVALID_ARGUMENT"),  # as an int
+        (999, "UNKNOWN"),
+    ],
+)
+def test_the_status_code_label_is_the_codes_name(code, name) -> None:
+    from gateway.metrics import _code
+
+    assert _code(Context(code)) == name
+
+
+@pytest.mark.parametrize(
+    ("context", "err", "name"),
+    [
+        (Context(grpc.StatusCode.NOT_FOUND), RuntimeError(), "NOT_FOUND"),
+        (Context(grpc.StatusCode.OK), RuntimeError(), "UNKNOWN"),
+        (Context(None, remaining=0.0), asyncio.CancelledError(), "DEADLINE_EXCEEDED"),
+        (Context(None, remaining=0.5), asyncio.CancelledError(), "CANCELLED"),
+        (Context(None, remaining=None), GeneratorExit(), "CANCELLED"),
+        (Context(None), ValueError(), "UNKNOWN"),
+    ],
+)
+def test_a_failed_call_is_counted_under_what_ended_it(context, err, name) -> None:
+    from gateway.metrics import _failure_code
+
+    assert _failure_code(context, err) == name
+
+
+def test_the_end_to_end_latency_runs_from_the_request_received() -> None:
+    import time
+
+    metrics = GatewayMetrics()
+    tally = Tally(received=time.monotonic() - 5.0)
+    tally.first_token_at = tally.received + 1.0
+    metrics.on_finish(common_pb2.FINISH_REASON_STOP, tally)
+    total = metrics.registry.get_sample_value("llmserve_gateway_e2e_request_latency_seconds_sum")
+    assert 5.0 <= total < 6.0

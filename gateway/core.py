@@ -1,0 +1,307 @@
+"""The gateway's generation path, whatever the protocol: validate, tokenize, apply the queue
+limits, submit to the scheduler (resubmitting to a restarted one), stream text deltas back.
+
+`GatewayCore.generate` yields `Delta`s and one `Finish`, or raises `GenerationError` with a gRPC
+status code (the vocabulary of the scheduler's answers): the gRPC service passes it on as is, the
+HTTP API maps it to an HTTP status. Leaving the iteration (the client went away, its deadline
+passed) cancels the scheduler's call, which frees the request's KV at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from gateway.admission import AdmissionQueue
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.settings import GatewaySettings
+from gateway.stops import StopMatcher
+from gateway.tokenizer import Tokenizer
+from gateway.trim import trim_after
+from gateway.usage import Tally
+from gateway.validation import InputLimits, ValidatedParams, validate
+from llmserve.protocol import ACCEPTED_KEY
+from llmserve.v1 import common_pb2, scheduler_pb2
+
+log = logging.getLogger("gateway")
+RESUBMIT_PERIOD_S = 0.25  # a resubmission waiting for the scheduler tries again this often
+
+
+class ChatTurn(Protocol):
+    """A chat message: a gRPC ChatMessage, or the HTTP API's."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateInput:
+    """What a client asks for, as sent (unset = None): `validate` checks it and fills defaults.
+    Messages are converted only after their count and size are checked."""
+
+    prompt: str | None = None
+    messages: Sequence[ChatTurn] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    request_id: str  # the scheduler's key
+    reason: int  # common_pb2.FinishReason
+    usage: common_pb2.Usage
+    error: str = ""
+
+
+class GenerationError(Exception):
+    """The request ends without a result: `code` says why, `message` what to do."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class QueueFull(GenerationError):
+    """The gateway's queue limits refuse the request now; it may succeed later."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
+class GatewayCore:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        tokenizer: Tokenizer,
+        scheduler,  # SchedulerStub
+        max_context: int,
+        model: str = "",
+    ) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.max_context = max_context
+        self.model = model  # the name the workers serve, from the scheduler's status
+        self.queue = AdmissionQueue(settings.max_queued_requests, settings.max_queued_tokens)
+        self.pool = ThreadPoolExecutor(settings.tokenize_threads, thread_name_prefix="tokenize")
+        self.observer = None  # metrics hook, set by the metrics module
+        self.on_tokens = None  # metrics hook: (tally, count, now) before the tally counts them
+
+    def _limits(self) -> InputLimits:
+        s = self.settings
+        return InputLimits.for_context(
+            self.max_context, self.tokenizer.longest_token_chars, s.max_messages, s.max_prompt_chars
+        )
+
+    async def prepare(self, job: GenerateInput) -> tuple[ValidatedParams, list[int]]:
+        """Bound the request on counts alone, then validate, render and tokenize it in the pool:
+        that work grows with the request, and the event loop serves every other stream.
+        Raises ValueError (InvalidRequest, a template's refusal, invalid Unicode)."""
+        limits = self._limits()
+        if job.messages is not None:
+            limits.check_messages(len(job.messages))
+            limits.check_chars(sum(len(m.content) for m in job.messages), chat=True)
+        elif job.prompt is not None:
+            limits.check_chars(len(job.prompt))
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, self._validate_and_tokenize, job)
+
+    def _validate_and_tokenize(self, job: GenerateInput) -> tuple[ValidatedParams, list[int]]:
+        params = self._validate(job)
+        return params, self._tokenize(params)
+
+    def _validate(self, job: GenerateInput) -> ValidatedParams:
+        messages = None
+        if job.messages is not None:
+            messages = [(m.role, m.content) for m in job.messages]
+        return validate(
+            prompt=job.prompt,
+            messages=messages,
+            max_tokens=job.max_tokens,
+            temperature=job.temperature,
+            top_p=job.top_p,
+            top_k=job.top_k,
+            stop=list(job.stop),
+            max_context=self.max_context,
+            default_max_tokens=self.settings.default_max_tokens,
+        )
+
+    def _tokenize(self, params: ValidatedParams) -> list[int]:
+        if params.messages is not None:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": r, "content": c} for r, c in params.messages]
+            )
+        else:
+            text = params.prompt or ""
+        # a rendered chat spells its special tokens (BOS too); a plain prompt gets the tokenizer's
+        ids = self.tokenizer.encode(text, add_special_tokens=params.messages is None)
+        trim_after(len(text))
+        return ids
+
+    def _check_admission(self, prompt_ids: list[int]) -> None:
+        """Raise unless the prompt can run and the queue limits take it now."""
+        if not prompt_ids:
+            raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt has no tokens")
+        if len(prompt_ids) >= self.max_context:  # before the queue limit: it can never run
+            raise GenerationError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt of {len(prompt_ids)} tokens leaves no room to generate within the "
+                f"model's context of {self.max_context} tokens; shorten the prompt",
+            )
+        refusal = self.queue.refusal(len(prompt_ids))
+        if refusal:
+            raise QueueFull(refusal)
+
+    async def generate(
+        self,
+        job: GenerateInput,
+        time_remaining: Callable[[], float | None],
+        rid: str = "",
+    ) -> AsyncIterator[Delta | Finish]:
+        """Deltas of text (with their token ids), then one Finish; or GenerationError.
+        `time_remaining`: seconds left before the client's deadline (None: no deadline).
+        `rid`: the scheduler's key (default: a new one); never a client's id, which may collide."""
+        tally = Tally()
+        rid = rid or uuid.uuid4().hex
+        # refusals are raised where they are made, never held in a local: an exception held
+        # by the frame its traceback holds is a cycle, which kept a refused request (a 0.8 MB
+        # chat parses into 100k messages) until a full garbage collection
+        try:
+            params, prompt_ids = await self.prepare(job)
+        except ValueError as err:  # InvalidRequest, a template's refusal, invalid Unicode
+            invalid = str(err) or type(err).__name__
+        else:
+            invalid = None
+        if invalid is not None:
+            raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, invalid)
+        self._check_admission(prompt_ids)
+        tally.prompt_tokens = len(prompt_ids)
+        submit = scheduler_pb2.SubmitRequest(
+            request_id=rid,
+            prompt_token_ids=prompt_ids,
+            sampling=common_pb2.SamplingParams(
+                max_tokens=params.max_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                ignore_eos=job.ignore_eos,
+                seed=job.seed,
+            ),
+        )
+        self.queue.enter(len(prompt_ids))
+        queued = True
+        call = self.scheduler.Submit(submit, timeout=time_remaining())
+        detok = IncrementalDetokenizer(
+            self.tokenizer, skip_special_tokens=True, prompt_ids=prompt_ids
+        )
+        stops = StopMatcher(list(params.stop))
+        finish = common_pb2.FINISH_REASON_UNSPECIFIED
+        error = ""
+        streamed: list[int] = []  # every token received: a resubmission resumes after them
+        resume_by: float | None = None  # resubmitting: the scheduler must be back by then
+        try:
+            while True:
+                try:
+                    async for event in call:
+                        if event.admitted and queued:
+                            self.queue.leave(len(prompt_ids))
+                            queued = False
+                            tally.queue_time = event.queue_time_s
+                        if event.token_ids:
+                            now = time.monotonic()
+                            if self.on_tokens is not None:
+                                self.on_tokens(tally, len(event.token_ids), now)
+                            tally.first_token_at = tally.first_token_at or now
+                            tally.last_token_at = now
+                            tally.completion_tokens += len(event.token_ids)
+                            streamed += event.token_ids
+                            text, hit = stops.push(detok.push(list(event.token_ids)))
+                            yield Delta(text, list(event.token_ids))
+                            if hit:
+                                finish = common_pb2.FINISH_REASON_STOP
+                                call.cancel()
+                                break
+                        if event.finish_reason:
+                            finish, error, tally.preemptions = (
+                                event.finish_reason,
+                                event.error,
+                                event.preemptions,
+                            )
+                    break
+                except grpc.aio.AioRpcError as err:
+                    if not await _scheduler_lost(call, err, resume_by is not None):
+                        raise
+                    if len(streamed) >= params.max_tokens:  # only its end was lost
+                        finish = common_pb2.FINISH_REASON_LENGTH
+                        break
+                    now = time.monotonic()
+                    if resume_by is None or await _accepted(call):
+                        resume_by = now + self.settings.resubmit_timeout
+                        why = err.code().name
+                        log.warning("request %s: scheduler lost (%s); resubmitting", rid, why)
+                    elif now > resume_by:
+                        raise
+                    else:
+                        await asyncio.sleep(RESUBMIT_PERIOD_S)
+                    tally.resubmits += 1
+                    del submit.resume_token_ids[:]
+                    submit.resume_token_ids.extend(streamed)
+                    call = self.scheduler.Submit(submit, timeout=time_remaining())
+            if finish == common_pb2.FINISH_REASON_ERROR:
+                raise GenerationError(grpc.StatusCode.UNAVAILABLE, error or "generation failed")
+            if not stops.stopped:
+                tail, _ = stops.push(detok.flush())
+                tail += stops.flush()
+                if tail:
+                    yield Delta(tail, [])
+        except (asyncio.CancelledError, GeneratorExit):  # the client left, or its deadline passed
+            finish = common_pb2.FINISH_REASON_CANCELLED
+            raise
+        except grpc.aio.AioRpcError as err:
+            if err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:  # the client's own deadline
+                finish = common_pb2.FINISH_REASON_CANCELLED
+            details = err.details() or "the scheduler failed"
+            if err.code() is grpc.StatusCode.UNAVAILABLE:  # e.g. "Socket closed": say where
+                details = f"the scheduler is unavailable or has no worker ({details}); retry"
+            raise GenerationError(err.code(), details) from None
+        finally:
+            if queued:
+                self.queue.leave(len(prompt_ids))
+            call.cancel()
+            if self.observer is not None:
+                self.observer(finish, tally)
+        yield Finish(rid, finish, tally.usage(), error)
+
+
+async def _accepted(call) -> bool:
+    """Did the scheduler take this call's request (it says so in its first metadata)?"""
+    metadata = await call.initial_metadata()
+    return any(key == ACCEPTED_KEY for key, _ in metadata or ())
+
+
+async def _scheduler_lost(call, err: grpc.aio.AioRpcError, resubmitting: bool) -> bool:
+    """The scheduler went away (killed, restarted, stopped past its drain) while it held this
+    request, or while a resubmission waits for it to come back: resubmit. A refusal of a new
+    request, or an answer from a live scheduler, is the client's."""
+    if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return False
+    return resubmitting or await _accepted(call)

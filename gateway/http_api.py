@@ -1,0 +1,340 @@
+"""The OpenAI-compatible HTTP API of the gateway (Starlette): completions and chat completions
+(whole, or streamed as server-sent events), models, health, tokenize and detokenize.
+
+It serves through the same generation path as the gRPC API (gateway/core.py): the same
+validation, queue limits, API key and metrics. A client that disconnects cancels its request,
+which frees its KV at the next step; `x-request-timeout: SECONDS` is its deadline (gRPC's is the
+call's), past which it gets 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import math
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import TypeVar
+
+import grpc
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from gateway.auth import API_KEY_REFUSAL, key_from_metadata
+from gateway.core import Delta, Finish, GatewayCore, GenerationError
+from gateway.http_errors import DEADLINE_HEADER, ApiError, from_generation
+from gateway.metrics import HTTP_CHAT, HTTP_COMPLETIONS, GatewayMetrics, HttpCall
+from gateway.openai_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Sampling,
+    TokenizeRequest,
+)
+from gateway.openai_responses import DONE, Reply, event
+from llmserve.v1 import scheduler_pb2
+
+T = TypeVar("T")
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+HEALTH_TIMEOUT_S = 2.0
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer began."""
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose request is cancelled and whose call is counted however the
+    response ends: the client may leave before its body begins, and a body that never began
+    never runs its own cleanup."""
+
+    def __init__(self, chunks: AsyncGenerator[bytes, None], events: AsyncGenerator, call: HttpCall):
+        super().__init__(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.chunks, self.events, self.call = chunks, events, call
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.chunks.aclose()
+            await self.events.aclose()
+            self.call.end("CANCELLED")  # a no-op once the stream has ended
+
+
+class HttpApi:
+    def __init__(
+        self,
+        core: GatewayCore,
+        api_key: str = "",
+        metrics: GatewayMetrics | None = None,
+        max_body_bytes: int = 1 << 20,
+        serving: Callable[[], bool] = lambda: True,  # False once the gateway drains
+    ) -> None:
+        self.core = core
+        self.api_key = api_key.encode()
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.serving = serving
+        self.started = int(time.time())
+
+    def app(self) -> Starlette:
+        routes = [
+            Route(HTTP_CHAT, self.chat_completions, methods=["POST"]),
+            Route(HTTP_COMPLETIONS, self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+        ]
+        handlers = {HTTPException: _route_error, ApiError: _api_error, Exception: _server_error}
+        return Starlette(routes=routes, exception_handlers=handlers)
+
+    # ---- generation ----------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, HTTP_CHAT, ChatCompletionRequest)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, HTTP_COMPLETIONS, CompletionRequest)
+
+    async def _generate(self, request: Request, path: str, kind: type[Sampling]) -> Response:
+        call = self.metrics.http_call(path) if self.metrics else HttpCall(None, path)
+        try:
+            self._authorize(request)
+            body = kind.parse(await self._body(request))
+            self._check_model(body.model)
+            job = body.generate_input()
+            reply = Reply(path == HTTP_CHAT, self.core.model, body.stream and body.include_usage)
+            events = self.core.generate(job, _time_remaining(request), rid=reply.id)
+            if body.stream:  # refusals come before the first event: they get their status
+                first = await _unless_gone(request, anext(events))
+                return EventStream(self._stream(reply, first, events, call), events, call)
+            text, finish = await _unless_gone(request, _collect(events))
+        except GenerationError as err:
+            return _failed(call, from_generation(err))
+        except ApiError as err:
+            return _failed(call, err)
+        except ClientGone:
+            call.end("CANCELLED")
+            return Response(status_code=499)
+        except BaseException as err:  # a failure of the gateway (500), or its shutdown
+            call.end("CANCELLED" if isinstance(err, asyncio.CancelledError) else "INTERNAL")
+            raise
+        call.end("OK")
+        return JSONResponse(reply.whole(text, finish))
+
+    async def _stream(
+        self, reply: Reply, first: Delta | Finish, events: AsyncGenerator, call: HttpCall
+    ) -> AsyncGenerator[bytes, None]:
+        code = "CANCELLED"  # until it ends otherwise: the client left
+        try:
+            async with aclosing(events):
+                if reply.chat:
+                    yield reply.chunk("", role=True)
+                item = first
+                while isinstance(item, Delta):
+                    if item.text:
+                        yield reply.chunk(item.text)
+                    item = await anext(events)
+                yield reply.chunk(None, finish=item)
+                if reply.include_usage:
+                    yield reply.usage_chunk(item)
+            code = "OK"
+        except GenerationError as err:  # after the first event: the status is sent already
+            failure = from_generation(err)
+            code = failure.code.name
+            yield event(failure.body())
+        finally:
+            call.end(code)
+        yield DONE
+
+    # ---- models, health, tokens ----------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._authorize(request)
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    async def health(self, request: Request) -> Response:
+        """200 while the gateway serves and its scheduler has a worker; else 503. Open without
+        the API key, as gRPC health is, so that probes need no secret."""
+        if not self.serving():
+            raise ApiError(grpc.StatusCode.UNAVAILABLE, "the gateway is stopping")
+        try:
+            status = await self.core.scheduler.Status(
+                scheduler_pb2.StatusRequest(), timeout=HEALTH_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as err:
+            message = f"the scheduler is unavailable ({err.code().name}: {err.details()})"
+            raise ApiError(grpc.StatusCode.UNAVAILABLE, message) from None
+        if status.max_context == 0:
+            raise ApiError(grpc.StatusCode.UNAVAILABLE, "the scheduler has no healthy worker")
+        return Response(status_code=200)
+
+    async def tokenize(self, request: Request) -> Response:
+        """The token ids a completion (`prompt`) or chat completion (`messages`, rendered with
+        the chat template) of this text would start from: `count` is its usage.prompt_tokens."""
+        self._authorize(request)
+        body = TokenizeRequest.parse(await self._body(request))
+        self._check_model(body.model)
+        try:
+            _, ids = await self.core.prepare(body.generate_input())
+        except ValueError as err:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        return JSONResponse(
+            {"count": len(ids), "max_model_len": self.core.max_context, "tokens": ids}
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        self._authorize(request)
+        body = DetokenizeRequest.parse(await self._body(request))
+        self._check_model(body.model)
+        vocab = self.core.tokenizer.vocab_size
+        outside = [t for t in body.tokens if not 0 <= t < vocab]
+        if outside:
+            message = f"token id {outside[0]} is outside the vocabulary 0..{vocab - 1}"
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param="tokens")
+        loop = asyncio.get_running_loop()
+        text = await loop.run_in_executor(self.core.pool, self.core.tokenizer.decode, body.tokens)
+        return JSONResponse({"prompt": text})
+
+    # ---- the checks every route shares -----------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        """`Authorization: Bearer KEY` (or `x-api-key: KEY`), as on gRPC."""
+        if not self.api_key:
+            return
+        given = key_from_metadata(tuple(request.headers.items())).encode()
+        if not hmac.compare_digest(given, self.api_key):
+            raise ApiError(grpc.StatusCode.UNAUTHENTICATED, API_KEY_REFUSAL)
+
+    async def _body(self, request: Request) -> bytes:
+        """The body, refused (413) past --max-request-bytes before more of it is read."""
+        limit = self.max_body_bytes
+        too_large = ApiError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the request body is larger than {limit} bytes (the gateway's --max-request-bytes)",
+            status=413,
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.core.model:
+            raise ApiError(
+                grpc.StatusCode.NOT_FOUND,
+                f"the model `{name}` does not exist: this server serves `{self.core.model}`",
+                param="model",
+            )
+
+    def _model_card(self) -> dict:
+        return {
+            "id": self.core.model,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "llmserve",
+            "max_model_len": self.core.max_context,
+        }
+
+
+def _time_remaining(request: Request) -> Callable[[], float | None]:
+    """Seconds left before the request's deadline (its x-request-timeout header); None: none."""
+    header = request.headers.get(DEADLINE_HEADER)
+    if header is None:
+        return lambda: None
+    try:
+        seconds = float(header)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ApiError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{DEADLINE_HEADER} is {header!r}; it must be a positive number of seconds",
+            param=DEADLINE_HEADER,
+        )
+    deadline = time.monotonic() + seconds
+    return lambda: deadline - time.monotonic()
+
+
+async def _collect(events: AsyncIterator[Delta | Finish]) -> tuple[str, Finish]:
+    text = []
+    async with aclosing(events):
+        async for item in events:
+            if isinstance(item, Finish):
+                return "".join(text), item
+            text.append(item.text)
+    raise GenerationError(grpc.StatusCode.INTERNAL, "the generation ended without a result")
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; cancelled (its request with it) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        done, _ = await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        task.cancel()  # a no-op once it is done
+    if task not in done:
+        await asyncio.wait((task,))  # its cleanup (the scheduler's call cancelled) runs now
+        raise ClientGone
+    error = task.exception()
+    if error is None:
+        return task.result()
+    task = None  # it holds the error, whose traceback holds this frame: no cycle
+    try:
+        raise error
+    finally:
+        error = None
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _failed(call: HttpCall, err: ApiError) -> Response:
+    call.end(err.code.name)
+    return err.response()
+
+
+async def _api_error(request: Request, err: Exception) -> Response:
+    assert isinstance(err, ApiError)
+    return err.response()
+
+
+async def _route_error(request: Request, err: Exception) -> Response:
+    """The router's 404 and 405, in OpenAI's shape."""
+    assert isinstance(err, HTTPException)
+    where = f"{request.method} {request.url.path}"
+    if err.status_code == 405:
+        code, message = grpc.StatusCode.UNIMPLEMENTED, f"{where}: method not allowed"
+    elif err.status_code == 404:
+        code, message = grpc.StatusCode.NOT_FOUND, f"{where}: no such route"
+    else:
+        code, message = grpc.StatusCode.UNKNOWN, f"{where}: {err.detail}"
+    return ApiError(code, message, status=err.status_code).response()
+
+
+async def _server_error(request: Request, err: Exception) -> Response:
+    """A failure of the gateway itself (its traceback is logged): 500, in OpenAI's shape."""
+    message = f"the gateway failed ({type(err).__name__}); see its log"
+    return ApiError(grpc.StatusCode.INTERNAL, message).response()
