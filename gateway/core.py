@@ -13,9 +13,9 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
@@ -29,6 +29,7 @@ from gateway.trim import trim_after
 from gateway.usage import Tally
 from gateway.validation import InputLimits, ValidatedParams, validate
 from llmserve.protocol import ACCEPTED_KEY
+from llmserve.sampling_checks import sampling_problem
 from llmserve.v1 import common_pb2, scheduler_pb2
 
 log = logging.getLogger("gateway")
@@ -56,12 +57,21 @@ class GenerateInput:
     seed: int | None = None
     stop: Sequence[str] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    stop_token_ids: Sequence[int] = ()
+    min_tokens: int = 0
+    logit_bias: Mapping[int, float] | None = None
+    logprobs: int | None = None  # top alternatives with each token's logprob; None: no logprobs
 
 
 @dataclass(frozen=True, slots=True)
 class Delta:
     text: str
     token_ids: list[int]
+    logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)  # when asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,8 +215,19 @@ class GatewayCore:
                 top_k=params.top_k,
                 ignore_eos=job.ignore_eos,
                 seed=job.seed,
+                min_p=job.min_p,
+                presence_penalty=job.presence_penalty,
+                frequency_penalty=job.frequency_penalty,
+                repetition_penalty=job.repetition_penalty,
+                stop_token_ids=job.stop_token_ids,
+                min_tokens=job.min_tokens,
+                logit_bias=job.logit_bias,
+                logprobs=job.logprobs,
             ),
         )
+        invalid = sampling_problem(submit.sampling)
+        if invalid is not None:
+            raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, invalid)
         self.queue.enter(len(prompt_ids))
         queued = True
         call = self.scheduler.Submit(submit, timeout=time_remaining())
@@ -235,7 +256,7 @@ class GatewayCore:
                             tally.completion_tokens += len(event.token_ids)
                             streamed += event.token_ids
                             text, hit = stops.push(detok.push(list(event.token_ids)))
-                            yield Delta(text, list(event.token_ids))
+                            yield Delta(text, list(event.token_ids), list(event.logprobs))
                             if hit:
                                 finish = common_pb2.FINISH_REASON_STOP
                                 call.cancel()

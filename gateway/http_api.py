@@ -35,7 +35,7 @@ from gateway.openai_requests import (
     Sampling,
     TokenizeRequest,
 )
-from gateway.openai_responses import DONE, Reply, event
+from gateway.openai_responses import DONE, Reply, event, logprobs_body
 from llmserve.v1 import scheduler_pb2
 
 T = TypeVar("T")
@@ -110,11 +110,17 @@ class HttpApi:
             self._check_model(body.model)
             job = body.generate_input()
             reply = Reply(path == HTTP_CHAT, self.core.model, body.stream and body.include_usage)
-            events = self.core.generate(job, _time_remaining(request), rid=reply.id)
+            remaining = _time_remaining(request)
+            streams = [
+                self.core.generate(job, remaining, rid=f"{reply.id}-{i}" if i else reply.id)
+                for i, job in enumerate(body.choices(job))
+            ]
             if body.stream:  # refusals come before the first event: they get their status
+                events = _merged(streams)
                 first = await _unless_gone(request, anext(events))
-                return EventStream(self._stream(reply, first, events, call), events, call)
-            text, finish = await _unless_gone(request, _collect(events))
+                chunks = self._stream(reply, len(streams), first, events, call)
+                return EventStream(chunks, events, call)
+            results = await _unless_gone(request, _collect_all(streams))
         except GenerationError as err:
             return _failed(call, from_generation(err))
         except ApiError as err:
@@ -126,24 +132,44 @@ class HttpApi:
             call.end("CANCELLED" if isinstance(err, asyncio.CancelledError) else "INTERNAL")
             raise
         call.end("OK")
-        return JSONResponse(reply.whole(text, finish))
+        return JSONResponse(
+            reply.whole([(t, f, self._logprobs(reply, ids, lps)) for t, f, ids, lps in results])
+        )
+
+    def _logprobs(self, reply: Reply, ids: list[int], logprobs: list, offset: int = 0):
+        decode = self.core.tokenizer.decode
+        return logprobs_body(reply.chat, ids, logprobs, lambda t: decode([t]), offset)
 
     async def _stream(
-        self, reply: Reply, first: Delta | Finish, events: AsyncGenerator, call: HttpCall
+        self,
+        reply: Reply,
+        n: int,
+        first: tuple[int, Delta | Finish],
+        events: AsyncGenerator,
+        call: HttpCall,
     ) -> AsyncGenerator[bytes, None]:
+        """The chunks of n choices, each with its index, as their tokens come."""
         code = "CANCELLED"  # until it ends otherwise: the client left
         try:
             async with aclosing(events):
                 if reply.chat:
-                    yield reply.chunk("", role=True)
-                item = first
-                while isinstance(item, Delta):
-                    if item.text:
-                        yield reply.chunk(item.text)
-                    item = await anext(events)
-                yield reply.chunk(None, finish=item)
+                    for index in range(n):
+                        yield reply.chunk("", role=True, index=index)
+                (index, item), offsets, finishes = first, [0] * n, {}
+                while True:
+                    if isinstance(item, Finish):
+                        finishes[index] = item
+                        yield reply.chunk(None, finish=item, index=index)
+                        if len(finishes) == n:
+                            break
+                    elif item.text or item.logprobs:
+                        at = offsets[index]
+                        logprobs = self._logprobs(reply, item.token_ids, item.logprobs, at)
+                        yield reply.chunk(item.text, logprobs=logprobs, index=index)
+                        offsets[index] += len(item.text)
+                    index, item = await anext(events)
                 if reply.include_usage:
-                    yield reply.usage_chunk(item)
+                    yield reply.usage_chunk([finishes[i] for i in range(n)])
             code = "OK"
         except GenerationError as err:  # after the first event: the status is sent already
             failure = from_generation(err)
@@ -273,14 +299,66 @@ def _time_remaining(request: Request) -> Callable[[], float | None]:
     return lambda: deadline - time.monotonic()
 
 
-async def _collect(events: AsyncIterator[Delta | Finish]) -> tuple[str, Finish]:
-    text = []
+async def _collect(events: AsyncIterator[Delta | Finish]) -> tuple[str, Finish, list, list]:
+    """The whole text, the finish, the token ids and their logprobs (when asked)."""
+    text, ids, logprobs = [], [], []
     async with aclosing(events):
         async for item in events:
             if isinstance(item, Finish):
-                return "".join(text), item
+                return "".join(text), item, ids, logprobs
             text.append(item.text)
+            ids += item.token_ids
+            logprobs += item.logprobs
     raise GenerationError(grpc.StatusCode.INTERNAL, "the generation ended without a result")
+
+
+async def _merged(
+    streams: list[AsyncGenerator[Delta | Finish, None]],
+) -> AsyncGenerator[tuple[int, Delta | Finish], None]:
+    """(choice index, event) of several streams as they come; a failure of one is raised (and
+    closing this closes them all)."""
+    if len(streams) == 1:  # the usual case: no task, no queue
+        async with aclosing(streams[0]) as events:
+            async for item in events:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Delta | Finish | Exception]] = asyncio.Queue()
+
+    async def pump(index: int, events: AsyncGenerator[Delta | Finish, None]) -> None:
+        try:
+            async with aclosing(events):
+                async for item in events:
+                    queue.put_nowait((index, item))
+        except Exception as err:  # GenerationError and the like: the merged stream raises it
+            queue.put_nowait((index, err))
+
+    tasks = [asyncio.ensure_future(pump(i, events)) for i, events in enumerate(streams)]
+    try:
+        finished = 0
+        while finished < len(tasks):
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            finished += isinstance(item, Finish)
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()  # a no-op once it is done
+        await asyncio.wait(tasks)  # their cleanup (the scheduler's calls cancelled) runs now
+
+
+async def _collect_all(streams: list[AsyncIterator[Delta | Finish]]) -> list[tuple]:
+    """Each stream collected, concurrently; the first failure cancels the others."""
+    tasks = [asyncio.ensure_future(_collect(events)) for events in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()  # a no-op once it is done
+        await asyncio.wait(tasks)  # their cleanup (the scheduler's calls cancelled) runs now
+        for task in tasks:
+            if not task.cancelled():
+                task.exception()  # retrieved: a second failure is not logged as lost
 
 
 async def _unless_gone(request: Request, work: Awaitable[T]) -> T:

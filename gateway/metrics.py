@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from prometheus_client import (
@@ -21,10 +22,9 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    disable_created_metrics,
-    start_http_server,
 )
 
+from llmserve.metrics_http import serve_metrics
 from llmserve.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from gateway.usage import Tally
 
 SERVICE_PREFIX = "/llmserve.v1.Gateway/"
+UNCOUNTED = {"Status"}  # a status poll is not a request: it stays out of the request metrics
 METHODS = ("Generate", "GenerateUnary")
 HTTP_CHAT, HTTP_COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 HTTP_METHODS = (HTTP_CHAT, HTTP_COMPLETIONS)
@@ -162,9 +163,8 @@ class GatewayMetrics:
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         return [StatusCodeInterceptor(self)]
 
-    def serve(self, host: str, port: int) -> None:
-        disable_created_metrics()  # no `_created` series: nothing reads them
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int) -> WSGIServer:
+        return serve_metrics(self.registry, host, port)
 
 
 class HttpCall:
@@ -192,9 +192,9 @@ class StatusCodeInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         name: str = handler_call_details.method
-        if handler is None or not name.startswith(SERVICE_PREFIX):
-            return handler
         method = name.removeprefix(SERVICE_PREFIX)
+        if handler is None or not name.startswith(SERVICE_PREFIX) or method in UNCOUNTED:
+            return handler
         if handler.unary_stream is not None:
             return handler._replace(unary_stream=self._stream(method, handler.unary_stream))
         if handler.unary_unary is not None:

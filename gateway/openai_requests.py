@@ -5,6 +5,7 @@ the same for HTTP and gRPC; what is checked here is what JSON can say and protob
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import grpc
@@ -12,23 +13,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.core import GenerateInput
 from gateway.http_errors import ApiError
+from llmserve.sampling_checks import MAX_LOGPROBS
 
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
+MAX_CHOICES = 16  # n: choices from one prompt
 TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union members
 # Sampling fields of OpenAI's API (and vLLM's) that the gateway does not implement yet, with
 # their neutral values: a request that sets one to anything else is refused, not served as if
 # it had not asked (a client reading logprobs that never come, a penalty silently off).
 NOT_YET: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "min_p": (None, 0),
-    "min_tokens": (None, 0),
-    "logprobs": (None, 0),  # chat: false; completions: 0
-    "top_logprobs": (None, 0),
-    "logit_bias": (None, {}),
-    "stop_token_ids": (None, []),
     "best_of": (None, 1),
     "echo": (None, 0),
     "suffix": (None, ""),
@@ -97,15 +91,14 @@ class Sampling(Body):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # an extension, as in vLLM
 
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    min_p: Any = None
-    min_tokens: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    logit_bias: Any = None
-    stop_token_ids: Any = None
+    # ranges are checked with the gRPC API's (llmserve/sampling_checks.py)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # an extension, as in vLLM
+    min_p: float | None = None  # an extension, as in vLLM
+    min_tokens: int | None = Field(None, ge=0, le=U32_MAX)  # an extension, as in vLLM
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias
+    stop_token_ids: list[int] | None = None  # an extension, as in vLLM
     best_of: Any = None
     echo: Any = None
     suffix: Any = None
@@ -115,10 +108,10 @@ class Sampling(Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def check_supported(self) -> None:
-        if self.n not in (None, 1):
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
             raise ApiError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"n is {self.n}; only n=1 (one choice per request) is supported for now",
+                f"n is {self.n}; it must be in [1, {MAX_CHOICES}]",
                 param="n",
             )
         for name, neutral in NOT_YET.items():
@@ -128,6 +121,18 @@ class Sampling(Body):
                     f"{name} is not supported yet; leave it out (or at {neutral[1]!r})",
                     param=name,
                 )
+
+    def top_logprobs_asked(self) -> int | None:
+        """Alternatives to return with each token's logprob; None: no logprobs."""
+        return None
+
+    def choices(self, job: GenerateInput) -> list[GenerateInput]:
+        """One request per choice; seeded ones get seed, seed + 1, ...: reproducible, distinct."""
+        if (self.n or 1) == 1:
+            return [job]
+        if job.seed is None:
+            return [job] * (self.n or 1)
+        return [replace(job, seed=(job.seed + i) % (U64_MAX + 1)) for i in range(self.n or 1)]
 
     def sampling(self, max_tokens: int | None) -> dict[str, Any]:
         """The GenerateInput fields of the sampling settings."""
@@ -140,12 +145,33 @@ class Sampling(Body):
             seed=self.seed,
             stop=stop,
             ignore_eos=self.ignore_eos,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty,
+            stop_token_ids=_token_ids(self.stop_token_ids or [], "stop_token_ids"),
+            min_tokens=self.min_tokens or 0,
+            logit_bias=_logit_bias(self.logit_bias or {}),
+            logprobs=self.top_logprobs_asked(),
         )
 
 
 class ChatCompletionRequest(Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def top_logprobs_asked(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ApiError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "top_logprobs needs logprobs set to true",
+                    param="top_logprobs",
+                )
+            return None
+        return self.top_logprobs or 0
 
     def generate_input(self) -> GenerateInput:
         self.check_supported()
@@ -157,6 +183,10 @@ class ChatCompletionRequest(Sampling):
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     def generate_input(self) -> GenerateInput:
         self.check_supported()
@@ -187,6 +217,27 @@ class TokenizeRequest(Body):
 class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[int]
+
+
+def _token_ids(ids: list[int], param: str) -> list[int]:
+    if any(not 0 <= i <= U32_MAX for i in ids):
+        message = f"{param} holds an id that is not a token id (0 or more)"
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param=param)
+    return ids
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's keys are token ids written as strings."""
+    try:
+        out = {int(key): value for key, value in bias.items()}
+    except ValueError:
+        raise ApiError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "logit_bias keys must be token ids (integers as strings)",
+            param="logit_bias",
+        ) from None
+    _token_ids(list(out), "logit_bias")
+    return out
 
 
 def _invalid(err: ValidationError) -> ApiError:

@@ -3,9 +3,11 @@ or as the chunks of a stream (server-sent events ending in `data: [DONE]`)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.core import Finish
@@ -26,6 +28,51 @@ def usage(finish: Finish) -> dict[str, int]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+
+
+def usage_of(finishes: Sequence[Finish]) -> dict[str, int]:
+    """The usage of choices from one prompt: the prompt once, every choice's tokens."""
+    total = usage(finishes[0])
+    total["completion_tokens"] = sum(f.usage.completion_tokens for f in finishes)
+    total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+    return total
+
+
+def logprobs_body(
+    chat: bool,
+    token_ids: Sequence[int],
+    logprobs: Sequence[common_pb2.TokenLogprobs],
+    text_of: Callable[[int], str],
+    offset: int = 0,
+) -> dict | None:
+    """OpenAI's logprobs of some tokens (None when none were asked): chat's `content` list, or
+    completions' parallel lists (`text_offset` counts from `offset`, the text before them). A
+    token's text is its own decoding (a part of a character shows as U+FFFD)."""
+    if not logprobs:
+        return None
+    texts = [text_of(t) for t in token_ids]
+    tops = [
+        [(text_of(i), v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
+        for lp in logprobs
+    ]
+    if chat:
+        return {
+            "content": [
+                _entry(text, lp.logprob) | {"top_logprobs": [_entry(t, v) for t, v in top]}
+                for text, lp, top in zip(texts, logprobs, tops, strict=True)
+            ]
+        }
+    offsets = list(itertools.accumulate((len(t) for t in texts[:-1]), initial=offset))
+    return {
+        "tokens": texts,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [dict(top) for top in tops],
+        "text_offset": offsets,
+    }
+
+
+def _entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 def event(body: dict) -> bytes:
@@ -56,19 +103,31 @@ class Reply:
             kind = "text_completion"
         return {"id": self.public_id, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish: Finish) -> dict:
-        """A response that is not streamed."""
-        choice: dict = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice |= {"logprobs": None, "finish_reason": finish_reason(finish)}
-        return self._head(chunk=False) | {"choices": [choice], "usage": usage(finish)}
+    def whole(self, results: Sequence[tuple[str, Finish, dict | None]]) -> dict:
+        """A response that is not streamed: one choice per (text, finish, logprobs)."""
+        choices = []
+        for index, (text, finish, logprobs) in enumerate(results):
+            choice: dict = {"index": index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice |= {"logprobs": logprobs, "finish_reason": finish_reason(finish)}
+            choices.append(choice)
+        total = usage_of([finish for _, finish, _ in results])
+        return self._head(chunk=False) | {"choices": choices, "usage": total}
 
-    def chunk(self, text: str | None, finish: Finish | None = None, role: bool = False) -> bytes:
-        """A streamed chunk: text (None: only the role, or only the finish reason)."""
-        choice: dict = {"index": 0}
+    def chunk(
+        self,
+        text: str | None,
+        finish: Finish | None = None,
+        role: bool = False,
+        logprobs: dict | None = None,
+        index: int = 0,
+    ) -> bytes:
+        """A streamed chunk of choice `index`: text (None: only the role, or only the finish
+        reason)."""
+        choice: dict = {"index": index}
         if self.chat:
             delta: dict = {"role": "assistant"} if role else {}
             if text is not None:
@@ -76,11 +135,11 @@ class Reply:
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
-        choice |= {"logprobs": None, "finish_reason": finish and finish_reason(finish)}
+        choice |= {"logprobs": logprobs, "finish_reason": finish and finish_reason(finish)}
         body = self._head(chunk=True) | {"choices": [choice]}
         if self.include_usage:
             body["usage"] = None
         return event(body)
 
-    def usage_chunk(self, finish: Finish) -> bytes:
-        return event(self._head(chunk=True) | {"choices": [], "usage": usage(finish)})
+    def usage_chunk(self, finishes: Sequence[Finish]) -> bytes:
+        return event(self._head(chunk=True) | {"choices": [], "usage": usage_of(finishes)})

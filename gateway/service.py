@@ -13,6 +13,8 @@ from llmserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 __all__ = ["GatewayService", "Tally", "generate_input"]
 
+STATUS_TIMEOUT_S = 10.0  # a Status call without a deadline waits for the scheduler this long
+
 
 def generate_input(request: gateway_pb2.GenerateRequest) -> GenerateInput:
     """The request as the core takes it; chat messages stay protobuf until their count and size
@@ -29,6 +31,14 @@ def generate_input(request: gateway_pb2.GenerateRequest) -> GenerateInput:
         seed=s.seed if s.HasField("seed") else None,
         stop=s.stop,
         ignore_eos=s.ignore_eos,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
+        stop_token_ids=s.stop_token_ids,
+        min_tokens=s.min_tokens,
+        logit_bias=dict(s.logit_bias),
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
     )
 
 
@@ -41,12 +51,13 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             yield message
 
     async def GenerateUnary(self, request, context):
-        text, ids = [], []
+        text, ids, logprobs = [], [], []
         final = None
         async for message in self._generate(request, context):
             if message.HasField("delta"):
                 text.append(message.delta.text)
                 ids.extend(message.delta.token_ids)
+                logprobs.extend(message.delta.logprobs)
             else:
                 final = message.final
         if final is None:  # refused: the context holds the status
@@ -58,7 +69,16 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             finish_reason=final.finish_reason,
             usage=final.usage,
             error=final.error,
+            logprobs=logprobs,
         )
+
+    async def Status(self, request, context):
+        """The scheduler's Status, passed on: `llmserve status` needs only the gateway."""
+        try:
+            timeout = context.time_remaining() or STATUS_TIMEOUT_S
+            return await self.core.scheduler.Status(request, timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            await context.abort(err.code(), f"the scheduler's status: {err.details()}")
 
     async def _generate(self, request, context) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         # closed here, not when collected: a client that left frees its KV at the next step
@@ -74,7 +94,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
 def _message(request, event: Delta | Finish) -> gateway_pb2.GenerateResponse:
     if isinstance(event, Delta):
-        delta = gateway_pb2.TokenDelta(text=event.text, token_ids=event.token_ids)
+        delta = gateway_pb2.TokenDelta(
+            text=event.text, token_ids=event.token_ids, logprobs=event.logprobs
+        )
         return gateway_pb2.GenerateResponse(delta=delta)
     final = gateway_pb2.Final(
         request_id=request.request_id or event.request_id,  # the client's id, if it gave one

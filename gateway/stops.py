@@ -24,14 +24,13 @@ __all__ = ["StopMatcher"]
 class StopMatcher:
     """Find the first occurrence of any of `stops` in text that arrives in pieces."""
 
-    __slots__ = ("_stops", "_max_len", "_pending", "_done", "matched")
+    __slots__ = ("_stops", "_pending", "_done", "matched")
 
     def __init__(self, stops: list[str]) -> None:
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
         self._stops = tuple(dict.fromkeys(stops))  # de-duplicated, order kept
-        self._max_len = max((len(s) for s in self._stops), default=0)
-        self._pending = ""  # text received but not yet emitted
+        self._pending = ""  # text received but not yet emitted: a possible start of a stop
         self._done = False
         self.matched: str | None = None  # the stop string that was hit, if any
 
@@ -48,16 +47,13 @@ class StopMatcher:
             return "", True
         if not self._stops:
             return delta, False
-        # A stop that ends inside `delta` starts at most max_len - 1 chars before it, and every
-        # earlier position was already ruled out, so the search can start there.
-        start = max(0, len(self._pending) - self._max_len + 1)
+        # what is pending is shorter than the longest stop: searching it again costs little
         text = self._pending + delta
-        hit = self._earliest(text, start)
+        hit = self._earliest(text)
         if hit is not None:
             index, stop = hit
             self._done = True
             self.matched = stop
-            self._pending = ""
             return text[:index], True
         keep = self._partial_suffix_len(text)
         cut = len(text) - keep
@@ -71,24 +67,23 @@ class StopMatcher:
         out, self._pending = self._pending, ""
         return out
 
-    def _earliest(self, text: str, start: int) -> tuple[int, str] | None:
+    def _earliest(self, text: str) -> tuple[int, str] | None:
         """The occurrence that completes first (ties: the longer one, which starts earlier)."""
-        best: tuple[int, int, str] | None = None  # (end, index, stop)
-        for stop in self._stops:
-            index = text.find(stop, start)
-            if index == -1:
-                continue
-            candidate = (index + len(stop), index, stop)
-            if best is None or candidate[:2] < best[:2]:
-                best = candidate
-        return None if best is None else (best[1], best[2])
+        hits = [
+            (index + len(stop), index, stop)  # (end, start, stop): two stops never tie on both
+            for stop in self._stops
+            if (index := text.find(stop)) != -1
+        ]
+        if not hits:
+            return None
+        _, index, stop = min(hits)
+        return index, stop
 
     def _partial_suffix_len(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
         longest = 0
-        limit = min(len(text), self._max_len - 1)
         for stop in self._stops:
-            for n in range(min(limit, len(stop) - 1), longest, -1):
+            for n in range(min(len(text), len(stop) - 1), longest, -1):
                 if text.endswith(stop[:n]):
                     longest = n
                     break

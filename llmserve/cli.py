@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -10,14 +11,15 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 
 from llmserve import client
-from llmserve.auth import INTERNAL_TOKEN_HELP, internal_token
+from llmserve.auth import INTERNAL_TOKEN_HELP
 from llmserve.flags import add_flags, from_args
 from llmserve.prometheus import DASHBOARD, Prometheus, start_for_stack
-from llmserve.stack import Stack, StackSettings
+from llmserve.stack import STACK_HELP, Stack, StackSettings
 
 REASONS = {
     "token_budget": "the execution-token budget is used up this step",
@@ -46,8 +48,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"gateway   {settings.gateway}   (llmserve generate --target {settings.gateway} ...)")
     if settings.http_url:
         print(f"http      {settings.http_url}   (OpenAI-compatible; curl .../v1/models)")
-    status = f"llmserve status --target {settings.scheduler} {' '.join(settings.token_flags)}"
-    print(f"scheduler {settings.scheduler}   ({status.strip()})")
+    print(f"scheduler {settings.scheduler}   (llmserve status --target {settings.gateway})")
     for i in range(settings.workers):
         print(f"worker{i}   {settings.worker_address(i)}")
     if settings.metrics_base_port:
@@ -93,101 +94,41 @@ def _start_prometheus(settings: StackSettings, args: argparse.Namespace) -> Prom
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    messages = [("user", args.prompt)] if args.chat else None
-    request = client.make_request(
-        prompt=None if args.chat else args.prompt,
-        messages=messages,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
-    text, final = [], None
-    try:
-        stream = client.stream(
-            args.target, request, timeout=args.timeout, api_key=args.api_key, tls_ca=args.tls_ca
-        )
-        for message in stream:
-            if message.HasField("delta"):
-                text.append(message.delta.text)
-                if not args.json:
-                    print(message.delta.text, end="", flush=True)
-            else:
-                final = message.final
-    except grpc.RpcError as err:
-        print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
-        return 1
-    reason = client.FINISH_NAMES[final.finish_reason]
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "request_id": final.request_id,
-                    "text": "".join(text),
-                    "finish_reason": reason,
-                    "usage": client.usage_dict(final.usage),
-                }
-            )
-        )
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.system is not None:  # a chat: the system message, then the prompt as the user's
+        request = {"prompt": prompt, "system": args.system}
+    elif args.chat:
+        request = {"messages": [("user", prompt)]}
     else:
-        u = final.usage
+        request = {"prompt": prompt}
+    llm = client.Client(args.target, api_key=args.api_key, tls_ca=args.tls_ca, timeout=args.timeout)
+    with llm:
+        done = llm.generate(
+            **request,
+            on_text=None if args.json else _print_text,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+        )
+    if args.json:
+        print(json.dumps(dataclasses.asdict(done)))
+    else:
+        u = done.usage
         print(
-            f"\n[{reason}; {u.prompt_tokens} prompt + {u.completion_tokens} generated tokens; "
-            f"queue {u.queue_time_s:.3f} s, first token {u.time_to_first_token_s:.3f} s, "
-            f"total {u.total_time_s:.3f} s]",
+            f"\n[{done.finish_reason}; {u['prompt_tokens']} prompt + {u['completion_tokens']} "
+            f"generated tokens; queue {u['queue_time_s']:.3f} s, first token "
+            f"{u['time_to_first_token_s']:.3f} s, total {u['total_time_s']:.3f} s]",
             file=sys.stderr,
         )
     return 0
 
 
-def status_dict(reply) -> dict:
-    keys = [
-        "policy",
-        "mode",
-        "token_budget",
-        "max_running",
-        "block_size",
-        "chunked_prefill",
-        "model",
-        "max_context",
-        "steps",
-        "waiting",
-        "waiting_tokens",
-        "running",
-        "head_wait_reason",
-        "admitted",
-        "finished",
-        "preemptions",
-        "oldest_wait_s",
-        "overlap",
-    ]
-    out = {k: getattr(reply, k) for k in keys}
-    out["stalls"] = dict(reply.stalls)
-    out["refused"] = dict(reply.refused)
-    out["workers"] = [
-        {
-            "name": w.name,
-            "capacity": w.capacity,
-            "written": w.written,
-            "reserved_unwritten": w.reserved_unwritten,
-            "free": w.free,
-            "running": w.running,
-            "healthy": w.healthy,
-            "draining": w.draining,
-            "address": w.address,
-            "block_size": w.block_size,
-            "max_context": w.max_context,
-            "steps": w.steps,
-            "stalls": dict(w.stalls),
-            "forward_seconds": w.forward_seconds,
-            "step_bytes": w.step_bytes,
-        }
-        for w in reply.workers
-    ]
-    return out
+def _print_text(text: str) -> None:
+    print(text, end="", flush=True)
 
 
 def format_status(s: dict) -> str:
@@ -224,12 +165,8 @@ def format_status(s: dict) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    try:
-        reply = client.status(args.target, token=internal_token(args.internal_token_file))
-    except grpc.RpcError as err:
-        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
-        return 1
-    s = status_dict(reply)
+    with client.Client(args.target, api_key=args.api_key, tls_ca=args.tls_ca) as llm:
+        s = llm.status()
     print(json.dumps(s, indent=2) if args.json else format_status(s))
     return 0
 
@@ -241,12 +178,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llmserve", description=__doc__)
+    parser = OneLineParser(prog="llmserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start scheduler + workers + gateway on loopback")
-    add_flags(up, StackSettings, {"internal_token_file": INTERNAL_TOKEN_HELP})
-    up.add_argument("--log-dir", default="results/logs")
+    add_flags(up, StackSettings, STACK_HELP | {"internal_token_file": INTERNAL_TOKEN_HELP})
+    up.add_argument(
+        "--log-dir", default="results/logs", help="each service's log file (default: results/logs)"
+    )
     up.add_argument(
         "--prometheus-port",
         type=int,
@@ -257,30 +196,24 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
 
     gen = sub.add_parser("generate", help="stream a completion from the gateway")
-    gen.add_argument("--target", default="127.0.0.1:50051", help="gateway address")
-    gen.add_argument("--prompt", required=True)
+    add_gateway_flags(gen)
+    gen.add_argument("--prompt", required=True, help="the prompt; - reads it from stdin")
+    gen.add_argument("--system", help="a system message: sends a chat of it and the prompt")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
-    gen.add_argument("--max-tokens", type=int)
-    gen.add_argument("--temperature", type=float)
-    gen.add_argument("--top-p", type=float)
-    gen.add_argument("--top-k", type=int)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--max-tokens", type=int, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, help="nucleus sampling: the smallest set this likely")
+    gen.add_argument("--top-k", type=int, help="sample among the k likeliest tokens")
+    gen.add_argument("--seed", type=int, help="the same seed gives the same text")
     gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    gen.add_argument(
-        "--api-key",
-        default=os.environ.get("LLMSERVE_API_KEY", ""),
-        help="sent as `authorization: Bearer KEY` (default: $LLMSERVE_API_KEY)",
-    )
-    gen.add_argument("--tls-ca", default="", help="CA certificate (PEM) to reach a TLS gateway")
     gen.set_defaults(func=cmd_generate)
 
-    st = sub.add_parser("status", help="the scheduler's snapshot and stalls by reason")
-    st.add_argument("--target", default="127.0.0.1:50052", help="scheduler address")
-    st.add_argument("--json", action="store_true")
-    st.add_argument("--internal-token-file", default="", help=INTERNAL_TOKEN_HELP)
+    st = sub.add_parser("status", help="the scheduler's snapshot and stalls, via the gateway")
+    add_gateway_flags(st)
+    st.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     st.set_defaults(func=cmd_status)
 
     demo = sub.add_parser("demo", help="the whole stack, a real workload, both KV policies")
@@ -293,6 +226,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
+    """--target, --api-key and --tls-ca: the same gateway for every subcommand that calls one."""
+    parser.add_argument("--target", default="127.0.0.1:50051", help="the gateway's address")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("LLMSERVE_API_KEY", ""),
+        help="sent as `authorization: Bearer KEY` (default: $LLMSERVE_API_KEY)",
+    )
+    parser.add_argument("--tls-ca", default="", help="CA certificate (PEM) to reach a TLS gateway")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A usage mistake is one line on stderr (and exit status 2), not the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    sys.exit(args.func(args))
+    try:
+        code = args.func(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        code = 130
+    except grpc.RpcError as err:
+        after_text = "\n" if args.command == "generate" else ""  # ends a streamed line
+        print(f"{after_text}error: {err.code().name}: {err.details()}", file=sys.stderr)
+        code = 1
+    sys.exit(code)

@@ -1,8 +1,17 @@
-"""Thin clients of the public Gateway API and the scheduler's Status, used by the CLI."""
+"""Clients of the public Gateway API, used by the CLI: `Client` and `AsyncClient` (generate,
+stream, status), and the functions beneath them (make_request, stream, status, channel).
+
+    from llmserve import Client
+
+    with Client("127.0.0.1:50051") as llm:
+        print(llm.generate("The capital of France is", max_tokens=8).text)
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -72,10 +81,13 @@ def stream(
     api_key: str = "",
     tls_ca: str = "",
 ) -> Iterator[gateway_pb2.GenerateResponse]:
-    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
     with channel(target, tls_ca) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
-        yield from stub.Generate(request, timeout=timeout, metadata=metadata)
+        yield from stub.Generate(request, timeout=timeout, metadata=_key_metadata(api_key))
+
+
+def _key_metadata(api_key: str) -> list[tuple[str, str]] | None:
+    return [("authorization", f"Bearer {api_key}")] if api_key else None
 
 
 def status(target: str, timeout: float = 5.0, token: str = "") -> scheduler_pb2.StatusReply:
@@ -84,6 +96,16 @@ def status(target: str, timeout: float = 5.0, token: str = "") -> scheduler_pb2.
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         request = scheduler_pb2.StatusRequest()
         return stub.Status(request, timeout=timeout, metadata=token_metadata(token))
+
+
+def gateway_status(
+    target: str, timeout: float = 5.0, api_key: str = "", tls_ca: str = ""
+) -> scheduler_pb2.StatusReply:
+    """The scheduler's Status, asked through the gateway (with the gateway's API key)."""
+    with channel(target, tls_ca) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        request = scheduler_pb2.StatusRequest()
+        return stub.Status(request, timeout=timeout, metadata=_key_metadata(api_key))
 
 
 def usage_dict(usage: common_pb2.Usage) -> dict[str, float | int]:
@@ -95,3 +117,219 @@ def usage_dict(usage: common_pb2.Usage) -> dict[str, float | int]:
         "total_time_s": round(usage.total_time_s, 4),
         "preemptions": usage.preemptions,
     }
+
+
+# ---- the class-based clients -----------------------------------------------------------------
+
+Messages = Iterable[tuple[str, str] | dict[str, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    request_id: str
+    text: str
+    finish_reason: str  # stop | length | cancelled | error
+    usage: dict[str, float | int]  # usage_dict's keys
+
+
+def chat_request(
+    prompt: str | None = None,
+    *,
+    messages: Messages | None = None,
+    system: str | None = None,
+    **sampling: Any,
+) -> gateway_pb2.GenerateRequest:
+    """A request from a prompt (raw text), or a chat: `messages` as (role, content) pairs or
+    {"role", "content"} dicts, or `system` and `prompt` as a system and a user message."""
+    pairs = [(m["role"], m["content"]) if isinstance(m, dict) else m for m in messages or []]
+    if system is not None:
+        pairs = [("system", system), *pairs, *([("user", prompt)] if prompt is not None else [])]
+    if pairs:
+        return make_request(messages=pairs, **sampling)
+    return make_request(prompt=prompt, **sampling)
+
+
+def status_dict(reply: scheduler_pb2.StatusReply) -> dict:
+    """The Status reply as plain data (what `llmserve status --json` prints)."""
+    keys = [
+        "policy",
+        "mode",
+        "token_budget",
+        "max_running",
+        "block_size",
+        "chunked_prefill",
+        "model",
+        "max_context",
+        "steps",
+        "waiting",
+        "waiting_tokens",
+        "running",
+        "head_wait_reason",
+        "admitted",
+        "finished",
+        "preemptions",
+        "oldest_wait_s",
+        "overlap",
+    ]
+    out = {k: getattr(reply, k) for k in keys}
+    out["stalls"] = dict(reply.stalls)
+    out["refused"] = dict(reply.refused)
+    out["workers"] = [
+        {
+            "name": w.name,
+            "capacity": w.capacity,
+            "written": w.written,
+            "reserved_unwritten": w.reserved_unwritten,
+            "free": w.free,
+            "running": w.running,
+            "healthy": w.healthy,
+            "draining": w.draining,
+            "address": w.address,
+            "block_size": w.block_size,
+            "max_context": w.max_context,
+            "steps": w.steps,
+            "stalls": dict(w.stalls),
+            "forward_seconds": w.forward_seconds,
+            "step_bytes": w.step_bytes,
+        }
+        for w in reply.workers
+    ]
+    return out
+
+
+class _Collect:
+    """Text and the final message of one streamed generation."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.final: gateway_pb2.Final | None = None
+
+    def add(self, message: gateway_pb2.GenerateResponse) -> str | None:
+        if message.HasField("delta"):
+            self.text.append(message.delta.text)
+            return message.delta.text
+        self.final = message.final
+        return None
+
+    def completion(self) -> Completion:
+        final = self.final or gateway_pb2.Final()
+        return Completion(
+            request_id=final.request_id,
+            text="".join(self.text),
+            finish_reason=FINISH_NAMES[final.finish_reason],
+            usage=usage_dict(final.usage),
+        )
+
+
+class Client:
+    """The gateway's API, blocking. Sampling keywords are make_request's (max_tokens,
+    temperature, seed, top_p, top_k, stop, ignore_eos); `timeout` is each call's deadline (s)."""
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        api_key: str = "",
+        tls_ca: str = "",
+        timeout: float | None = None,
+    ) -> None:
+        self._channel = channel(target, tls_ca)
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self._metadata = _key_metadata(api_key)
+        self.timeout = timeout
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        on_text: Callable[[str], object] | None = None,
+        **request: Any,
+    ) -> Completion:
+        """The whole completion; `on_text` sees each piece of text as it arrives."""
+        collect = _Collect()
+        for message in self._stub.Generate(
+            chat_request(prompt, **request), timeout=self.timeout, metadata=self._metadata
+        ):
+            text = collect.add(message)
+            if text is not None and on_text is not None:
+                on_text(text)
+        return collect.completion()
+
+    def stream(self, prompt: str | None = None, **request: Any) -> Iterator[str]:
+        """The completion's text, piece by piece."""
+        for message in self._stub.Generate(
+            chat_request(prompt, **request), timeout=self.timeout, metadata=self._metadata
+        ):
+            if message.HasField("delta"):
+                yield message.delta.text
+
+    def status(self) -> dict:
+        """The scheduler's snapshot (status_dict), through the gateway."""
+        reply = self._stub.Status(
+            scheduler_pb2.StatusRequest(), timeout=self.timeout or 5.0, metadata=self._metadata
+        )
+        return status_dict(reply)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """Client's API for asyncio: `await generate(...)`, `async for text in stream(...)`,
+    `await status()`; `async with AsyncClient(...) as llm:` closes its channel."""
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        api_key: str = "",
+        tls_ca: str = "",
+        timeout: float | None = None,
+    ) -> None:
+        if tls_ca:
+            with open(tls_ca, "rb") as f:
+                credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+            self._channel = grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self._metadata = _key_metadata(api_key)
+        self.timeout = timeout
+
+    async def generate(self, prompt: str | None = None, **request: Any) -> Completion:
+        collect = _Collect()
+        call = self._stub.Generate(
+            chat_request(prompt, **request), timeout=self.timeout, metadata=self._metadata
+        )
+        async for message in call:
+            collect.add(message)
+        return collect.completion()
+
+    async def stream(self, prompt: str | None = None, **request: Any) -> AsyncIterator[str]:
+        call = self._stub.Generate(
+            chat_request(prompt, **request), timeout=self.timeout, metadata=self._metadata
+        )
+        async for message in call:
+            if message.HasField("delta"):
+                yield message.delta.text
+
+    async def status(self) -> dict:
+        reply = await self._stub.Status(
+            scheduler_pb2.StatusRequest(), timeout=self.timeout or 5.0, metadata=self._metadata
+        )
+        return status_dict(reply)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

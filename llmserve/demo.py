@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from llmserve import client
-from llmserve.cli import REASONS, format_status, status_dict
+from llmserve.cli import REASONS, format_status
+from llmserve.client import status_dict
 from llmserve.stack import Stack, StackSettings
 
 console = Console(highlight=False, width=None if Console().is_terminal else 120)

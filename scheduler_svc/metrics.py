@@ -10,16 +10,16 @@ import asyncio
 import concurrent.futures
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
     CollectorRegistry,
     Histogram,
-    disable_created_metrics,
-    start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from llmserve.metrics_http import serve_metrics
 from scheduler_svc.config import StallReason
 from scheduler_svc.core import Scheduler
 from scheduler_svc.output import Snapshot
@@ -80,9 +80,8 @@ class SchedulerMetrics:
         self.batch_requests.labels(name).observe(step.num_requests)
         self.batch_tokens.labels(name).observe(step.num_tokens)
 
-    def serve(self, host: str, port: int) -> None:
-        disable_created_metrics()  # no `_created` series: nothing reads them
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int) -> WSGIServer:
+        return serve_metrics(self.registry, host, port)
 
 
 class CoreCollector(Collector):

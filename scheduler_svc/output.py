@@ -36,6 +36,25 @@ class StepTokens:
 
 
 @dataclass(slots=True)
+class StepLogprobs:
+    """The logprobs of a step's tokens, for the requests that asked, after its tokens: each a
+    (request id, common_pb2.TokenLogprobs) pair."""
+
+    items: list[tuple[str, object]]
+
+    @staticmethod
+    def owners(step) -> list[str | None]:  # step: scheduler_svc.step.Step
+        """Whose logprobs each of the step's sampled tokens carries, in the worker's order
+        (sampling chunks, then decodes); None for a token that is dropped or not asked for."""
+        chunks = [(w.seq, w.handle) for w in step.chunks if w.sample]
+        pairs = chunks + list(zip(step.decodes, step.decode_handles, strict=True))
+        return [
+            seq.request_id if seq.handle == handle and seq.sampling.HasField("logprobs") else None
+            for seq, handle in pairs
+        ]
+
+
+@dataclass(slots=True)
 class WorkerKv:
     name: str
     capacity: int

@@ -6,7 +6,7 @@ import asyncio
 import zlib
 
 from llmserve.v1 import common_pb2, scheduler_pb2
-from scheduler_svc.output import Event, StepTokens
+from scheduler_svc.output import Event, StepLogprobs, StepTokens
 from scheduler_svc.sequence import Finish
 
 FINISH_TO_PROTO = {
@@ -43,6 +43,9 @@ class EventRelay:
             elif type(ev) is StepTokens:  # a decode step's tokens
                 for rid, token in ev:
                     self._merged(rid).token_ids.append(token)
+            elif type(ev) is StepLogprobs:  # after the tokens they belong to
+                for rid, logprobs in ev.items:
+                    self._merged(rid).logprobs.append(logprobs)
             else:
                 self._merge(ev)
         if now or self.interval <= 0:

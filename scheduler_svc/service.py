@@ -16,11 +16,12 @@ import grpc
 from llmserve.protocol import ACCEPTED_KEY
 from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from scheduler_svc.core import Scheduler
-from scheduler_svc.invariants import ENV_VAR, check_invariants
+from scheduler_svc.invariants import ENV_VAR, check_invariants, check_step
 from scheduler_svc.output import Refused
 from scheduler_svc.relay import EventRelay
 from scheduler_svc.sequence import SeqStatus, Sequence
 from scheduler_svc.settings import SchedulerSettings
+from scheduler_svc.step import Step
 from scheduler_svc.step_times import StepTimes
 from scheduler_svc.submit_checks import submit_problem
 from scheduler_svc.worker_loop import WorkerLoop
@@ -40,6 +41,23 @@ REFUSED_CODE = {
 
 class TokenMismatch(Exception):
     """A worker refused the scheduler's internal token."""
+
+
+def work_sampling(s: common_pb2.SamplingParams) -> worker_pb2.WorkSampling:
+    """The worker's sampling settings of a request (stop_token_ids are added by the caller)."""
+    return worker_pb2.WorkSampling(
+        temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        logit_bias=s.logit_bias,
+        min_tokens=s.min_tokens,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+    )
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -147,15 +165,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             output_ids=resumed,
             max_tokens=s.max_tokens,
             ignore_eos=s.ignore_eos,
-            sampling=worker_pb2.WorkSampling(
-                temperature=s.temperature if s.HasField("temperature") else 1.0,
-                top_p=s.top_p if s.HasField("top_p") else 1.0,
-                top_k=s.top_k,
-                seed=s.seed if s.HasField("seed") else None,
-            ),
+            sampling=work_sampling(s),
         )
         seq.eos_ids = self.eos_ids
-        seq.stop_ids = frozenset() if seq.ignore_eos else self.eos_ids
+        seq.stop_ids = (frozenset() if seq.ignore_eos else self.eos_ids) | set(s.stop_token_ids)
+        seq.sampling.stop_token_ids.extend(sorted(seq.stop_ids))  # masked under min_tokens
         if resumed and resumed[-1] in seq.stop_ids:  # it had ended; only the news was lost
             yield scheduler_pb2.TokenEvent(finish_reason=common_pb2.FINISH_REASON_STOP)
             return
@@ -267,12 +281,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         log.critical("%s crashed; exiting", task.get_name(), exc_info=err)
         os._exit(70)  # log records are flushed as written
 
-    def check(self) -> None:
-        if self.check_every_step:
-            check_invariants(self.core)  # raises InvariantError: the loop crashes, see died
+    def check(self, planned: Step | None = None) -> None:
+        if self.check_every_step:  # raises InvariantError: the loop crashes, see died
+            check_invariants(self.core)
+            if planned is not None:
+                check_step(self.core, planned)
 
-    def after_plan(self) -> None:
-        self.check()
+    def after_plan(self, step: Step) -> None:
+        self.check(step)
         for index in self.core.take_wakes():
             loop = self.loops[index]
             if loop is not None:

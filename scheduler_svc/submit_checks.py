@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from llmserve.sampling_checks import sampling_problem
 from llmserve.v1 import common_pb2
 
 
@@ -27,4 +28,11 @@ def submit_problem(
         return f"temperature must be a finite number >= 0, got {s.temperature}"
     if s.HasField("top_p") and not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
         return f"top_p must be in (0, 1], got {s.top_p}"
+    return sampling_problem(s) or token_ids_problem(s, vocab_size)
+
+
+def token_ids_problem(s: common_pb2.SamplingParams, vocab_size: int) -> str | None:
+    ids = list(s.logit_bias) + list(s.stop_token_ids)
+    if vocab_size and ids and max(ids) >= vocab_size:
+        return f"token id {max(ids)} in logit_bias or stop_token_ids is outside the vocabulary"
     return None

@@ -13,6 +13,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from scheduler_svc.messages import step_message
+from scheduler_svc.output import StepLogprobs
 from scheduler_svc.step import Step
 from scheduler_svc.workers import StepStream, WorkerClient, WorkerLost
 
@@ -83,7 +84,7 @@ class WorkerLoop:
                 started = time.perf_counter()
                 step = self.core.plan(self.index)
                 self.service.times.core_seconds += time.perf_counter() - started
-                self.service.after_plan()
+                self.service.after_plan(step)
                 if step.has_work or step.released:
                     msg = step_message(self.core.steps, step)
                     self.client.step_bytes += msg.ByteSize()
@@ -111,6 +112,8 @@ class WorkerLoop:
             for handle, why in result.failed.items():
                 log.warning("worker %s could not run request handle %d: %s", name, handle, why)
             self.core.fail_items(step, dict(result.failed), name)
+        # whose logprobs the tokens carry: read before `complete` moves or finishes requests
+        owners = StepLogprobs.owners(step) if result.logprobs and not result.error else []
         if result.error:
             log.error(
                 "worker %s failed a step of %d requests: %s", name, step.num_requests, result.error
@@ -132,4 +135,8 @@ class WorkerLoop:
             if service.on_step is not None:
                 service.on_step(self.index, step, result.forward_seconds)
         self.last_result = now
-        return self.core.take_raw_events()
+        events = self.core.take_raw_events()
+        if owners:
+            pairs = zip(owners, result.logprobs, strict=True)
+            events.append(StepLogprobs([(rid, lp) for rid, lp in pairs if rid is not None]))
+        return events

@@ -28,6 +28,7 @@ class InProcessWorker:
         if len(self.inflight) < self.depth:
             step = self.core.plan(self.index)
             invariants.check_invariants(self.core)
+            invariants.check_step(self.core, step)
             if step.has_work or step.released:
                 result, _, _ = self.session.run(step_message(self.core.steps, step))
                 self.inflight.append((step, result))

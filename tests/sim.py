@@ -27,8 +27,11 @@ def sample(step: Step) -> list[int]:
 
 
 def step(core: Scheduler) -> list[Step]:
-    """One execution on every worker: schedule, 'run the model', post-process. Returns what ran."""
+    """One execution on every worker: schedule, 'run the model', post-process. Returns what ran.
+    Each planned step is checked: its work is its worker's own (scheduler_svc/invariants.py)."""
     steps = core.schedule()
+    for s in steps:
+        invariants.check_step(core, s)
     for s in steps:
         core.complete(s, sample(s))
     return steps
@@ -53,6 +56,7 @@ class Overlapped:
     def step(self) -> Step:
         """Plan and send the next step, then complete the one before it. Returns the new one."""
         planned = self.core.plan(self.worker)
+        invariants.check_step(self.core, planned)
         if self.inflight is not None:
             self.core.complete(self.inflight, sample(self.inflight))
         self.inflight = planned

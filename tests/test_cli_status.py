@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from llmserve.cli import format_status, status_dict
+from llmserve.cli import format_status
+from llmserve.client import status_dict
 from llmserve.v1 import scheduler_pb2
 
 

@@ -35,13 +35,21 @@ def workload(core: Scheduler, n: int = 12, seed: int = 1) -> list[Sequence]:
 
 
 def test_preemption_loses_nothing_outputs_identical() -> None:
+    """The fake model's output does not depend on who was preempted, so the outputs alone cannot
+    tell a wrong victim: the oldest running request (r0, which fits alone) is never one, and the
+    preemptions the events report are the core's."""
     roomy = Scheduler(CoreConfig(token_budget=16, max_running=8), [WorkerSpec("w", 1000, 4, 4096)])
     tight = Scheduler(CoreConfig(token_budget=16, max_running=8), [WorkerSpec("w", 14, 4, 4096)])
     expected = run_to_end(roomy, workload(roomy))
-    got = run_to_end(tight, workload(tight))
+    seqs = workload(tight)
+    got = run_to_end(tight, seqs)
     assert tight.preemptions > 0 and roomy.preemptions == 0
     assert got == expected
-    assert all(len(v) > 0 for v in got.values())
+    assert all(len(v) == s.max_tokens for s, v in zip(seqs, got.values(), strict=True))
+    assert seqs[0].preemptions == 0
+    reported = {e.request_id: e.preemptions for e in tight.take_events() if e.finish}
+    assert reported == {s.request_id: s.preemptions for s in seqs}
+    assert sum(reported.values()) == tight.preemptions
 
 
 def test_chunked_prefill_gives_the_same_output_as_one_shot() -> None:

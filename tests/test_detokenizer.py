@@ -96,6 +96,23 @@ def test_prompt_ids_are_context_only(tok: Tokenizer) -> None:
     assert detok.flush() == ""
 
 
+@pytest.mark.parametrize("prompt_text", ["x", "a longer prompt, then x"])
+def test_a_character_split_by_the_prompts_end_decodes_as_the_whole_sequence_does(
+    tok: Tokenizer, prompt_text: str
+) -> None:
+    """The prompt ends in the first byte of an emoji, the output brings the rest: the output's
+    text is what the whole sequence decodes to after the prompt's own text (its last tokens are
+    the context), not the stray bytes as replacement characters."""
+    ids = tok.encode(prompt_text + "😀 done")
+    split = len(tok.encode(prompt_text)) + 1  # the emoji's first byte ends the prompt
+    prompt, out = ids[:split], ids[split:]
+    assert tok.decode(prompt).endswith(REPLACEMENT)
+    detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
+    text = "".join(detok.push([i]) for i in out) + detok.flush()
+    assert text == tok.decode(ids)[len(tok.decode(prompt)) :]
+    assert REPLACEMENT not in text
+
+
 class _CountingDecoder:
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
@@ -114,3 +131,14 @@ def test_decodes_only_a_window(tok: Tokenizer) -> None:
     out = "".join(detok.push([i]) for i in ids) + detok.flush()
     assert out == tok.decode(ids)
     assert counting.longest <= 10
+
+
+def test_the_window_is_the_last_five_emitted_tokens_and_the_new_one(tok: Tokenizer) -> None:
+    """Plain text, one token at a time: each push decodes exactly 5 tokens of context and the
+    new token, however long the stream (and a long prompt gives 5 tokens of context too)."""
+    counting = _CountingDecoder(tok)
+    ids = tok.encode(" one two three four five six seven eight nine ten" * 20)
+    detok = IncrementalDetokenizer(counting, prompt_ids=tok.encode(" and so on" * 10))
+    out = "".join(detok.push([i]) for i in ids) + detok.flush()
+    assert out == tok.decode(ids)
+    assert counting.longest == 6

@@ -56,11 +56,11 @@ def test_figure4_through_real_processes(policy: str, tmp_path, capsys) -> None:
         c.start()
         seen = []
         while c.is_alive() and time.monotonic() < deadline:
-            seen.append(json.loads(status_cli(settings.scheduler, capsys, "--json")))
+            seen.append(json.loads(status_cli(settings.gateway, capsys, "--json")))
         b.join(30)
         c.join(30)
-        final = json.loads(status_cli(settings.scheduler, capsys, "--json"))
-        text = status_cli(settings.scheduler, capsys)
+        final = json.loads(status_cli(settings.gateway, capsys, "--json"))
+        text = status_cli(settings.gateway, capsys)
     assert [results[k][-1].final.usage.completion_tokens for k in ("B", "C")] == [14, 6]
     waited = [s for s in seen if s["head_wait_reason"] == "kv_reserved"]
     if policy == "reserve":
@@ -74,3 +74,4 @@ def test_figure4_through_real_processes(policy: str, tmp_path, capsys) -> None:
         assert not waited and "kv_reserved" not in final["stalls"]
     kv = final["workers"][0]
     assert (kv["written"], kv["reserved_unwritten"], kv["free"]) == (0, 0, 24)
+    assert final["model"] == "SmolLM2-135M-Instruct"  # the file's name, not GGUF's general.name

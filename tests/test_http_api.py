@@ -215,7 +215,7 @@ BAD = {  # the path, the body, the field the error names
                             "messages[0].content"),
     "stop is a number": (CMPL, {"prompt": "hi", "stop": 7}, "stop"),
     "stream is a string": (CMPL, {"prompt": "hi", "stream": "yes"}, "stream"),
-    "n above 1": (CHAT, {"messages": [HI], "n": 2}, "n"),
+    "n of 0": (CHAT, {"messages": [HI], "n": 0}, "n"),
     "empty messages": (CHAT, {"messages": []}, None),
     "no messages": (CHAT, {"max_tokens": 3}, "messages"),
     "a role the template does not know": (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]},
@@ -225,7 +225,8 @@ BAD = {  # the path, the body, the field the error names
     "negative temperature": (CMPL, {"prompt": "hi", "temperature": -1}, None),
     "top_p above 1": (CMPL, {"prompt": "hi", "top_p": 1.5}, None),
     "max_tokens beyond the context": (CMPL, {"prompt": "hi", "max_tokens": 10**6}, None),
-    "logprobs, not supported yet": (CHAT, {"messages": [HI], "logprobs": True}, "logprobs"),
+    "top_logprobs without logprobs": (CHAT, {"messages": [HI], "top_logprobs": 2}, "top_logprobs"),
+    "logprobs above 20": (CMPL, {"prompt": "hi", "logprobs": 21}, "logprobs"),
     "a body that is not JSON": (CMPL, b"{not json", None),
 }  # fmt: skip
 

@@ -12,9 +12,10 @@ import pytest
 from llmserve.v1 import worker_pb2
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
-from scheduler_svc.invariants import InvariantError, check_invariants
+from scheduler_svc.invariants import InvariantError, check_invariants, check_step
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.settings import SchedulerSettings
+from scheduler_svc.step import Step, Work
 from scheduler_svc.workers import WorkerLost
 from tests.inproc import InProcessClient
 from tests.sim import seq, step
@@ -58,6 +59,72 @@ def test_broken_bookkeeping_is_caught(corrupt) -> None:
     core = busy_core()
     corrupt(core)
     with pytest.raises(InvariantError):
+        check_invariants(core)
+
+
+def stale_handle(core: Scheduler, planned: Step) -> None:
+    planned.decode_handles[0] += 100  # a handle no request runs under
+
+
+def another_workers_request(core: Scheduler, planned: Step) -> None:
+    other = Scheduler(CoreConfig(), [SPEC])
+    other.add(seq("x", 3, 3))
+    [foreign] = other.schedule()
+    planned.chunks.append(foreign.chunks[0])  # runs on another core's worker
+
+
+def twice(core: Scheduler, planned: Step) -> None:
+    planned.decodes.append(planned.decodes[0])
+    planned.decode_handles.append(planned.decode_handles[0])
+
+
+def short_table(core: Scheduler, planned: Step) -> None:
+    rid = planned.decodes[0].request_id
+    core.workers[0].pool.tables[rid].pop()  # its last position has no block
+
+
+def misplaced_grant(core: Scheduler, planned: Step) -> None:
+    a = planned.decodes[0]
+    planned.grants.append((a.handle, [core.workers[0].pool.tables[a.request_id][0]]))
+
+
+def granted_to_nobody(core: Scheduler, planned: Step) -> None:
+    planned.grants.append((99, [0]))
+
+
+def over_budget(core: Scheduler, planned: Step) -> None:
+    a = planned.decodes[0]
+    planned.chunks.append(Work(a, a.handle, 0, 16, False))  # 16 more tokens: 19 of 16
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        stale_handle,
+        another_workers_request,
+        twice,
+        short_table,
+        misplaced_grant,
+        granted_to_nobody,
+        over_budget,
+    ],
+)
+def test_a_step_with_work_that_is_not_its_workers_own_is_caught(corrupt) -> None:
+    core = busy_core()
+    planned = core.plan(0)
+    check_step(core, planned)  # as planned: sound
+    assert len(planned.decodes) == 3
+    corrupt(core, planned)
+    with pytest.raises(InvariantError):
+        check_step(core, planned)
+
+
+def test_a_request_left_prefilling_after_it_stopped_running_is_caught() -> None:
+    core = busy_core()
+    gone = core.workers[0].running.pop()
+    core.workers[0].prefilling.add(gone)
+    core.workers[0].pool.release(gone.request_id)
+    with pytest.raises(InvariantError, match="prefilling, but not running"):
         check_invariants(core)
 
 

@@ -79,16 +79,23 @@ def test_tiny_mixed_step_equals_alone() -> None:
 
 
 def test_tiny_execute_returns_none_for_unsampled_chunks() -> None:
+    """An unsampled chunk gets None; each sampled item gets its own greedy token, the one it
+    gets alone."""
     config, weights = model("tiny")
-    runner = ModelRunner(config, weights, num_blocks=8, block_size=4, dtype=torch.float32)
-    out = runner.execute(
-        [
+
+    def items() -> list[WorkItem]:
+        return [
             WorkItem("a", [5, 6, 7], 0, [3], sample=False),
             WorkItem("b", [9], 0, [1]),
             WorkItem("c", [1, 2], 0, [2]),
         ]
-    )
-    assert out[0] is None and isinstance(out[1], int) and isinstance(out[2], int)
+
+    def runner() -> ModelRunner:
+        return ModelRunner(config, weights, num_blocks=8, block_size=4, dtype=torch.float32)
+
+    alone = [runner().execute([item])[0] for item in items()[1:]]
+    assert runner().execute(items()) == [None, *alone]
+    assert len(set(alone)) == 2  # the two differ: a swapped answer would show
 
 
 def test_short_block_table_is_refused() -> None:

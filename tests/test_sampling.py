@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from worker_svc.sampling import fresh_generator, sample_one, sample_tokens
+from tests.model_support import one_torch_thread  # noqa: F401  (autouse fixture)
+from worker_svc.sampling import draw_seed, fresh_generator, sample_one, sample_tokens
 from worker_svc.work import SamplingSettings
 
 VOCAB = 1000
@@ -112,3 +114,104 @@ def test_a_mixed_batch_gives_each_row_its_own_settings() -> None:
     assert abs(seen[0].count(1) / 600 - 0.75) < 0.07
     assert set(seen[1]) == {1} and set(seen[2]) == {1} and set(seen[4]) == {1}
     assert len(set(seen[3])) == 1  # same seed and index: the same draw every time
+
+
+# p = 0.25, 0.75 at T = 1; at T = 0.5 the odds square (1:9), at T = 2 they take the root
+TWO_TOKENS = torch.tensor([0.0, math.log(3.0)] + [-1e9] * 8)
+SHARE_OF_1 = {0.5: 0.9, 1.0: 0.75, 2.0: 3**0.5 / (1 + 3**0.5)}
+
+
+def share_of_1(rows: list[SamplingSettings]) -> float:
+    rng = torch.Generator().manual_seed(1)
+    tokens = sample_tokens(TWO_TOKENS.expand(len(rows), -1), rows, [0] * len(rows), rng)
+    return tokens.count(1) / len(tokens)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_the_batched_draw_divides_the_logits_by_the_temperature_once(temperature) -> None:
+    """Unseeded temperature-only rows share one draw: T = 0.5 gives 0.9 (applied twice, 0.99;
+    multiplied, 0.63), T = 2 gives 0.63 (applied twice, 0.57)."""
+    rows = [SamplingSettings(temperature=temperature)] * 2000
+    assert share_of_1(rows) == pytest.approx(SHARE_OF_1[temperature], abs=0.02)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+@pytest.mark.parametrize("path", ["seeded", "top_k", "top_p"])
+def test_each_row_drawn_alone_divides_the_logits_by_the_temperature_once(path, temperature) -> None:
+    """Seeded rows and rows with top-k or top-p draw one by one (top-k 5 and top-p 0.999 keep
+    both tokens): the same shares as the batched draw."""
+    extra = {"seeded": {}, "top_k": {"top_k": 5}, "top_p": {"top_p": 0.999}}[path]
+    rows = [
+        SamplingSettings(temperature=temperature, seed=i if path == "seeded" else None, **extra)
+        for i in range(1000)
+    ]
+    assert share_of_1(rows) == pytest.approx(SHARE_OF_1[temperature], abs=0.04)
+
+
+def test_a_seeded_draw_is_pinned_across_processes_and_versions() -> None:
+    """A client that replays a request with its seed gets the same tokens after a restart or
+    an upgrade: the generator seed is a fixed function of (seed, sample index)."""
+    assert draw_seed(1234, 17) == 2128133252485127613
+    assert draw_seed(0, 0) == 7120306904099482837
+    assert all(0 <= draw_seed(s, i) < 2**63 for s in (0, 2**64 - 1) for i in (0, 10**6))
+
+
+def test_different_seeds_give_different_draws() -> None:
+    logits = torch.zeros(VOCAB)[None]  # uniform
+    tokens = {
+        seed: [sample_tokens(logits, [SamplingSettings(1.0, seed=seed)], [i], fresh_generator())[0]
+               for i in range(5)]
+        for seed in (1, 2)
+    }  # fmt: skip
+    assert tokens[1] != tokens[2]
+
+
+def test_unseeded_draws_come_from_the_generator_given() -> None:
+    """The worker's own generator: the same state gives the same draws, on both paths."""
+    rows = [SamplingSettings(1.0), SamplingSettings(1.0, top_k=500), SamplingSettings(1.0)]
+    logits = torch.zeros(len(rows), VOCAB)
+    runs = [
+        [sample_tokens(logits, rows, [0] * 3, torch.Generator().manual_seed(s)) for _ in range(6)]
+        for s in (5, 5, 6)
+    ]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_sample_one_of_a_greedy_row_is_the_argmax() -> None:
+    logits = random_logits(4)
+    assert sample_one(logits, SamplingSettings(), fresh_generator()) == int(logits.argmax())
+
+
+@pytest.mark.parametrize(
+    "row",
+    [SamplingSettings(1.0, top_k=3), SamplingSettings(1.0, top_p=0.5)],
+    ids=["top_k", "top_p"],
+)
+def test_unseeded_rows_with_top_k_or_top_p_keep_them_in_a_mixed_batch(row) -> None:
+    """Only temperature-only rows share the batched draw; a row with top-k or top-p must not."""
+    # p = 0.23, 0.21, 0.19, 0.17, 0.16, then 0.01 each: top-k 3 and top-p 0.5 keep three
+    logits = torch.tensor([3.0, 2.9, 2.8, 2.7, 2.6, 0.0, 0.0, 0.0])
+    rows = [SamplingSettings(1.0), row] * 200
+    tokens = sample_tokens(logits.expand(len(rows), -1), rows, [0] * len(rows), fresh_generator())
+    assert set(tokens[1::2]) == {0, 1, 2}
+    assert len(set(tokens[0::2])) > 3  # the plain rows draw from all eight
+
+
+def test_top_p_keeps_the_smallest_prefix_that_reaches_it_and_no_more() -> None:
+    """Two tokens of 0.5 each and top_p 0.5: the first one alone reaches 0.5."""
+    logits = torch.tensor([0.0, 0.0] + [-1e9] * 8)
+    seen = draws(logits, SamplingSettings(temperature=1.0, top_p=0.5), 200)
+    assert len(set(seen)) == 1 and seen[0] in (0, 1)
+
+
+def test_top_p_zero_means_off() -> None:
+    rows = [SamplingSettings(1.0, top_p=0.0, seed=i) for i in range(1000)]
+    assert share_of_1(rows) == pytest.approx(SHARE_OF_1[1.0], abs=0.04)
+
+
+@pytest.mark.parametrize("seed", [None, 3])
+def test_a_temperature_near_the_smallest_float_draws_the_top_token(seed) -> None:
+    """Logits over a temperature of 1e-38 overflow to -inf, never to nan: the top token."""
+    logits = torch.tensor([[10.0, 0.0, 9.0, -5.0]])
+    rows = [SamplingSettings(temperature=1e-38, seed=seed)]
+    assert sample_tokens(logits, rows, [0], fresh_generator()) == [0]

@@ -92,10 +92,18 @@ def test_no_stops_passes_through() -> None:
     matcher = StopMatcher([])
     assert matcher.push("abc") == ("abc", False)
     assert matcher.flush() == ""
+    assert (matcher.stopped, matcher.matched) == (False, None)
+
+
+def test_without_a_hit_nothing_is_matched_and_the_tail_is_released_once() -> None:
+    matcher = StopMatcher(["STOP"])
+    assert matcher.push("the ST") == ("the ", False)
+    assert (matcher.flush(), matcher.flush()) == ("ST", "")
+    assert (matcher.stopped, matcher.matched) == (False, None)
 
 
 def test_empty_stop_rejected() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^stop strings must be non-empty$"):
         StopMatcher(["ok", ""])
 
 

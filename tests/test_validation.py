@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from gateway.validation import (
+    MIN_TEMPERATURE,
     InputLimits,
     InvalidRequest,
     ValidatedParams,
@@ -53,10 +54,18 @@ def test_default_max_tokens_capped_by_context() -> None:
 
 
 def test_explicit_values_kept() -> None:
-    p = call(max_tokens=MAX_CONTEXT, temperature=0, top_p=0.5, top_k=40, stop=["\n\n", "User:"])
-    assert (p.max_tokens, p.temperature, p.top_p, p.top_k) == (MAX_CONTEXT, 0.0, 0.5, 40)
-    assert isinstance(p.temperature, float)
-    assert p.stop == ("\n\n", "User:")
+    p = call(max_tokens=MAX_CONTEXT, temperature=0.7, top_p=0.5, top_k=40, stop=["\n\n", "U:"])
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k) == (MAX_CONTEXT, 0.7, 0.5, 40)
+    assert p.stop == ("\n\n", "U:")
+    assert call(top_k=0).top_k == 0  # 0 disables top-k: valid
+
+
+@pytest.mark.parametrize(
+    ("given", "resolved"),
+    [(0, 0), (1e-45, 0), (MIN_TEMPERATURE / 2, 0), (MIN_TEMPERATURE, MIN_TEMPERATURE), (2, 2)],
+)
+def test_a_temperature_below_the_minimum_is_greedy_and_the_rest_is_kept(given, resolved) -> None:
+    assert call(temperature=given).temperature == resolved
 
 
 def test_whitespace_prompt_is_valid() -> None:
@@ -70,43 +79,65 @@ def test_messages_ok_and_empty_content_allowed() -> None:
     assert p.messages == tuple(msgs)
 
 
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        ({"prompt": None}, "neither"),
-        ({"messages": [("user", "x")]}, "not both"),
-        ({"prompt": ""}, "prompt is empty"),
-        ({"prompt": 5}, "prompt must be a string"),
-        ({"prompt": None, "messages": []}, "messages is empty"),
-        ({"prompt": None, "messages": [("tool", "x")]}, r"messages\[0\]\.role is 'tool'"),
-        ({"prompt": None, "messages": [("user", "a"), ("", "x")]}, r"messages\[1\]\.role"),
-        ({"prompt": None, "messages": [("user", None)]}, r"messages\[0\]\.content must be"),
-        ({"prompt": None, "messages": [("user",)]}, r"messages\[0\] must be a \(role"),
-        ({"max_tokens": 0}, "at least 1"),
-        ({"max_tokens": -3}, "at least 1"),
-        ({"max_tokens": MAX_CONTEXT + 1}, "at most the model's context of 2048"),
-        ({"max_tokens": 1.5}, "max_tokens must be an integer"),
-        ({"max_tokens": True}, "max_tokens must be an integer"),
-        ({"temperature": -0.1}, "must be >= 0"),
-        ({"temperature": math.nan}, "finite"),
-        ({"temperature": math.inf}, "finite"),
-        ({"temperature": "hot"}, "finite"),
-        ({"top_p": 0.0}, r"\(0, 1\]"),
-        ({"top_p": 1.01}, r"\(0, 1\]"),
-        ({"top_p": -1}, r"\(0, 1\]"),
-        ({"top_p": math.nan}, r"\(0, 1\]"),
-        ({"top_p": math.inf}, r"\(0, 1\]"),
-        ({"top_k": -1}, "top_k is -1; it must be >= 0"),
-        ({"top_k": 2.0}, "top_k must be an integer"),
-        ({"stop": ["s"] * 17}, "at most 16"),
-        ({"stop": ["ok", ""]}, r"stop\[1\] is empty"),
-        ({"stop": ["x" * 257]}, r"stop\[0\] is 257 characters long; the limit is 256"),
-        ({"stop": [3]}, r"stop\[0\] must be a string"),
-    ],
-)
-def test_bad_input_raises_clear_message(overrides: dict[str, Any], message: str) -> None:
-    with pytest.raises(InvalidRequest, match=message):
+ROLES = "system, user, assistant"
+BAD = [
+    ({"prompt": None}, "send either prompt or messages; neither was given"),
+    ({"messages": [("user", "x")]}, "send either prompt or messages, not both"),
+    ({"prompt": ""}, "prompt is empty; send at least one character"),
+    ({"prompt": 5}, "prompt must be a string, not int"),
+    ({"prompt": None, "messages": "hi"}, "messages must be a list of (role, content) pairs"),
+    ({"prompt": None, "messages": []}, "messages is empty: send at least one message"),
+    (
+        {"prompt": None, "messages": [("tool", "x")]},
+        f"messages[0].role is 'tool'; it must be one of {ROLES}",
+    ),
+    (
+        {"prompt": None, "messages": [("user", "a"), ("", "x")]},
+        f"messages[1].role is ''; it must be one of {ROLES}",
+    ),
+    (
+        {"prompt": None, "messages": [("user", "a"), ("user", 5)]},
+        "messages[1].content must be a string, not int",
+    ),
+    ({"prompt": None, "messages": [("user",)]}, "messages[0] must be a (role, content) pair"),
+    ({"prompt": None, "messages": ["ab"]}, "messages[0] must be a (role, content) pair"),
+    ({"max_tokens": 0}, "max_tokens is 0; it must be at least 1"),
+    ({"max_tokens": -3}, "max_tokens is -3; it must be at least 1"),
+    (
+        {"max_tokens": MAX_CONTEXT + 1},
+        "max_tokens is 2049; it must be at most the model's context of 2048 tokens",
+    ),
+    ({"max_tokens": 1.5}, "max_tokens must be an integer, not float"),
+    ({"max_tokens": True}, "max_tokens must be an integer, not bool"),
+    ({"temperature": -0.1}, "temperature is -0.1; it must be >= 0 (0 means greedy decoding)"),
+    ({"temperature": math.nan}, "temperature is nan; it must be a finite number"),
+    ({"temperature": math.inf}, "temperature is inf; it must be a finite number"),
+    ({"temperature": "hot"}, "temperature is 'hot'; it must be a finite number"),
+    ({"temperature": True}, "temperature is True; it must be a finite number"),
+    ({"top_p": 0.0}, "top_p is 0.0; it must be in (0, 1] (1 disables it)"),
+    ({"top_p": 1.01}, "top_p is 1.01; it must be in (0, 1] (1 disables it)"),
+    ({"top_p": -1}, "top_p is -1; it must be in (0, 1] (1 disables it)"),
+    ({"top_p": math.nan}, "top_p is nan; it must be in (0, 1] (1 disables it)"),
+    ({"top_p": math.inf}, "top_p is inf; it must be in (0, 1] (1 disables it)"),
+    ({"top_p": "high"}, "top_p is 'high'; it must be in (0, 1] (1 disables it)"),
+    ({"top_k": -1}, "top_k is -1; it must be >= 0 (0 disables it)"),
+    ({"top_k": 2.0}, "top_k must be an integer, not float"),
+    ({"stop": "\n"}, "stop must be a list of strings"),
+    ({"stop": ["s"] * 17}, "stop has 17 strings; at most 16 are allowed"),
+    ({"stop": ["ok", ""]}, "stop[1] is empty; stop strings must be non-empty"),
+    ({"stop": ["x" * 257]}, "stop[0] is 257 characters long; the limit is 256"),
+    ({"stop": ["ok", 3]}, "stop[1] must be a string, not int"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD)
+def test_bad_input_raises_a_message_that_names_the_field_and_the_rule(
+    overrides: dict[str, Any], message: str
+) -> None:
+    """The message goes to the client as it is: it is checked whole."""
+    with pytest.raises(InvalidRequest) as err:
         call(**overrides)
+    assert str(err.value) == message
 
 
 def test_boundaries_accepted() -> None:
@@ -121,16 +152,28 @@ def test_invalid_request_is_value_error() -> None:
     assert issubclass(InvalidRequest, ValueError)
 
 
-def test_server_misconfiguration_is_not_a_client_error() -> None:
+@pytest.mark.parametrize("setting", ["max_context", "default_max_tokens"])
+def test_server_misconfiguration_is_not_a_client_error(setting) -> None:
     with pytest.raises(ValueError) as info:
-        call(max_context=0)
-    assert not isinstance(info.value, InvalidRequest)
+        call(**{setting: 0})
+    assert type(info.value) is ValueError  # never sent to the client as INVALID_ARGUMENT
+    assert str(info.value) == (
+        "server misconfigured: max_context and default_max_tokens must be > 0"
+    )
+
+
+def test_the_smallest_server_settings_are_valid() -> None:
+    assert call(max_context=1, default_max_tokens=1).max_tokens == 1
 
 
 def test_check_fits() -> None:
     check_fits(prompt_tokens=100, max_tokens=100, max_context=200)
-    with pytest.raises(InvalidRequest, match="lower max_tokens to at most 100"):
+    with pytest.raises(InvalidRequest) as err:
         check_fits(prompt_tokens=100, max_tokens=101, max_context=200)
+    assert str(err.value) == (
+        "prompt (100 tokens) + max_tokens (101) = 201 exceeds the model's context of 200 "
+        "tokens; lower max_tokens to at most 100"
+    )
     with pytest.raises(InvalidRequest, match="shorter than the model's context"):
         check_fits(prompt_tokens=200, max_tokens=1, max_context=200)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llmserve.model_files import display_name
 from worker_svc.hf_dir import load_hf_dir
 from worker_svc.model_config import ModelConfig, tiny_config
 from worker_svc.weights import LayerWeights, Weights, fuse_layer
@@ -121,7 +122,7 @@ def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
         tie_embeddings="output.weight" not in tensors,
         bos_token_id=int(value("tokenizer.ggml.bos_token_id", 1)),
         eos_token_ids=(int(eos),),
-        name=str(value("general.name", path.stem)),
+        name=display_name(path),  # not general.name: the file's own, as users know it
     )
     if value("llama.rope.scaling.type") not in (None, "none"):
         raise ValueError(f"{path}: RoPE scaling is not supported")

@@ -4,16 +4,16 @@ and the KV pool as the worker itself sees it (its KvReport)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
-    disable_created_metrics,
-    start_http_server,
 )
 
+from llmserve.metrics_http import serve_metrics
 from llmserve.v1 import worker_pb2
 from worker_svc.work import BatchShape
 
@@ -97,6 +97,5 @@ class WorkerMetrics:
         self.used_blocks.set(report.used_blocks)
         self.free_blocks.set(report.free_blocks)
 
-    def serve(self, host: str, port: int) -> None:
-        disable_created_metrics()  # no `_created` series: nothing reads them
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int) -> WSGIServer:
+        return serve_metrics(self.registry, host, port)

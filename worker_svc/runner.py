@@ -10,7 +10,7 @@ from worker_svc.cuda_graphs import DECODE_BUCKETS, DecodeGraphs, StaticDecodeInp
 from worker_svc.kv_pool import KvPool
 from worker_svc.model import LlamaModel
 from worker_svc.model_config import ModelConfig
-from worker_svc.sampling import fresh_generator, sample_tokens
+from worker_svc.sampling import fresh_generator, sample_tokens, token_logprobs
 from worker_svc.weights import Weights
 from worker_svc.work import WorkItem
 
@@ -89,17 +89,22 @@ class ModelRunner:
         out: list[int | None] = [None] * len(items)
         if wanted:
             settings = [items[i].sampling for i in wanted]
-            if logits.device.type != "cpu" and all(s.greedy for s in settings):
+            plain = all(s.greedy and not s.shapes_logits and s.logprobs is None for s in settings)
+            if logits.device.type != "cpu" and plain:
                 tokens = logits.argmax(dim=-1).tolist()  # the step's one device sync
             else:  # drawn rows are drawn on the host, as on the CPU: seeded draws stay exact
+                logits = logits.float().cpu()
                 tokens = sample_tokens(
-                    logits.float().cpu(),
+                    logits,
                     settings,
                     [items[i].sample_index for i in wanted],
                     self.rng,
+                    [items[i].history + items[i].token_ids for i in wanted],
                 )
-            for i, token in zip(wanted, tokens, strict=True):
+            for row, (i, token) in enumerate(zip(wanted, tokens, strict=True)):
                 out[i] = token
+                top = items[i].sampling.logprobs
+                items[i].logprobs = None if top is None else token_logprobs(logits[row], token, top)
         return out
 
     @torch.inference_mode()

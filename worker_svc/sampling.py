@@ -2,16 +2,23 @@
 
 A seeded draw depends only on (seed, sample_index, logits): its generator is seeded from a hash
 of (seed, sample_index), so batching and recomputation do not change it.
+
+The order, as vLLM's: logit_bias, the min_tokens mask, the repetition penalty (prompt and
+generated tokens), the presence and frequency penalties (generated tokens); then temperature,
+min_p, top-k, top-p. Greedy takes the argmax after the first four. Logprobs are those of the raw
+model logits (vLLM's default), whatever the settings.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
+from collections.abc import Sequence
 
 import torch
 
-from worker_svc.work import SamplingSettings
+from worker_svc.work import SamplingSettings, TokenLogprobs
 
 
 def draw_seed(seed: int, sample_index: int) -> int:
@@ -29,9 +36,11 @@ def sample_tokens(
     settings: list[SamplingSettings],
     sample_indices: list[int],
     rng: torch.Generator,  # used for unseeded draws
+    histories: Sequence[Sequence[int]] | None = None,  # per row: prompt + generated, if penalized
 ) -> list[int]:
-    """One token per row."""
-    greedy_rows = [i for i, s in enumerate(settings) if s.greedy]
+    """One token per row. A row's history is every token the request has processed (its prompt,
+    then its sample_index generated tokens); only penalized rows need one."""
+    greedy_rows = [i for i, s in enumerate(settings) if s.greedy and not s.shapes_logits]
     if len(greedy_rows) == len(settings):  # the common case: no row copy, one argmax
         return logits.argmax(dim=-1).tolist()
     out: list[int] = [0] * len(settings)
@@ -47,19 +56,65 @@ def sample_tokens(
         chosen = torch.multinomial(probs, 1, generator=rng).squeeze(1).tolist()
         for row, token in zip(plain, chosen, strict=True):
             out[row] = token
+    done = set(greedy_rows) | set(plain)
     for row, s in enumerate(settings):
-        if s.greedy or _plain(s):
+        if row in done:
             continue
+        row_logits = logits[row]
+        if s.shapes_logits:
+            history = histories[row] if histories is not None else ()
+            row_logits = shape_logits(row_logits, s, history, sample_indices[row])
         gen = rng
-        if s.seed is not None:
+        if s.seed is not None and not s.greedy:
             gen = torch.Generator().manual_seed(draw_seed(s.seed, sample_indices[row]))
-        out[row] = sample_one(logits[row], s, gen)
+        out[row] = sample_one(row_logits, s, gen)
     return out
 
 
 def _plain(s: SamplingSettings) -> bool:
     """Unseeded, temperature only: rows that can share one batched draw."""
-    return not s.greedy and s.seed is None and s.top_k == 0 and not 0.0 < s.top_p < 1.0
+    return (
+        not s.greedy
+        and s.seed is None
+        and s.top_k == 0
+        and not 0.0 < s.top_p < 1.0
+        and s.min_p <= 0.0
+        and not s.shapes_logits
+    )
+
+
+def shape_logits(
+    logits: torch.Tensor, s: SamplingSettings, history: Sequence[int], sample_index: int
+) -> torch.Tensor:
+    """logits: [vocab]. logit_bias, the min_tokens mask and the penalties, in vLLM's order;
+    history: prompt + generated tokens, the last sample_index of them generated."""
+    logits = logits.float().clone()
+    vocab = logits.shape[0]
+    if s.logit_bias:
+        ids = torch.tensor(list(s.logit_bias), dtype=torch.long)
+        logits[ids] += torch.tensor(list(s.logit_bias.values()), dtype=logits.dtype)
+    if sample_index < s.min_tokens and s.stop_token_ids:
+        logits[torch.tensor(s.stop_token_ids, dtype=torch.long)] = -math.inf
+    if s.penalized and history:
+        seen = torch.tensor(history, dtype=torch.long)  # [tokens]
+        if s.repetition_penalty != 1.0:
+            hit = torch.zeros(vocab, dtype=torch.bool)
+            hit[seen] = True
+            rp = s.repetition_penalty
+            logits = torch.where(hit, torch.where(logits > 0, logits / rp, logits * rp), logits)
+        generated = seen[len(history) - sample_index :] if sample_index else seen[:0]
+        counts = torch.bincount(generated, minlength=vocab).to(logits.dtype)  # [vocab]
+        logits -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """logits: [vocab], raw. The sampled token's log-softmax and the `top` most likely."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    if top <= 0:
+        return TokenLogprobs(float(logp[token]))
+    values, ids = logp.topk(min(top, logp.shape[0]))
+    return TokenLogprobs(float(logp[token]), tuple(ids.tolist()), tuple(values.tolist()))
 
 
 def sample_one(logits: torch.Tensor, s: SamplingSettings, gen: torch.Generator) -> int:
@@ -68,6 +123,8 @@ def sample_one(logits: torch.Tensor, s: SamplingSettings, gen: torch.Generator) 
         return int(logits.argmax())
     logits = logits.float()
     scaled = (logits - logits.max()) / s.temperature  # [vocab]; <= 0, finite for tiny T
+    if s.min_p > 0.0:  # keep p >= min_p * p_max, that is scaled >= log(min_p)
+        scaled = scaled.masked_fill(scaled < math.log(s.min_p), -math.inf)
     vocab = scaled.shape[0]
     top_p = s.top_p if 0.0 < s.top_p < 1.0 else 1.0
     ids: torch.Tensor | None = None

@@ -7,10 +7,10 @@ import logging
 import time
 from typing import Protocol
 
-from llmserve.v1 import worker_pb2
+from llmserve.v1 import common_pb2, worker_pb2
 from worker_svc.model_config import ModelConfig
 from worker_svc.step_checks import blocks_problem, room_problem, sampling_problem, tokens_problem
-from worker_svc.work import BatchShape, SamplingSettings, WorkItem, shape_of
+from worker_svc.work import BatchShape, SamplingSettings, TokenLogprobs, WorkItem, shape_of
 
 log = logging.getLogger("worker")
 
@@ -30,6 +30,22 @@ def sampling_of(s: worker_pb2.WorkSampling) -> SamplingSettings:
         top_p=s.top_p or 1.0,
         top_k=s.top_k,
         seed=s.seed if s.HasField("seed") else None,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty or 1.0,
+        logit_bias=dict(s.logit_bias),
+        min_tokens=s.min_tokens,
+        stop_token_ids=tuple(s.stop_token_ids),
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+    )
+
+
+def logprobs_message(lp: TokenLogprobs | None) -> common_pb2.TokenLogprobs:
+    if lp is None:
+        return common_pb2.TokenLogprobs()
+    return common_pb2.TokenLogprobs(
+        logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs
     )
 
 
@@ -70,7 +86,10 @@ class Session:
             if batch:
                 tokens = self.execute(handles, batch, failed)
                 seconds = time.perf_counter() - started
-                result.tokens.extend(self.advance(handles, batch, tokens, failed))
+                sampled = self.advance(handles, batch, tokens, failed)
+                result.tokens.extend(token for token, _ in sampled)
+                if any(lp is not None for _, lp in sampled):
+                    result.logprobs.extend(logprobs_message(lp) for _, lp in sampled)
         except Exception as err:  # the scheduler fails this step's requests, keeps the worker
             result.error = f"{type(err).__name__}: {err}"
         for handle in failed:
@@ -88,7 +107,7 @@ class Session:
         for handle in step.released:
             self.release(handle)
         for added in step.added:
-            why = sampling_problem(added.sampling)
+            why = sampling_problem(added.sampling, self.vocab_size)
             if added.handle in items:
                 why = "its handle is already in use"
             if why:
@@ -176,20 +195,22 @@ class Session:
 
     def advance(
         self, handles: list[int], batch: list[WorkItem], tokens: list, failed: dict[int, str]
-    ) -> list[int]:
+    ) -> list[tuple[int, TokenLogprobs | None]]:
         """After the execution: each item's next input is the token it sampled."""
         sampled = []
         for handle, item, token in zip(handles, batch, tokens, strict=True):
             if handle in failed:
                 continue
             self.written += len(item.token_ids)
+            if item.sampling.penalized:
+                item.history.extend(item.token_ids)
             item.start_position += len(item.token_ids)
             if token is None:
                 item.token_ids, item.sample = [], False
             else:
                 item.token_ids, item.sample = [token], True
                 item.sample_index += 1
-                sampled.append(token)
+                sampled.append((token, item.logprobs))
         return sampled
 
     def release(self, handle: int) -> None:

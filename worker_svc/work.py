@@ -11,10 +11,43 @@ class SamplingSettings:
     top_p: float = 1.0  # 1 means off
     top_k: int = 0  # 0 means off
     seed: int | None = None  # None means a fresh random draw each time
+    min_p: float = 0.0  # 0 means off
+    presence_penalty: float = 0.0  # over generated tokens
+    frequency_penalty: float = 0.0  # over generated tokens
+    repetition_penalty: float = 1.0  # over prompt and generated tokens; 1 means off
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0  # stop_token_ids are masked until this many are generated
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # top alternatives returned with each token; None: no logprobs
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Needs the request's previous tokens."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Changes the logits before temperature: then even a greedy row is not a plain argmax."""
+        return (
+            bool(self.logit_bias)
+            or self.penalized
+            or (self.min_tokens > 0 and bool(self.stop_token_ids))
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Log-softmax of the raw model logits: the sampled token's, and the top ones'."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()  # most likely first
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(slots=True)
@@ -26,6 +59,8 @@ class WorkItem:
     sample: bool = True  # False for a prompt chunk that doesn't reach the end
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     sample_index: int = 0  # number of tokens generated so far
+    history: list[int] = field(default_factory=list)  # tokens processed before, if penalized
+    logprobs: TokenLogprobs | None = None  # of the token sampled last, if asked
 
     @property
     def end_position(self) -> int:

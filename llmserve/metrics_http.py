@@ -1,0 +1,57 @@
+"""Each service's metrics endpoint: its registry plus the standard `process_*` metrics, served
+on `/metrics` only (prometheus_client's own server answers every path)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import (
+    CollectorRegistry,
+    ProcessCollector,
+    disable_created_metrics,
+    make_wsgi_app,
+)
+
+METRICS_PATH = "/metrics"
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base's name
+        pass
+
+
+def metrics_app(registry: CollectorRegistry):
+    """A WSGI app: the registry's metrics on /metrics, 404 on every other path."""
+    exposition = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        if environ.get("PATH_INFO") == METRICS_PATH:
+            return exposition(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [f"not found; metrics are on {METRICS_PATH}\n".encode()]
+
+    return app
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> WSGIServer:
+    """Serve `registry`, with the process's CPU, memory and file descriptors added, on
+    http://host:port/metrics from a daemon thread."""
+    disable_created_metrics()  # no `_created` series: nothing reads them
+    ProcessCollector(registry=registry)
+    server_class = _Server6 if ":" in host else _Server
+    server = make_server(
+        host, port, metrics_app(registry), server_class, handler_class=_QuietHandler
+    )
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server

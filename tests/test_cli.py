@@ -1,0 +1,132 @@
+"""The `llmserve` command as a person meets it: help on every flag, one-line errors, Ctrl-C,
+generate's --system and stdin prompt, status through the gateway."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from llmserve import client
+from llmserve.cli import build_parser
+from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from scheduler_svc.config import BatchMode, KvPolicy
+
+ROOT = Path(__file__).resolve().parent.parent
+LLMSERVE = [sys.executable, "-c", "from llmserve.cli import main; main()"]
+
+
+def run_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*LLMSERVE, *args], cwd=ROOT, capture_output=True, text=True, timeout=60, **kwargs
+    )
+
+
+def subparser(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def test_every_flag_of_up_has_help_and_the_string_settings_show_their_choices() -> None:
+    up = subparser("up")
+    flags = [a for a in up._actions if a.option_strings and a.dest != "help"]
+    assert [a.dest for a in flags if not (a.help or "").strip()] == []
+    choices = {a.dest: a.choices for a in flags if a.choices}
+    assert set(choices["policy"]) == {p.value for p in KvPolicy}
+    assert set(choices["mode"]) == {m.value for m in BatchMode}
+    assert set(choices["dtype"]) == {"bf16", "fp32"}
+    assert "{paged,reserve}" in up.format_help() and "cuda:N" in up.format_help()
+
+
+def test_a_bad_flag_prints_one_line_and_no_traceback() -> None:
+    for args in (["up", "--no-such-flag"], ["up", "--policy", "lru"], ["generate"]):
+        done = run_cli(*args)
+        assert done.returncode == 2, done
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert "error:" in done.stderr and "Traceback" not in done.stderr
+
+
+class FakeGateway(gateway_pb2_grpc.GatewayServicer):
+    """Records each request; answers "ok" at once, or holds the stream until released."""
+
+    def __init__(self, hold: bool = False) -> None:
+        self.requests: list[gateway_pb2.GenerateRequest] = []
+        self.arrived, self.release, self.hold = threading.Event(), threading.Event(), hold
+        self.metadata: list[dict[str, str]] = []
+
+    def Generate(self, request, context):
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        self.arrived.set()
+        if self.hold:
+            self.release.wait(30)
+        yield gateway_pb2.GenerateResponse(delta=gateway_pb2.TokenDelta(text="ok"))
+        final = gateway_pb2.Final(request_id="r1", finish_reason=common_pb2.FINISH_REASON_STOP)
+        yield gateway_pb2.GenerateResponse(final=final)
+
+
+@pytest.fixture
+def fake_gateway(request):
+    servicer = FakeGateway(hold=getattr(request, "param", False))
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    servicer.release.set()
+    server.stop(0)
+
+
+def test_generate_reads_the_prompt_from_stdin_and_sends_system_then_user(fake_gateway) -> None:
+    servicer, target = fake_gateway
+    done = run_cli(
+        "generate", "--target", target, "--prompt", "-", "--system", "Be brief.",
+        "--api-key", "k1", input="What is 2+2?\n",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ok") and "[stop;" in done.stderr
+    messages = [(m.role, m.content) for m in servicer.requests[0].chat.messages]
+    assert messages == [("system", "Be brief."), ("user", "What is 2+2?\n")]
+    assert servicer.metadata[0]["authorization"] == "Bearer k1"
+
+
+@pytest.mark.parametrize("fake_gateway", [True], indirect=True)
+def test_ctrl_c_during_generate_prints_one_line_and_no_traceback(fake_gateway) -> None:
+    servicer, target = fake_gateway
+    child = subprocess.Popen(
+        [*LLMSERVE, "generate", "--target", target, "--prompt", "hi"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert servicer.arrived.wait(30), "the request never reached the gateway"
+        os.kill(child.pid, signal.SIGINT)
+        out, err = child.communicate(timeout=30)
+    finally:
+        child.kill()
+    assert child.returncode == 130
+    assert err.strip() == "interrupted" and "Traceback" not in err
+
+
+def test_status_and_generate_take_the_same_gateway_flags() -> None:
+    for name in ("generate", "status"):
+        dests = {a.dest for a in subparser(name)._actions}
+        assert {"target", "api_key", "tls_ca"} <= dests, name
+    assert subparser("status").get_default("target") == subparser("generate").get_default("target")
+
+
+def test_chat_request_puts_the_system_message_first() -> None:
+    request = client.chat_request("hi", system="sys", max_tokens=3)
+    assert [(m.role, m.content) for m in request.chat.messages] == [
+        ("system", "sys"),
+        ("user", "hi"),
+    ]
+    assert request.sampling.max_tokens == 3
+    assert client.chat_request("raw text").prompt == "raw text"
