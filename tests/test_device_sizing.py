@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from worker_svc.cuda_graphs import DecodeGraphs, StaticDecodeInputs, bucket_for
-from worker_svc.device import resolve_device
+from worker_svc.device import MemoryProbe, resolve_device
 from worker_svc.kv_sizing import MemoryPlan
 
 GIB = 2**30
@@ -47,7 +47,8 @@ def test_sizing_rounds_down_to_whole_blocks_and_refuses_when_nothing_fits() -> N
 
 
 def test_the_cpu_memory_probe_sees_a_large_allocation() -> None:
-    """The peak resident size only grows: a fresh process, as at a worker's start."""
+    """In a fresh process, as at a worker's start, and in this one, whose earlier peaks (a whole
+    test run's) must not hide what the probe's own work adds."""
     code = (
         "import torch\n"
         "from worker_svc.device import MemoryProbe\n"
@@ -58,6 +59,10 @@ def test_the_cpu_memory_probe_sees_a_large_allocation() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) >= 48 * 2**20
+    with MemoryProbe(torch.device("cpu")) as probe:
+        block = torch.ones(64 * 2**20, dtype=torch.uint8)
+        assert int(block[-1]) == 1
+    assert probe.peak >= 48 * 2**20
 
 
 def test_a_decode_batch_runs_in_the_smallest_bucket_that_holds_it() -> None:

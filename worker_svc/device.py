@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
+from pathlib import Path
 
 import torch
 
@@ -30,14 +32,27 @@ def resolve_device(name: str) -> torch.device:
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident memory so far (the CPU's counterpart of CUDA's peak)."""
+    """The process's peak resident memory (Linux: VmHWM, which `reset_peak_rss` resets; else
+    getrusage's, which only grows and may carry a parent's peak across exec)."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
+def reset_peak_rss() -> None:
+    """Linux: set the peak back to the current resident size (clear_refs 5), so a probe sees
+    what its own work adds, not the model load's peak before it."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
 class MemoryProbe:
     """Measures the peak memory one piece of work adds: CUDA's allocator statistics on a GPU,
-    the peak resident size on the CPU (which only grows: measure before the KV pool exists)."""
+    the peak resident size on the CPU (reset first where Linux allows)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -48,6 +63,7 @@ class MemoryProbe:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.before = torch.cuda.memory_allocated(self.device)
         else:
+            reset_peak_rss()
             self.before = peak_rss_bytes()
         self.peak = 0
         return self
