@@ -12,6 +12,7 @@ diff of each mutant that survived, goes to results/mutation/.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -69,7 +70,7 @@ GROUPS = {
     "validation": Group(("gateway/validation.py",), ("tests/test_validation.py",)),
     "auth": Group(("gateway/auth.py", "llmserve/auth.py"), ("tests/test_auth.py",)),
     # the label mapping: finish reasons and status codes (gateway), the families built from the
-    # core's snapshot (scheduler); a family's help text is for people, not mutated
+    # core's snapshot (scheduler); help text alone on its line (prose for people) is not mutated
     "metrics": Group(
         ("gateway/metrics.py", "scheduler_svc/metrics.py"),
         ("tests/test_metrics.py",),
@@ -153,10 +154,6 @@ def status_of(exit_code: int | None) -> str:
 
 
 def summarize(name: str, dest: Path, group: Group, seconds: float) -> dict:
-    from mutmut.mutation.diff_apply import get_diff_for_mutant
-
-    os.chdir(dest)  # mutmut reads its files relative to the tree it ran in
-
     modules = {}
     for module in group.modules:
         meta = json.loads((dest / "mutants" / f"{module}.meta").read_text())
@@ -172,12 +169,19 @@ def summarize(name: str, dest: Path, group: Group, seconds: float) -> dict:
             "killed": killed,
             "score": round(100.0 * killed / tested, 1) if tested else 100.0,
             "not_killed": {
-                key: {"status": s, "diff": get_diff_for_mutant(key, path=module)}
+                key: {"status": s, "diff": diff(dest, module, key)}
                 for key, s in sorted(status.items())
                 if s not in KILLED and s != "skipped"
             },
         }
     return {"group": name, "seconds": round(seconds), "tests": group.tests, "modules": modules}
+
+
+def diff(dest: Path, module: str, key: str) -> str:
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+
+    with contextlib.chdir(dest):  # mutmut reads its files relative to the tree it ran in
+        return get_diff_for_mutant(key, path=module)
 
 
 def report(results: list[dict]) -> str:

@@ -117,9 +117,11 @@ class _CountingDecoder:
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
         self.longest = 0
+        self.lengths: list[int] = []
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         self.longest = max(self.longest, len(ids))
+        self.lengths.append(len(ids))
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
@@ -141,4 +143,4 @@ def test_the_window_is_the_last_five_emitted_tokens_and_the_new_one(tok: Tokeniz
     detok = IncrementalDetokenizer(counting, prompt_ids=tok.encode(" and so on" * 10))
     out = "".join(detok.push([i]) for i in ids) + detok.flush()
     assert out == tok.decode(ids)
-    assert counting.longest == 6
+    assert counting.lengths == [5, 6] * len(ids)  # the context, then the context + the new one

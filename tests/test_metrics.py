@@ -234,13 +234,15 @@ def test_gateway_counts_calls_by_method_and_final_status_code() -> None:
     metrics = GatewayMetrics()
     asyncio.run(call_fake_gateway(metrics))
     value = metrics.registry.get_sample_value
-    count = {
-        (s.labels["method"], s.labels["code"]): s.value
+    counted = [
+        s
         for family in metrics.registry.collect()
         if family.name == "llmserve_gateway_requests"
         for s in family.samples
         if s.name.endswith("_total") and s.value
-    }
+    ]
+    assert {s.labels["protocol"] for s in counted} == {"grpc"}
+    count = {(s.labels["method"], s.labels["code"]): s.value for s in counted}
     assert count == {
         ("Generate", "OK"): 1,
         ("GenerateUnary", "OK"): 1,
@@ -398,3 +400,42 @@ def test_the_end_to_end_latency_runs_from_the_request_received() -> None:
     metrics.on_finish(common_pb2.FINISH_REASON_STOP, tally)
     total = metrics.registry.get_sample_value("llmserve_gateway_e2e_request_latency_seconds_sum")
     assert 5.0 <= total < 6.0
+
+
+def intercepted(method: str, handler) -> grpc.RpcMethodHandler:
+    from gateway.metrics import StatusCodeInterceptor
+
+    async def continuation(details):
+        return handler
+
+    interceptor = StatusCodeInterceptor(GatewayMetrics())
+    details = SimpleNamespace(method=method, invocation_metadata=())
+    return interceptor, asyncio.run(interceptor.intercept_service(continuation, details))
+
+
+def test_a_unary_call_cancelled_in_flight_is_counted_cancelled_under_grpc() -> None:
+    async def cancelled(request, context):
+        raise asyncio.CancelledError
+
+    handler = grpc.unary_unary_rpc_method_handler(cancelled)
+    interceptor, counted = intercepted("/llmserve.v1.Gateway/GenerateUnary", handler)
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(counted.unary_unary(None, Context(None, remaining=3.0)))
+    samples = {
+        tuple(sorted(s.labels.items())): s.value
+        for family in interceptor.metrics.registry.collect()
+        if family.name == "llmserve_gateway_requests"
+        for s in family.samples
+        if s.name.endswith("_total") and s.value
+    }
+    expected = (("code", "CANCELLED"), ("method", "GenerateUnary"), ("protocol", "grpc"))
+    assert samples == {expected: 1}
+
+
+@pytest.mark.parametrize(
+    "method", ["/llmserve.v1.Gateway/Status", "/grpc.health.v1.Health/Check", "/other.Svc/Generate"]
+)
+def test_status_polls_and_other_services_are_not_counted(method) -> None:
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: None)
+    _, returned = intercepted(method, handler)
+    assert returned is handler  # not wrapped: never counted

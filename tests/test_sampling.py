@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from tests.model_support import one_torch_thread  # noqa: F401  (autouse fixture)
-from worker_svc.sampling import draw_seed, fresh_generator, sample_one, sample_tokens
+from worker_svc.sampling import (
+    draw_seed,
+    fresh_generator,
+    sample_one,
+    sample_tokens,
+    shape_logits,
+    token_logprobs,
+)
 from worker_svc.work import SamplingSettings
 
 VOCAB = 1000
@@ -215,3 +222,44 @@ def test_a_temperature_near_the_smallest_float_draws_the_top_token(seed) -> None
     logits = torch.tensor([[10.0, 0.0, 9.0, -5.0]])
     rows = [SamplingSettings(temperature=1e-38, seed=seed)]
     assert sample_tokens(logits, rows, [0], fresh_generator()) == [0]
+
+
+def test_the_repetition_penalty_shrinks_seen_logits_toward_zero_from_either_side() -> None:
+    """Seen tokens: a positive logit is divided by the penalty (0.5 -> 0.25, below 1 as well),
+    a negative one multiplied (-0.5 -> -1); unseen tokens keep theirs."""
+    logits = torch.tensor([0.5, -0.5, 0.5, 3.0])
+    s = SamplingSettings(temperature=1.0, repetition_penalty=2.0)
+    shaped = shape_logits(logits, s, history=[0, 1, 3], sample_index=0)
+    assert shaped.tolist() == [0.25, -1.0, 0.5, 1.5]
+
+
+def test_frequency_and_presence_penalties_count_generated_tokens_only() -> None:
+    """History: prompt [5, 6, 6], then generated [6, 7, 7]: 6 once, 7 twice."""
+    s = SamplingSettings(temperature=1.0, frequency_penalty=1.0, presence_penalty=0.5)
+    logits = torch.zeros(8)
+    assert shape_logits(logits, s, history=[5, 6, 6], sample_index=0).tolist() == [0.0] * 8
+    shaped = shape_logits(logits, s, history=[5, 6, 6, 6, 7, 7], sample_index=3)
+    assert shaped.tolist() == [0.0] * 6 + [-1.5, -2.5]
+
+
+def test_logprobs_are_the_raw_log_softmax_with_the_top_alternatives_asked() -> None:
+    logits = torch.tensor([0.0, math.log(3.0), -1e9])  # p = 0.25, 0.75, 0
+    alone = token_logprobs(logits, token=0, top=0)
+    assert alone.logprob == pytest.approx(math.log(0.25)) and alone.top_ids == ()
+    one = token_logprobs(logits, token=0, top=1)
+    assert one.top_ids == (1,) and one.top_logprobs == pytest.approx((math.log(0.75),))
+    assert token_logprobs(logits, token=1, top=5).top_ids == (1, 0, 2)  # at most the vocabulary
+
+
+@pytest.mark.parametrize(
+    "row",
+    [SamplingSettings(1.0, min_p=0.5), SamplingSettings(1.0, logit_bias={0: -100.0})],
+    ids=["min_p", "logit_bias"],
+)
+def test_unseeded_rows_with_min_p_or_shaped_logits_keep_them_in_a_mixed_batch(row) -> None:
+    """p = 0.6, 0.2, 0.2: min_p 0.5 keeps token 0 only; a bias of -100 leaves tokens 1 and 2."""
+    logits = torch.tensor([math.log(0.6), math.log(0.2), math.log(0.2)])
+    rows = [SamplingSettings(1.0), row] * 300
+    tokens = sample_tokens(logits.expand(len(rows), -1), rows, [0] * len(rows), fresh_generator())
+    assert set(tokens[1::2]) == ({0} if row.min_p else {1, 2})
+    assert set(tokens[0::2]) == {0, 1, 2}
