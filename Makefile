@@ -58,7 +58,7 @@ test-fast: setup
 	$(PYTHON) -m pytest tests -m "not slow"
 
 # Mutation testing of the modules where a wrong line silently changes behaviour, each against its
-# own fast tests, in copies under build/mutation/ (about 40 min; some: MUTATION_GROUPS=core).
+# own fast tests, in copies under build/mutation/ (about 45 min; some: MUTATION_GROUPS=core).
 # Report: results/mutation/report.md; see docs/mutation.md. Not part of `make test`.
 MUTATION_GROUPS ?=
 mutation: setup
