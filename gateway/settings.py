@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
+
+from llmserve.auth import read_secret_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,18 +35,16 @@ class GatewaySettings:
         is empty or unreadable is SystemExit with the reason: a configured key is never off."""
         if not self.api_key_file:
             return os.environ.get("LLMSERVE_API_KEY", "")
-        try:
-            key = Path(self.api_key_file).read_text().strip()
-        except (OSError, UnicodeDecodeError) as err:
-            reason = getattr(err, "strerror", None) or err
-            message = f"cannot read the API key file {self.api_key_file}: {reason}"
-            raise SystemExit(message) from None
-        if not key:
+        raw = read_secret_file(self.api_key_file, "API key")
+        if not raw:
             raise SystemExit(
                 f"the API key file {self.api_key_file} is empty: write the key into it, or start "
                 "without --api-key-file to serve without a key"
             )
-        return key
+        try:
+            return raw.decode()
+        except UnicodeDecodeError as err:
+            raise SystemExit(f"the API key in {self.api_key_file} is not UTF-8: {err}") from None
 
     @property
     def tls(self) -> tuple[str, str] | None:

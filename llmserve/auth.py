@@ -30,17 +30,21 @@ INTERNAL_REFUSAL = (
 )
 
 
+def read_secret_file(path: str, what: str) -> bytes:
+    """A secret's file content, stripped (empty when the file is). An unreadable file is
+    SystemExit with the reason: a secret that was configured is never silently off."""
+    try:
+        return Path(path).read_bytes().strip()
+    except OSError as err:
+        raise SystemExit(f"cannot read the {what} file {path}: {err.strerror}") from None
+
+
 def internal_token(path: str = "") -> str:
     """The internal token: the content of `path`, else $LLMSERVE_INTERNAL_TOKEN; "" when neither
     is set. Set but empty, unreadable or not printable ASCII (it travels as gRPC metadata) is
     SystemExit with the reason: a configured token is never silently off."""
     if path:
-        source = path
-        try:
-            raw = Path(path).read_bytes()
-        except OSError as err:
-            message = f"cannot read the internal token file {path}: {err.strerror}"
-            raise SystemExit(message) from None
+        source, raw = path, read_secret_file(path, "internal token")
     elif INTERNAL_TOKEN_VAR in os.environ:
         source, raw = f"${INTERNAL_TOKEN_VAR}", os.environb[INTERNAL_TOKEN_VAR.encode()]
     else:

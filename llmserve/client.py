@@ -65,13 +65,14 @@ def make_request(
     return request
 
 
-def channel(target: str, tls_ca: str = "") -> grpc.Channel:
-    """A channel to `target`; TLS when a CA certificate file is given."""
+def channel(target: str, tls_ca: str = "", aio: bool = False):
+    """A channel to `target` (grpc's, or grpc.aio's); TLS when a CA certificate file is given."""
+    kind = grpc.aio if aio else grpc
     if tls_ca:
         with open(tls_ca, "rb") as f:
             credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
-        return grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
-    return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        return kind.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+    return kind.insecure_channel(target, options=CHANNEL_OPTIONS)
 
 
 def stream(
@@ -292,12 +293,7 @@ class AsyncClient:
         tls_ca: str = "",
         timeout: float | None = None,
     ) -> None:
-        if tls_ca:
-            with open(tls_ca, "rb") as f:
-                credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
-            self._channel = grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._channel = channel(target, tls_ca, aio=True)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         self._metadata = _key_metadata(api_key)
         self.timeout = timeout
