@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
+from worker_svc import device as device_module
 from worker_svc.cuda_graphs import DecodeGraphs, StaticDecodeInputs, bucket_for
 from worker_svc.device import MemoryProbe, resolve_device
 from worker_svc.kv_sizing import MemoryPlan
@@ -63,6 +65,20 @@ def test_the_cpu_memory_probe_sees_a_large_allocation() -> None:
         block = torch.ones(64 * 2**20, dtype=torch.uint8)
         assert int(block[-1]) == 1
     assert probe.peak >= 48 * 2**20
+
+
+def test_where_the_peak_cannot_be_reset_the_probe_samples_a_transient_peak(monkeypatch) -> None:
+    """Sandboxes may refuse /proc/self/clear_refs; then the probe samples the resident size, and
+    an allocation freed before the probe ends still counts."""
+    monkeypatch.setattr(device_module, "reset_peak_rss", lambda: False)
+    with MemoryProbe(torch.device("cpu")) as probe:
+        block = torch.ones(64 * 2**20, dtype=torch.uint8)
+        time.sleep(0.05)
+        del block
+    assert probe.peak >= 48 * 2**20
+    with MemoryProbe(torch.device("cpu")) as idle:
+        time.sleep(0.02)
+    assert idle.peak < 16 * 2**20
 
 
 def test_a_decode_batch_runs_in_the_smallest_bucket_that_holds_it() -> None:
