@@ -1,12 +1,37 @@
-"""KV block accounting for one worker's pool (no data, only ownership)."""
+"""KV block accounting for one worker's pool (no data, only ownership), with the prefix cache.
+
+A block is in exactly one of three states:
+- **free**: no request holds it and its contents are worth nothing;
+- **held** by one or more requests (`refs[block]` tables list it; only full blocks of a cached
+  prefix are ever held by more than one, and nobody writes into those);
+- **evictable**: nobody holds it, but its contents are a cached prefix block (it has a key);
+  it is counted as free, and taken (least recently used first) when no free block is left.
+
+A cached block's key is a hash chain over token ids (`block_keys`): equal keys mean equal
+tokens at equal positions from the start of the sequence, so equal KV.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 
 
 def blocks_for(positions: int, block_size: int) -> int:
     return -(-positions // block_size)
+
+
+def block_keys(tokens: list[int], block_size: int, keys: list[bytes], upto: int) -> list[bytes]:
+    """Extend `keys` (the keys of `tokens`' first full blocks, as computed so far) to `upto`
+    blocks. Each key is SHA-256 over the previous key and this block's token ids: a cryptographic
+    hash, so that no client can craft a prompt whose blocks collide with another's."""
+    prev = keys[-1] if keys else b""
+    for i in range(len(keys), upto):
+        chunk = array("I", tokens[i * block_size : (i + 1) * block_size]).tobytes()
+        prev = hashlib.sha256(prev + chunk).digest()
+        keys.append(prev)
+    return keys
 
 
 class BlockPool:
@@ -15,16 +40,23 @@ class BlockPool:
         self.block_size = block_size
         self.free: deque[int] = deque(range(num_blocks))
         self.tables: dict[str, list[int]] = {}
+        self.refs = [0] * num_blocks  # how many tables list each block
+        self.key_of: dict[int, bytes] = {}  # block -> its key, for cached blocks
+        self.cached: dict[bytes, int] = {}  # key -> block
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self.fresh: set[int] = set()  # cached in the step being planned: not readable yet
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        """Blocks a request can be given: free ones and evictable cached ones."""
+        return len(self.free) + len(self.evictable)
 
     def allocated(self, request_id: str) -> int:
         return len(self.tables.get(request_id, ()))
 
     def can_grow(self, request_id: str, positions: int) -> bool:
-        return self.missing(request_id, positions) <= len(self.free)
+        return self.missing(request_id, positions) <= self.num_free
 
     def missing(self, request_id: str, positions: int) -> int:
         """Blocks still to allocate so that `request_id` holds `positions` positions."""
@@ -38,13 +70,86 @@ class BlockPool:
         need = -(-positions // self.block_size) - len(table)
         if need <= 0:
             return []
-        popleft = self.free.popleft
-        new = [popleft() for _ in range(need)]
+        new = []
+        refs, free = self.refs, self.free
+        for _ in range(need):
+            block = free.popleft() if free else self._evict()
+            refs[block] = 1
+            new.append(block)
         table += new
         return new
 
+    def _evict(self) -> int:
+        """The least recently used evictable block, its cached contents forgotten."""
+        block, _ = self.evictable.popitem(last=False)
+        del self.cached[self.key_of.pop(block)]
+        self.evictions += 1
+        return block
+
     def release(self, request_id: str) -> None:
-        self.free.extend(self.tables.pop(request_id, ()))
+        """Drop the request's references. Its blocks whose last reference this was become free,
+        or evictable if cached; the end of a sequence is evicted before its beginning."""
+        table = self.tables.pop(request_id, ())
+        refs, key_of = self.refs, self.key_of
+        cached = []
+        for block in table:
+            refs[block] -= 1
+            if refs[block] == 0:
+                if block in key_of:
+                    cached.append(block)
+                else:
+                    self.free.append(block)
+        for block in reversed(cached):
+            self.evictable[block] = None
 
     def table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])
+
+    # ---- the prefix cache ----------------------------------------------------------------
+
+    def match(self, keys: list[bytes]) -> list[int]:
+        """The cached blocks of the longest run of `keys` from the start (none cached in the
+        step being planned: their KV is written by that step)."""
+        blocks = []
+        cached, fresh = self.cached, self.fresh
+        for key in keys:
+            block = cached.get(key)
+            if block is None or block in fresh:
+                break
+            blocks.append(block)
+        return blocks
+
+    def share(self, request_id: str, blocks: list[int]) -> None:
+        """A new request's table starts with these cached blocks (a reference each)."""
+        table = self.tables.setdefault(request_id, [])
+        assert not table, "a shared prefix starts the table"
+        refs, evictable = self.refs, self.evictable
+        for block in blocks:
+            if refs[block] == 0:
+                del evictable[block]
+            refs[block] += 1
+        table += blocks
+
+    def evictable_in(self, blocks: list[int]) -> int:
+        """How many of `blocks` nobody holds (sharing them takes them from the free count)."""
+        refs = self.refs
+        return sum(1 for block in blocks if refs[block] == 0)
+
+    def cache(self, block: int, key: bytes) -> None:
+        """`block`, held and full, holds the contents `key` names (once its step has run). A
+        block already cached, or contents already cached in another block, stay as they are."""
+        if block in self.key_of or key in self.cached:
+            return
+        self.key_of[block] = key
+        self.cached[key] = block
+        self.fresh.add(block)
+
+    def uncache(self, blocks: list[int]) -> None:
+        """These blocks' contents cannot be trusted (their step failed): forget them."""
+        for block in blocks:
+            key = self.key_of.pop(block, None)
+            if key is not None:
+                del self.cached[key]
+                if block in self.evictable:
+                    del self.evictable[block]
+                    self.free.append(block)

@@ -31,6 +31,7 @@ class CoreConfig:
     policy: KvPolicy = KvPolicy.PAGED
     mode: BatchMode = BatchMode.CONTINUOUS
     chunked_prefill: bool = True
+    prefix_caching: bool = True  # share cached prefix blocks (paged only: see core.Scheduler)
 
     def __post_init__(self) -> None:
         if self.token_budget < 1:

@@ -8,6 +8,13 @@
 Every worker has its own step loop over the one shared FCFS queue. A step may be planned while
 the worker's previous step still runs (overlap): a request then decodes the token the worker
 sampled in that step, which the core learns one step late (`Sequence.num_inflight`).
+
+Prefix caching (paged only): a request admitted to a worker starts from the longest run of full
+blocks of its tokens that the worker's pool already holds (`BlockPool.match`), shared by
+reference, and computes only the rest. A block is cached when a chunk completes it (readable from
+the next step on) and, for generated tokens, when its request leaves. `reserve` keeps it off:
+reserving the maximum length per request is the contiguous allocation of servers before paging,
+which cannot share, and it is the baseline the seed's figures compare against.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
-from scheduler_svc.blocks import blocks_for
+from scheduler_svc.blocks import block_keys, blocks_for
 from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, StallReason, WorkerSpec
 from scheduler_svc.output import Event, Refused, Snapshot, StepTokens
 from scheduler_svc.sequence import NO_HANDLE, Finish, SeqStatus, Sequence
@@ -53,6 +60,7 @@ class Scheduler:
         self.chunked = config.chunked_prefill
         self.reserve = config.policy is KvPolicy.RESERVE
         self.static = config.mode is BatchMode.STATIC
+        self.caching = config.prefix_caching and not self.reserve
 
     # ---- workers in and out --------------------------------------------------------------
 
@@ -152,6 +160,7 @@ class Scheduler:
         budget = sys.maxsize if self.static else self.config.token_budget
         for index in indices:
             ws = self.workers[index]
+            ws.pool.fresh.clear()  # the steps that write them have been sent
             self._reap(ws)
             if not ws.running:
                 ws.closed = False
@@ -211,6 +220,7 @@ class Scheduler:
     def fail_items(self, step: Step, failed: dict[int, str], where: str) -> None:
         """The worker could not run these requests (by handle): each fails alone, the rest of
         the step stands. Their work leaves the step, so `complete` gets the others' tokens."""
+        self._distrust(step, set(failed))
         for seq in self.workers[step.worker].running:
             if seq.handle in failed and not seq.is_finished:
                 error = f"worker {where} could not run this request: {failed[seq.handle]}"
@@ -247,6 +257,7 @@ class Scheduler:
         """The worker answered that this execution raised: fail its requests (re-queueing them
         would carry a request that breaks the model to every worker)."""
         failed = []
+        self._distrust(step, {w.handle for w in step.chunks})
         for seq, handle in [(w.seq, w.handle) for w in step.chunks] + list(
             zip(step.decodes, step.decode_handles, strict=True)
         ):
@@ -300,6 +311,8 @@ class Scheduler:
         sample = start + n == seq.known
         step.chunks.append(Work(seq, seq.handle, start, n, sample))
         seq.num_computed = start + n
+        if self.caching:
+            self._cache(ws, seq, start, start + n)
         if sample:
             seq.known += 1
             ws.prefilling.discard(seq)
@@ -327,7 +340,7 @@ class Scheduler:
         waiting = self.waiting
         while waiting:
             seq = waiting[0]
-            ws, reason = self._place(seq, steps)
+            ws, reason, hit = self._place(seq, steps)
             if ws is None:  # no live worker can ever hold it: it fails now, never waits
                 self.abort(seq.request_id, Finish.ERROR, self._no_worker_message(reason))
                 continue
@@ -335,7 +348,8 @@ class Scheduler:
             if reason is None and step is None:
                 self.wakes.add(ws.index)  # its place is on a worker not planning now
                 return
-            n = self._chunk(seq, step.budget) if step is not None else 0
+            start = len(hit) * ws.spec.block_size
+            n = self._chunk(seq, step.budget, start) if step is not None else 0
             if reason is None and n == 0:
                 reason = StallReason.TOKEN_BUDGET
             if reason is not None:
@@ -345,27 +359,44 @@ class Scheduler:
                 return
             waiting.popleft()
             self.waiting_tokens -= seq.known
-            self._start(ws, seq, step, n)
+            self._start(ws, seq, step, n, hit)
 
     def _place(
         self, seq: Sequence, steps: dict[int, Step]
-    ) -> tuple[WorkerState | None, StallReason | None]:
-        """The worker for the head of the queue: among the live workers that can ever hold it,
-        the one with the most free KV positions whose running limit and KV allow it now.
-        Otherwise the best one and its reason; (None, None) if no worker can hold it at all;
-        (None, reason) if only workers that are down could."""
+    ) -> tuple[WorkerState | None, StallReason | None, list[int]]:
+        """The worker for the head of the queue and the cached blocks it would reuse there:
+        among the live workers that can ever hold it, the best one whose running limit and KV
+        allow it now. Best = the most free KV positions plus positions found in its prefix
+        cache: a cached position is one the request need not take from the pool nor compute,
+        so a long cached history outweighs a little more free KV, while a short shared system
+        prompt does not pull every request onto one worker. Otherwise the best one and its
+        reason; (None, None, []) if no worker can hold it at all; (None, reason, []) if only
+        workers that are down could."""
         candidates = self._candidates(seq, live=True)
         if not candidates:
-            return None, (StallReason.KV_CAPACITY if self._candidates(seq, live=False) else None)
+            down = self._candidates(seq, live=False)
+            return None, (StallReason.KV_CAPACITY if down else None), []
+        hits = {ws.index: self._hit(ws, seq) for ws in candidates} if self.caching else None
         if len(candidates) > 1:
-            candidates.sort(key=lambda w: (-w.free_positions, w.index not in steps, w.index))
+            if hits is None:
+                candidates.sort(key=lambda w: (-w.free_positions, w.index not in steps, w.index))
+            else:
+                candidates.sort(
+                    key=lambda w: (
+                        -w.free_positions - len(hits[w.index]) * w.spec.block_size,
+                        w.index not in steps,
+                        w.index,
+                    )
+                )
         first: StallReason | None = None
         for ws in candidates:
-            reason = self._why_not(ws, seq)
+            hit = hits[ws.index] if hits is not None else []
+            reason = self._why_not(ws, seq, hit)
             if reason is None:
-                return ws, None
+                return ws, None, hit
             first = first or reason
-        return candidates[0], first
+        best = candidates[0]
+        return best, first, hits[best.index] if hits is not None else []
 
     def _candidates(self, seq: Sequence, live: bool) -> list[WorkerState]:
         """Workers whose context and pool can ever hold `seq`; those that hold all of prompt +
@@ -384,14 +415,18 @@ class Scheduler:
             (full if want <= spec.max_context else partial).append(ws)
         return full or partial
 
-    def _why_not(self, ws: WorkerState, seq: Sequence) -> StallReason | None:
-        """The per-worker limits that do not depend on the step's token budget."""
+    def _why_not(self, ws: WorkerState, seq: Sequence, hit: list[int]) -> StallReason | None:
+        """The per-worker limits that do not depend on the step's token budget. With `hit`
+        cached blocks, the request needs blocks for the rest only, plus the cached ones that
+        nobody holds (sharing takes them out of the evictable, counted-free ones)."""
         if self.static and ws.closed and ws.running:
             return StallReason.STATIC_BATCH
         if len(ws.running) >= self.config.max_running:
             return StallReason.MAX_RUNNING
         bs = ws.spec.block_size
-        now = blocks_for(self._chunk(seq, self._full_budget()) or seq.known, bs)
+        start = len(hit) * bs
+        end = start + (self._chunk(seq, self._full_budget(), start) or seq.known - start)
+        now = blocks_for(end, bs) - len(hit) + (ws.pool.evictable_in(hit) if hit else 0)
         need = now
         if self.reserve:
             need = blocks_for(seq.max_length(ws.spec.max_context), bs)
@@ -402,12 +437,18 @@ class Scheduler:
             return StallReason.KV_RESERVED
         return StallReason.KV_CAPACITY
 
-    def _start(self, ws: WorkerState, seq: Sequence, step: Step, n: int) -> None:
+    def _start(self, ws: WorkerState, seq: Sequence, step: Step, n: int, hit: list[int]) -> None:
         seq.status, seq.worker = RUNNING, ws.index
         seq.handle, ws.next_handle = ws.next_handle, ws.next_handle + 1
         seq.stop_at = seq.max_length(ws.spec.max_context)
         seq.max_out = seq.stop_at - len(seq.prompt_ids)
-        self._grow(ws, seq, seq.stop_at if self.reserve else n, step)
+        if hit:
+            ws.pool.share(seq.request_id, hit)
+            step.shares.append((seq.handle, hit))
+            seq.num_computed = len(hit) * ws.spec.block_size
+        ws.prompt_tokens += seq.known
+        ws.hit_tokens += seq.num_computed
+        self._grow(ws, seq, seq.stop_at if self.reserve else seq.num_computed + n, step)
         step.added.append(seq)
         ws.running.append(seq)
         self.admitted += 1
@@ -419,15 +460,72 @@ class Scheduler:
         step.budget -= n
         self._plan_chunk(ws, step, seq, n)
 
+    # ---- the prefix cache ----------------------------------------------------------------
+
+    def _hit(self, ws: WorkerState, seq: Sequence) -> list[int]:
+        """The cached blocks `seq` would start from on `ws`; at least its last known token is
+        always computed, for the logits that sample the next one."""
+        bs = ws.spec.block_size
+        upto = (seq.known - 1) // bs
+        if upto <= 0:
+            return []
+        return ws.pool.match(self._keys(seq, upto, bs)[:upto])
+
+    @staticmethod
+    def _keys(seq: Sequence, upto: int, bs: int) -> list[bytes]:
+        """The keys of `seq`'s first `upto` full blocks (kept on it, extended as needed)."""
+        if seq.key_block_size != bs:
+            seq.block_keys, seq.key_block_size = [], bs
+        keys = seq.block_keys
+        if len(keys) < upto:
+            prompt = seq.prompt_ids
+            block_keys(prompt if upto * bs <= len(prompt) else seq.tokens, bs, keys, upto)
+        return keys
+
+    def _cache(self, ws: WorkerState, seq: Sequence, start: int, end: int) -> None:
+        """Positions start..end of `seq` are (or will be, by its steps sent) written: cache the
+        full blocks among them, under its tokens' keys."""
+        bs = ws.spec.block_size
+        first, last = start // bs, end // bs
+        if last <= first:
+            return
+        keys = self._keys(seq, last, bs)
+        pool = ws.pool
+        table = pool.tables[seq.request_id]
+        for i in range(first, last):
+            pool.cache(table[i], keys[i])
+
+    def _distrust(self, step: Step, handles: set[int]) -> None:
+        """These chunks of a step failed: the blocks they cached hold no trustworthy KV. Forget
+        them, and send any request that has already started from them back to the queue."""
+        if not self.caching or not handles:
+            return
+        ws = self.workers[step.worker]
+        pool, bs = ws.pool, ws.spec.block_size
+        bad: set[int] = set()
+        for work in step.chunks:
+            table = pool.tables.get(work.seq.request_id)
+            if work.handle in handles and table is not None and work.seq.handle == work.handle:
+                end = min(blocks_for(work.start + work.num_tokens, bs), len(table))
+                bad.update(table[work.start // bs : end])
+        bad &= pool.key_of.keys()
+        if not bad:
+            return
+        pool.uncache(list(bad))
+        for seq in reversed(ws.running):
+            if seq.handle not in handles and not bad.isdisjoint(pool.table(seq.request_id)):
+                self._preempt(ws, seq, cache=False)
+
     # ---- helpers -------------------------------------------------------------------------
 
     def _full_budget(self) -> int:
         """Static batching predates token budgets: its batch is prefilled in one execution."""
         return sys.maxsize if self.static else self.config.token_budget
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens `seq` can process within `budget`: 1 in decode, a prompt (chunk) in prefill."""
-        pending = seq.known - seq.num_computed
+    def _chunk(self, seq: Sequence, budget: int, start: int = 0) -> int:
+        """Tokens `seq` can process within `budget`: 1 in decode, a prompt (chunk) in prefill;
+        a request being admitted with `start` positions cached computes from there."""
+        pending = seq.known - max(seq.num_computed, start)
         if self.chunked or seq.num_computed or seq.output_ids:
             return min(pending, budget)
         return pending if pending <= budget else 0
@@ -451,10 +549,12 @@ class Scheduler:
             self.workers[seq.worker].done.append((seq, seq.handle))
             seq.handle, seq.stop_at = NO_HANDLE, 0
 
-    def _preempt(self, ws: WorkerState, seq: Sequence) -> None:
+    def _preempt(self, ws: WorkerState, seq: Sequence, cache: bool = True) -> None:
         """Free `seq`'s KV and put it back at the front of the queue, to be recomputed."""
         ws.running.remove(seq)
         ws.prefilling.discard(seq)
+        if self.caching and cache:  # its recompute (or another request) may find these again
+            self._cache(ws, seq, 0, min(seq.num_computed, seq.num_tokens))
         ws.pool.release(seq.request_id)
         ws.released.append(seq.handle)
         seq.status, seq.worker, seq.handle = SeqStatus.WAITING, None, NO_HANDLE
@@ -470,6 +570,8 @@ class Scheduler:
             return
         for seq, handle in ws.done:
             ws.prefilling.discard(seq)
+            if self.caching and seq.finish is not Finish.ERROR:  # an error's KV is suspect
+                self._cache(ws, seq, 0, min(seq.num_computed, seq.num_tokens))
             ws.pool.release(seq.request_id)
             ws.released.append(handle)
             if self.seqs.get(seq.request_id) is seq:

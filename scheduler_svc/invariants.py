@@ -1,9 +1,10 @@
 """Consistency checks of the batching core, for tests and for `LLMSERVE_CHECK_INVARIANTS=1`.
 
 After every step, per worker: free + written + reserved-but-unwritten = capacity; every block is
-either free or owned by exactly one running request; every running request holds the KV its
-planned tokens need and has a handle of its own; a request prefilling there runs there; a waiting
-request holds none.
+free, evictable (cached, held by nobody) or held, and its reference count is the number of running
+requests' tables that list it; no request writes into a block another holds; every running
+request holds the KV its planned tokens need and has a handle of its own; a request prefilling
+there runs there; a waiting request holds none.
 
 Of each planned step (`check_step`): it stays within the token budget; every work item belongs to
 a request running on that worker under the item's handle, at most once, and the blocks its
@@ -14,8 +15,9 @@ of a request running there.
 from __future__ import annotations
 
 import sys
+from collections import Counter
 
-from scheduler_svc.blocks import blocks_for
+from scheduler_svc.blocks import BlockPool, blocks_for
 from scheduler_svc.core import Scheduler
 from scheduler_svc.sequence import NO_HANDLE, SeqStatus
 from scheduler_svc.step import Step
@@ -39,22 +41,7 @@ def check_invariants(core: Scheduler) -> None:
             f"!= capacity {kv.capacity}",
         )
         _require(kv.reserved_unwritten >= 0, f"{name}: written {kv.written} beyond allocated")
-        owners: dict[int, str] = {}
-        for rid, table in pool.tables.items():
-            for block in table:
-                _require(
-                    block not in owners,
-                    f"{name}: block {block} owned by {owners.get(block)} and {rid}",
-                )
-                _require(0 <= block < pool.num_blocks, f"{name}: {rid} owns block {block}")
-                owners[block] = rid
-        free = list(pool.free)
-        _require(len(set(free)) == len(free), f"{name}: a block is free twice")
-        _require(not set(free) & owners.keys(), f"{name}: a block is both free and owned")
-        _require(
-            len(free) + len(owners) == pool.num_blocks,
-            f"{name}: {len(free)} free + {len(owners)} owned != {pool.num_blocks} blocks",
-        )
+        _check_pool(name, pool)
         ids = {s.request_id for s in ws.running}
         _require(len(ids) == len(ws.running), f"{name}: a request runs twice")
         _require(ws.prefilling <= set(ws.running), f"{name}: prefilling, but not running")
@@ -72,6 +59,12 @@ def check_invariants(core: Scheduler) -> None:
                 held >= blocks_for(s.num_computed, bs) and s.held == held * bs,
                 f"{s.request_id}: needs {s.num_computed} positions on {name} but holds {held} "
                 f"blocks (it counts {s.held} positions)",
+            )
+            table = pool.table(s.request_id)
+            shared = [b for b in table[s.num_computed // bs :] if pool.refs[b] > 1]
+            _require(
+                not shared,
+                f"{s.request_id}: writes into block {shared[:1]} on {name}, which others hold",
             )
             _require(
                 0 <= s.num_inflight <= 2 and s.num_computed <= s.known,
@@ -98,6 +91,38 @@ def check_invariants(core: Scheduler) -> None:
     _require(
         core.waiting_tokens == pending,
         f"waiting_tokens is {core.waiting_tokens} but the queue holds {pending}",
+    )
+
+
+def _check_pool(name: str, pool: BlockPool) -> None:
+    """Every block is free, evictable or held; each block's reference count is the number of
+    tables that list it; the cache's two maps agree; evictable blocks are cached and unheld."""
+    refs = Counter(block for table in pool.tables.values() for block in table)
+    for rid, table in pool.tables.items():
+        _require(len(set(table)) == len(table), f"{name}: {rid} lists a block twice")
+        outside = [b for b in table if not 0 <= b < pool.num_blocks]
+        _require(not outside, f"{name}: {rid} holds block {outside[:1]}")
+    wrong = [b for b in range(pool.num_blocks) if pool.refs[b] != refs.get(b, 0)]
+    _require(
+        not wrong,
+        f"{name}: block {wrong[:1]} counts {pool.refs[wrong[0]] if wrong else 0} references, "
+        f"{refs.get(wrong[0], 0) if wrong else 0} tables list it",
+    )
+    free, evictable = list(pool.free), list(pool.evictable)
+    _require(len(set(free)) == len(free), f"{name}: a block is free twice")
+    _require(not set(free) & refs.keys(), f"{name}: a block is both free and held")
+    _require(not set(evictable) & refs.keys(), f"{name}: a block is both evictable and held")
+    _require(not set(free) & set(evictable), f"{name}: a block is both free and evictable")
+    _require(
+        len(free) + len(evictable) + len(refs) == pool.num_blocks,
+        f"{name}: {len(free)} free + {len(evictable)} evictable + {len(refs)} held "
+        f"!= {pool.num_blocks} blocks",
+    )
+    _require(not set(free) & pool.key_of.keys(), f"{name}: a free block is still cached")
+    _require(set(evictable) <= pool.key_of.keys(), f"{name}: an evictable block is not cached")
+    _require(
+        {k: b for b, k in pool.key_of.items()} == pool.cached,
+        f"{name}: the cache's block->key and key->block maps disagree",
     )
 
 
@@ -128,6 +153,17 @@ def check_step(core: Scheduler, step: Step) -> None:
             blocks_for(end, bs) <= len(table),
             f"{rid}: writes up to position {end - 1} on {name}, but its table holds "
             f"{len(table)} blocks of {bs}",
+        )
+    added = {seq.handle for seq in step.added}
+    starts = {w.handle: w.start for w in step.chunks}
+    for handle, blocks in step.shares:
+        seq = by_handle.get(handle)
+        _require(handle in added and seq is not None, f"{name}: shares with handle {handle}")
+        table = pool.tables.get(seq.request_id, [])
+        _require(
+            table[: len(blocks)] == blocks and starts.get(handle) == len(blocks) * bs,
+            f"{seq.request_id}: shares {blocks} on {name}, but its table is {table} and its "
+            f"chunk starts at {starts.get(handle)}",
         )
     for handle, new in step.grants:
         seq = by_handle.get(handle)

@@ -68,6 +68,11 @@ class WorkerKv:
     max_context: int = 0
     steps: int = 0
     stalls: dict[str, int] = field(default_factory=dict)
+    cached_blocks: int = 0  # blocks whose contents the prefix cache names (held or not)
+    evictable_blocks: int = 0  # cached, held by nobody: counted in `free`
+    evictions: int = 0  # cached blocks taken for other contents (cumulative)
+    prompt_tokens: int = 0  # tokens needing KV at each admission (cumulative)
+    hit_tokens: int = 0  # of those, served from the cache (cumulative)
 
 
 @dataclass(slots=True)

@@ -52,6 +52,8 @@ class Sequence:
     handle: int = NO_HANDLE  # its id on the worker's step stream; changes with every placement
     admitted_at: float | None = None  # first admission (queue time ends)
     preemptions: int = 0
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full blocks
+    key_block_size: int = 0  # the block size `block_keys` are for
 
     def __post_init__(self) -> None:
         self.known = len(self.prompt_ids) + len(self.output_ids)

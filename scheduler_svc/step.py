@@ -43,6 +43,9 @@ class Step:
     decode_handles: list[int] = field(default_factory=list)
     added: list[Sequence] = field(default_factory=list)  # placed on the worker in this step
     grants: list[tuple[int, list[int]]] = field(default_factory=list)  # (handle, new blocks)
+    # (handle, cached blocks): a request added in this step reads these blocks, already written,
+    # as the start of its table (before its grants); its first chunk starts after them
+    shares: list[tuple[int, list[int]]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)  # handles freed since the last step
 
     @property

@@ -26,6 +26,9 @@ class WorkerState:
         self.closed = False  # static mode: a member of the batch has produced a token
         self.steps = 0
         self.stalls: Counter[str] = Counter()
+        self.prompt_tokens = 0  # tokens needing KV at admissions here
+        self.hit_tokens = 0  # of those, found in the prefix cache
+        self.lost_evictions = 0  # evictions counted by pools this worker had before
 
     @property
     def live(self) -> bool:
@@ -39,6 +42,7 @@ class WorkerState:
     def reset_pool(self, spec: WorkerSpec | None = None) -> None:
         """A fresh view of the pool (a replacement worker may bring another size)."""
         self.spec = spec or self.spec
+        self.lost_evictions += self.pool.evictions
         self.pool = BlockPool(self.spec.num_blocks, self.spec.block_size)
         self.released.clear()
         self.prefilling.clear()
@@ -52,15 +56,17 @@ class WorkerState:
         )
 
     def kv(self) -> WorkerKv:
-        bs = self.spec.block_size
-        written = sum(s.num_computed for s in self.running)
-        allocated = (self.pool.num_blocks - self.pool.num_free) * bs
+        """Positions as the pool holds them: a block shared by several requests counts once
+        (shared blocks are full and written; only each request's own tail is unwritten)."""
+        bs, pool = self.spec.block_size, self.pool
+        allocated = (pool.num_blocks - pool.num_free) * bs
+        unwritten = sum(pool.allocated(s.request_id) * bs - s.num_computed for s in self.running)
         return WorkerKv(
             name=self.spec.name,
             capacity=self.spec.capacity,
-            written=written,
-            reserved_unwritten=allocated - written,
-            free=self.pool.num_free * bs,
+            written=allocated - unwritten,
+            reserved_unwritten=unwritten,
+            free=pool.num_free * bs,
             running=len(self.running),
             healthy=self.healthy,
             draining=self.draining,
@@ -68,4 +74,9 @@ class WorkerState:
             max_context=self.spec.max_context,
             steps=self.steps,
             stalls=dict(self.stalls),
+            cached_blocks=len(pool.key_of),
+            evictable_blocks=len(pool.evictable),
+            evictions=self.lost_evictions + pool.evictions,
+            prompt_tokens=self.prompt_tokens,
+            hit_tokens=self.hit_tokens,
         )
