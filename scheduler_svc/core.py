@@ -467,7 +467,7 @@ class Scheduler:
         always computed, for the logits that sample the next one."""
         bs = ws.spec.block_size
         upto = (seq.known - 1) // bs
-        if upto <= 0:
+        if upto <= 0 or not ws.pool.cached:
             return []
         return ws.pool.match(self._keys(seq, upto, bs)[:upto])
 

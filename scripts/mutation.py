@@ -54,6 +54,7 @@ CORE_TESTS = (
     "tests/test_invariants.py",
     "tests/test_step_checks.py",
     "tests/test_bench_core_cost.py",
+    "tests/test_prefix_core.py",
 )
 GROUPS = {
     "core": Group(
