@@ -137,7 +137,8 @@ def format_status(s: dict) -> str:
         f"model {s['model']}  policy {s['policy']}  mode {s['mode']}  budget {s['token_budget']}"
         f"  max running {s['max_running']}  block size {s['block_size']}"
         f"  chunked prefill {'on' if s['chunked_prefill'] else 'off'}"
-        f"  overlap {'on' if s['overlap'] else 'off'}",
+        f"  overlap {'on' if s['overlap'] else 'off'}"
+        f"  prefix caching {'on' if s['prefix_caching'] else 'off'}",
         f"steps {s['steps']}  admitted {s['admitted']}  finished {s['finished']}"
         f"  preemptions {s['preemptions']}",
         f"waiting {s['waiting']} ({s['waiting_tokens']} tokens, oldest {s['oldest_wait_s']:.2f} s)"
@@ -156,12 +157,26 @@ def format_status(s: dict) -> str:
             f"context {w['max_context']:>6}  steps {w['steps']:>7}{state}\n"
             f"  {'':<10} capacity {w['capacity']:>7}  written {w['written']:>7}  "
             f"reserved-unwritten {w['reserved_unwritten']:>7}  free {w['free']:>7}  "
-            f"running {w['running']}" + (f"  stalls: {stalls}" if stalls else "")
+            f"running {w['running']}" + (f"  stalls: {stalls}" if stalls else "") + "\n"
+            f"  {'':<10} prefix cache: cached blocks {w['cached_blocks']:>6}  evictable "
+            f"{w['evictable_blocks']:>6}  hit rate {hit_rate(w):>6}  evictions {w['evictions']}"
         )
     stalls = ", ".join(f"{k} {v}" for k, v in sorted(s["stalls"].items())) or "none"
     refused = ", ".join(f"{k} {v}" for k, v in sorted(s["refused"].items())) or "none"
-    lines += [f"admission stalls by reason (steps): {stalls}", f"refused at submit: {refused}"]
+    lines += [
+        f"prefix cache: hit rate {hit_rate(s)} ({s['hit_tokens']} of {s['prompt_tokens']} "
+        f"prompt tokens served from cache)  evictions {s['evictions']}",
+        f"admission stalls by reason (steps): {stalls}",
+        f"refused at submit: {refused}",
+    ]
     return "\n".join(lines)
+
+
+def hit_rate(figures: dict) -> str:
+    """Prompt tokens served from the prefix cache / prompt tokens; "-" before any."""
+    if not figures["prompt_tokens"]:
+        return "-"
+    return f"{100 * figures['hit_tokens'] / figures['prompt_tokens']:.1f}%"
 
 
 def cmd_status(args: argparse.Namespace) -> int:

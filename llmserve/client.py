@@ -171,6 +171,10 @@ def status_dict(reply: scheduler_pb2.StatusReply) -> dict:
         "preemptions",
         "oldest_wait_s",
         "overlap",
+        "prefix_caching",
+        "prompt_tokens",
+        "hit_tokens",
+        "evictions",
     ]
     out = {k: getattr(reply, k) for k in keys}
     out["stalls"] = dict(reply.stalls)
@@ -192,6 +196,11 @@ def status_dict(reply: scheduler_pb2.StatusReply) -> dict:
             "stalls": dict(w.stalls),
             "forward_seconds": w.forward_seconds,
             "step_bytes": w.step_bytes,
+            "cached_blocks": w.cached_blocks,
+            "evictable_blocks": w.evictable_blocks,
+            "evictions": w.evictions,
+            "prompt_tokens": w.prompt_tokens,
+            "hit_tokens": w.hit_tokens,
         }
         for w in reply.workers
     ]

@@ -31,6 +31,7 @@ STACK_HELP = {
     "kv_capacity": "KV positions per worker",
     "block_size": "positions per KV block",
     "chunked_prefill": "split long prompts across steps to fit the token budget",
+    "prefix_caching": "reuse the KV blocks of prompt prefixes computed before (paged only)",
     "gateway_port": "the gateway's gRPC port (the address --target of generate and status)",
     "scheduler_port": "the scheduler's gRPC port",
     "worker_base_port": "worker i listens on this port + i",
@@ -63,6 +64,7 @@ class StackSettings:
     kv_capacity: int = 16384  # per worker
     block_size: int = 16
     chunked_prefill: bool = True
+    prefix_caching: bool = True  # paged only
     gateway_port: int = 50051
     scheduler_port: int = 50052
     worker_base_port: int = 50061
@@ -158,6 +160,7 @@ class Stack:
             "--kv-capacity",
             str(s.kv_capacity),
             "--chunked-prefill" if s.chunked_prefill else "--no-chunked-prefill",
+            "--prefix-caching" if s.prefix_caching else "--no-prefix-caching",
             "--overlap" if s.overlap else "--no-overlap",
             "--stream-interval-ms",
             str(s.stream_interval_ms),

@@ -25,6 +25,8 @@ HELP = {
     "stream_interval_ms": "gather token events this long before sending them (0 = every step)",
     "policy": "KV allocation: reserve prompt+max_tokens at admission, or paged as it grows",
     "mode": "continuous batching, or static (the baseline)",
+    "prefix_caching": "reuse the KV blocks of prompt prefixes computed before (paged only: "
+    "reserve sets aside whole requests, so it leaves it off)",
     "token_budget": "new tokens processed in one execution, per worker",
     "max_running": "running requests per worker",
     "kv_capacity": "expected KV positions per worker, checked against the workers' reports",

@@ -8,13 +8,20 @@ from scheduler_svc.step import Step
 
 def step_message(number: int, step: Step) -> worker_pb2.Step:
     msg = worker_pb2.Step(step=number, decodes=step.decode_handles, released=step.released)
+    starts = {work.handle: work.start for work in step.chunks}
+    shared = {handle for handle, blocks in step.shares if blocks}
     for seq in step.added:
-        msg.added.add(
+        added = msg.added.add(
             handle=seq.handle,
             request_id=seq.request_id,
             sampling=seq.sampling,
             sample_index=len(seq.output_ids),
         )
+        if seq.handle in shared:  # its first chunk starts after the cached prefix
+            added.cached_token_ids.extend(seq.tokens[: starts.get(seq.handle, 0)])
+    for handle, blocks in step.shares:
+        if blocks:
+            msg.shared.add(handle=handle, blocks=blocks)
     for handle, blocks in step.grants:
         if blocks:
             msg.grants.add(handle=handle, blocks=blocks)

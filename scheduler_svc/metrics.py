@@ -116,6 +116,7 @@ def families(snap: Snapshot, core: Scheduler) -> Iterator[Metric]:
     yield from _queue(snap, core)
     yield from _counters(snap)
     yield from _workers(snap)
+    yield from _prefix_cache(snap)
 
 
 def _queue(snap: Snapshot, core: Scheduler) -> Iterator[Metric]:
@@ -130,9 +131,10 @@ def _queue(snap: Snapshot, core: Scheduler) -> Iterator[Metric]:
     info = GaugeMetricFamily(
         PREFIX + "info",
         "1, with the scheduler's settings",
-        labels=["policy", "mode", "chunked_prefill"],
+        labels=["policy", "mode", "chunked_prefill", "prefix_caching"],
     )
-    info.add_metric([cfg.policy.value, cfg.mode.value, str(cfg.chunked_prefill).lower()], 1)
+    flags = [str(cfg.chunked_prefill).lower(), str(core.caching).lower()]  # as it takes effect
+    info.add_metric([cfg.policy.value, cfg.mode.value, *flags], 1)
     yield info
     head = GaugeMetricFamily(
         PREFIX + "queue_head_blocked",
@@ -204,6 +206,47 @@ def _workers(snap: Snapshot) -> Iterator[Metric]:
         for state in KV_STATES:
             positions.add_metric([kv.name, state], getattr(kv, state))
     yield from (running, healthy, draining, capacity, positions, stalls, steps)
+
+
+# (name, help, WorkerKv field) of each worker's prefix-cache figures: gauges, then counters
+PREFIX_GAUGES = (
+    ("kv_cached_blocks", "KV blocks whose contents the prefix cache holds", "cached_blocks"),
+    (
+        "kv_evictable_blocks",
+        "Cached KV blocks no request holds: reusable, and free for other contents",
+        "evictable_blocks",
+    ),
+)
+PREFIX_COUNTERS = (
+    (
+        "prefix_cache_evictions",
+        "Cached KV blocks taken for other contents",
+        "evictions",
+    ),
+    (
+        "prefix_prompt_tokens",
+        "Tokens that needed KV when a request was admitted (again after a preemption)",
+        "prompt_tokens",
+    ),
+    (
+        "prefix_hit_tokens",
+        "Of the prefix_prompt_tokens, those whose KV the prefix cache held",
+        "hit_tokens",
+    ),
+)
+
+
+def _prefix_cache(snap: Snapshot) -> Iterator[Metric]:
+    for name, doc, field in PREFIX_GAUGES:
+        gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["worker"])
+        for kv in snap.workers:
+            gauge.add_metric([kv.name], getattr(kv, field))
+        yield gauge
+    for name, doc, field in PREFIX_COUNTERS:
+        counter = CounterMetricFamily(PREFIX + name, doc, labels=["worker"])
+        for kv in snap.workers:
+            counter.add_metric([kv.name], getattr(kv, field))
+        yield counter
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -232,6 +232,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             core_seconds=self.times.core_seconds,
             overlap=self.settings.overlap,
             generated_tokens=self.core.generated,
+            prefix_caching=self.core.caching,
+            prompt_tokens=sum(kv.prompt_tokens for kv in snap.workers),
+            hit_tokens=sum(kv.hit_tokens for kv in snap.workers),
+            evictions=sum(kv.evictions for kv in snap.workers),
         )
         reply.stalls.update(snap.stalls)
         reply.refused.update(snap.refused)
@@ -250,6 +254,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 block_size=kv.block_size,
                 max_context=kv.max_context,
                 steps=kv.steps,
+                cached_blocks=kv.cached_blocks,
+                evictable_blocks=kv.evictable_blocks,
+                evictions=kv.evictions,
+                prompt_tokens=kv.prompt_tokens,
+                hit_tokens=kv.hit_tokens,
             )
             out.stalls.update(kv.stalls)
             if client is not None:

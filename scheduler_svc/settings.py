@@ -21,6 +21,7 @@ class SchedulerSettings:
     token_budget: int = 256
     max_running: int = 32
     chunked_prefill: bool = True
+    prefix_caching: bool = True  # reuse cached prompt prefixes' KV (paged only)
     kv_capacity: int = 0  # expected positions per worker; 0 = take the workers' reports
     execute_timeout: float = 120.0  # seconds before a silent worker counts as failed, at most
     # a worker is hung (failed, its requests recomputed elsewhere) when a step's answer, or its
@@ -73,4 +74,5 @@ class SchedulerSettings:
             policy=self.policy,
             mode=self.mode,
             chunked_prefill=self.chunked_prefill,
+            prefix_caching=self.prefix_caching,
         )

@@ -36,7 +36,7 @@ class InProcessWorker:
         if not self.inflight:
             return False
         step, result = self.inflight.popleft()
-        assert not result.error, result.error
+        assert not result.error and not result.failed, (result.error, dict(result.failed))
         self.core.complete(step, list(result.tokens))
         invariants.check_invariants(self.core)
         return True

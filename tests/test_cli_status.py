@@ -25,3 +25,22 @@ def test_status_lists_each_worker_with_its_pool_context_and_stalls() -> None:
     assert "stalls: max_running 7" in text
     line1 = next(line for line in text.splitlines() if "worker1" in line)
     assert "DRAINING" in line1 and "UNHEALTHY" not in line1
+
+
+def test_status_shows_the_prefix_cache_and_a_dash_for_the_hit_rate_before_any_prompt() -> None:
+    reply = scheduler_pb2.StatusReply(
+        policy="paged", prefix_caching=True, prompt_tokens=400, hit_tokens=100, evictions=3
+    )
+    reply.workers.add(
+        name="worker0", healthy=True, cached_blocks=12, evictable_blocks=5, evictions=3,
+        prompt_tokens=400, hit_tokens=100,
+    )  # fmt: skip
+    reply.workers.add(name="worker1", healthy=True, cached_blocks=0)
+    text = format_status(status_dict(reply))
+    assert "prefix caching on" in text
+    assert "hit rate 25.0% (100 of 400 prompt tokens served from cache)  evictions 3" in text
+    cache = [line for line in text.splitlines() if "prefix cache: cached blocks" in line]
+    assert "cached blocks     12  evictable      5  hit rate  25.0%  evictions 3" in cache[0]
+    assert "hit rate      -" in cache[1]
+    off = format_status(status_dict(scheduler_pb2.StatusReply(policy="reserve")))
+    assert "prefix caching off" in off and "prefix cache: hit rate - (0 of 0" in off

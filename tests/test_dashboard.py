@@ -22,6 +22,9 @@ REQUIRED = [
     "Token throughput",
     "Preemptions",
     "Errors by code",
+    "Prefix cache hit rate",
+    "Prefix cache blocks: cached, evictable",
+    "Prefix cache evictions",
 ]
 
 
@@ -61,3 +64,12 @@ def test_every_panel_queries_the_datasource_variable() -> None:
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
             assert all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"])
+
+
+def test_prefix_cache_hit_rate_is_hit_tokens_over_prompt_tokens_per_worker() -> None:
+    hit = next(p for p in dashboard.panels() if p["title"] == "Prefix cache hit rate")
+    [expr] = [t["expr"] for t in hit["targets"]]
+    over, under = expr.split(" / ")
+    assert "rate(llmserve_scheduler_prefix_hit_tokens_total" in over and "by (worker)" in over
+    assert "rate(llmserve_scheduler_prefix_prompt_tokens_total" in under
+    assert "by (worker)" in under and hit["fieldConfig"]["defaults"]["unit"] == "percentunit"

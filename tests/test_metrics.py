@@ -4,6 +4,7 @@ phases and pool view, the gateway's status codes and latency hooks, and naming c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from types import SimpleNamespace
 
@@ -33,6 +34,7 @@ LABELS = {
     "policy",
     "mode",
     "chunked_prefill",
+    "prefix_caching",
     "le",
 }
 
@@ -318,7 +320,8 @@ def test_the_scheduler_families_report_the_cores_snapshot() -> None:
     assert value("waiting_tokens") == snap.waiting_tokens == 5 + 2  # b's prompt and output
     assert value("oldest_wait_seconds") == snap.oldest_wait == 30 - 11  # b arrived at 11
     assert (value("token_budget"), value("max_running_requests")) == (16, 1)
-    assert value("info", policy="paged", mode="continuous", chunked_prefill="false") == 1
+    flags = {"chunked_prefill": "false", "prefix_caching": "true"}
+    assert value("info", policy="paged", mode="continuous", **flags) == 1
     reasons = {r: value("admission_stalls_total", reason=r) for r in snap.stalls}
     assert reasons == snap.stalls and sum(reasons.values()) > 0
     head = {r.value: value("queue_head_blocked", reason=r.value) for r in StallReason}
@@ -439,3 +442,24 @@ def test_status_polls_and_other_services_are_not_counted(method) -> None:
     handler = grpc.unary_unary_rpc_method_handler(lambda request, context: None)
     _, returned = intercepted(method, handler)
     assert returned is handler  # not wrapped: never counted
+
+
+def test_the_prefix_cache_figures_are_exported_per_worker() -> None:
+    core = Scheduler(CoreConfig(), [WorkerSpec("w0", 40, 4, 64), WorkerSpec("w1", 40, 4, 64)])
+    snap = core.snapshot()
+    figures = dict(cached_blocks=9, evictable_blocks=4, evictions=2, prompt_tokens=70)
+    snap.workers[0] = dataclasses.replace(snap.workers[0], hit_tokens=24, **figures)
+    core.snapshot = lambda: snap
+    got = scheduler_scrape(core)
+
+    def value(name: str, worker: str) -> float:
+        return got[(f"llmserve_scheduler_{name}", (("worker", worker),))]
+
+    w0 = [value(n, "w0") for n in ("kv_cached_blocks", "kv_evictable_blocks")]
+    assert w0 == [9, 4]
+    totals = ("prefix_cache_evictions", "prefix_prompt_tokens", "prefix_hit_tokens")
+    assert [value(n + "_total", "w0") for n in totals] == [2, 70, 24]
+    assert [value(n + "_total", "w1") for n in totals] == [0, 0, 0]
+    reserve = Scheduler(CoreConfig(policy=KvPolicy.RESERVE), [WorkerSpec("w0", 40, 4, 64)])
+    info = [k for k in scheduler_scrape(reserve) if k[0] == "llmserve_scheduler_info"]
+    assert ("prefix_caching", "false") in info[0][1]  # reserve leaves it off

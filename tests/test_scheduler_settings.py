@@ -1,9 +1,14 @@
-"""The scheduler's worker entries: fixed addresses, dns: names, or none (registration only)."""
+"""The scheduler's worker entries: fixed addresses, dns: names, or none (registration only);
+its flags as the core and `llmserve up` take them."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
+from llmserve.flags import add_flags, from_args
+from llmserve.stack import Stack, StackSettings
 from scheduler_svc.settings import SchedulerSettings
 
 
@@ -27,3 +32,13 @@ def test_a_dns_entry_needs_a_name_and_a_port(entry) -> None:
 def test_a_negative_stream_interval_is_refused() -> None:
     with pytest.raises(ValueError, match="stream-interval"):
         SchedulerSettings(stream_interval_ms=-1)
+
+
+def test_prefix_caching_is_on_by_default_and_off_by_flag_for_the_core_and_up() -> None:
+    parser = add_flags(argparse.ArgumentParser(), SchedulerSettings)
+    assert from_args(SchedulerSettings, parser.parse_args([])).core().prefix_caching
+    off = from_args(SchedulerSettings, parser.parse_args(["--no-prefix-caching"]))
+    assert off.core().prefix_caching is False
+    scheduler = Stack(StackSettings(prefix_caching=False), None).commands()["scheduler"]
+    assert "--no-prefix-caching" in scheduler
+    assert "--prefix-caching" in Stack(StackSettings(), None).commands()["scheduler"]

@@ -54,7 +54,7 @@ def test_a_block_owned_by_another_request_fails_only_the_request_it_was_granted_
     result, _, _ = s.run(merge(thief, decodes))
     assert set(result.failed) == {2} and "belongs to another request" in result.failed[2]
     assert len(result.tokens) == 2  # requests 0 and 1 decoded
-    assert 2 not in s.items and s.owner.get(3) is None  # forgotten, nothing of it kept
+    assert 2 not in s.items and 3 not in s.holders  # forgotten, nothing of it kept
     assert s.used_blocks == 3 and result.kv.free_blocks == BLOCKS - 3
 
 

@@ -9,7 +9,15 @@ from typing import Protocol
 
 from llmserve.v1 import common_pb2, worker_pb2
 from worker_svc.model_config import ModelConfig
-from worker_svc.step_checks import blocks_problem, room_problem, sampling_problem, tokens_problem
+from worker_svc.step_checks import (
+    blocks_problem,
+    cached_problem,
+    room_problem,
+    sampling_problem,
+    shared_problem,
+    tokens_problem,
+    write_problem,
+)
 from worker_svc.work import BatchShape, SamplingSettings, TokenLogprobs, WorkItem, shape_of
 
 log = logging.getLogger("worker")
@@ -62,14 +70,21 @@ class Session:
         self.vocab_size = runner.config.vocab_size
         self.max_context = runner.config.max_context
         self.items: dict[int, WorkItem] = {}  # handle -> its state; token_ids = what comes next
-        self.owner: dict[int, int] = {}  # block -> the handle holding it
-        self.written = 0  # positions written, over the requests held
+        self.holders: dict[int, set[int]] = {}  # block -> the handles holding it
+        self.writer: dict[int, int] = {}  # block -> the holder it was granted to (who writes it)
+        self.own_written = 0  # positions the requests held wrote themselves
         self.closed = False  # another stream took over: execute nothing more
         self.last_end = 0.0  # when the last step finished (perf_counter)
 
     @property
     def used_blocks(self) -> int:
-        return len(self.owner)
+        return len(self.holders)
+
+    @property
+    def written(self) -> int:
+        """Positions written in the blocks held: each request's own, plus the shared blocks
+        whose writer has gone (full blocks, only read now)."""
+        return self.own_written + (len(self.holders) - len(self.writer)) * self.block_size
 
     def run(self, step: worker_pb2.Step) -> tuple[worker_pb2.StepResult, BatchShape | None, float]:
         """Apply the step's changes, execute it, remember what it sampled. Returns the result,
@@ -107,29 +122,36 @@ class Session:
         for handle in step.released:
             self.release(handle)
         for added in step.added:
+            cached = list(added.cached_token_ids)
             why = sampling_problem(added.sampling, self.vocab_size)
+            why = why or (tokens_problem(cached, self.vocab_size) if cached else None)
             if added.handle in items:
                 why = "its handle is already in use"
             if why:
                 failed.setdefault(added.handle, why)
                 continue
-            items[added.handle] = WorkItem(
+            item = items[added.handle] = WorkItem(
                 added.request_id,
                 [],
-                0,
+                len(cached),
                 [],
                 sample=False,
                 sampling=sampling_of(added.sampling),
                 sample_index=added.sample_index,
+                cached=len(cached),
             )
+            if item.sampling.penalized:  # the cached prefix is part of what it has processed
+                item.history.extend(cached)
+        self.share(step, failed)
         for grant in step.grants:
             item = items.get(grant.handle)
-            why = blocks_problem(list(grant.blocks), self.owner, self.num_blocks)
+            why = blocks_problem(list(grant.blocks), self.holders, self.num_blocks)
             if item is None or why:
                 failed.setdefault(grant.handle, why or "unknown handle")
                 continue
             for block in grant.blocks:
-                self.owner[block] = grant.handle
+                self.holders[block] = {grant.handle}
+                self.writer[block] = grant.handle
             item.block_table.extend(grant.blocks)
         handles, batch = [], []
         for chunk in step.chunks:
@@ -143,7 +165,7 @@ class Session:
             batch.append(item)
         for handle in step.decodes:
             item = items.get(handle)
-            why = self.decode_problem(item)
+            why = self.decode_problem(handle, item)
             if why:
                 failed.setdefault(handle, why)
                 continue
@@ -154,6 +176,25 @@ class Session:
             handles, batch = [h for h, _ in kept], [i for _, i in kept]
         return handles, batch
 
+    def share(self, step: worker_pb2.Step, failed: dict[int, str]) -> None:
+        """The shared blocks of the requests added in this step: the first of their tables."""
+        new = {added.handle for added in step.added} - set(failed)
+        for grant in step.shared:
+            item = self.items.get(grant.handle)
+            why = shared_problem(list(grant.blocks), self.num_blocks)
+            if item is None or grant.handle not in new:
+                why = "shared blocks for a request not added in this step"
+            if why:
+                failed.setdefault(grant.handle, why)
+                continue
+            for block in grant.blocks:
+                self.holders.setdefault(block, set()).add(grant.handle)
+            item.block_table.extend(grant.blocks)
+        for handle in new:
+            why = cached_problem(self.items[handle], self.block_size)
+            if why:
+                failed.setdefault(handle, why)
+
     def chunk_problem(self, item: WorkItem | None, chunk: worker_pb2.Chunk) -> str | None:
         if item is None:
             return "unknown handle"
@@ -163,16 +204,21 @@ class Session:
                 f"are written"
             )
         end = chunk.start_position + len(chunk.token_ids)
-        return tokens_problem(list(chunk.token_ids), self.vocab_size) or room_problem(
-            item, end, self.block_size, self.max_context
+        return (
+            tokens_problem(list(chunk.token_ids), self.vocab_size)
+            or room_problem(item, end, self.block_size, self.max_context)
+            or write_problem(chunk.handle, item, end, self.holders, self.block_size)
         )
 
-    def decode_problem(self, item: WorkItem | None) -> str | None:
+    def decode_problem(self, handle: int, item: WorkItem | None) -> str | None:
         if item is None:
             return "unknown handle"
         if len(item.token_ids) != 1 or not item.sample:
             return "a decode without a sampled token"
-        return room_problem(item, item.end_position, self.block_size, self.max_context)
+        end = item.end_position
+        return room_problem(item, end, self.block_size, self.max_context) or write_problem(
+            handle, item, end, self.holders, self.block_size
+        )
 
     def execute(self, handles: list[int], batch: list[WorkItem], failed: dict[int, str]) -> list:
         """Run the batch; if it raises, run each request alone, so that only those that fail on
@@ -201,7 +247,7 @@ class Session:
         for handle, item, token in zip(handles, batch, tokens, strict=True):
             if handle in failed:
                 continue
-            self.written += len(item.token_ids)
+            self.own_written += len(item.token_ids)
             if item.sampling.penalized:
                 item.history.extend(item.token_ids)
             item.start_position += len(item.token_ids)
@@ -217,9 +263,13 @@ class Session:
         item = self.items.pop(handle, None)
         if item is not None:
             for block in item.block_table:
-                if self.owner.get(block) == handle:
-                    del self.owner[block]
-            self.written -= item.start_position
+                holders = self.holders.get(block, set())
+                holders.discard(handle)
+                if not holders:
+                    self.holders.pop(block, None)
+                if self.writer.get(block) == handle:
+                    del self.writer[block]
+            self.own_written -= item.start_position - item.cached
 
     def report(self) -> worker_pb2.KvReport:
         bs = self.block_size

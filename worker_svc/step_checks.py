@@ -35,16 +35,55 @@ def sampling_problem(s: worker_pb2.WorkSampling, vocab_size: int) -> str | None:
     return None
 
 
-def blocks_problem(blocks: list[int], owner: dict[int, int], num_blocks: int) -> str | None:
-    """Granted blocks must be in the pool, distinct and free (owned by no request here)."""
+def blocks_problem(blocks: list[int], holders: dict[int, set[int]], num_blocks: int) -> str | None:
+    """Granted blocks must be in the pool, distinct and free (held by no request here)."""
     outside = [b for b in blocks if b >= num_blocks]
     if outside:
         return f"block {outside[0]} is outside the pool of {num_blocks} blocks"
-    taken = [b for b in blocks if b in owner]
+    taken = [b for b in blocks if b in holders]
     if taken:
         return f"block {taken[0]} belongs to another request"
     if len(set(blocks)) != len(blocks):
         return "a block is granted twice"
+    return None
+
+
+def shared_problem(blocks: list[int], num_blocks: int) -> str | None:
+    """Shared blocks (written before, only read) must be in the pool and distinct; other
+    requests may hold them."""
+    outside = [b for b in blocks if b >= num_blocks]
+    if outside:
+        return f"shared block {outside[0]} is outside the pool of {num_blocks} blocks"
+    if len(set(blocks)) != len(blocks):
+        return "a block is shared twice"
+    return None
+
+
+def cached_problem(item: WorkItem, block_size: int) -> str | None:
+    """The shared blocks hold exactly the cached prefix: whole blocks, no more, no less."""
+    shared = len(item.block_table) * block_size
+    if shared != item.cached:
+        return (
+            f"its cached prefix has {item.cached} tokens, but its {len(item.block_table)} "
+            f"shared blocks hold {shared} positions (block size {block_size})"
+        )
+    return None
+
+
+def write_problem(
+    handle: int, item: WorkItem, end: int, holders: dict[int, set[int]], block_size: int
+) -> str | None:
+    """A request writes positions start..end-1 only into blocks that it alone holds, so that no
+    caller can overwrite KV that other requests read."""
+    table = item.block_table
+    for index in range(item.start_position // block_size, -(-end // block_size)):
+        others = holders.get(table[index], set()) - {handle}
+        if others:
+            return (
+                f"writing position {max(item.start_position, index * block_size)} into block "
+                f"{table[index]}, which request(s) {sorted(others)} also hold: a request writes "
+                f"only into blocks it alone holds"
+            )
     return None
 
 

@@ -60,6 +60,7 @@ class WorkItem:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     sample_index: int = 0  # number of tokens generated so far
     history: list[int] = field(default_factory=list)  # tokens processed before, if penalized
+    cached: int = 0  # positions at the start read from blocks shared with others, never written
     logprobs: TokenLogprobs | None = None  # of the token sampled last, if asked
 
     @property
