@@ -77,7 +77,10 @@ def write_problem(
     caller can overwrite KV that other requests read."""
     table = item.block_table
     for index in range(item.start_position // block_size, -(-end // block_size)):
-        others = holders.get(table[index], set()) - {handle}
+        held_by = holders.get(table[index])
+        if held_by is None or (len(held_by) == 1 and handle in held_by):
+            continue  # the usual case, checked without building a set per decode
+        others = held_by - {handle}
         if others:
             return (
                 f"writing position {max(item.start_position, index * block_size)} into block "
