@@ -20,14 +20,9 @@ from llmserve.auth import INTERNAL_TOKEN_HELP
 from llmserve.flags import add_flags, from_args
 from llmserve.prometheus import DASHBOARD, Prometheus, start_for_stack
 from llmserve.stack import STACK_HELP, Stack, StackSettings
+from scheduler_svc.config import StallReason
 
-REASONS = {
-    "token_budget": "the execution-token budget is used up this step",
-    "max_running": "the running-request limit is reached",
-    "kv_capacity": "the KV data itself would not fit",
-    "kv_reserved": "the data would fit, but reservations hold the space",
-    "static_batch": "static batching: waiting for the batch to drain",
-}
+REASONS = {r.value: r.description for r in StallReason}
 
 
 def _interrupt(signum, frame) -> None:

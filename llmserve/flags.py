@@ -1,41 +1,101 @@
-"""Command-line flags derived from a config dataclass: one flag per field, same defaults."""
+"""Command-line flags derived from a settings dataclass: one flag per field, same defaults, the
+help text from the field's own `setting(default, help)`, and the same setting from an
+environment variable (for containers): flag > environment > default."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import enum
+import os
 import typing
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, helps: dict[str, str] | None = None):
+def setting(default: Any, help: str = "") -> Any:
+    """A settings field with its documentation: the flag's help text (and `llmserve up`'s)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def help_of(cls: type, name: str) -> str:
+    return next(f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.name == name)
+
+
+def env_name(prefix: str, name: str) -> str:
+    return prefix + name.upper()
+
+
+def add_flags(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    helps: dict[str, str] | None = None,
+    env_prefix: str = "",
+):
+    """One flag per field of `cls`; `helps` adds to or replaces the fields' own help; with
+    `env_prefix`, $PREFIX_FIELD_NAME sets a field's default (a flag still wins)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
-        help_text = (helps or {}).get(f.name, "") + f" (default: {_shown(f.default)})"
+        default = f.default
+        env = env_name(env_prefix, f.name) if env_prefix else ""
+        if env and env in os.environ:
+            try:
+                default = _parse(kind, os.environ[env])
+            except ValueError as err:
+                parser.error(f"${env}: {err}")
+        text = (helps or {}).get(f.name) or f.metadata.get("help", "")
+        shown = f"default: {_shown(default)}" + (f"; env {env}" if env else "")
+        help_text = f"{text} ({shown})".lstrip()
         if kind is bool:
             parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+                flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )
         elif choices := _choices(kind):
             parser.add_argument(
-                flag,
-                choices=choices,
-                default=getattr(f.default, "value", f.default),
-                help=help_text,
+                flag, choices=choices, default=getattr(default, "value", default), help=help_text
             )
         else:
-            parser.add_argument(flag, type=_scalar(kind), default=f.default, help=help_text)
+            parser.add_argument(flag, type=_scalar(kind), default=default, help=help_text)
     return parser
 
 
 def from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
     return cls(**(values | overrides))
+
+
+def to_flags(settings: Any, cls: type | None = None) -> list[str]:
+    """The flags that give `settings`' values to a process whose settings class is `cls` (by
+    default the class of `settings`): every field of `cls`, read from `settings` by name."""
+    out: list[str] = []
+    for f in dataclasses.fields(cls or type(settings)):
+        value = getattr(settings, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(getattr(value, "value", value))]
+    return out
+
+
+def _parse(kind: Any, text: str) -> Any:
+    """A field's value from an environment variable's text."""
+    if kind is bool:
+        if text.strip().lower() in TRUE | FALSE:
+            return text.strip().lower() in TRUE
+        raise ValueError(f"{text!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
+    if choices := _choices(kind):
+        if text not in choices:
+            raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
+        return text
+    try:
+        return _scalar(kind)(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a valid {_scalar(kind).__name__}") from None
 
 
 def _choices(kind: Any) -> list[str]:

@@ -8,35 +8,14 @@ import dataclasses
 
 import grpc
 
-from llmserve.auth import INTERNAL_TOKEN_HELP, internal_token
+from llmserve.auth import internal_token
 from llmserve.flags import add_flags, from_args
 from llmserve.server import Server, die_with_parent, setup_logging
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.service import SchedulerService
-from scheduler_svc.settings import SchedulerSettings
+from scheduler_svc.settings import ENV_PREFIX, SchedulerSettings
 from scheduler_svc.workers import WorkerClient
-
-HELP = {
-    "workers": "comma-separated worker addresses, or dns:NAME:PORT for every address NAME "
-    "resolves to (a headless Service); more may join by registering (worker --scheduler)",
-    "discovery_interval": "seconds between lookups of the dns: entries of --workers",
-    "overlap": "plan and send each worker's next step while its current one runs",
-    "stream_interval_ms": "gather token events this long before sending them (0 = every step)",
-    "policy": "KV allocation: reserve prompt+max_tokens at admission, or paged as it grows",
-    "mode": "continuous batching, or static (the baseline)",
-    "prefix_caching": "reuse the KV blocks of prompt prefixes computed before (paged only: "
-    "reserve sets aside whole requests, so it leaves it off)",
-    "token_budget": "new tokens processed in one execution, per worker",
-    "max_running": "running requests per worker",
-    "kv_capacity": "expected KV positions per worker, checked against the workers' reports",
-    "hang_floor": "a worker whose step answer or health check is missing this long (at least) "
-    "is hung: failed, its requests recomputed elsewhere",
-    "hang_factor": "... or this many times its slowest step so far, if longer",
-    "execute_timeout": "the longest a step may take, whatever the hang bound",
-    "drain_timeout": "on SIGTERM: seconds for the requests in flight to finish",
-    "internal_token_file": INTERNAL_TOKEN_HELP,
-}
 
 
 async def connect(
@@ -97,7 +76,8 @@ async def serve(settings: SchedulerSettings) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     die_with_parent()  # when started by `llmserve up`
-    parser = add_flags(argparse.ArgumentParser(prog="scheduler_svc"), SchedulerSettings, HELP)
+    parser = argparse.ArgumentParser(prog="scheduler_svc")
+    add_flags(parser, SchedulerSettings, env_prefix=ENV_PREFIX)
     asyncio.run(serve(from_args(SchedulerSettings, parser.parse_args(argv))))
 
 

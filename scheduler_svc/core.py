@@ -25,7 +25,14 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
 from scheduler_svc.blocks import block_keys, blocks_for
-from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, StallReason, WorkerSpec
+from scheduler_svc.config import (
+    BatchMode,
+    CoreConfig,
+    KvPolicy,
+    RefusalReason,
+    StallReason,
+    WorkerSpec,
+)
 from scheduler_svc.output import Event, Refused, Snapshot, StepTokens
 from scheduler_svc.sequence import NO_HANDLE, Finish, SeqStatus, Sequence
 from scheduler_svc.step import Step, Work
@@ -102,7 +109,9 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.seqs:
-            self._refuse("duplicate", f"request id {seq.request_id!r} is already in flight")
+            self._refuse(
+                RefusalReason.DUPLICATE, f"request id {seq.request_id!r} is already in flight"
+            )
         self._check_can_ever_run(seq)
         seq.status, seq.arrival = SeqStatus.WAITING, seq.arrival or self.clock()
         self.seqs[seq.request_id] = seq
@@ -583,14 +592,12 @@ class Scheduler:
         prompt = len(seq.prompt_ids)
         specs = [ws.spec for ws in self.workers if ws.live]
         if not specs:
-            self._refuse(
-                "no_worker", "no live worker: none has joined, or all are down or draining"
-            )
+            self._refuse(RefusalReason.NO_WORKER, RefusalReason.NO_WORKER.description)
         fits = [s for s in specs if prompt < s.max_context]
         if not fits:
             context = max(s.max_context for s in specs)
             self._refuse(
-                "context",
+                RefusalReason.CONTEXT,
                 f"prompt of {prompt} tokens leaves no room to generate within the model's "
                 f"context of {context} tokens; shorten the prompt",
             )
@@ -598,20 +605,20 @@ class Scheduler:
             need = min(seq.max_length(s.max_context) for s in fits)
             capacity = max(s.capacity for s in fits)
             self._refuse(
-                "kv_capacity",
+                RefusalReason.KV_CAPACITY,
                 f"request needs up to {need} KV positions (prompt {prompt} + max_tokens "
                 f"{seq.max_tokens}) but a worker holds {capacity}; lower max_tokens or raise "
                 f"the KV capacity",
             )
         if not self.chunked and prompt > self._full_budget():
             self._refuse(
-                "token_budget",
+                RefusalReason.TOKEN_BUDGET,
                 f"prompt of {prompt} tokens exceeds the token budget of "
                 f"{self.config.token_budget} and chunked prefill is off; enable it or raise "
                 f"the budget",
             )
 
-    def _refuse(self, reason: str, message: str) -> None:
+    def _refuse(self, reason: RefusalReason, message: str) -> None:
         self.refused[reason] += 1
         raise Refused(reason, message)
 

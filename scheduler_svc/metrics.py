@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from llmserve.metrics_http import serve_metrics
-from scheduler_svc.config import StallReason
+from scheduler_svc.config import RefusalReason, StallReason
 from scheduler_svc.core import Scheduler
 from scheduler_svc.output import Snapshot
 from scheduler_svc.step import Step
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from scheduler_svc.service import SchedulerService
 
 PREFIX = "llmserve_scheduler_"
-REFUSED_REASONS = ("context", "kv_capacity", "token_budget", "duplicate")
 KV_STATES = ("written", "reserved_unwritten", "free")
 REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -160,7 +159,7 @@ def _counters(snap: Snapshot) -> Iterator[Metric]:
         "Requests refused at submit because they can never run",
         labels=["reason"],
     )
-    for reason, count in sorted((dict.fromkeys(REFUSED_REASONS, 0) | snap.refused).items()):
+    for reason, count in sorted((dict.fromkeys(RefusalReason, 0) | snap.refused).items()):
         refused.add_metric([reason], count)
     yield refused
     yield _total("preemptions", "Running requests preempted to free KV", snap.preemptions)

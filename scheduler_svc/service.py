@@ -15,6 +15,7 @@ import grpc
 
 from llmserve.protocol import ACCEPTED_KEY
 from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from scheduler_svc.config import RefusalReason
 from scheduler_svc.core import Scheduler
 from scheduler_svc.invariants import ENV_VAR, check_invariants, check_step
 from scheduler_svc.output import Refused
@@ -30,12 +31,12 @@ from scheduler_svc.workers import WorkerClient
 log = logging.getLogger("scheduler")
 FORGET_AFTER_S = 30.0  # a registered worker unreachable this long leaves the stack
 
-REFUSED_CODE = {
-    "context": grpc.StatusCode.INVALID_ARGUMENT,
-    "kv_capacity": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "token_budget": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "duplicate": grpc.StatusCode.ALREADY_EXISTS,
-    "no_worker": grpc.StatusCode.UNAVAILABLE,
+REFUSED_CODE = {  # one for every RefusalReason (a test checks)
+    RefusalReason.CONTEXT: grpc.StatusCode.INVALID_ARGUMENT,
+    RefusalReason.KV_CAPACITY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RefusalReason.TOKEN_BUDGET: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RefusalReason.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
+    RefusalReason.NO_WORKER: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -176,9 +177,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         try:
             self.core.add(seq)
         except Refused as refused:
-            await context.abort(
-                REFUSED_CODE.get(refused.reason, grpc.StatusCode.UNKNOWN), str(refused)
-            )
+            await context.abort(REFUSED_CODE[refused.reason], str(refused))
         queue: asyncio.Queue[scheduler_pb2.TokenEvent] = asyncio.Queue()
         self.streams[rid] = queue
         self.wake_all()

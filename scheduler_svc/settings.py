@@ -1,38 +1,49 @@
-"""Settings of the scheduler service (flags are derived from these fields)."""
+"""Settings of the scheduler service: flags (and $LLMSERVE_SCHEDULER_* variables) are derived
+from these fields, help text included."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy
+from llmserve.auth import INTERNAL_TOKEN_HELP
+from llmserve.flags import setting
+from scheduler_svc.config import CoreConfig
+
+ENV_PREFIX = "LLMSERVE_SCHEDULER_"  # $LLMSERVE_SCHEDULER_TOKEN_BUDGET=512 = --token-budget 512
 
 
 @dataclass(frozen=True, slots=True)
-class SchedulerSettings:
-    host: str = "127.0.0.1"
-    port: int = 50052
-    # comma-separated worker addresses; dns:NAME:PORT = every address NAME resolves to, looked
-    # up again every discovery_interval seconds (a Kubernetes headless Service); workers may
-    # also register themselves ("" = only those)
-    workers: str = "127.0.0.1:50061"
-    discovery_interval: float = 5.0
-    policy: KvPolicy = KvPolicy.PAGED
-    mode: BatchMode = BatchMode.CONTINUOUS
-    token_budget: int = 256
-    max_running: int = 32
-    chunked_prefill: bool = True
-    prefix_caching: bool = True  # reuse cached prompt prefixes' KV (paged only)
-    kv_capacity: int = 0  # expected positions per worker; 0 = take the workers' reports
-    execute_timeout: float = 120.0  # seconds before a silent worker counts as failed, at most
-    # a worker is hung (failed, its requests recomputed elsewhere) when a step's answer, or its
-    # health check, is missing for max(hang_floor, hang_factor x its slowest step so far)
-    hang_floor: float = 5.0
-    hang_factor: float = 10.0
-    overlap: bool = True  # plan and send step N+1 while step N runs
-    stream_interval_ms: float = 0.0  # gather token events this long before sending them
-    metrics_port: int = 0  # Prometheus HTTP port; 0 = off
-    drain_timeout: float = 60.0  # on SIGTERM: seconds for the requests in flight to finish
-    internal_token_file: str = ""  # every call must carry this token; also $LLMSERVE_INTERNAL_TOKEN
+class SchedulerSettings(CoreConfig):
+    """The core's settings (CoreConfig, defined once there) and the service's own."""
+
+    host: str = setting("127.0.0.1", "the address to listen on")
+    port: int = setting(50052, "the gRPC port")
+    workers: str = setting(
+        "127.0.0.1:50061",
+        "comma-separated worker addresses, or dns:NAME:PORT for every address NAME resolves to "
+        "(a headless Service), looked up again every --discovery-interval; more may join by "
+        'registering (worker --scheduler); "" = only those',
+    )
+    discovery_interval: float = setting(5.0, "seconds between lookups of the dns: entries")
+    kv_capacity: int = setting(
+        0, "expected KV positions per worker, checked against the workers' reports; 0 = any"
+    )
+    execute_timeout: float = setting(120.0, "the longest a step may take, whatever the hang bound")
+    hang_floor: float = setting(
+        5.0,
+        "a worker whose step answer or health check is missing this long (at least) is hung: "
+        "failed, its requests recomputed elsewhere",
+    )
+    hang_factor: float = setting(10.0, "... or this many times its slowest step so far, if longer")
+    overlap: bool = setting(
+        True, "plan and send each worker's next step while its current one runs"
+    )
+    stream_interval_ms: float = setting(
+        0.0, "gather token events this long before sending them (0 = every step)"
+    )
+    metrics_port: int = setting(0, "Prometheus /metrics port; 0 = off")
+    drain_timeout: float = setting(60.0, "on SIGTERM: seconds for the requests in flight to finish")
+    internal_token_file: str = setting("", INTERNAL_TOKEN_HELP)
 
     def __post_init__(self) -> None:
         for entry in self.entries:
@@ -46,7 +57,7 @@ class SchedulerSettings:
             raise ValueError("--hang-floor and --execute-timeout must be > 0, --hang-factor >= 1")
         if self.stream_interval_ms < 0:
             raise ValueError("--stream-interval-ms must be >= 0")
-        self.core()  # validates budget and running limit
+        CoreConfig.__post_init__(self)  # validates budget and running limit (no super(): slots)
 
     @property
     def entries(self) -> list[str]:
@@ -68,11 +79,4 @@ class SchedulerSettings:
         return out
 
     def core(self) -> CoreConfig:
-        return CoreConfig(
-            token_budget=self.token_budget,
-            max_running=self.max_running,
-            policy=self.policy,
-            mode=self.mode,
-            chunked_prefill=self.chunked_prefill,
-            prefix_caching=self.prefix_caching,
-        )
+        return CoreConfig(**{f.name: getattr(self, f.name) for f in fields(CoreConfig)})

