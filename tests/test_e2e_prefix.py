@@ -91,3 +91,41 @@ def test_prefix_caching_changes_no_output_and_reports_its_hits(tmp_path) -> None
     assert sample(on_metrics, hits) == on["hit_tokens"] and sample(off_metrics, hits) == 0
     prompts = "llmserve_scheduler_prefix_prompt_tokens_total"
     assert sample(on_metrics, prompts) == on["prompt_tokens"]
+
+
+def chat_outputs(caching: bool, tmp_path) -> tuple[list[list[int]], dict]:
+    """SmolLM2 (fp32): three conversations that share a system prompt, sent at once after a
+    first one filled the cache; each asks for 16 greedy tokens."""
+    settings = tiny_settings(
+        model="smollm2", prefix_caching=caching, kv_capacity=4096, token_budget=128
+    )
+    system = "You are a helpful assistant for a railway company. " * 12
+    questions = ["When does the first train leave?", "Can I bring a bike?", "Is there wifi?"]
+    outputs: dict[int, list[int]] = {}
+
+    def ask(i: int) -> None:
+        messages = [("system", system), ("user", questions[i % len(questions)])]
+        request = client.make_request(messages=messages, max_tokens=16, temperature=0.0)
+        stream = client.stream(settings.gateway, request, timeout=300)
+        outputs[i] = [t for m in stream for t in m.delta.token_ids]
+
+    with running_stack(settings, tmp_path) as stack:
+        ask(0)
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(1, 4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        status = client.status_dict(client.status(stack.settings.scheduler))
+    return [outputs[i] for i in range(4)], status
+
+
+def test_the_real_model_gives_the_same_greedy_chat_answers_with_caching_on_and_off(
+    tmp_path,
+) -> None:
+    cached, on = chat_outputs(True, tmp_path / "on")
+    plain, off = chat_outputs(False, tmp_path / "off")
+    assert cached == plain and all(out for out in cached)
+    assert cached[0] == cached[3]  # the same question again: the same answer
+    # the system prompt (about 130 tokens: 8 full blocks of 16) found cached 3 times
+    assert on["hit_tokens"] >= 3 * 8 * 16 and off["hit_tokens"] == 0
