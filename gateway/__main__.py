@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 
 import grpc
 
@@ -15,18 +16,38 @@ from gateway.http_server import HttpServer, bind
 from gateway.inflate import SERVER_OPTIONS
 from gateway.malformed import MalformedRequestInterceptor
 from gateway.metrics import GatewayMetrics
+from gateway.served_model import (
+    ServedModel,
+    first_mismatch,
+    model_name,
+    resolve,
+    tokenizer_source,
+)
 from gateway.service import GatewayService
 from gateway.settings import GatewaySettings
 from gateway.tokenizer_files import load_tokenizer
 from llmserve.auth import INTERNAL_TOKEN_HELP, internal_token
 from llmserve.flags import add_flags, from_args
 from llmserve.server import Server, die_with_parent, internal_channel, setup_logging
-from llmserve.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from llmserve.v1 import (
+    gateway_pb2,
+    gateway_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+
+log = logging.getLogger("gateway")
+DESCRIBE_TIMEOUT_S = 5.0  # a worker asked what it serves answers within this
+FOLLOW_PERIOD_S = 5.0  # the scheduler's status is read again this often
 
 HELP = {
     "scheduler": "address of the scheduler service",
-    "tokenizer": "the served model's tokenizer and chat template: a .gguf file or a Hugging Face "
-    "model directory (tokenizer.json, tokenizer_config.json); empty = the default SmolLM2's",
+    "model": "the model the workers serve, as their --model says it (smollm2, tiny, sim, a .gguf "
+    "file or a Hugging Face model directory): the tokenizer and chat template are read from it; "
+    "empty = the workers' model when it is a packaged one. The gateway refuses to start, or "
+    "turns NOT_SERVING, while the workers serve another model or vocabulary",
     "max_queued_requests": "refuse with RESOURCE_EXHAUSTED beyond this many waiting requests",
     "max_queued_tokens": "refuse with RESOURCE_EXHAUSTED beyond this many waiting prompt tokens",
     "max_request_bytes": "refuse larger requests with RESOURCE_EXHAUSTED (compressed ones too, "
@@ -65,17 +86,58 @@ async def scheduler_status(stub, timeout: float = 180.0) -> scheduler_pb2.Status
         await asyncio.sleep(0.2)
 
 
-async def follow_context(stub, core: GatewayCore, period: float = 5.0) -> None:
-    """Workers come and go: keep the prompt limit at the largest context of the live ones, and
-    the model's name at theirs."""
+async def describe(address: str, token: str) -> worker_pb2.WorkerInfo | None:
+    """A worker's own account of its model; None (logged) when it cannot be asked."""
+    try:
+        async with internal_channel(address, token) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            return await stub.Describe(worker_pb2.DescribeRequest(), timeout=DESCRIBE_TIMEOUT_S)
+    except grpc.aio.AioRpcError as err:
+        log.warning("worker %s did not describe its model (%s)", address, err.code().name)
+        return None
+
+
+async def served_models(status: scheduler_pb2.StatusReply, token: str) -> list[ServedModel]:
+    """What the healthy workers serve: the scheduler says where they are and the model's name;
+    each worker, its vocabulary (one that cannot be asked counts by the name alone)."""
+    served = []
+    for worker in status.workers:
+        if worker.healthy:
+            info = await describe(worker.address, token)
+            if info is None:
+                served.append(ServedModel(status.model))
+            else:
+                eos = tuple(info.eos_token_ids)
+                served.append(ServedModel(info.model, info.vocab_size, eos))
+    return served or [ServedModel(status.model)]
+
+
+async def follow_workers(stub, core: GatewayCore, server: Server, token: str) -> None:
+    """Workers come and go: keep the prompt limit at the largest context of the live ones, the
+    model's name at theirs, and serve only while they serve this gateway's model."""
+    seen: list[tuple[str, str]] = []
     while True:
-        await asyncio.sleep(period)
+        await asyncio.sleep(FOLLOW_PERIOD_S)
         try:
             status = await stub.Status(scheduler_pb2.StatusRequest(), timeout=2.0)
         except grpc.aio.AioRpcError:
             continue
         if status.max_context > 0:
             core.max_context, core.model = status.max_context, status.model
+        workers = sorted((w.name, w.address) for w in status.workers if w.healthy)
+        if not workers or workers == seen:
+            continue
+        seen = workers
+        served = await served_models(status, token)
+        problem = first_mismatch(core.model_name, core.tokenizer.vocab_size, served)
+        if problem != core.refusal:
+            core.refusal = problem
+            if problem:
+                log.error("NOT_SERVING: %s", problem)
+            else:
+                log.info("the workers serve this gateway's model again: SERVING")
+            if not server.stopping.is_set():
+                await server.set_serving(problem is None)
 
 
 async def serve(settings: GatewaySettings) -> None:
@@ -104,20 +166,29 @@ async def serve(settings: GatewaySettings) -> None:
         "on" if settings.tls else "off",
         "sent to the scheduler" if token else "off",
     )
-    tokenizer = load_tokenizer(settings.tokenizer)
     channel = internal_channel(settings.scheduler, token)
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
     status = await scheduler_status(stub)
     log.info(
         "scheduler %s: model %s, context %d", settings.scheduler, status.model, status.max_context
     )
-    core = GatewayCore(settings, tokenizer, stub, status.max_context, status.model)
+    source = resolve(settings.model, status.model)
+    try:
+        tokenizer = load_tokenizer(tokenizer_source(source))
+    except (OSError, ValueError) as err:  # no such file, no tokenizer.json, not a GGUF
+        raise SystemExit(f"cannot read the tokenizer of --model {source}: {err}") from None
+    name = model_name(source)
+    problem = first_mismatch(name, tokenizer.vocab_size, await served_models(status, token))
+    if problem:
+        raise SystemExit(f"the gateway cannot serve these workers: {problem}")
+    log.info("model %s (--model %s): %d tokens", name, source, tokenizer.vocab_size)
+    core = GatewayCore(settings, tokenizer, stub, status.max_context, status.model, name)
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayService(core), server.server)
     if metrics:
         metrics.attach(core)
         metrics.serve(settings.host, settings.metrics_port)
         log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
-    follower = asyncio.create_task(follow_context(stub, core))
+    follower = asyncio.create_task(follow_workers(stub, core, server, token))
     http = None
     if http_socket is not None:
         api = HttpApi(

@@ -105,12 +105,15 @@ class GatewayCore:
         scheduler,  # SchedulerStub
         max_context: int,
         model: str = "",
+        model_name: str = "",
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.max_context = max_context
         self.model = model  # the name the workers serve, from the scheduler's status
+        self.model_name = model_name or model  # the model this gateway's tokenizer is for
+        self.refusal: str | None = None  # set while the workers serve another model
         self.queue = AdmissionQueue(settings.max_queued_requests, settings.max_queued_tokens)
         self.pool = ThreadPoolExecutor(settings.tokenize_threads, thread_name_prefix="tokenize")
         self.observer = None  # metrics hook, set by the metrics module
@@ -190,6 +193,8 @@ class GatewayCore:
         """Deltas of text (with their token ids), then one Finish; or GenerationError.
         `time_remaining`: seconds left before the client's deadline (None: no deadline).
         `rid`: the scheduler's key (default: a new one); never a client's id, which may collide."""
+        if self.refusal is not None:
+            raise GenerationError(grpc.StatusCode.UNAVAILABLE, self.refusal)
         tally = Tally()
         rid = rid or uuid.uuid4().hex
         # refusals are raised where they are made, never held in a local: an exception held

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.auth import API_KEY_REFUSAL, key_from_metadata
+from gateway.choices import merged
 from gateway.core import Delta, Finish, GatewayCore, GenerationError
 from gateway.http_errors import DEADLINE_HEADER, ApiError, from_generation
 from gateway.metrics import HTTP_CHAT, HTTP_COMPLETIONS, GatewayMetrics, HttpCall
@@ -116,7 +117,7 @@ class HttpApi:
                 for i, job in enumerate(body.choices(job))
             ]
             if body.stream:  # refusals come before the first event: they get their status
-                events = _merged(streams)
+                events = merged(streams)
                 first = await _unless_gone(request, anext(events))
                 chunks = self._stream(reply, len(streams), first, events, call)
                 return EventStream(chunks, events, call)
@@ -195,6 +196,8 @@ class HttpApi:
         the API key, as gRPC health is, so that probes need no secret."""
         if not self.serving():
             raise ApiError(grpc.StatusCode.UNAVAILABLE, "the gateway is stopping")
+        if self.core.refusal is not None:
+            raise ApiError(grpc.StatusCode.UNAVAILABLE, self.core.refusal)
         try:
             status = await self.core.scheduler.Status(
                 scheduler_pb2.StatusRequest(), timeout=HEALTH_TIMEOUT_S
@@ -310,41 +313,6 @@ async def _collect(events: AsyncIterator[Delta | Finish]) -> tuple[str, Finish, 
             ids += item.token_ids
             logprobs += item.logprobs
     raise GenerationError(grpc.StatusCode.INTERNAL, "the generation ended without a result")
-
-
-async def _merged(
-    streams: list[AsyncGenerator[Delta | Finish, None]],
-) -> AsyncGenerator[tuple[int, Delta | Finish], None]:
-    """(choice index, event) of several streams as they come; a failure of one is raised (and
-    closing this closes them all)."""
-    if len(streams) == 1:  # the usual case: no task, no queue
-        async with aclosing(streams[0]) as events:
-            async for item in events:
-                yield 0, item
-        return
-    queue: asyncio.Queue[tuple[int, Delta | Finish | Exception]] = asyncio.Queue()
-
-    async def pump(index: int, events: AsyncGenerator[Delta | Finish, None]) -> None:
-        try:
-            async with aclosing(events):
-                async for item in events:
-                    queue.put_nowait((index, item))
-        except Exception as err:  # GenerationError and the like: the merged stream raises it
-            queue.put_nowait((index, err))
-
-    tasks = [asyncio.ensure_future(pump(i, events)) for i, events in enumerate(streams)]
-    try:
-        finished = 0
-        while finished < len(tasks):
-            index, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            finished += isinstance(item, Finish)
-            yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()  # a no-op once it is done
-        await asyncio.wait(tasks)  # their cleanup (the scheduler's calls cancelled) runs now
 
 
 async def _collect_all(streams: list[AsyncIterator[Delta | Finish]]) -> list[tuple]:

@@ -5,19 +5,17 @@ the same for HTTP and gRPC; what is checked here is what JSON can say and protob
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, NamedTuple
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gateway.choices import U64_MAX, choice_inputs, choices_problem
 from gateway.core import GenerateInput
 from gateway.http_errors import ApiError
 from llmserve.sampling_checks import MAX_LOGPROBS
 
 U32_MAX = 2**32 - 1
-U64_MAX = 2**64 - 1
-MAX_CHOICES = 16  # n: choices from one prompt
 TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union members
 # Sampling fields of OpenAI's API (and vLLM's) that the gateway does not implement yet, with
 # their neutral values: a request that sets one to anything else is refused, not served as if
@@ -108,12 +106,9 @@ class Sampling(Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def check_supported(self) -> None:
-        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
-            raise ApiError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"n is {self.n}; it must be in [1, {MAX_CHOICES}]",
-                param="n",
-            )
+        problem = choices_problem(self.n)
+        if problem is not None:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, problem, param="n")
         for name, neutral in NOT_YET.items():
             if getattr(self, name) not in neutral:
                 raise ApiError(
@@ -127,12 +122,8 @@ class Sampling(Body):
         return None
 
     def choices(self, job: GenerateInput) -> list[GenerateInput]:
-        """One request per choice; seeded ones get seed, seed + 1, ...: reproducible, distinct."""
-        if (self.n or 1) == 1:
-            return [job]
-        if job.seed is None:
-            return [job] * (self.n or 1)
-        return [replace(job, seed=(job.seed + i) % (U64_MAX + 1)) for i in range(self.n or 1)]
+        """One request per choice (gateway.choices)."""
+        return choice_inputs(job, self.n)
 
     def sampling(self, max_tokens: int | None) -> dict[str, Any]:
         """The GenerateInput fields of the sampling settings."""

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import uuid
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 import grpc
 
+from gateway.choices import choice_inputs, choices_problem, merged
 from gateway.core import Delta, Finish, GatewayCore, GenerateInput, GenerationError
 from gateway.usage import Tally
-from llmserve.v1 import gateway_pb2, gateway_pb2_grpc
+from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 __all__ = ["GatewayService", "Tally", "generate_input"]
 
@@ -51,25 +54,35 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             yield message
 
     async def GenerateUnary(self, request, context):
-        text, ids, logprobs = [], [], []
-        final = None
+        texts: dict[int, list[str]] = defaultdict(list)
+        choices: dict[int, gateway_pb2.Choice] = defaultdict(gateway_pb2.Choice)
+        finals: dict[int, gateway_pb2.Final] = {}
         async for message in self._generate(request, context):
             if message.HasField("delta"):
-                text.append(message.delta.text)
-                ids.extend(message.delta.token_ids)
-                logprobs.extend(message.delta.logprobs)
+                delta, choice = message.delta, choices[message.delta.index]
+                texts[delta.index].append(delta.text)
+                choice.token_ids.extend(delta.token_ids)
+                choice.logprobs.extend(delta.logprobs)
             else:
-                final = message.final
-        if final is None:  # refused: the context holds the status
+                finals[message.final.index] = message.final
+        if not finals or len(finals) < _n(request):  # refused: the context holds the status
             return None
+        for index, final in finals.items():
+            choice = choices[index]
+            choice.index, choice.text = index, "".join(texts[index])
+            choice.finish_reason, choice.error = final.finish_reason, final.error
+            choice.usage.CopyFrom(final.usage)
+        ordered = [choices[i] for i in range(len(finals))]
+        first = ordered[0]
         return gateway_pb2.GenerateResult(
-            request_id=final.request_id,
-            text="".join(text),
-            token_ids=ids,
-            finish_reason=final.finish_reason,
-            usage=final.usage,
-            error=final.error,
-            logprobs=logprobs,
+            request_id=finals[0].request_id,
+            text=first.text,
+            token_ids=first.token_ids,
+            finish_reason=first.finish_reason,
+            usage=total_usage([c.usage for c in ordered]),
+            error=first.error,
+            logprobs=first.logprobs,
+            choices=ordered,
         )
 
     async def Status(self, request, context):
@@ -81,21 +94,43 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             await context.abort(err.code(), f"the scheduler's status: {err.details()}")
 
     async def _generate(self, request, context) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        problem = choices_problem(request.n if request.HasField("n") else None)
+        if problem is not None:
+            _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+            return
+        rid = uuid.uuid4().hex
+        jobs = choice_inputs(generate_input(request), _n(request))
+        streams = [
+            self.core.generate(job, context.time_remaining, rid=f"{rid}-{i}" if i else rid)
+            for i, job in enumerate(jobs)
+        ]
         # closed here, not when collected: a client that left frees its KV at the next step
-        async with aclosing(
-            self.core.generate(generate_input(request), context.time_remaining)
-        ) as events:
+        async with aclosing(merged(streams)) as events:
             try:
-                async for event in events:
-                    yield _message(request, event)
+                async for index, event in events:
+                    yield _message(request, index, event)
             except GenerationError as err:
                 _refuse(context, err.code, err.message)
 
 
-def _message(request, event: Delta | Finish) -> gateway_pb2.GenerateResponse:
+def _n(request: gateway_pb2.GenerateRequest) -> int:
+    return request.n if request.HasField("n") else 1
+
+
+def total_usage(usages: list[common_pb2.Usage]) -> common_pb2.Usage:
+    """The usage of several choices of one prompt, as OpenAI counts it: the prompt once, the
+    completions summed (the first choice's timings)."""
+    total = common_pb2.Usage()
+    total.CopyFrom(usages[0])
+    total.completion_tokens = sum(u.completion_tokens for u in usages)
+    total.preemptions = sum(u.preemptions for u in usages)
+    return total
+
+
+def _message(request, index: int, event: Delta | Finish) -> gateway_pb2.GenerateResponse:
     if isinstance(event, Delta):
         delta = gateway_pb2.TokenDelta(
-            text=event.text, token_ids=event.token_ids, logprobs=event.logprobs
+            text=event.text, token_ids=event.token_ids, logprobs=event.logprobs, index=index
         )
         return gateway_pb2.GenerateResponse(delta=delta)
     final = gateway_pb2.Final(
@@ -103,6 +138,7 @@ def _message(request, event: Delta | Finish) -> gateway_pb2.GenerateResponse:
         finish_reason=event.reason,
         usage=event.usage,
         error=event.error,
+        index=index,
     )
     return gateway_pb2.GenerateResponse(final=final)
 

@@ -13,7 +13,7 @@ class GatewaySettings:
     host: str = "127.0.0.1"
     port: int = 50051
     scheduler: str = "127.0.0.1:50052"
-    tokenizer: str = ""  # a .gguf file or an HF model directory; "" = the default SmolLM2 file
+    model: str = ""  # the workers' --model (smollm2, tiny, sim, .gguf, HF dir); "" = theirs
     default_max_tokens: int = 128
     max_queued_requests: int = 256  # requests submitted but not yet admitted to a batch
     max_queued_tokens: int = 262144  # their prompt tokens

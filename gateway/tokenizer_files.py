@@ -1,6 +1,6 @@
-"""The tokenizer a `--tokenizer` value names: the default model's, a .gguf file's, or a Hugging Face
-model directory's (tokenizer.json, tokenizer_config.json, chat_template.jinja), read as
-transformers reads them."""
+"""The tokenizer of a model (gateway.served_model says which): the default model's, a .gguf
+file's, or a Hugging Face model directory's (tokenizer.json, tokenizer_config.json,
+chat_template.jinja), read as transformers reads them."""
 
 from __future__ import annotations
 

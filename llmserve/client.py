@@ -45,6 +45,7 @@ def make_request(
     stop: list[str] | None = None,
     ignore_eos: bool = False,
     request_id: str = "",
+    n: int | None = None,
 ) -> gateway_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
@@ -55,7 +56,7 @@ def make_request(
         stop=stop or [],
         ignore_eos=ignore_eos,
     )
-    request = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
+    request = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling, n=n)
     if messages is not None:
         request.chat.messages.extend(
             gateway_pb2.ChatMessage(role=r, content=c) for r, c in messages

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from gateway.served_model import PACKAGED
 from llmserve.server import PARENT_PID_VAR, wait_healthy
 
 # the help of each `llmserve up` flag (its default and choices are added from the field;
@@ -115,11 +116,6 @@ class StackSettings:
         return (Path(self.model).expanduser() / "config.json").is_file()
 
     @property
-    def tokenizer_flags(self) -> list[str]:
-        """The gateway tokenizes with an HF directory's tokenizer; else with its default."""
-        return ["--tokenizer", self.model_source] if self.model_dir else []
-
-    @property
     def token_flags(self) -> list[str]:
         """The internal token flag, absolute: the processes start in the repository root."""
         path = self.internal_token_file
@@ -185,7 +181,9 @@ class Stack:
             "--metrics-port",
             str(s.metrics_port(0)),
             *(["--http-port", str(s.http_port)] if s.http_port else []),
-            *s.tokenizer_flags,
+            # a packaged model the gateway learns from the workers; a file or directory it is
+            # told (it reads the tokenizer and chat template there), and checks they serve it
+            *([] if s.model in PACKAGED else ["--model", s.model_source]),
             *s.token_flags,
         ]
         return cmds | self.joined

@@ -290,3 +290,75 @@ def test_n_streamed_chat_choices_each_open_with_the_role(stack) -> None:
         "".join(c["delta"].get("content", "") for c in choices if c["index"] == i) for i in (0, 1)
     ]
     assert roles == [0, 1] and ends == [0, 1] and texts[0] == texts[1]  # greedy: twice the same
+
+
+# n over gRPC: the same choices as HTTP's n.
+
+
+def grpc_request(n: int | None, **sampling) -> gateway_pb2.GenerateRequest:
+    request = gateway_pb2.GenerateRequest(
+        prompt="Hello there", sampling=common_pb2.SamplingParams(**sampling)
+    )
+    if n is not None:
+        request.n = n
+    return request
+
+
+def test_grpc_n_gives_the_choices_http_n_gives(stack) -> None:
+    sampling = dict(max_tokens=6, temperature=5.0, seed=9, ignore_eos=True)
+    with grpc.insecure_channel(stack.settings.gateway) as channel:
+        result = gateway_pb2_grpc.GatewayStub(channel).GenerateUnary(
+            grpc_request(3, logprobs=0, **sampling), timeout=60
+        )
+    body = {"prompt": "Hello there", "n": 3, **sampling}
+    http = post(stack, "/completions", body)[1]
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert [c.text for c in result.choices] == [c["text"] for c in http["choices"]]
+    assert (result.text, result.token_ids) == (result.choices[0].text, result.choices[0].token_ids)
+    assert all(len(c.token_ids) == len(c.logprobs) == 6 for c in result.choices)
+    assert result.usage.completion_tokens == 18 == http["usage"]["completion_tokens"]
+    assert result.usage.prompt_tokens == http["usage"]["prompt_tokens"]
+    assert len({c.text for c in result.choices}) > 1
+
+
+def test_grpc_n_streams_each_choice_with_its_index_and_one_final_each(stack) -> None:
+    sampling = dict(max_tokens=6, temperature=5.0, seed=9, ignore_eos=True)
+    with grpc.insecure_channel(stack.settings.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        whole = stub.GenerateUnary(grpc_request(3, **sampling), timeout=60)
+        messages = list(stub.Generate(grpc_request(3, **sampling), timeout=60))
+    texts, ids = ["", "", ""], [[], [], []]
+    for m in messages:
+        if m.HasField("delta"):
+            texts[m.delta.index] += m.delta.text
+            ids[m.delta.index] += m.delta.token_ids
+    finals = [m.final for m in messages if m.HasField("final")]
+    assert sorted(f.index for f in finals) == [0, 1, 2] and messages[-1].HasField("final")
+    assert all(f.finish_reason == common_pb2.FINISH_REASON_LENGTH for f in finals)
+    assert all(f.usage.completion_tokens == 6 for f in finals)
+    assert texts == [c.text for c in whole.choices]
+    assert ids == [list(c.token_ids) for c in whole.choices]
+
+
+def test_grpc_without_n_gives_one_choice(stack) -> None:
+    with grpc.insecure_channel(stack.settings.gateway) as channel:
+        result = gateway_pb2_grpc.GatewayStub(channel).GenerateUnary(
+            grpc_request(None, max_tokens=2), timeout=60
+        )
+    assert [c.index for c in result.choices] == [0] and result.choices[0].text == result.text
+
+
+@pytest.mark.parametrize("n", [0, 17])
+def test_grpc_n_outside_1_to_16_is_refused_as_http_refuses_it(stack, n) -> None:
+    with grpc.insecure_channel(stack.settings.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        for call in (
+            stub.GenerateUnary,
+            lambda r, timeout: list(stub.Generate(r, timeout=timeout)),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                call(grpc_request(n, max_tokens=2), timeout=60)
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details() == f"n is {n}; it must be in [1, 16]"
+    status, reply = post(stack, "/completions", {"prompt": "Hi", "n": n})
+    assert status == 400 and reply["error"]["message"] == f"n is {n}; it must be in [1, 16]"

@@ -14,7 +14,7 @@ from tokenizers import processors
 
 from gateway.tokenizer import Tokenizer
 from gateway.tokenizer_files import load_tokenizer
-from llmserve.stack import StackSettings
+from llmserve.stack import Stack, StackSettings
 from tests.hf_dirs import byte_level_bpe, qwen2_style, write_dir
 
 TEXTS = [
@@ -134,10 +134,11 @@ def test_directory_without_tokenizer_json_is_refused(tmp_path) -> None:
         load_tokenizer(str(tmp_path))
 
 
-def test_up_gives_the_gateway_an_hf_model_directory_as_its_tokenizer(tmp_path) -> None:
+def test_up_gives_the_gateway_the_workers_model(tmp_path) -> None:
     directory = qwen2_style(tmp_path / "model")
     (directory / "config.json").write_text("{}")
-    flags = StackSettings(model=str(directory)).tokenizer_flags
-    assert flags == ["--tokenizer", str(directory.resolve())]
-    assert StackSettings(model="smollm2").tokenizer_flags == []
-    assert StackSettings(model="tiny").model_source == "tiny"
+    for model, source in ((str(directory), str(directory.resolve())), ("tiny", "tiny")):
+        commands = Stack(StackSettings(model=model), tmp_path).commands()
+        for name in ("gateway", "worker0"):
+            flags = commands[name]
+            assert flags[flags.index("--model") + 1] == source, name

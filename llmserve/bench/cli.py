@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from llmserve.bench.trace import DEFAULT_TRACE
@@ -31,6 +33,29 @@ def add_bench_parser(sub) -> None:
         help="use a running gateway instead of starting stacks (with --status-target)",
     )
     serve.add_argument("--status-target", default="127.0.0.1:50052", help="its scheduler")
+    serve.add_argument(
+        "--backend",
+        choices=("grpc", "openai"),
+        default="grpc",
+        help="grpc: this stack's gateway (stacks per policy, or --target); openai: the "
+        "OpenAI-compatible servers of --base-url (this stack's --http-port, llama-server, vLLM)",
+    )
+    serve.add_argument(
+        "--base-url",
+        action="append",
+        default=[],
+        metavar="[LABEL=]URL",
+        help="--backend openai: a server's API root, e.g. ours=http://127.0.0.1:8000/v1; "
+        "repeat it to run the workload against each, side by side in one report",
+    )
+    serve.add_argument(
+        "--api-model",
+        default="",
+        help="--backend openai: the model to ask for (default: the server's first in /v1/models)",
+    )
+    serve.add_argument(
+        "--api-key", default="none", help="--backend openai: the Bearer key (default: none)"
+    )
     serve.add_argument("--model", default="smollm2")
     serve.add_argument("--dtype", default="bf16")
     serve.add_argument("--workers", type=int, default=1)
@@ -141,6 +166,24 @@ def add_bench_parser(sub) -> None:
     _out_flags(over, "overhead")
     over.set_defaults(func=_cmd_overhead)
 
+    sample = kinds.add_parser(
+        "hash-sample",
+        help="write a synthetic trace with per-block content hashes (Mooncake's JSONL format)",
+    )
+    sample.add_argument("--requests", type=int, default=200)
+    sample.add_argument("--rate", type=float, default=2.0, help="requests/s (Poisson)")
+    sample.add_argument("--prefixes", type=int, default=4, help="shared prefixes")
+    sample.add_argument("--prefix-blocks", type=int, default=4, help="512-token blocks in each")
+    sample.add_argument(
+        "--shared-share", type=float, default=0.6, help="of new requests, those on a prefix"
+    )
+    sample.add_argument(
+        "--followup-share", type=float, default=0.4, help="of requests, next turns of earlier ones"
+    )
+    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--output", type=Path, default=None, help="default: the sample trace")
+    sample.set_defaults(func=_cmd_hash_sample)
+
     core = kinds.add_parser("core", help="microseconds per schedule() vs running/admitted/queue")
     core.add_argument("--quick", action="store_true")
     core.add_argument("--rounds", type=int, default=3, help="measurements per row; the fastest")
@@ -158,7 +201,13 @@ def _workload_flags(
     p: argparse.ArgumentParser, requests: int, concurrency: int, workload: str = "fixed"
 ) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=["fixed", "poisson", "trace"], default=workload)
+    g.add_argument(
+        "--workload",
+        choices=["fixed", "poisson", "trace", "multiturn", "hash-trace"],
+        default=workload,
+        help="multiturn: chat conversations resending their history; hash-trace: a JSONL trace "
+        "with per-block content hashes (--trace, default data/traces/hash_sample.jsonl)",
+    )
     g.add_argument(
         "--requests",
         type=int,
@@ -191,6 +240,38 @@ def _workload_flags(
         help="requests' max_tokens when above the output length (outputs still end "
         "at their length); 0 = exactly the output length",
     )
+    m = p.add_argument_group("multiturn workload")
+    m.add_argument("--conversations", type=int, default=8)
+    m.add_argument("--turns", type=int, default=6, help="per conversation")
+    m.add_argument("--system-prompts", type=int, default=2, help="shared by the conversations")
+    m.add_argument("--system-tokens", type=int, default=256)
+    m.add_argument("--user-tokens", type=int, default=64, help="each user message")
+    m.add_argument("--answer-tokens", type=int, default=32, help="each answer (max_tokens)")
+    m.add_argument(
+        "--think-time",
+        type=float,
+        default=2.0,
+        help="mean seconds between an answer and the next turn (exponential, from --seed)",
+    )
+    m.add_argument(
+        "--conversation-rate",
+        type=float,
+        default=0.5,
+        help="conversations started per second (Poisson, from --seed); 0 = all at once",
+    )
+    h = p.add_argument_group("hash-trace workload")
+    h.add_argument(
+        "--hash-block-tokens",
+        type=int,
+        default=512,
+        help="tokens per hash id; below 512 every length is scaled by this / 512",
+    )
+    p.add_argument(
+        "--prefix-caching",
+        default="",
+        help="on, off, or on,off (each policy twice, same arrivals, side by side with ratios); "
+        "default: the stack's default (on under paged)",
+    )
 
 
 def _out_flags(p: argparse.ArgumentParser, name: str) -> None:
@@ -199,11 +280,15 @@ def _out_flags(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
-def build_workload(args: argparse.Namespace, time_scale: float | None = None):
+def build_workload(args: argparse.Namespace, time_scale: float | None = None, served: bool = False):
+    """`served`: prompts go through the gateway's tokenizer (multiturn and hash-trace content
+    is then text of single-token words); else token ids for the simulation."""
     from llmserve.bench import workload as w
     from llmserve.bench.trace import TraceScale, load_trace
 
-    if args.workload == "fixed":
+    if args.workload in ("multiturn", "hash-trace"):
+        made = _content_workload(args, time_scale or args.time_scale, served)
+    elif args.workload == "fixed":
         made = w.fixed(args.requests, args.prompt_tokens, args.output_tokens, args.concurrency or 1)
     elif args.workload == "poisson":
         made = w.poisson(
@@ -223,6 +308,43 @@ def build_workload(args: argparse.Namespace, time_scale: float | None = None):
     return w.with_max_tokens(made, args.max_tokens) if args.max_tokens else made
 
 
+def _content_workload(args: argparse.Namespace, time_scale: float, served: bool):
+    from llmserve.bench import hash_trace as ht
+    from llmserve.bench.multiturn import MultiTurn, multiturn
+    from llmserve.bench.tokens import TokenSource
+
+    source, text = TokenSource(seed=args.seed), None
+    if served:
+        from gateway.tokenizer_files import load_tokenizer
+        from llmserve.bench.tokens import checked_word_vocab, word_text
+
+        # the gateway's tokenizer: the packaged models (and --target) use SmolLM2's
+        packaged = args.target or args.model in ("smollm2", "tiny", "sim")
+        tokenizer = load_tokenizer("" if packaged else args.model)
+        source = TokenSource(checked_word_vocab(tokenizer), args.seed)
+        text = functools.partial(word_text, tokenizer=tokenizer)
+    if args.workload == "multiturn":
+        shape = MultiTurn(
+            args.conversations,
+            args.turns,
+            args.system_prompts,
+            args.system_tokens,
+            args.user_tokens,
+            args.answer_tokens,
+            args.think_time,
+            args.conversation_rate / (time_scale / args.time_scale),
+            args.seed,
+        )
+        return multiturn(shape, source, text)
+    path = ht.SAMPLE_TRACE if args.trace == DEFAULT_TRACE else args.trace
+    rows = ht.load_hash_trace(path)
+    prompts = ht.HashPrompts(source, args.hash_block_tokens)
+    made = ht.hash_trace_workload(
+        rows, prompts, text, time_scale, args.requests, args.concurrency, args.max_output_tokens
+    )
+    return replace(made, params=made.params | {"trace": str(path)})
+
+
 def _command() -> str:
     return "llmserve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
@@ -230,7 +352,7 @@ def _command() -> str:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from llmserve.bench.run_serve import run_serve
 
-    return run_serve(args, build_workload(args), _command())
+    return run_serve(args, build_workload(args, served=True), _command())
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
@@ -261,6 +383,29 @@ def _cmd_overhead(args: argparse.Namespace) -> int:
     from llmserve.bench.run_overhead import run_overhead
 
     return run_overhead(args, _command())
+
+
+def _cmd_hash_sample(args: argparse.Namespace) -> int:
+    from llmserve.bench import hash_trace as ht
+
+    shape = ht.SampleShape(
+        requests=args.requests,
+        rate=args.rate,
+        prefixes=args.prefixes,
+        prefix_blocks=args.prefix_blocks,
+        shared_share=args.shared_share,
+        followup_share=args.followup_share,
+        seed=args.seed,
+    )
+    path = args.output or ht.SAMPLE_TRACE
+    ht.write_trace(ht.sample_trace(shape), path)
+    reuse = ht.repeated_share(ht.load_hash_trace(path))
+    print(
+        f"wrote {path}: {args.requests} requests, {reuse['blocks']} blocks, "
+        f"{reuse['repeated_block_share']:.1%} repeated "
+        f"({reuse['repeated_token_share']:.1%} of prompt tokens)"
+    )
+    return 0
 
 
 def _cmd_core(args: argparse.Namespace) -> int:

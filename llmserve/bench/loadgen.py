@@ -42,15 +42,14 @@ class LoadGenerator:
     async def _closed(
         self, stub, workload: Workload, t0: float, on_done: OnDone | None
     ) -> list[RequestRecord]:
-        pending = iter(workload.requests)
+        pending = iter(workload.roots)
+        followers = workload.followers()
         records: list[RequestRecord] = []
 
         async def client_loop() -> None:
             for spec in pending:  # shared iterator: each client takes the next request
-                record = await self.one(stub, spec, time.perf_counter() - t0, t0)
-                records.append(record)
-                if on_done:
-                    on_done(record)
+                scheduled = time.perf_counter() - t0
+                await self._chain(stub, workload, followers, spec, scheduled, t0, records, on_done)
 
         await asyncio.gather(*(client_loop() for _ in range(workload.concurrency)))
         return sorted(records, key=lambda r: r.index)
@@ -58,22 +57,78 @@ class LoadGenerator:
     async def _open(
         self, stub, workload: Workload, t0: float, on_done: OnDone | None
     ) -> list[RequestRecord]:
+        followers = workload.followers()
+        records: list[RequestRecord] = []
         tasks = []
-        for spec in sorted(workload.requests, key=lambda r: r.arrival_s or 0.0):
+        for spec in sorted(workload.roots, key=lambda r: r.arrival_s or 0.0):
             due = spec.arrival_s or 0.0
             delay = t0 + due - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(self.one(stub, spec, due, t0))
-            if on_done:
-                task.add_done_callback(lambda t: on_done(t.result()))
-            tasks.append(task)
-        return sorted(await asyncio.gather(*tasks), key=lambda r: r.index)
+            chain = self._chain(stub, workload, followers, spec, due, t0, records, on_done)
+            tasks.append(asyncio.create_task(chain))
+        await asyncio.gather(*tasks)
+        return sorted(records, key=lambda r: r.index)
 
-    async def one(self, stub, spec: RequestSpec, scheduled_s: float, t0: float) -> RequestRecord:
-        record = RequestRecord(spec.index, spec.prompt_tokens, spec.output_tokens, scheduled_s)
+    async def _chain(
+        self,
+        stub,
+        workload: Workload,
+        followers: dict[int, RequestSpec],
+        spec: RequestSpec,
+        scheduled_s: float,
+        t0: float,
+        records: list[RequestRecord],
+        on_done: OnDone | None,
+    ) -> None:
+        """`spec`, then the requests that follow it (a conversation's turns), each a think time
+        after the answer before it ended, with that answer in its history."""
+        history: list[tuple[str, str]] = []
+        next_spec: RequestSpec | None = spec
+        while next_spec is not None:
+            sent = self._input(workload, next_spec, history)
+            answer: list[str] = []
+            record = await self.one(stub, next_spec, scheduled_s, t0, sent, answer)
+            records.append(record)
+            if on_done:
+                on_done(record)
+            next_spec = followers.get(next_spec.index)
+            if next_spec is None:
+                return
+            if not record.ok:
+                for rest in _chain_from(next_spec, followers):
+                    records.append(_not_sent(rest, record))
+                return
+            history = [*_as_messages(sent), ("assistant", "".join(answer))]
+            await asyncio.sleep(next_spec.think_s)
+            scheduled_s = time.perf_counter() - t0
+
+    @staticmethod
+    def _input(
+        workload: Workload, spec: RequestSpec, history: list[tuple[str, str]]
+    ) -> str | list[tuple[str, str]]:
+        if workload.content is None:
+            return prompt_text(spec.prompt_tokens)
+        return workload.content.served_input(spec, history)
+
+    async def one(
+        self,
+        stub,
+        spec: RequestSpec,
+        scheduled_s: float,
+        t0: float,
+        sent: str | list[tuple[str, str]] | None = None,
+        answer: list[str] | None = None,
+    ) -> RequestRecord:
+        """One request: `sent` is its prompt text or chat messages (default: the spec's length
+        of one word); the text of its deltas is appended to `answer` when given."""
+        record = RequestRecord(
+            spec.index, spec.prompt_tokens, spec.output_tokens, scheduled_s, turn=spec.turn
+        )
+        sent = prompt_text(spec.prompt_tokens) if sent is None else sent
         request = client.make_request(
-            prompt=prompt_text(spec.prompt_tokens),
+            prompt=sent if isinstance(sent, str) else None,
+            messages=None if isinstance(sent, str) else sent,
             max_tokens=spec.limit,
             temperature=self.temperature,
             ignore_eos=True,
@@ -91,8 +146,12 @@ class LoadGenerator:
                     record.queue_time_s = final.usage.queue_time_s
                     record.preemptions = final.usage.preemptions
                     record.error = final.error
+                    if final.usage.prompt_tokens:  # a chat's, with its template
+                        record.prompt_tokens = final.usage.prompt_tokens
                     break
                 n = len(message.delta.token_ids)
+                if answer is not None:
+                    answer.append(message.delta.text)
                 if not n:
                     continue
                 if last is None:
@@ -110,3 +169,23 @@ class LoadGenerator:
             record.error = f"{err.code().name}: {err.details()}"
         record.end_s = time.perf_counter() - t0
         return record
+
+
+def _as_messages(sent: str | list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [("user", sent)] if isinstance(sent, str) else list(sent)
+
+
+def _chain_from(spec: RequestSpec, followers: dict[int, RequestSpec]) -> list[RequestSpec]:
+    out = [spec]
+    while out[-1].index in followers:
+        out.append(followers[out[-1].index])
+    return out
+
+
+def _not_sent(spec: RequestSpec, failed: RequestRecord) -> RequestRecord:
+    """A turn never sent because an earlier one of its conversation failed."""
+    record = RequestRecord(
+        spec.index, spec.prompt_tokens, spec.output_tokens, failed.end_s or 0.0, turn=spec.turn
+    )
+    record.error = f"not sent: request {failed.index} before it failed ({failed.error})"
+    return record

@@ -26,6 +26,9 @@ COUNTERS = [
 ]
 
 
+PREFIX_COUNTERS = ["prompt_tokens", "hit_tokens", "evictions"]  # per worker, cumulative
+
+
 def sample_of(reply: scheduler_pb2.StatusReply | Snapshot, t: float) -> StatusSample:
     """From the Status RPC's reply or, in the simulation, the core's own snapshot (same names)."""
     return StatusSample(
@@ -39,7 +42,21 @@ def sample_of(reply: scheduler_pb2.StatusReply | Snapshot, t: float) -> StatusSa
         preemptions=reply.preemptions,
         stalls=dict(reply.stalls),
         head_wait_reason=reply.head_wait_reason,
+        cached_blocks=sum(getattr(w, "cached_blocks", 0) for w in reply.workers),
+        evictable_blocks=sum(getattr(w, "evictable_blocks", 0) for w in reply.workers),
     )
+
+
+def prefix_counters(workers) -> dict[str, int]:
+    """The workers' prefix-cache counters summed (`cache_prompt_tokens`, `cache_hit_tokens`,
+    `cache_evictions`), where the scheduler reports them; {} where it does not."""
+    if not workers:
+        return {}
+    return {
+        f"cache_{name}": sum(getattr(w, name) for w in workers)
+        for name in PREFIX_COUNTERS
+        if all(hasattr(w, name) for w in workers)
+    }
 
 
 def counters_of(reply: scheduler_pb2.StatusReply) -> dict[str, Any]:
@@ -47,7 +64,7 @@ def counters_of(reply: scheduler_pb2.StatusReply) -> dict[str, Any]:
     out["stalls"] = dict(reply.stalls)
     out["refused"] = dict(reply.refused)
     out["policy"], out["mode"] = reply.policy, reply.mode
-    return out
+    return out | prefix_counters(reply.workers)
 
 
 def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -58,6 +75,9 @@ def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
             r: n - before[key].get(r, 0) for r, n in after[key].items() if n - before[key].get(r, 0)
         }
     out["policy"], out["mode"] = after["policy"], after["mode"]
+    for key in after:
+        if key.startswith("cache_") and key in before:
+            out[key] = after[key] - before[key]
     return out
 
 

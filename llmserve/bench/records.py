@@ -23,6 +23,7 @@ class RequestRecord:
     preemptions: int = 0
     finish: str = ""
     error: str = ""
+    turn: int = -1  # a conversation's turn (0 = its first); -1 outside conversations
 
     @property
     def ok(self) -> bool:
@@ -50,6 +51,7 @@ class RequestRecord:
             "preemptions": self.preemptions,
             "finish": self.finish,
             "error": self.error,
+            "turn": self.turn,
         }
 
 
@@ -67,6 +69,8 @@ class StatusSample:
     preemptions: int = 0
     stalls: dict[str, int] = field(default_factory=dict)
     head_wait_reason: str = ""
+    cached_blocks: int = 0  # prefix cache: blocks holding reusable contents (0 when off)
+    evictable_blocks: int = 0  # of those, blocks no running request uses
 
     @property
     def kv_held(self) -> float:

@@ -142,6 +142,11 @@ def table(title: str, summaries: list[dict[str, Any]], reference: str | None = N
             lambda s: f"{s['throughput']['output_tokens_per_s'] / base:.2f}×" if base else "-",
         )
     row("TTFT p50/p90/p99", lambda s: fmt_pct(s["ttft_s"]))
+    if any("ttft_later_turns_s" in s for s in summaries):
+        row("TTFT turn 1 p50/p90/p99", lambda s: fmt_pct(s.get("ttft_first_turn_s")))
+        row("TTFT turns 2+ p50/p90/p99", lambda s: fmt_pct(s.get("ttft_later_turns_s")))
+    row("prefill tokens computed", lambda s: _computed(s["prefix"]))
+    row("prefix hit rate", lambda s: _hit_rate(s["prefix"]))
     row("inter-token p50/p90/p99", lambda s: fmt_pct(s["itl_s"]))
     row("end-to-end p50/p90/p99", lambda s: fmt_pct(s["e2e_s"]))
     row("queue p50/p90/p99", lambda s: fmt_pct(s["queue_s"]))
@@ -176,6 +181,17 @@ def table(title: str, summaries: list[dict[str, Any]], reference: str | None = N
         ),
     )
     return t
+
+
+def _computed(p: dict[str, Any]) -> str:
+    if p["prefill_computed"] is None:
+        return "-"
+    return f"{p['prefill_computed']:,} of {p['prompt_tokens']:,}"
+
+
+def _hit_rate(p: dict[str, Any]) -> str:
+    rate = p["hit_rate"]
+    return "-" if rate is None else f"{rate:.1%} ({p['evictions'] or 0} evictions)"
 
 
 def print_table(

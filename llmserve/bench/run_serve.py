@@ -7,8 +7,10 @@ import asyncio
 from typing import Any
 
 from llmserve.bench import hf_baseline
+from llmserve.bench.caching import caching_pairs, print_caching
+from llmserve.bench.openai_backend import parse_base_urls, run_openai
 from llmserve.bench.plots import write_plots
-from llmserve.bench.policy import Policy
+from llmserve.bench.policy import parse_policies
 from llmserve.bench.prompts import check_with_tokenizer
 from llmserve.bench.report import Report, print_table
 from llmserve.bench.served import run_policy, run_workload
@@ -38,7 +40,16 @@ def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int
     check_with_tokenizer()
     progress = not args.no_progress
     report = Report(f"llmserve bench serve: {workload.name}", workload.describe(), command)
-    if args.target:
+    if args.backend == "openai":
+        if not args.base_url:
+            raise SystemExit("--backend openai needs --base-url URL (one or more)")
+        for label, url in parse_base_urls(args.base_url):
+            result = asyncio.run(
+                run_openai(label, url, workload, args.api_model, args.api_key, progress,
+                           timeout_s=args.timeout)
+            )  # fmt: skip
+            _say(report.add(result))
+    elif args.target:
         result = asyncio.run(
             run_workload(
                 args.target,
@@ -53,10 +64,8 @@ def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int
         _say(report.add(result))
     else:
         base = stack_settings(args, workload)
-        for text in args.policies.split(","):
-            result = run_policy(
-                base, Policy.parse(text.strip()), workload, args.out / "logs" / args.name, progress
-            )
+        for policy in parse_policies(args.policies, args.prefix_caching):
+            result = run_policy(base, policy, workload, args.out / "logs" / args.name, progress)
             _say(report.add(result))
     baselines = [b for b in args.baselines.split(",") if b and b != "none"]
     if baselines:
@@ -64,10 +73,12 @@ def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int
             _say(report.add(result))
     summaries = report.summaries()
     report.extra["ratios"] = ratios(summaries)
+    report.extra["prefix_caching"] = pairs = caching_pairs(summaries)
     notes = _notes(report, workload)
     report.extra["notes"] = notes
     reference = HF_STATIC if any(s["label"] == HF_STATIC for s in summaries) else None
     print_table(report.title, summaries, reference, notes)
+    print_caching(pairs, workload.params.get("trace_reuse"))
     paths = report.write(args.out, args.name)
     paths += write_plots(args.out, args.name, summaries, report.results, _subtitle(workload))
     print("wrote " + ", ".join(str(p) for p in paths))

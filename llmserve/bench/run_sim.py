@@ -7,9 +7,10 @@ import json
 from dataclasses import asdict
 from typing import Any
 
+from llmserve.bench.caching import caching_pairs, print_caching
 from llmserve.bench.cost_model import DEFAULT_COST_MODEL, CostModel
 from llmserve.bench.plots import write_plots
-from llmserve.bench.policy import Policy
+from llmserve.bench.policy import parse_policies
 from llmserve.bench.report import Report, print_table
 from llmserve.bench.simulate import SimSettings, Simulation
 from llmserve.bench.sweep_plot import write_sweep_plot
@@ -29,7 +30,7 @@ def run_sim(args: argparse.Namespace, command: str) -> int:
         speedup=args.speedup,
         step_overhead_s=args.step_overhead,
     )
-    policies = [Policy.parse(p.strip()) for p in args.policies.split(",")]
+    policies = parse_policies(args.policies, args.prefix_caching)
     rows: list[dict[str, Any]] = []
     for load in [float(x) for x in args.loads.split(",")]:
         workload = build_workload(args, time_scale=args.time_scale / load)
@@ -66,6 +67,8 @@ def run_sim(args: argparse.Namespace, command: str) -> int:
         ]
         print_table(report.title, summaries, None, notes)
         report.extra["notes"] = notes
+        report.extra["prefix_caching"] = pairs = caching_pairs(summaries)
+        print_caching(pairs, workload.params.get("trace_reuse"))
         report.write(args.out, name)
         write_plots(
             args.out, name, summaries, report.results, f"{workload.name}, load ×{load:g}, simulated"

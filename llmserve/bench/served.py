@@ -73,8 +73,10 @@ async def run_workload(
 def bench_settings(base: StackSettings, policy: Policy) -> StackSettings:
     """`base` with the policy, fresh loopback ports and queue limits a benchmark never hits."""
     ports = free_ports(2)
+    caching = base.prefix_caching if policy.prefix_caching is None else policy.prefix_caching
     return replace(
         base,
+        prefix_caching=caching,
         policy=policy.kv,
         mode=policy.mode,
         gateway_port=ports[0],
@@ -108,5 +110,6 @@ def run_policy(
         "kv_capacity": settings.kv_capacity,
         "block_size": settings.block_size,
         "chunked_prefill": settings.chunked_prefill,
+        "prefix_caching": settings.prefix_caching and settings.policy == "paged",
     }
     return result

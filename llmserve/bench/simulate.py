@@ -4,11 +4,14 @@ model, and a virtual clock. No model, no gRPC: it replays an hour of trace in mi
 Each step mirrors the scheduler service: one `schedule()` for all workers, the workers execute in
 parallel (the step takes as long as the slowest), then `postprocess()`. A request's output ends at
 its length: with max_tokens = length (exact), by the length limit; with a larger max_tokens, the
-simulated worker samples end-of-sequence there, as a model would.
+simulated worker samples end-of-sequence there, as a model would. A request that follows another
+(a conversation's next turn) arrives its think time after that one finished, its prompt built from
+that one's prompt and generated ids.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from array import array
 from collections import deque
@@ -18,10 +21,10 @@ from tqdm import tqdm
 
 from llmserve.bench.cost_model import BatchShape, CostModel
 from llmserve.bench.policy import Policy
-from llmserve.bench.poller import sample_of
+from llmserve.bench.poller import prefix_counters, sample_of
 from llmserve.bench.prompts import WORD_ID
 from llmserve.bench.records import RequestRecord, RunResult, StatusSample
-from llmserve.bench.workload import RequestSpec, Workload
+from llmserve.bench.workload import Content, RequestSpec, Workload
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.output import Refused
@@ -47,12 +50,14 @@ class SimSettings:
     status_every_s: float = 1.0  # virtual seconds between Status samples
 
     def core(self, policy: Policy) -> CoreConfig:
+        caching = {} if policy.prefix_caching is None else {"prefix_caching": policy.prefix_caching}
         return CoreConfig(
             token_budget=self.token_budget,
             max_running=self.max_running,
             policy=policy.kv,
             mode=policy.mode,
             chunked_prefill=self.chunked_prefill,
+            **caching,
         )
 
     def specs(self) -> list[WorkerSpec]:
@@ -78,14 +83,25 @@ class Simulation:
         self.steps = 0
         self.busy_s = 0.0
         self.core_s = 0.0  # real seconds spent in schedule() + postprocess()
+        self.arrivals: list[tuple[float, int, RequestSpec]] = []  # (due, index, spec), a heap
+        self.content: Content | None = None
+        self.followers: dict[int, RequestSpec] = {}
+        self.kept: dict[str, list[int]] = {}  # prompt + output ids of requests others follow
+        self.prompt_tokens = 0
+        self.prefill_computed = 0  # tokens of multi-token chunks run (prompts, recomputes)
 
     def run(self, workload: Workload, progress: bool = True) -> RunResult:
         started = time.perf_counter()
+        self.content = workload.content
+        self.followers = workload.followers()
+        roots = workload.roots
         if workload.closed:
-            arrivals: deque[RequestSpec] = deque(workload.requests[: workload.concurrency])
-            later: deque[RequestSpec] = deque(workload.requests[workload.concurrency :])
+            for spec in roots[: workload.concurrency]:
+                self._due(self.now, spec)
+            later: deque[RequestSpec] = deque(roots[workload.concurrency :])
         else:
-            arrivals = deque(sorted(workload.requests, key=lambda r: r.arrival_s or 0.0))
+            for spec in roots:
+                self._due(spec.arrival_s or 0.0, spec)
             later = deque()
         bar = tqdm(
             total=len(workload.requests),
@@ -96,27 +112,34 @@ class Simulation:
             mininterval=0.5,
         )
         next_sample = 0.0
-        while arrivals or later or self._has_work():
-            while arrivals and (workload.closed or (arrivals[0].arrival_s or 0.0) <= self.now):
-                self._arrive(arrivals.popleft())
+        while self.arrivals or later or self._has_work():
+            while self.arrivals and self.arrivals[0][0] <= self.now:
+                due, _, spec = heapq.heappop(self.arrivals)
+                self._arrive(spec, due)
             if self.now >= next_sample:
                 self._sample()
                 next_sample = self.now + self.settings.status_every_s
             if not self._has_work():
-                if not arrivals:
+                if not self.arrivals:
                     break
-                self.now = max(self.now, arrivals[0].arrival_s or 0.0)
+                self.now = max(self.now, self.arrivals[0][0])
                 continue
             finished = self._step()
             bar.update(len(finished))
             if finished:
                 bar.set_postfix(virtual_s=f"{self.now:.0f}", refresh=False)
-            for _ in finished:
-                if workload.closed and later:
-                    arrivals.append(later.popleft())
+            for rid in finished:
+                follower = self.followers.get(int(rid))
+                if follower is not None:
+                    self._due(self.now + follower.think_s, follower)
+                elif workload.closed and later:
+                    self._due(self.now, later.popleft())
         self._sample()
         bar.close()
         return self._result(workload, time.perf_counter() - started)
+
+    def _due(self, at: float, spec: RequestSpec) -> None:
+        heapq.heappush(self.arrivals, (at, spec.index, spec))
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -132,6 +155,7 @@ class Simulation:
                 f"nothing can run: head of queue waits for "
                 f"{self.core.head_reason}; raise the KV capacity or budget"
             )
+        self.prefill_computed += sum(w.num_tokens for b in batches for w in b.chunks)
         seconds = max(self._seconds(b) for b in batches) + self.settings.step_overhead_s
         self.now += seconds
         self.busy_s += seconds
@@ -152,9 +176,9 @@ class Simulation:
         ends = len(seq.output_ids) + 1 >= self.target[seq.request_id]
         return EOS_ID if ends and not seq.ignore_eos else WORD_ID
 
-    def _arrive(self, spec: RequestSpec) -> None:
+    def _arrive(self, spec: RequestSpec, due: float) -> None:
         rid = str(spec.index)
-        arrival = self.now if spec.arrival_s is None else spec.arrival_s
+        arrival = due if spec.arrival_s is None else spec.arrival_s
         record = RequestRecord(
             spec.index,
             spec.prompt_tokens,
@@ -162,12 +186,18 @@ class Simulation:
             arrival,
             arrival,
             token_gaps=array("d"),
+            turn=spec.turn,
         )  # type: ignore[arg-type]
         self.records[rid] = record
         self.target[rid] = spec.output_tokens
+        prompt = self._prompt(spec)
+        record.prompt_tokens = len(prompt)
+        self.prompt_tokens += len(prompt)
+        if spec.index in self.followers:
+            self.kept[rid] = list(prompt)
         seq = Sequence(
             rid,
-            [WORD_ID] * spec.prompt_tokens,
+            prompt,
             spec.limit,
             eos_ids=frozenset({EOS_ID}),
             ignore_eos=spec.limit == spec.output_tokens,
@@ -177,6 +207,23 @@ class Simulation:
             self.core.add(seq)
         except Refused as refused:
             record.error, record.end_s = f"refused: {refused}", arrival
+            self._drop_followers(spec, arrival)
+
+    def _drop_followers(self, spec: RequestSpec, at: float) -> None:
+        """A refused turn ends its conversation: the turns after it are never sent."""
+        follower = self.followers.get(spec.index)
+        while follower is not None:
+            turn, index = follower.turn, follower.index
+            record = RequestRecord(index, 0, follower.output_tokens, at, turn=turn)
+            record.error = f"not sent: request {spec.index} before it was refused"
+            self.records[str(follower.index)] = record
+            follower = self.followers.get(follower.index)
+
+    def _prompt(self, spec: RequestSpec) -> list[int]:
+        if self.content is None:
+            return [WORD_ID] * spec.prompt_tokens
+        history = self.kept.pop(str(spec.follows), []) if spec.follows >= 0 else []
+        return self.content.prompt_ids(spec, history)
 
     def _events(self) -> list[str]:
         finished = []
@@ -191,6 +238,8 @@ class Simulation:
                     record.token_gaps.append(self.now - self.last_token[ev.request_id])
                 self.last_token[ev.request_id] = self.now
                 record.completion_tokens += 1
+                if ev.request_id in self.kept:
+                    self.kept[ev.request_id].append(ev.token_id)
             if ev.finish is not None:
                 record.end_s, record.finish = self.now, ev.finish.value
                 record.preemptions, record.error = ev.preemptions, ev.error
@@ -221,6 +270,10 @@ class Simulation:
             "core_s": self.core_s,
             "core_us_per_step": 1e6 * self.core_s / max(1, self.steps),
             "preemptions": self.core.preemptions,
+            **prefix_counters(self.core.snapshot().workers),
+            # what the simulated workers ran, whatever the core reports
+            "prompt_tokens": self.prompt_tokens,
+            "prefill_computed": self.prefill_computed,
         }
         return RunResult(
             self.policy.label,

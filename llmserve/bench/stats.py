@@ -52,9 +52,35 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "stalls": dict(result.counters.get("stalls", {})),
         "kv": kv_summary(result),
         "overhead": overhead(result.counters),
+        "prefix": prefix_summary(result.counters, in_tokens),
         "config": result.config,
     }
+    if any(r.turn >= 0 for r in records):
+        timed = [r for r in ok if r.ttft_s is not None]
+        summary["ttft_first_turn_s"] = percentiles([r.ttft_s for r in timed if r.turn == 0])
+        summary["ttft_later_turns_s"] = percentiles([r.ttft_s for r in timed if r.turn > 0])
     return summary
+
+
+def prefix_summary(counters: dict[str, Any], client_prompt_tokens: int) -> dict[str, Any]:
+    """Prompt tokens, those served from the prefix cache, and those computed. The scheduler's
+    counters when it reports them; the simulation counts the chunks its workers ran (which
+    includes recomputation after preemption); else the clients' prompt tokens, all computed."""
+    prompt = counters.get("prompt_tokens", client_prompt_tokens)
+    prompt = counters.get("cache_prompt_tokens", prompt)
+    hit = counters.get("cache_hit_tokens")
+    computed = counters.get("prefill_computed", None if hit is None else prompt - hit)
+    if hit is None and computed is None:
+        computed = prompt
+    return {
+        "prompt_tokens": prompt,
+        "hit_tokens": hit,
+        "hit_rate": hit / prompt if hit is not None and prompt else None,
+        "prefill_computed": computed,
+        "computed_share": computed / prompt if computed is not None and prompt else None,
+        "evictions": counters.get("cache_evictions"),
+        "source": "scheduler" if hit is not None else "clients",
+    }
 
 
 def kv_summary(result: RunResult) -> dict[str, Any] | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from llmserve.bench.trace import TraceRow, TraceScale, load_trace, scale_trace
 
@@ -16,10 +16,30 @@ class RequestSpec:
     output_tokens: int  # the output is forced to this length
     arrival_s: float | None = None  # open loop: seconds after the start; closed loop: None
     max_tokens: int = 0  # the request's max_tokens; 0 = output_tokens (exact)
+    follows: int = -1  # >= 0: sent think_s after request `follows` finished (the next turn)
+    think_s: float = 0.0
+    turn: int = -1  # a conversation's turn (0 = its first), -1 outside conversations
 
     @property
     def limit(self) -> int:
         return self.max_tokens or self.output_tokens
+
+
+class Content(Protocol):
+    """What requests say when it is more than `prompt_tokens` x one word (prefix caching needs
+    content that repeats where the workload says so, and only there)."""
+
+    def prompt_ids(self, spec: RequestSpec, history: list[int]) -> list[int]:
+        """The prompt's token ids (simulation). `history`: the prompt and output ids of the
+        request this one follows, [] when none."""
+        ...
+
+    def served_input(
+        self, spec: RequestSpec, history: list[tuple[str, str]]
+    ) -> str | list[tuple[str, str]]:
+        """A prompt text or chat messages (real processes). `history`: the messages of the
+        request this one follows with its answer as the last ("assistant", text); [] when none."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,10 +48,19 @@ class Workload:
     requests: list[RequestSpec]
     concurrency: int = 0  # closed loop: this many clients; 0 = open loop (arrival_s)
     params: dict[str, Any] = field(default_factory=dict)  # stated in every report
+    content: Content | None = None  # None: prompts of one repeated word
 
     @property
     def closed(self) -> bool:
         return self.concurrency > 0
+
+    @property
+    def roots(self) -> list[RequestSpec]:
+        """The requests that follow none (the others are sent when the one before ends)."""
+        return [r for r in self.requests if r.follows < 0]
+
+    def followers(self) -> dict[int, RequestSpec]:
+        return {r.follows: r for r in self.requests if r.follows >= 0}
 
     @property
     def prompt_tokens(self) -> int:

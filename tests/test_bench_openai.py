@@ -1,0 +1,95 @@
+"""`llmserve bench serve --backend openai`: the same workload through any OpenAI-compatible
+server, here this stack's own HTTP API, beside its gRPC API: counts, timings, one report."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import openai
+import pytest
+
+from llmserve.bench.openai_backend import OpenAILoadGenerator, parse_base_urls, run_openai
+from llmserve.bench.served import run_workload
+from llmserve.bench.workload import RequestSpec, fixed, with_max_tokens
+from llmserve.cli import main as llmserve
+from tests.stacks import free_port, running_stack, tiny_settings
+
+pytestmark = pytest.mark.usefixtures("hang_guard")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    settings = tiny_settings(
+        token_budget=64, max_running=8, kv_capacity=2048, http_port=free_port()
+    )
+    with running_stack(settings, tmp_path_factory.mktemp("logs")):
+        yield settings
+
+
+def test_base_urls_take_an_optional_label() -> None:
+    assert parse_base_urls(["ours=http://127.0.0.1:8000/v1", "http://h:8080/v1"]) == [
+        ("ours", "http://127.0.0.1:8000/v1"),
+        ("openai h:8080", "http://h:8080/v1"),
+    ]
+
+
+def test_the_http_api_run_gives_the_grpc_runs_counts_and_lengths(stack) -> None:
+    workload = fixed(6, prompt_tokens=12, output_tokens=5, concurrency=3)
+    over_http = asyncio.run(run_openai("http", stack.http_url, workload, progress=False))
+    over_grpc = asyncio.run(
+        run_workload(stack.gateway, stack.scheduler, workload, "grpc", progress=False)
+    )
+    for result in (over_http, over_grpc):
+        assert [r.completion_tokens for r in result.records] == [5] * 6
+        assert all(r.ok and r.finish == "length" and r.prompt_tokens == 12 for r in result.records)
+        assert all(r.sent_s < r.first_token_s <= r.end_s for r in result.records)
+        assert all(len(r.token_gaps) == 4 for r in result.records)
+    assert over_http.config["model"] == "tiny"
+
+
+def test_a_chat_turn_streams_its_answer_over_http(stack) -> None:
+    answer: list[str] = []
+
+    async def turn():
+        gen = OpenAILoadGenerator(stack.http_url, "tiny")
+        async with openai.AsyncOpenAI(base_url=stack.http_url, api_key="none") as api:
+            sent = [("user", "Hi")]
+            return await gen.one(api, RequestSpec(0, 4, 3), 0.0, time.perf_counter(), sent, answer)
+
+    record = asyncio.run(turn())
+    assert record.ok and record.completion_tokens == 3 and record.finish == "length"
+    assert record.prompt_tokens > 4  # the chat template's tokens too, from the usage
+    assert "".join(answer)
+
+
+def test_a_client_stop_over_http(stack) -> None:
+    capped = with_max_tokens(fixed(2, prompt_tokens=4, output_tokens=3, concurrency=2), 50)
+    result = asyncio.run(run_openai("x", stack.http_url, capped, progress=False, warmup=0))
+    assert all(r.ok and r.finish == "client_stop" for r in result.records)
+    assert [r.completion_tokens for r in result.records] == [3, 3]
+
+
+def test_an_unreachable_server_is_an_error_per_request_not_a_crash(stack) -> None:
+    workload = fixed(2, prompt_tokens=4, output_tokens=3, concurrency=2)
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    result = asyncio.run(run_openai("x", url, workload, model="m", progress=False, warmup=0))
+    assert all("APIConnectionError" in r.error for r in result.records)
+
+
+def test_bench_serve_puts_two_servers_side_by_side_in_one_report(stack, tmp_path) -> None:
+    out = tmp_path / "bench"
+    with pytest.raises(SystemExit) as done:
+        llmserve(
+            ["bench", "serve", "--backend", "openai",
+             "--base-url", f"ours={stack.http_url}", "--base-url", f"again={stack.http_url}",
+             "--baselines", "none", "--requests", "4", "--concurrency", "2",
+             "--prompt-tokens", "6", "--output-tokens", "4",
+             "--out", str(out), "--name", "t", "--no-progress"]
+        )  # fmt: skip
+    assert done.value.code == 0
+    runs = json.loads((out / "t.json").read_text())["runs"]
+    assert [r["label"] for r in runs] == ["ours", "again"]
+    assert all(r["ok"] == 4 and r["exact_lengths"] and r["output_tokens"] == 16 for r in runs)
+    assert runs[0]["config"] == {"backend": "openai", "base_url": stack.http_url, "model": "tiny"}

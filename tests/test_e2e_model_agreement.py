@@ -1,0 +1,119 @@
+"""One model setting for the whole stack, with real processes: a gateway takes its tokenizer
+from the model the workers serve, refuses to start when told another model, and reports
+NOT_SERVING (refusing requests with the reason) while a worker serves another vocabulary."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llmserve import client
+from llmserve.ports import free_port
+from tests.hf_dirs import qwen2_style, save_hf_model
+from tests.stack_checks import wait_for
+from tests.stacks import running_stack, tiny_settings
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hang_guard")]
+# token ids below 400: the scheduler keeps a departed worker's vocabulary as a bound for prompts
+REQUEST = dict(prompt="1 2 3", max_tokens=3, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    settings = tiny_settings(kv_capacity=512, block_size=16)
+    with running_stack(settings, tmp_path_factory.mktemp("logs")) as stack:
+        yield stack
+
+
+def gateway_command(stack, *flags: str) -> list[str]:
+    port = str(free_port())
+    return [sys.executable, "-m", "gateway", "--port", port, "--scheduler",
+            stack.settings.scheduler, *flags]  # fmt: skip
+
+
+def completion_tokens(target: str) -> int:
+    replies = list(client.stream(target, client.make_request(**REQUEST), timeout=30))
+    return replies[-1].final.usage.completion_tokens
+
+
+def serving(target: str) -> bool:
+    with grpc.insecure_channel(target) as channel:
+        request = health_pb2.HealthCheckRequest()
+        reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_gateway_told_another_model_than_the_workers_refuses_to_start_in_one_line(stack):
+    ended = subprocess.run(
+        gateway_command(stack, "--model", "smollm2"), capture_output=True, text=True, timeout=120
+    )
+    assert ended.returncode != 0
+    last = ended.stderr.strip().splitlines()[-1]
+    assert last == (
+        "the gateway cannot serve these workers: the workers serve 'tiny' but this gateway "
+        "tokenizes for 'SmolLM2-135M-Instruct': give the gateway and the workers the same --model"
+    )
+    assert "Traceback" not in ended.stderr
+
+
+def test_a_model_the_gateway_cannot_read_stops_it_in_one_line(stack, tmp_path):
+    missing = str(tmp_path / "absent.gguf")
+    ended = subprocess.run(
+        gateway_command(stack, "--model", missing), capture_output=True, text=True, timeout=120
+    )
+    assert ended.returncode != 0 and "Traceback" not in ended.stderr
+    last = ended.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"cannot read the tokenizer of --model {missing}: [Errno 2] No such")
+
+
+def test_a_gateway_not_told_the_model_serves_the_workers_one(stack, tmp_path):
+    command = gateway_command(stack)
+    target = f"127.0.0.1:{command[command.index('--port') + 1]}"
+    with open(tmp_path / "gateway.log", "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: proc.poll() is not None or serving_or_not(target), 60, "gateway up")
+        assert proc.poll() is None, (tmp_path / "gateway.log").read_text()
+        assert completion_tokens(target) == 3
+        assert "model tiny (--model tiny)" in (tmp_path / "gateway.log").read_text()
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+
+
+def serving_or_not(target: str) -> bool:
+    try:
+        return serving(target)
+    except grpc.RpcError:
+        return False
+
+
+def test_a_worker_of_another_vocabulary_stops_the_gateway_serving_until_it_leaves(stack, tmp_path):
+    """A random Qwen2 with a 400-token vocabulary in a directory named `tiny`: the same name as
+    the stack's model, another vocabulary."""
+    directory = qwen2_style(tmp_path / "tiny")
+    shape = dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    save_hf_model("qwen2", {**shape, "vocab_size": 400}, directory)
+    gateway = stack.settings.gateway
+    name = stack.join_worker(1, free_port(), "--model", str(directory), "--kv-capacity", "256")
+    says = "this gateway's tokenizer has 49152 tokens but the workers' model 'tiny' has 400"
+    wait_for(lambda: not serving(gateway), 30, "the gateway NOT_SERVING", period=0.5)
+    with pytest.raises(grpc.RpcError) as refused:
+        completion_tokens(gateway)
+    assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert says in refused.value.details()
+
+    ended = subprocess.run(gateway_command(stack), capture_output=True, text=True, timeout=120)
+    assert ended.returncode != 0 and says in ended.stderr.strip().splitlines()[-1]
+
+    stack.procs[name].send_signal(signal.SIGTERM)
+    assert stack.procs[name].wait(60) == 0
+    wait_for(lambda: serving(gateway), 30, "the gateway SERVING again", period=0.5)
+    listed = lambda: [w.name for w in client.status(stack.settings.scheduler).workers]  # noqa: E731
+    wait_for(lambda: listed() == ["worker0"], 30, "worker1 unlisted")
+    assert completion_tokens(gateway) == 3
