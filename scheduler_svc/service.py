@@ -195,7 +195,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def vocab_size(self) -> int:
         """Token ids must be below every live worker's vocabulary (0 = none has said)."""
-        sizes = [c.info.vocab_size for c in self.clients if c.info and c.info.vocab_size]
+        workers = zip(self.clients, self.core.workers, strict=True)
+        sizes = [c.info.vocab_size for c, ws in workers if not ws.gone and c.info.vocab_size]
         return min(sizes, default=0)
 
     async def Cancel(self, request, context):

@@ -211,3 +211,13 @@ def test_tokens_recorded_before_a_worker_dies_reach_the_stream_no_gap_no_duplica
 
     tokens, outputs = asyncio.run(scenario())
     assert len(tokens) == 30 and tokens == outputs
+
+
+def test_a_worker_that_left_no_longer_limits_the_token_ids_accepted() -> None:
+    """Token ids must be below every worker's vocabulary, but not a worker's that has left."""
+    small, large = InProcessClient(SPEC), InProcessClient(WorkerSpec("w1", 8, 4, 64))
+    small.info.vocab_size, large.info.vocab_size = 400, 49152
+    service = SchedulerService(SchedulerSettings(), [small, large])
+    assert service.vocab_size() == 400
+    service.core.remove_worker(0)
+    assert service.vocab_size() == 49152
