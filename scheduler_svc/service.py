@@ -196,7 +196,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def vocab_size(self) -> int:
         """Token ids must be below every live worker's vocabulary (0 = none has said)."""
         workers = zip(self.clients, self.core.workers, strict=True)
-        sizes = [c.info.vocab_size for c, ws in workers if not ws.gone and c.info.vocab_size]
+        sizes = [
+            c.info.vocab_size for c, ws in workers if not ws.gone and c.info and c.info.vocab_size
+        ]
         return min(sizes, default=0)
 
     async def Cancel(self, request, context):
