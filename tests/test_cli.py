@@ -43,7 +43,7 @@ def test_every_flag_of_up_has_help_and_the_string_settings_show_their_choices() 
     assert set(choices["policy"]) == {p.value for p in KvPolicy}
     assert set(choices["mode"]) == {m.value for m in BatchMode}
     assert set(choices["dtype"]) == {"bf16", "fp32"}
-    assert "{paged,reserve}" in up.format_help() and "cuda:N" in up.format_help()
+    assert "{reserve,paged}" in up.format_help() and "cuda:N" in up.format_help()
 
 
 def test_a_bad_flag_prints_one_line_and_no_traceback() -> None:

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from gateway.settings import GatewaySettings
 from llmserve.flags import add_flags, from_args, to_flags
 from scheduler_svc.config import CoreConfig, KvPolicy
 from scheduler_svc.settings import ENV_PREFIX as SCHEDULER_ENV
@@ -25,7 +26,7 @@ def parse(cls, argv, env_prefix=""):
     )
 
 
-@pytest.mark.parametrize("cls", [SchedulerSettings, WorkerSettings])
+@pytest.mark.parametrize("cls", [SchedulerSettings, WorkerSettings, GatewaySettings])
 def test_every_field_has_help_text_of_its_own(cls) -> None:
     missing = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("help")]
     assert not missing
@@ -83,6 +84,7 @@ def test_a_bad_environment_value_is_one_line_naming_the_variable(variable, value
             policy="reserve", prefix_caching=False, workers="a:1,b:2", hang_floor=2.5
         ),
         WorkerSettings(dtype="fp32", kv_capacity=64, block_size=4, cuda_graphs=False, name="w"),
+        GatewaySettings(model="tiny", http_port=8000, max_messages=3, resubmit_timeout=1.5),
     ],
 )
 def test_settings_turned_into_flags_give_the_same_settings(settings) -> None:
