@@ -29,7 +29,7 @@ from gateway.trim import trim_after
 from gateway.usage import Tally
 from gateway.validation import InputLimits, ValidatedParams, validate
 from llmserve.protocol import ACCEPTED_KEY
-from llmserve.sampling_checks import sampling_problem
+from llmserve.request_checks import context_problem, sampling_problem
 from llmserve.v1 import common_pb2, scheduler_pb2
 
 log = logging.getLogger("gateway")
@@ -174,12 +174,9 @@ class GatewayCore:
         """Raise unless the prompt can run and the queue limits take it now."""
         if not prompt_ids:
             raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt has no tokens")
-        if len(prompt_ids) >= self.max_context:  # before the queue limit: it can never run
-            raise GenerationError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt of {len(prompt_ids)} tokens leaves no room to generate within the "
-                f"model's context of {self.max_context} tokens; shorten the prompt",
-            )
+        too_long = context_problem(len(prompt_ids), self.max_context)
+        if too_long:  # before the queue limit: it can never run
+            raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, too_long)
         refusal = self.queue.refusal(len(prompt_ids))
         if refusal:
             raise QueueFull(refusal)

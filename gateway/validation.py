@@ -9,8 +9,10 @@ Decisions:
   model); only the empty string is refused.
 * chat messages: at least one; role is one of system/user/assistant; content must be a str and
   MAY be empty (an empty system or assistant turn is legitimate and renders fine).
-* `max_tokens` unset -> `min(default_max_tokens, max_context)`; set -> 1..max_context. Whether
-  prompt + max_tokens fit the context is known only after tokenizing: see `check_fits`.
+* `max_tokens` unset -> `min(default_max_tokens, max_context)`; set -> 1..max_context. The
+  prompt's length is known only after tokenizing: it must leave room for one token
+  (`llmserve.request_checks.context_problem`, the scheduler's check too); generation stops at
+  the context (finish reason length).
 * temperature: finite and >= 0 (0 means greedy); top_p in (0, 1]; top_k >= 0 (0 = disabled).
   A temperature below MIN_TEMPERATURE counts as 0, as in vLLM: it is greedy in effect, and logits
   divided by a subnormal temperature overflow to inf, which made the worker's sampling fail for
@@ -34,7 +36,6 @@ __all__ = [
     "MAX_STOP_CHARS",
     "MAX_STOPS",
     "ValidatedParams",
-    "check_fits",
     "validate",
 ]
 
@@ -220,18 +221,3 @@ def validate(
         top_k=resolved_top_k,
         stop=_check_stop(stop),
     )
-
-
-def check_fits(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
-    """After tokenizing: refuse a prompt that leaves no room, or prompt + max_tokens > context."""
-    if prompt_tokens >= max_context:
-        raise InvalidRequest(
-            f"the prompt is {prompt_tokens} tokens; it must be shorter than the model's context "
-            f"of {max_context} tokens"
-        )
-    if prompt_tokens + max_tokens > max_context:
-        raise InvalidRequest(
-            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-            f"{prompt_tokens + max_tokens} exceeds the model's context of {max_context} tokens; "
-            f"lower max_tokens to at most {max_context - prompt_tokens}"
-        )

@@ -24,6 +24,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
+from llmserve.request_checks import context_problem
 from scheduler_svc.blocks import block_keys, blocks_for
 from scheduler_svc.config import (
     BatchMode,
@@ -596,11 +597,7 @@ class Scheduler:
         fits = [s for s in specs if prompt < s.max_context]
         if not fits:
             context = max(s.max_context for s in specs)
-            self._refuse(
-                RefusalReason.CONTEXT,
-                f"prompt of {prompt} tokens leaves no room to generate within the model's "
-                f"context of {context} tokens; shorten the prompt",
-            )
+            self._refuse(RefusalReason.CONTEXT, context_problem(prompt, context) or "")
         if not any(seq.max_length(s.max_context) <= s.capacity for s in fits):
             need = min(seq.max_length(s.max_context) for s in fits)
             capacity = max(s.capacity for s in fits)

@@ -12,7 +12,6 @@ from gateway.validation import (
     InputLimits,
     InvalidRequest,
     ValidatedParams,
-    check_fits,
     validate,
 )
 
@@ -164,18 +163,6 @@ def test_server_misconfiguration_is_not_a_client_error(setting) -> None:
 
 def test_the_smallest_server_settings_are_valid() -> None:
     assert call(max_context=1, default_max_tokens=1).max_tokens == 1
-
-
-def test_check_fits() -> None:
-    check_fits(prompt_tokens=100, max_tokens=100, max_context=200)
-    with pytest.raises(InvalidRequest) as err:
-        check_fits(prompt_tokens=100, max_tokens=101, max_context=200)
-    assert str(err.value) == (
-        "prompt (100 tokens) + max_tokens (101) = 201 exceeds the model's context of 200 "
-        "tokens; lower max_tokens to at most 100"
-    )
-    with pytest.raises(InvalidRequest, match="shorter than the model's context"):
-        check_fits(prompt_tokens=200, max_tokens=1, max_context=200)
 
 
 def test_size_limits_default_to_what_could_fit_the_context() -> None:

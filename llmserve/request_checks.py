@@ -1,6 +1,6 @@
-"""The sampling settings beyond temperature, top-p and top-k, checked where a request enters:
-the gateway (for its clients) and the scheduler (a caller like any other). Token ids are checked
-against the vocabulary by the scheduler, which knows it."""
+"""Checks of a request where it enters: the gateway (for its clients) and the scheduler (a caller
+like any other) apply the same ones. Token ids are checked against the vocabulary by the
+scheduler, which knows it."""
 
 from __future__ import annotations
 
@@ -27,4 +27,14 @@ def sampling_problem(s: common_pb2.SamplingParams) -> str | None:
         return f"logprobs (top alternatives) must be at most {MAX_LOGPROBS}, got {s.logprobs}"
     if s.min_tokens > s.max_tokens:
         return f"min_tokens {s.min_tokens} is more than max_tokens {s.max_tokens}"
+    return None
+
+
+def context_problem(prompt_tokens: int, max_context: int) -> str | None:
+    """A prompt must leave room for one generated token within the model's context."""
+    if prompt_tokens >= max_context:
+        return (
+            f"prompt of {prompt_tokens} tokens leaves no room to generate within the model's "
+            f"context of {max_context} tokens; shorten the prompt"
+        )
     return None
