@@ -19,6 +19,15 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 
 
+async def check_health(channel: grpc.aio.Channel, service: str = "", timeout: float = 1.0):
+    """The client side, for every caller (the scheduler watching its workers, start-up waits,
+    container health checks): the serving status of `service` ("" = the whole server) on the
+    server behind `channel`. Raises grpc.aio.AioRpcError when it does not answer."""
+    request = health_pb2.HealthCheckRequest(service=service)
+    reply = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout)
+    return reply.status
+
+
 class HealthServicer(health_pb2_grpc.HealthServicer):
     def __init__(self) -> None:
         self.statuses: dict[str, Status] = {"": NOT_SERVING}

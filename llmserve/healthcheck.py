@@ -7,18 +7,22 @@ the reason on stderr otherwise.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llmserve.health import Status, check_health
 
 
 def check(target: str, service: str = "", timeout: float = 3.0) -> str:
     """The serving status's name (SERVING, NOT_SERVING, ...); raises grpc.RpcError."""
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    async def once() -> str:
+        async with grpc.aio.insecure_channel(target) as channel:
+            return Status.Name(await check_health(channel, service, timeout))
+
+    return asyncio.run(once())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from llmserve.auth import TokenInterceptor, token_interceptors
-from llmserve.health import HealthServicer
+from llmserve.health import SERVING, HealthServicer, check_health
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # On SIGTERM, in-flight calls get this long to finish (--drain-timeout): a request of the
@@ -147,11 +147,9 @@ async def wait_healthy(target: str, timeout: float, service: str = "") -> None:
     """Poll a server's health until SERVING; raise TimeoutError after `timeout` seconds."""
     deadline = asyncio.get_running_loop().time() + timeout
     async with grpc.aio.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                if await check_health(channel, service, timeout=1) == SERVING:
                     return
             except grpc.aio.AioRpcError:
                 pass

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.auth import token_metadata
+from llmserve.health import SERVING, check_health
 from llmserve.server import CHANNEL_OPTIONS
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.config import WorkerSpec
@@ -27,7 +27,6 @@ class WorkerClient:
         self.metadata = token_metadata(token)
         self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
         self.info: worker_pb2.WorkerInfo | None = None
         self.last_forward = 0.0  # seconds of the last step's forward pass
         self.forward_seconds = self.idle_seconds = 0.0
@@ -38,10 +37,9 @@ class WorkerClient:
     async def serving(self, timeout: float = 1.0) -> bool | None:
         """The worker's health: True SERVING, False NOT_SERVING (stopping), None unreachable."""
         try:
-            reply = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            return await check_health(self.channel, timeout=timeout) == SERVING
         except grpc.aio.AioRpcError:
             return None
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def describe(self, timeout: float = 5.0) -> worker_pb2.WorkerInfo:
         self.info = await self.stub.Describe(
