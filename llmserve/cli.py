@@ -151,15 +151,23 @@ def format_status(s: dict) -> str:
             f"context {w['max_context']:>6}  steps {w['steps']:>7}{state}\n"
             f"  {'':<10} capacity {w['capacity']:>7}  written {w['written']:>7}  "
             f"reserved-unwritten {w['reserved_unwritten']:>7}  free {w['free']:>7}  "
-            f"running {w['running']}" + (f"  stalls: {stalls}" if stalls else "") + "\n"
-            f"  {'':<10} prefix cache: cached blocks {w['cached_blocks']:>6}  evictable "
-            f"{w['evictable_blocks']:>6}  hit rate {hit_rate(w):>6}  evictions {w['evictions']}"
+            f"running {w['running']}"
+            + (f"  stalls: {stalls}" if stalls else "")
+            + (
+                f"\n  {'':<10} prefix cache: cached blocks {w['cached_blocks']:>6}  evictable "
+                f"{w['evictable_blocks']:>6}  hit rate {hit_rate(w):>6}  evictions "
+                f"{w['evictions']}"
+                if s["prefix_caching"]
+                else ""
+            )
         )
     stalls = ", ".join(f"{k} {v}" for k, v in sorted(s["stalls"].items())) or "none"
     refused = ", ".join(f"{k} {v}" for k, v in sorted(s["refused"].items())) or "none"
     lines += [
         f"prefix cache: hit rate {hit_rate(s)} ({s['hit_tokens']} of {s['prompt_tokens']} "
-        f"prompt tokens served from cache)  evictions {s['evictions']}",
+        f"prompt tokens served from cache)  evictions {s['evictions']}"
+        if s["prefix_caching"]
+        else "prefix cache: off",
         f"admission stalls by reason (steps): {stalls}",
         f"refused at submit: {refused}",
     ]

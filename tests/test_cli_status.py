@@ -42,5 +42,8 @@ def test_status_shows_the_prefix_cache_and_a_dash_for_the_hit_rate_before_any_pr
     cache = [line for line in text.splitlines() if "prefix cache: cached blocks" in line]
     assert "cached blocks     12  evictable      5  hit rate  25.0%  evictions 3" in cache[0]
     assert "hit rate      -" in cache[1]
-    off = format_status(status_dict(scheduler_pb2.StatusReply(policy="reserve")))
-    assert "prefix caching off" in off and "prefix cache: hit rate - (0 of 0" in off
+    off = scheduler_pb2.StatusReply(policy="reserve", prompt_tokens=6)
+    off.workers.add(name="worker0", healthy=True, prompt_tokens=6)
+    text = format_status(status_dict(off))
+    assert "prefix caching off" in text and "prefix cache: off" in text
+    assert "hit rate" not in text  # no 0% where nothing could hit
