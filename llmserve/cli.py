@@ -261,6 +261,10 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+# what `llmserve demo` and `llmserve bench` need beyond the services (requirements-bench.txt)
+BENCH_EXTRA = {"rich", "tqdm", "matplotlib", "transformers", "safetensors", "openai"}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
@@ -271,5 +275,14 @@ def main(argv: list[str] | None = None) -> None:
     except grpc.RpcError as err:
         after_text = "\n" if args.command == "generate" else ""  # ends a streamed line
         print(f"{after_text}error: {err.code().name}: {err.details()}", file=sys.stderr)
+        code = 1
+    except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] not in BENCH_EXTRA:
+            raise
+        print(
+            f"error: llmserve {args.command} needs the bench extra ({err.name} is missing): "
+            f"pip install 'llmserve[bench]'",
+            file=sys.stderr,
+        )
         code = 1
     sys.exit(code)
