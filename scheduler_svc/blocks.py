@@ -125,7 +125,7 @@ class BlockPool:
     def share(self, request_id: str, blocks: list[int]) -> None:
         """A new request's table starts with these cached blocks (a reference each)."""
         table = self.tables.setdefault(request_id, [])
-        assert not table, "a shared prefix starts the table"
+        assert not table  # a shared prefix starts the table
         refs, evictable = self.refs, self.evictable
         for block in blocks:
             if refs[block] == 0:
@@ -148,11 +148,9 @@ class BlockPool:
         self.fresh.add(block)
 
     def uncache(self, blocks: list[int]) -> None:
-        """These blocks' contents cannot be trusted (their step failed): forget them."""
+        """These cached blocks' contents cannot be trusted (their step failed): forget them."""
         for block in blocks:
-            key = self.key_of.pop(block, None)
-            if key is not None:
-                del self.cached[key]
-                if block in self.evictable:
-                    del self.evictable[block]
-                    self.free.append(block)
+            del self.cached[self.key_of.pop(block)]
+            if block in self.evictable:
+                del self.evictable[block]
+                self.free.append(block)

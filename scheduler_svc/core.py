@@ -379,34 +379,29 @@ class Scheduler:
         allow it now. Best = the most free KV positions plus positions found in its prefix
         cache: a cached position is one the request need not take from the pool nor compute,
         so a long cached history outweighs a little more free KV, while a short shared system
-        prompt does not pull every request onto one worker. Otherwise the best one and its
-        reason; (None, None, []) if no worker can hold it at all; (None, reason, []) if only
-        workers that are down could."""
+        prompt does not pull every request onto one worker. Otherwise the best one, its reason
+        and no blocks; (None, None, []) if no worker can hold it at all; (None, reason, []) if
+        only workers that are down could."""
         candidates = self._candidates(seq, live=True)
         if not candidates:
             down = self._candidates(seq, live=False)
             return None, (StallReason.KV_CAPACITY if down else None), []
-        hits = {ws.index: self._hit(ws, seq) for ws in candidates} if self.caching else None
+        hits = {ws.index: self._hit(ws, seq) for ws in candidates}
         if len(candidates) > 1:
-            if hits is None:
-                candidates.sort(key=lambda w: (-w.free_positions, w.index not in steps, w.index))
-            else:
-                candidates.sort(
-                    key=lambda w: (
-                        -w.free_positions - len(hits[w.index]) * w.spec.block_size,
-                        w.index not in steps,
-                        w.index,
-                    )
+            candidates.sort(
+                key=lambda w: (
+                    -w.free_positions - len(hits[w.index]) * w.spec.block_size,
+                    w.index not in steps,
+                    w.index,
                 )
+            )
         first: StallReason | None = None
         for ws in candidates:
-            hit = hits[ws.index] if hits is not None else []
-            reason = self._why_not(ws, seq, hit)
+            reason = self._why_not(ws, seq, hits[ws.index])
             if reason is None:
-                return ws, None, hit
+                return ws, None, hits[ws.index]
             first = first or reason
-        best = candidates[0]
-        return best, first, hits[best.index] if hits is not None else []
+        return candidates[0], first, []
 
     def _candidates(self, seq: Sequence, live: bool) -> list[WorkerState]:
         """Workers whose context and pool can ever hold `seq`; those that hold all of prompt +
@@ -435,8 +430,8 @@ class Scheduler:
             return StallReason.MAX_RUNNING
         bs = ws.spec.block_size
         start = len(hit) * bs
-        end = start + (self._chunk(seq, self._full_budget(), start) or seq.known - start)
-        now = blocks_for(end, bs) - len(hit) + (ws.pool.evictable_in(hit) if hit else 0)
+        end = start + self._chunk(seq, self._full_budget(), start)
+        now = blocks_for(end, bs) - len(hit) + ws.pool.evictable_in(hit)
         need = now
         if self.reserve:
             need = blocks_for(seq.max_length(ws.spec.max_context), bs)
@@ -452,6 +447,7 @@ class Scheduler:
         seq.handle, ws.next_handle = ws.next_handle, ws.next_handle + 1
         seq.stop_at = seq.max_length(ws.spec.max_context)
         seq.max_out = seq.stop_at - len(seq.prompt_ids)
+        seq.suspect = False  # what it computes from here is computed anew
         if hit:
             ws.pool.share(seq.request_id, hit)
             step.shares.append((seq.handle, hit))
@@ -475,10 +471,10 @@ class Scheduler:
     def _hit(self, ws: WorkerState, seq: Sequence) -> list[int]:
         """The cached blocks `seq` would start from on `ws`; at least its last known token is
         always computed, for the logits that sample the next one."""
+        if not ws.pool.cached:  # caching off, or nothing cached yet: no key to compute
+            return []
         bs = ws.spec.block_size
         upto = (seq.known - 1) // bs
-        if upto <= 0 or not ws.pool.cached:
-            return []
         return ws.pool.match(self._keys(seq, upto, bs)[:upto])
 
     @staticmethod
@@ -497,7 +493,7 @@ class Scheduler:
         full blocks among them, under its tokens' keys."""
         bs = ws.spec.block_size
         first, last = start // bs, end // bs
-        if last <= first:
+        if last <= first or seq.suspect:
             return
         keys = self._keys(seq, last, bs)
         pool = ws.pool
@@ -506,19 +502,25 @@ class Scheduler:
             pool.cache(table[i], keys[i])
 
     def _distrust(self, step: Step, handles: set[int]) -> None:
-        """These chunks of a step failed: the blocks they cached hold no trustworthy KV. Forget
-        them, and send any request that has already started from them back to the queue."""
-        if not self.caching or not handles:
+        """These chunks of a step failed: the KV they wrote, and what their requests computed
+        on top of it since (with overlap, later chunks were planned over it), is not to be
+        trusted. Their requests cache nothing more (a cancelled or preempted one included, its
+        handle changed since), the blocks cached under their keys from the failed chunk on
+        leave the cache, and any request that has already started from those blocks goes back
+        to the queue."""
+        if not self.caching:
             return
         ws = self.workers[step.worker]
         pool, bs = ws.pool, ws.spec.block_size
         bad: set[int] = set()
         for work in step.chunks:
-            table = pool.tables.get(work.seq.request_id)
-            if work.handle in handles and table is not None and work.seq.handle == work.handle:
-                end = min(blocks_for(work.start + work.num_tokens, bs), len(table))
-                bad.update(table[work.start // bs : end])
-        bad &= pool.key_of.keys()
+            seq = work.seq
+            if work.handle not in handles:
+                continue
+            seq.suspect = True
+            if seq.key_block_size == bs:
+                keys = seq.block_keys[work.start // bs :]
+                bad.update(b for b in map(pool.cached.get, keys) if b is not None)
         if not bad:
             return
         pool.uncache(list(bad))

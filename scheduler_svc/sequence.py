@@ -54,6 +54,7 @@ class Sequence:
     preemptions: int = 0
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full blocks
     key_block_size: int = 0  # the block size `block_keys` are for
+    suspect: bool = False  # a step computing its KV failed: cache none of it (until recomputed)
 
     def __post_init__(self) -> None:
         self.known = len(self.prompt_ids) + len(self.output_ids)

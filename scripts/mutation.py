@@ -5,8 +5,9 @@ in the work tree: it mutates only the group's modules and runs only the group's 
 of those, only the tests that call the mutated function). The report of every group, with the
 diff of each mutant that survived, goes to results/mutation/.
 
-    python scripts/mutation.py                 # every group
+    python scripts/mutation.py                 # every group (not the quick ones: `part_of`)
     python scripts/mutation.py core sampling   # some groups
+    python scripts/mutation.py prefix          # the prefix cache's part of core
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build" / "mutation"
 OUT = ROOT / "results" / "mutation"
 PACKAGES = ("gateway", "llmserve", "scheduler_svc", "worker_svc")
+DATA = ("docs",)  # read by tests (the metrics tables: tests/test_metrics_docs.py)
 KILLED = {"killed", "timeout", "caught by type check", "segfault"}
 GOAL = 90.0
 SCHEDULER_CRASHED = 70
@@ -41,7 +43,7 @@ class Group:
     modules: tuple[str, ...]  # what mutmut mutates
     tests: tuple[str, ...]  # the fast tests that pin those modules down
     functions: tuple[str, ...] = ()  # only these mutants (mutmut name globs); () = all
-    skip_lines: tuple[str, ...] = ()  # regexes of source lines left unmutated
+    part_of: str = ""  # a quick run over part of that group: only when named
 
 
 CORE_TESTS = (
@@ -55,11 +57,30 @@ CORE_TESTS = (
     "tests/test_step_checks.py",
     "tests/test_bench_core_cost.py",
     "tests/test_prefix_core.py",
+    "tests/test_prefix_rules.py",
 )
 GROUPS = {
     "core": Group(
         ("scheduler_svc/core.py", "scheduler_svc/blocks.py", "scheduler_svc/worker_state.py"),
         CORE_TESTS,
+    ),
+    # the prefix cache alone: a quick run after changing it
+    "prefix": Group(
+        ("scheduler_svc/blocks.py", "scheduler_svc/core.py", "scheduler_svc/worker_state.py"),
+        CORE_TESTS,
+        part_of="core",
+        functions=(
+            "scheduler_svc.blocks.*",
+            *(
+                f"scheduler_svc.core.xǁSchedulerǁ{name}__mutmut_*"
+                for name in (
+                    "_hit _keys _cache _distrust _place _why_not _start _reap _preempt _admit "
+                    "_chunk _plan_chunk plan_workers"
+                ).split()
+            ),
+            "scheduler_svc.worker_state.xǁWorkerStateǁreset_pool__mutmut_*",
+            "scheduler_svc.worker_state.xǁWorkerStateǁkv__mutmut_*",
+        ),
     ),
     "sampling": Group(
         ("worker_svc/sampling.py",), ("tests/test_sampling.py", "tests/test_sampling_processors.py")
@@ -71,10 +92,10 @@ GROUPS = {
     "validation": Group(("gateway/validation.py",), ("tests/test_validation.py",)),
     "auth": Group(("gateway/auth.py", "llmserve/auth.py"), ("tests/test_auth.py",)),
     # the label mapping: finish reasons and status codes (gateway), the families built from the
-    # core's snapshot (scheduler); help text alone on its line (prose for people) is not mutated
+    # core's snapshot (scheduler), with their help text (docs/observability.md quotes it)
     "metrics": Group(
         ("gateway/metrics.py", "scheduler_svc/metrics.py"),
-        ("tests/test_metrics.py",),
+        ("tests/test_metrics.py", "tests/test_metrics_docs.py"),
         functions=(
             "gateway.metrics.x_on_finish__mutmut_*",
             "gateway.metrics.x__code__mutmut_*",
@@ -85,19 +106,21 @@ GROUPS = {
             "scheduler_svc.metrics.x__workers__mutmut_*",
             "scheduler_svc.metrics.x__gauge__mutmut_*",
             "scheduler_svc.metrics.x__total__mutmut_*",
+            "scheduler_svc.metrics.x__prefix_cache__mutmut_*",
+            "scheduler_svc.metrics.x_families__mutmut_*",
         ),
-        skip_lines=(r'^\s*"[^"]*",?\s*$',),  # a string alone on its line: help text
     ),
 }
 
 
 def copy_tree(dest: Path) -> None:
-    """The packages (generated stubs and built kernels included), the tests and the config."""
+    """The packages (generated stubs and built kernels included), the tests, the files tests
+    read and the config."""
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in (*PACKAGES, "tests"):
+    for name in (*PACKAGES, "tests", *DATA):
         shutil.copytree(ROOT / name, dest / name, ignore=skip)
     shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
 
@@ -108,7 +131,7 @@ def group_config(group: Group) -> str:
     settings = base | {
         "only_mutate": list(group.modules),
         "pytest_add_cli_args_test_selection": list(group.tests),
-        "do_not_mutate_patterns": list(group.skip_lines),
+        "also_copy": list(DATA),  # into mutants/, where the tests run
     }
     lines = ["[tool.mutmut]"]
     lines += [f"{key} = {json.dumps(value)}" for key, value in settings.items()]
@@ -189,20 +212,20 @@ def report(results: list[dict]) -> str:
     lines = [
         "# Mutation report",
         "",
-        "| module | mutants | killed | score | not killed | group's run time |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| group | module | mutants | killed | score | not killed | group's run time |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         for module, m in r["modules"].items():
             lines.append(
-                f"| {module} | {m['mutants']} | {m['killed']} | {m['score']}% "
+                f"| {r['group']} | {module} | {m['mutants']} | {m['killed']} | {m['score']}% "
                 f"| {len(m['not_killed'])} | {r['seconds']} s |"
             )
     for r in results:
         for module, m in r["modules"].items():
             if not m["not_killed"]:
                 continue
-            lines += ["", f"## {module}", ""]
+            lines += ["", f"## {module} ({r['group']})", ""]
             for key, survivor in m["not_killed"].items():
                 lines += [f"### {key} ({survivor['status']})", "", "```diff", survivor["diff"]]
                 lines += ["```", ""]
@@ -211,14 +234,17 @@ def report(results: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("groups", nargs="*", help=f"of {', '.join(GROUPS)} (default: all)")
+    parts = ", ".join(f"{name} (part of {g.part_of})" for name, g in GROUPS.items() if g.part_of)
+    parser.add_argument(
+        "groups", nargs="*", help=f"of {', '.join(GROUPS)} (default: all but {parts})"
+    )
     parser.add_argument("--children", type=int, default=2, help="mutants tested at once")
     args = parser.parse_args()
     unknown = set(args.groups) - GROUPS.keys()
     if unknown:
         parser.error(f"unknown group {', '.join(sorted(unknown))}: choose from {', '.join(GROUPS)}")
     OUT.mkdir(parents=True, exist_ok=True)
-    for name in args.groups or list(GROUPS):
+    for name in args.groups or [name for name, group in GROUPS.items() if not group.part_of]:
         print(f"mutation: {name} ...", flush=True)
         result = run_group(name, GROUPS[name], args.children)
         (OUT / f"{name}.json").write_text(json.dumps(result, indent=1))

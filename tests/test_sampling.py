@@ -263,3 +263,14 @@ def test_unseeded_rows_with_min_p_or_shaped_logits_keep_them_in_a_mixed_batch(ro
     tokens = sample_tokens(logits.expand(len(rows), -1), rows, [0] * len(rows), fresh_generator())
     assert set(tokens[1::2]) == ({0} if row.min_p else {1, 2})
     assert set(tokens[0::2]) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("top_k", [VOCAB, VOCAB + 1])
+def test_top_k_of_the_whole_vocabulary_draws_what_top_k_off_draws(top_k) -> None:
+    """A seeded request gives the same tokens with top-k at or above the vocabulary as without."""
+    logits = random_logits(7)
+    for seed in range(20):
+        on, off = SamplingSettings(1.0, top_k=top_k, seed=seed), SamplingSettings(1.0, seed=seed)
+        assert sample_one(logits, on, torch.Generator().manual_seed(draw_seed(seed, 0))) == (
+            sample_one(logits, off, torch.Generator().manual_seed(draw_seed(seed, 0)))
+        )

@@ -135,10 +135,15 @@ def test_directory_without_tokenizer_json_is_refused(tmp_path) -> None:
 
 
 def test_up_gives_the_gateway_the_workers_model(tmp_path) -> None:
+    """A directory (or file) is given to the gateway too; a packaged model it learns from the
+    workers, so that nothing can disagree."""
     directory = qwen2_style(tmp_path / "model")
     (directory / "config.json").write_text("{}")
-    for model, source in ((str(directory), str(directory.resolve())), ("tiny", "tiny")):
-        commands = Stack(StackSettings(model=model), tmp_path).commands()
-        for name in ("gateway", "worker0"):
-            flags = commands[name]
-            assert flags[flags.index("--model") + 1] == source, name
+    commands = Stack(StackSettings(model=str(directory)), tmp_path).commands()
+    for name in ("gateway", "worker0"):
+        flags = commands[name]
+        assert flags[flags.index("--model") + 1] == str(directory.resolve()), name
+    commands = Stack(StackSettings(model="tiny"), tmp_path).commands()
+    assert "--model" not in commands["gateway"]
+    worker = commands["worker0"]
+    assert worker[worker.index("--model") + 1] == "tiny"

@@ -40,25 +40,16 @@ def sample_tokens(
 ) -> list[int]:
     """One token per row. A row's history is every token the request has processed (its prompt,
     then its sample_index generated tokens); only penalized rows need one."""
-    greedy_rows = [i for i, s in enumerate(settings) if s.greedy and not s.shapes_logits]
-    if len(greedy_rows) == len(settings):  # the common case: no row copy, one argmax
-        return logits.argmax(dim=-1).tolist()
-    out: list[int] = [0] * len(settings)
-    if greedy_rows:
-        chosen = logits[greedy_rows].argmax(dim=-1).tolist()
-        for row, token in zip(greedy_rows, chosen, strict=True):
-            out[row] = token
+    out = logits.argmax(dim=-1)  # [rows]: the greedy rows' tokens
     plain = [i for i, s in enumerate(settings) if _plain(s)]
     if plain:  # unseeded temperature-only rows: one batched draw
         temps = torch.tensor([settings[i].temperature for i in plain]).unsqueeze(1)  # [rows, 1]
         rows = logits[plain].float()
         probs = torch.softmax((rows - rows.max(dim=-1, keepdim=True).values) / temps, dim=-1)
-        chosen = torch.multinomial(probs, 1, generator=rng).squeeze(1).tolist()
-        for row, token in zip(plain, chosen, strict=True):
-            out[row] = token
-    done = set(greedy_rows) | set(plain)
+        out[plain] = torch.multinomial(probs, 1, generator=rng).squeeze(1)
+    drawn = set(plain)
     for row, s in enumerate(settings):
-        if row in done:
+        if row in drawn or (s.greedy and not s.shapes_logits):
             continue
         row_logits = logits[row]
         if s.shapes_logits:
@@ -68,7 +59,7 @@ def sample_tokens(
         if s.seed is not None and not s.greedy:
             gen = torch.Generator().manual_seed(draw_seed(s.seed, sample_indices[row]))
         out[row] = sample_one(row_logits, s, gen)
-    return out
+    return out.tolist()
 
 
 def _plain(s: SamplingSettings) -> bool:
@@ -77,10 +68,14 @@ def _plain(s: SamplingSettings) -> bool:
         not s.greedy
         and s.seed is None
         and s.top_k == 0
-        and not 0.0 < s.top_p < 1.0
+        and not _top_p_on(s)
         and s.min_p <= 0.0
         and not s.shapes_logits
     )
+
+
+def _top_p_on(s: SamplingSettings) -> bool:
+    return 0.0 < s.top_p < 1.0  # 1 (and 0: unset) mean off
 
 
 def shape_logits(
@@ -89,30 +84,23 @@ def shape_logits(
     """logits: [vocab]. logit_bias, the min_tokens mask and the penalties, in vLLM's order;
     history: prompt + generated tokens, the last sample_index of them generated."""
     logits = logits.float().clone()
-    vocab = logits.shape[0]
     if s.logit_bias:
-        ids = torch.tensor(list(s.logit_bias), dtype=torch.long)
-        logits[ids] += torch.tensor(list(s.logit_bias.values()), dtype=logits.dtype)
+        logits[list(s.logit_bias)] += torch.tensor(list(s.logit_bias.values()))
     if sample_index < s.min_tokens and s.stop_token_ids:
-        logits[torch.tensor(s.stop_token_ids, dtype=torch.long)] = -math.inf
+        logits[list(s.stop_token_ids)] = -math.inf
     if s.penalized and history:
-        seen = torch.tensor(history, dtype=torch.long)  # [tokens]
+        seen = torch.tensor(history)  # [tokens]
         if s.repetition_penalty != 1.0:
-            hit = torch.zeros(vocab, dtype=torch.bool)
-            hit[seen] = True
-            rp = s.repetition_penalty
-            logits = torch.where(hit, torch.where(logits > 0, logits / rp, logits * rp), logits)
-        generated = seen[len(history) - sample_index :] if sample_index else seen[:0]
-        counts = torch.bincount(generated, minlength=vocab).to(logits.dtype)  # [vocab]
-        logits -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0).to(logits.dtype)
+            rp, old = s.repetition_penalty, logits[seen]
+            logits[seen] = torch.where(old > 0, old / rp, old * rp)
+        counts = torch.bincount(seen[len(history) - sample_index :], minlength=logits.shape[0])
+        logits -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0)  # [vocab]
     return logits
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
     """logits: [vocab], raw. The sampled token's log-softmax and the `top` most likely."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    if top <= 0:
-        return TokenLogprobs(float(logp[token]))
     values, ids = logp.topk(min(top, logp.shape[0]))
     return TokenLogprobs(float(logp[token]), tuple(ids.tolist()), tuple(values.tolist()))
 
@@ -125,18 +113,17 @@ def sample_one(logits: torch.Tensor, s: SamplingSettings, gen: torch.Generator) 
     scaled = (logits - logits.max()) / s.temperature  # [vocab]; <= 0, finite for tiny T
     if s.min_p > 0.0:  # keep p >= min_p * p_max, that is scaled >= log(min_p)
         scaled = scaled.masked_fill(scaled < math.log(s.min_p), -math.inf)
-    vocab = scaled.shape[0]
-    top_p = s.top_p if 0.0 < s.top_p < 1.0 else 1.0
+    nucleus = _top_p_on(s)
     ids: torch.Tensor | None = None
-    if 0 < s.top_k < vocab:
+    if 0 < s.top_k < scaled.shape[0]:
         scaled, ids = scaled.topk(s.top_k)  # sorted, descending
-    elif top_p < 1.0:
+    elif nucleus:
         scaled, ids = scaled.sort(descending=True)
     probs = torch.softmax(scaled, dim=-1)
-    if top_p < 1.0:
+    if nucleus:
         # keep the smallest prefix whose mass reaches top_p (the top token always stays)
         before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(before >= top_p, 0.0)
+        probs = probs.masked_fill(before >= s.top_p, 0.0)
         probs[0] = probs[0].clamp_min(1e-30)
     choice = int(torch.multinomial(probs, 1, generator=gen))
     return choice if ids is None else int(ids[choice])
