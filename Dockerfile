@@ -26,7 +26,7 @@ RUN mkdir -p llmserve/v1 \
         protos/llmserve/v1/*.proto \
     && touch llmserve/v1/__init__.py \
     && pip install --no-deps -e . \
-    && python -c "from llmserve.model_files import default_gguf_path; print(default_gguf_path())"
+    && python -c "from llmserve.runtime.model_files import default_gguf_path; print(default_gguf_path())"
 # the worker's fused CPU kernels: built once here for x86-64 CPUs with AVX2 (x86-64-v3); on an
 # older CPU the worker sees the missing features and runs its torch path. gcc is removed again
 # afterwards.

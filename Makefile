@@ -85,9 +85,10 @@ up: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 bench-worker: setup
-	$(PYTHON) -m worker_svc.bench
+	$(PYTHON) -m llmserve.bench.worker_forward
 
 # Short benchmarks (< 5 min): policies + transformers baselines, a trace slice, a simulated slice.
 # Long versions and the last figures: docs/benchmarks.md.

@@ -26,9 +26,9 @@ from gateway.served_model import (
 from gateway.service import GatewayService
 from gateway.settings import ENV_PREFIX, GatewaySettings
 from gateway.tokenizer_files import load_tokenizer
-from llmserve.auth import internal_token
-from llmserve.flags import add_flags, from_args
-from llmserve.server import Server, die_with_parent, internal_channel, setup_logging
+from llmserve.runtime.auth import internal_token
+from llmserve.runtime.flags import add_flags, from_args
+from llmserve.runtime.server import Server, die_with_parent, internal_channel, setup_logging
 from llmserve.v1 import (
     gateway_pb2,
     gateway_pb2_grpc,

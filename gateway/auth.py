@@ -6,7 +6,7 @@ Health checks and reflection stay open so that probes work without the key.
 
 from __future__ import annotations
 
-from llmserve.auth import Metadata, TokenInterceptor
+from llmserve.runtime.auth import Metadata, TokenInterceptor
 
 PROTECTED_SERVICE = "llmserve.v1.Gateway"
 API_KEY_REFUSAL = "missing or wrong API key: send `authorization: Bearer KEY`"

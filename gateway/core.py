@@ -28,8 +28,8 @@ from gateway.tokenizer import Tokenizer
 from gateway.trim import trim_after
 from gateway.usage import Tally
 from gateway.validation import InputLimits, ValidatedParams, validate
-from llmserve.protocol import ACCEPTED_KEY
-from llmserve.request_checks import context_problem, sampling_problem
+from llmserve.runtime.protocol import ACCEPTED_KEY
+from llmserve.runtime.request_checks import context_problem, sampling_problem
 from llmserve.v1 import common_pb2, scheduler_pb2
 
 log = logging.getLogger("gateway")

@@ -24,7 +24,7 @@ from prometheus_client import (
     Histogram,
 )
 
-from llmserve.metrics_http import serve_metrics
+from llmserve.runtime.metrics_http import serve_metrics
 from llmserve.v1 import common_pb2
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gateway.choices import U64_MAX, choice_inputs, choices_problem
 from gateway.core import GenerateInput
 from gateway.http_errors import ApiError
-from llmserve.request_checks import MAX_LOGPROBS
+from llmserve.runtime.request_checks import MAX_LOGPROBS
 
 U32_MAX = 2**32 - 1
 TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union members
@@ -89,7 +89,7 @@ class Sampling(Body):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # an extension, as in vLLM
 
-    # ranges are checked with the gRPC API's (llmserve/request_checks.py)
+    # ranges are checked with the gRPC API's (llmserve/runtime/request_checks.py)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # an extension, as in vLLM

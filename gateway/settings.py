@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from llmserve.auth import INTERNAL_TOKEN_HELP, read_secret_file
-from llmserve.flags import setting
+from llmserve.runtime.auth import INTERNAL_TOKEN_HELP, read_secret_file
+from llmserve.runtime.flags import setting
 
 ENV_PREFIX = "LLMSERVE_GATEWAY_"  # $LLMSERVE_GATEWAY_HTTP_PORT=8000 = --http-port 8000
 

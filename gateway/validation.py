@@ -11,8 +11,8 @@ Decisions:
   MAY be empty (an empty system or assistant turn is legitimate and renders fine).
 * `max_tokens` unset -> `min(default_max_tokens, max_context)`; set -> 1..max_context. The
   prompt's length is known only after tokenizing: it must leave room for one token
-  (`llmserve.request_checks.context_problem`, the scheduler's check too); generation stops at
-  the context (finish reason length).
+  (`llmserve.runtime.request_checks.context_problem`, the scheduler's check too); generation
+  stops at the context (finish reason length).
 * temperature: finite and >= 0 (0 means greedy); top_p in (0, 1]; top_k >= 0 (0 = disabled).
   A temperature below MIN_TEMPERATURE counts as 0, as in vLLM: it is greedy in effect, and logits
   divided by a subnormal temperature overflow to inf, which made the worker's sampling fail for

@@ -15,8 +15,8 @@ from typing import Any
 
 import grpc
 
-from llmserve.auth import token_metadata
-from llmserve.server import CHANNEL_OPTIONS
+from llmserve.runtime.auth import token_metadata
+from llmserve.runtime.server import CHANNEL_OPTIONS
 from llmserve.v1 import (
     common_pb2,
     gateway_pb2,

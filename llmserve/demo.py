@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.table import Table
 
 from llmserve import client
-from llmserve.cli import REASONS, format_status
 from llmserve.client import status_dict
 from llmserve.stack import Stack, StackSettings
+from llmserve.status_text import REASONS, format_status
 
 console = Console(highlight=False, width=None if Console().is_terminal else 120)
 QUESTIONS = [

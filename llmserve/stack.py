@@ -15,8 +15,8 @@ from typing import Literal
 
 from gateway.served_model import PACKAGED
 from gateway.settings import GatewaySettings
-from llmserve.flags import help_of, setting, to_flags
-from llmserve.server import PARENT_PID_VAR, wait_healthy
+from llmserve.runtime.flags import help_of, setting, to_flags
+from llmserve.runtime.server import PARENT_PID_VAR, wait_healthy
 from scheduler_svc.config import CoreConfig
 from scheduler_svc.settings import SchedulerSettings
 from worker_svc.settings import WorkerSettings

@@ -8,9 +8,9 @@ import dataclasses
 
 import grpc
 
-from llmserve.auth import internal_token
-from llmserve.flags import add_flags, from_args
-from llmserve.server import Server, die_with_parent, setup_logging
+from llmserve.runtime.auth import internal_token
+from llmserve.runtime.flags import add_flags, from_args
+from llmserve.runtime.server import Server, die_with_parent, setup_logging
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.service import SchedulerService

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from llmserve.flags import setting
+from llmserve.runtime.flags import setting
 
 
 class KvPolicy(StrEnum):

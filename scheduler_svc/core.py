@@ -24,7 +24,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
-from llmserve.request_checks import context_problem
+from llmserve.runtime.request_checks import context_problem
 from scheduler_svc.blocks import block_keys, blocks_for
 from scheduler_svc.config import (
     BatchMode,

@@ -19,7 +19,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from llmserve.metrics_http import serve_metrics
+from llmserve.runtime.metrics_http import serve_metrics
 from scheduler_svc.config import RefusalReason, StallReason
 from scheduler_svc.core import Scheduler
 from scheduler_svc.output import Snapshot

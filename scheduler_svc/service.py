@@ -13,7 +13,7 @@ import uuid
 
 import grpc
 
-from llmserve.protocol import ACCEPTED_KEY
+from llmserve.runtime.protocol import ACCEPTED_KEY
 from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from scheduler_svc.config import RefusalReason
 from scheduler_svc.core import Scheduler

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from llmserve.auth import INTERNAL_TOKEN_HELP
-from llmserve.flags import setting
+from llmserve.runtime.auth import INTERNAL_TOKEN_HELP
+from llmserve.runtime.flags import setting
 from scheduler_svc.config import CoreConfig
 
 ENV_PREFIX = "LLMSERVE_SCHEDULER_"  # $LLMSERVE_SCHEDULER_TOKEN_BUDGET=512 = --token-budget 512

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from llmserve.request_checks import sampling_problem
+from llmserve.runtime.request_checks import sampling_problem
 from llmserve.v1 import common_pb2
 
 

@@ -6,9 +6,9 @@ import asyncio
 
 import grpc
 
-from llmserve.auth import token_metadata
-from llmserve.health import SERVING, check_health
-from llmserve.server import CHANNEL_OPTIONS
+from llmserve.runtime.auth import token_metadata
+from llmserve.runtime.health import SERVING, check_health
+from llmserve.runtime.server import CHANNEL_OPTIONS
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.config import WorkerSpec
 

@@ -3,7 +3,7 @@
 1. logits of the served model against transformers on the device (fp32: prefill + decodes);
 2. the Triton paged-attention kernels natively against the torch reference (their test file);
 3. forward timings at decode batch 1/32/256 and prefill 2,048 against transformers on the same
-   device (worker_svc.bench);
+   device (llmserve.bench.worker_forward);
 4. the served stack's output tokens/s at 1, 32 and 256 concurrent streams.
 
 It prints every figure; nothing is made up when a part cannot run (it says why). On a CPU,
@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from llmserve import client  # noqa: E402
+from llmserve.bench.hf_reference import hf_model  # noqa: E402
 from llmserve.ports import free_ports, free_run  # noqa: E402
 from llmserve.stack import Stack, StackSettings  # noqa: E402
-from worker_svc.hf_reference import hf_model  # noqa: E402
 from worker_svc.loader import load_model  # noqa: E402
 from worker_svc.runner import ModelRunner  # noqa: E402
 from worker_svc.work import WorkItem  # noqa: E402
@@ -79,7 +79,8 @@ def check_kernels(device: str) -> bool:
 def time_forward(model: str, device: str, quick: bool) -> None:
     batches, prefill, context = ("1,4", "64", "64") if quick else ("1,32,256", "2048", "512")
     subprocess.run(
-        [sys.executable, "-m", "worker_svc.bench", "--source", model, "--device", device,
+        [sys.executable, "-m", "llmserve.bench.worker_forward", "--source", model,
+         "--device", device,
          "--batches", batches, "--prefill", prefill, "--context", context,
          "--reps", "3" if quick else "10", "--theirs-attn", "sdpa"],
         cwd=ROOT, check=True,

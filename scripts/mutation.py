@@ -90,7 +90,7 @@ GROUPS = {
         ("tests/test_stops.py", "tests/test_detokenizer.py"),
     ),
     "validation": Group(("gateway/validation.py",), ("tests/test_validation.py",)),
-    "auth": Group(("gateway/auth.py", "llmserve/auth.py"), ("tests/test_auth.py",)),
+    "auth": Group(("gateway/auth.py", "llmserve/runtime/auth.py"), ("tests/test_auth.py",)),
     # the label mapping: finish reasons and status codes (gateway), the families built from the
     # core's snapshot (scheduler), with their help text (docs/observability.md quotes it)
     "metrics": Group(

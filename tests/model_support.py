@@ -47,7 +47,7 @@ def model(source: str, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig,
 
 @functools.cache
 def hf(source: str, dtype: torch.dtype = torch.float32):
-    from worker_svc.hf_reference import hf_model
+    from llmserve.bench.hf_reference import hf_model
 
     config, weights = model(source, dtype)
     return hf_model(config, weights, dtype)
@@ -57,7 +57,7 @@ def hf(source: str, dtype: torch.dtype = torch.float32):
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from llmserve.model_files import default_gguf_path
+    from llmserve.runtime.model_files import default_gguf_path
 
     path = default_gguf_path()
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from llmserve.cli import format_status
 from llmserve.client import status_dict
+from llmserve.status_text import format_status
 from llmserve.v1 import scheduler_pb2
 
 

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from llmserve import AsyncClient, Client
-from llmserve.model_files import display_name
+from llmserve.runtime.model_files import display_name
 from tests.stacks import running_stack, tiny_settings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmserve import client
-from llmserve.server import CHANNEL_OPTIONS
+from llmserve.runtime.server import CHANNEL_OPTIONS
 from llmserve.v1 import gateway_pb2_grpc
 from tests.model_support import model, one_torch_thread, prompt_ids, run_alone  # noqa: F401
 from tests.stacks import running_stack, tiny_settings

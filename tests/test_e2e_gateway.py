@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from llmserve import client
-from llmserve.server import CHANNEL_OPTIONS
+from llmserve.runtime.server import CHANNEL_OPTIONS
 from llmserve.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.stacks import running_stack, tiny_settings
 

@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve import client
-from llmserve.server import CHANNEL_OPTIONS
+from llmserve.runtime.server import CHANNEL_OPTIONS
 from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.stack_checks import (
     generate,

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from llmserve import client
-from llmserve.server import CHANNEL_OPTIONS
+from llmserve.runtime.server import CHANNEL_OPTIONS
 from llmserve.v1 import common_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.stack_checks import (
     generate,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from llmserve.cli import REASONS
+from llmserve.status_text import REASONS
 from scheduler_svc.config import RefusalReason, StallReason
 from scheduler_svc.service import REFUSED_CODE
 

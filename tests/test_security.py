@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from llmserve import client
-from llmserve.server import wait_healthy
+from llmserve.runtime.server import wait_healthy
 from tests.stacks import free_port, running_stack, tiny_settings
 
 

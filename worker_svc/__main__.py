@@ -10,9 +10,9 @@ import time
 import grpc
 import torch
 
-from llmserve.auth import internal_token
-from llmserve.flags import add_flags, from_args
-from llmserve.server import Server, die_with_parent, internal_channel, setup_logging
+from llmserve.runtime.auth import internal_token
+from llmserve.runtime.flags import add_flags, from_args
+from llmserve.runtime.server import Server, die_with_parent, internal_channel, setup_logging
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_svc.device import resolve_device
 from worker_svc.loader import load_model

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmserve.model_files import display_name
+from llmserve.runtime.model_files import display_name
 from worker_svc.hf_dir import load_hf_dir
 from worker_svc.model_config import ModelConfig, tiny_config
 from worker_svc.weights import LayerWeights, Weights, fuse_layer
@@ -20,7 +20,7 @@ def load_model(source: str, dtype: torch.dtype = torch.bfloat16) -> tuple[ModelC
     if source == "tiny":
         return tiny_model(dtype)
     if source == "smollm2":
-        from llmserve.model_files import default_gguf_path
+        from llmserve.runtime.model_files import default_gguf_path
 
         return load_gguf(default_gguf_path(), dtype)
     path = Path(source).expanduser()

@@ -13,7 +13,7 @@ from prometheus_client import (
     Histogram,
 )
 
-from llmserve.metrics_http import serve_metrics
+from llmserve.runtime.metrics_http import serve_metrics
 from llmserve.v1 import worker_pb2
 from worker_svc.work import BatchShape
 

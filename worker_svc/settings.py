@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from llmserve.auth import INTERNAL_TOKEN_HELP
-from llmserve.flags import setting
+from llmserve.runtime.auth import INTERNAL_TOKEN_HELP
+from llmserve.runtime.flags import setting
 
 ENV_PREFIX = "LLMSERVE_WORKER_"  # $LLMSERVE_WORKER_DEVICE=cuda:1 = --device cuda:1
 

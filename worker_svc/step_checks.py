@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from llmserve.request_checks import MAX_LOGPROBS
+from llmserve.runtime.request_checks import MAX_LOGPROBS
 from llmserve.v1 import worker_pb2
 from worker_svc.work import WorkItem
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import grpc
 
-from llmserve.auth import internal_token
 from llmserve.bench.records import StatusSample
-from llmserve.server import internal_channel
+from llmserve.runtime.auth import internal_token
+from llmserve.runtime.server import internal_channel
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.output import Snapshot
 

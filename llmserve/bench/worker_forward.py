@@ -1,6 +1,6 @@
 """Ours vs transformers on the same weights and dtype: decode steps and a prompt prefill.
 
-python -m worker_svc.bench [--source smollm2] [--dtype bf16] [--reps 10] [--threads 2]
+python -m llmserve.bench.worker_forward [--source smollm2] [--dtype bf16] [--reps 10] [--threads 2]
 
 transformers runs with each attention implementation named in --theirs-attn (sdpa and eager by
 default); "theirs" is the faster of them in each case, so the baseline is the best transformers
@@ -89,7 +89,7 @@ class Theirs:
         attn: str = "sdpa",
         device: str = "cpu",
     ) -> None:
-        from worker_svc.hf_reference import hf_model
+        from llmserve.bench.hf_reference import hf_model
 
         self.config = config
         self.dtype = dtype

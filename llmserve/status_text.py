@@ -1,0 +1,63 @@
+"""`llmserve status` as text: the snapshot a person reads (the CLI and the demo print it)."""
+
+from __future__ import annotations
+
+from scheduler_svc.config import StallReason
+
+REASONS = {r.value: r.description for r in StallReason}
+
+
+def format_status(s: dict) -> str:
+    head = s["head_wait_reason"]
+    lines = [
+        f"model {s['model']}  policy {s['policy']}  mode {s['mode']}  budget {s['token_budget']}"
+        f"  max running {s['max_running']}  block size {s['block_size']}"
+        f"  chunked prefill {'on' if s['chunked_prefill'] else 'off'}"
+        f"  overlap {'on' if s['overlap'] else 'off'}"
+        f"  prefix caching {'on' if s['prefix_caching'] else 'off'}",
+        f"steps {s['steps']}  admitted {s['admitted']}  finished {s['finished']}"
+        f"  preemptions {s['preemptions']}",
+        f"waiting {s['waiting']} ({s['waiting_tokens']} tokens, oldest {s['oldest_wait_s']:.2f} s)"
+        f"  running {s['running']}",
+        f"head of queue waits: {head} ({REASONS.get(head, '')})"
+        if head
+        else "head of queue waits: nothing waits",
+        f"workers ({len(s['workers'])}), KV in positions:",
+    ]
+    for w in s["workers"]:
+        state = "" if w["healthy"] else "  UNHEALTHY"
+        state += "  DRAINING" if w["draining"] else ""
+        stalls = ", ".join(f"{k} {v}" for k, v in sorted(w["stalls"].items()))
+        lines.append(
+            f"  {w['name']:<10} {w['address']:<21} block {w['block_size']:>3}  "
+            f"context {w['max_context']:>6}  steps {w['steps']:>7}{state}\n"
+            f"  {'':<10} capacity {w['capacity']:>7}  written {w['written']:>7}  "
+            f"reserved-unwritten {w['reserved_unwritten']:>7}  free {w['free']:>7}  "
+            f"running {w['running']}"
+            + (f"  stalls: {stalls}" if stalls else "")
+            + (
+                f"\n  {'':<10} prefix cache: cached blocks {w['cached_blocks']:>6}  evictable "
+                f"{w['evictable_blocks']:>6}  hit rate {hit_rate(w):>6}  evictions "
+                f"{w['evictions']}"
+                if s["prefix_caching"]
+                else ""
+            )
+        )
+    stalls = ", ".join(f"{k} {v}" for k, v in sorted(s["stalls"].items())) or "none"
+    refused = ", ".join(f"{k} {v}" for k, v in sorted(s["refused"].items())) or "none"
+    lines += [
+        f"prefix cache: hit rate {hit_rate(s)} ({s['hit_tokens']} of {s['prompt_tokens']} "
+        f"prompt tokens served from cache)  evictions {s['evictions']}"
+        if s["prefix_caching"]
+        else "prefix cache: off",
+        f"admission stalls by reason (steps): {stalls}",
+        f"refused at submit: {refused}",
+    ]
+    return "\n".join(lines)
+
+
+def hit_rate(figures: dict) -> str:
+    """Prompt tokens served from the prefix cache / prompt tokens; "-" before any."""
+    if not figures["prompt_tokens"]:
+        return "-"
+    return f"{100 * figures['hit_tokens'] / figures['prompt_tokens']:.1f}%"
