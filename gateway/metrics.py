@@ -24,7 +24,7 @@ from prometheus_client import (
     Histogram,
 )
 
-from llmserve.runtime.metrics_http import serve_metrics
+from llmserve.runtime.metrics_http import LATENCY_BUCKETS, TOKEN_GAP_BUCKETS, serve_metrics
 from llmserve.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -36,8 +36,6 @@ UNCOUNTED = {"Status"}  # a status poll is not a request: it stays out of the re
 METHODS = ("Generate", "GenerateUnary")
 HTTP_CHAT, HTTP_COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 HTTP_METHODS = (HTTP_CHAT, HTTP_COMPLETIONS)
-LATENCY_BUCKETS = (5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-TOKEN_GAP_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5)
 FINISH_LABELS = {
     common_pb2.FINISH_REASON_UNSPECIFIED: "none",  # refused by the scheduler, or failed
     common_pb2.FINISH_REASON_STOP: "stop",

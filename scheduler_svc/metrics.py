@@ -19,7 +19,12 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from llmserve.runtime.metrics_http import serve_metrics
+from llmserve.runtime.metrics_http import (
+    REQUEST_COUNT_BUCKETS,
+    STEP_SECONDS_BUCKETS,
+    TOKEN_COUNT_BUCKETS,
+    serve_metrics,
+)
 from scheduler_svc.config import RefusalReason, StallReason
 from scheduler_svc.core import Scheduler
 from scheduler_svc.output import Snapshot
@@ -30,9 +35,6 @@ if TYPE_CHECKING:
 
 PREFIX = "llmserve_scheduler_"
 KV_STATES = ("written", "reserved_unwritten", "free")
-REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-SECONDS_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 class SchedulerMetrics:
@@ -43,20 +45,20 @@ class SchedulerMetrics:
             "llmserve_scheduler_batch_requests",
             "Requests in one execution on a worker",
             ["worker"],
-            buckets=REQUEST_BUCKETS,
+            buckets=REQUEST_COUNT_BUCKETS,
             registry=registry,
         )
         self.batch_tokens = Histogram(
             "llmserve_scheduler_batch_tokens",
             "Tokens processed in one execution on a worker (at most the token budget)",
             ["worker"],
-            buckets=TOKEN_BUCKETS,
+            buckets=TOKEN_COUNT_BUCKETS,
             registry=registry,
         )
         self.execution = Histogram(
             "llmserve_scheduler_execution_duration_seconds",
             "One execution's forward pass on a worker, as the worker reports it",
-            buckets=SECONDS_BUCKETS,
+            buckets=STEP_SECONDS_BUCKETS,
             registry=registry,
         )
 

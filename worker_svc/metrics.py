@@ -13,7 +13,7 @@ from prometheus_client import (
     Histogram,
 )
 
-from llmserve.runtime.metrics_http import serve_metrics
+from llmserve.runtime.metrics_http import STEP_SECONDS_BUCKETS, TOKEN_COUNT_BUCKETS, serve_metrics
 from llmserve.v1 import worker_pb2
 from worker_svc.work import BatchShape
 
@@ -21,8 +21,6 @@ if TYPE_CHECKING:
     from worker_svc.service import WorkerService
 
 PHASES = ("prefill", "decode", "mixed")
-TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-SECONDS_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 class WorkerMetrics:
@@ -34,13 +32,13 @@ class WorkerMetrics:
         self.forward = Histogram(
             "llmserve_worker_forward_duration_seconds",
             "One execution's forward pass, by phase",
-            buckets=SECONDS_BUCKETS,
+            buckets=STEP_SECONDS_BUCKETS,
             **by_phase,
         )
         self.tokens = Histogram(
             "llmserve_worker_batch_tokens",
             "Tokens processed in one execution, by phase",
-            buckets=TOKEN_BUCKETS,
+            buckets=TOKEN_COUNT_BUCKETS,
             **by_phase,
         )
         for phase in PHASES:

@@ -1,5 +1,6 @@
 """Each service's metrics endpoint: its registry plus the standard `process_*` metrics, served
-on `/metrics` only (prometheus_client's own server answers every path)."""
+on `/metrics` only (prometheus_client's own server answers every path); and the histogram buckets
+the services share."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ from prometheus_client import (
     disable_created_metrics,
     make_wsgi_app,
 )
+
+# Histogram buckets, one definition for the three services (seconds, or counts)
+STEP_SECONDS_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+TOKEN_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+REQUEST_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+LATENCY_BUCKETS = (5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TOKEN_GAP_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 METRICS_PATH = "/metrics"
 
