@@ -232,9 +232,11 @@ class _Collect:
         )
 
 
-class Client:
-    """The gateway's API, blocking. Sampling keywords are make_request's (max_tokens,
-    temperature, seed, top_p, top_k, stop, ignore_eos); `timeout` is each call's deadline (s)."""
+class _Connection:
+    """What both clients hold: a channel to the gateway, its stub, the API key's metadata and
+    each call's deadline (s)."""
+
+    AIO = False
 
     def __init__(
         self,
@@ -244,10 +246,15 @@ class Client:
         tls_ca: str = "",
         timeout: float | None = None,
     ) -> None:
-        self._channel = channel(target, tls_ca)
+        self._channel = channel(target, tls_ca, aio=self.AIO)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         self._metadata = _key_metadata(api_key)
         self.timeout = timeout
+
+
+class Client(_Connection):
+    """The gateway's API, blocking. Sampling keywords are make_request's (max_tokens,
+    temperature, seed, top_p, top_k, stop, ignore_eos); `timeout` is each call's deadline (s)."""
 
     def generate(
         self,
@@ -291,22 +298,11 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_Connection):
     """Client's API for asyncio: `await generate(...)`, `async for text in stream(...)`,
     `await status()`; `async with AsyncClient(...) as llm:` closes its channel."""
 
-    def __init__(
-        self,
-        target: str = "127.0.0.1:50051",
-        *,
-        api_key: str = "",
-        tls_ca: str = "",
-        timeout: float | None = None,
-    ) -> None:
-        self._channel = channel(target, tls_ca, aio=True)
-        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
-        self._metadata = _key_metadata(api_key)
-        self.timeout = timeout
+    AIO = True
 
     async def generate(self, prompt: str | None = None, **request: Any) -> Completion:
         collect = _Collect()
