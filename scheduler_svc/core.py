@@ -180,6 +180,8 @@ class Scheduler:
         self._admit(steps)
         for index, step in steps.items():
             ws = self.workers[index]
+            if self.static and step.has_work:  # the batch has started: nothing joins it now
+                ws.closed = True
             step.released, ws.released = ws.released, []
             if step.has_work:  # an execution; release-only and empty steps are not
                 ws.steps += 1
@@ -190,7 +192,6 @@ class Scheduler:
         """Record what an execution sampled: `tokens` in the step's order (sampling chunks,
         then decodes). A request preempted, moved or finished since the step was planned has
         another handle (or none): its token is dropped, never emitted."""
-        ws = self.workers[step.worker]
         i = 0
         for work in step.chunks:
             if work.sample:
@@ -214,18 +215,12 @@ class Scheduler:
                 self._finish(seq, Finish.STOP)
             elif len(out) >= seq.max_out:
                 self._finish(seq, Finish.LENGTH)
-        self._closed(ws, tokens or i)
 
     def _drop(self, emitted: StepTokens, seq: Sequence) -> None:
         self.generated -= 1
         if emitted.dropped is None:
             emitted.dropped = set()
         emitted.dropped.add(seq)
-
-    @staticmethod
-    def _closed(ws: WorkerState, sampled: object) -> None:
-        if sampled:  # static mode: the batch has produced a token
-            ws.closed = True
 
     def fail_items(self, step: Step, failed: dict[int, str], where: str) -> None:
         """The worker could not run these requests (by handle): each fails alone, the rest of

@@ -23,7 +23,7 @@ class WorkerState:
         self.healthy = True
         self.draining = False  # stopping: finishes what it runs, takes nothing new
         self.gone = False  # left the stack; its index stays taken
-        self.closed = False  # static mode: a member of the batch has produced a token
+        self.closed = False  # static mode: the batch has started (a step planned for it)
         self.steps = 0
         self.stalls: Counter[str] = Counter()
         self.prompt_tokens = 0  # tokens needing KV at admissions here

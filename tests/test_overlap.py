@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, WorkerSpec
+from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, StallReason, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.sequence import Finish
 from tests.inproc import run_all
@@ -107,3 +107,26 @@ def test_same_outputs_with_and_without_overlap_preemptions_included(policy, mode
             assert core.preemptions > 0
     assert all(r == results[0] for r in results)
     assert all(finish is Finish.LENGTH for finish, _ in results[0].values())
+
+
+def test_overlap_static_nothing_joins_a_batch_planned_before_its_first_token() -> None:
+    """Static batching adds no request to a batch once it has started. A and B start together,
+    the running limit leaves room; C arrives; step 2 is planned before step 1 (the batch's
+    first tokens) has completed: C still waits, until A and B have both left."""
+    core = make(capacity=100, max_running=4, mode=BatchMode.STATIC)
+    core.add(seq("A", 3, max_tokens=2))
+    core.add(seq("B", 3, max_tokens=4))
+    driver = Overlapped(core)
+    assert driver.step().ran() == {"A": 3, "B": 3}
+    core.add(seq("C", 3, max_tokens=2))
+    c = core.seqs["C"]
+    for _ in range(20):
+        ran = driver.step().ran()
+        check_invariants(core)
+        if "C" in ran:
+            break
+        assert c.worker is None and core.head_reason is StallReason.STATIC_BATCH
+    else:
+        raise AssertionError("C never ran")
+    assert ran == {"C": 3}  # the batch of A and B had drained
+    assert all(s.is_finished for s in (core.seqs.get("A"), core.seqs.get("B")) if s)
