@@ -14,6 +14,7 @@ Decisions:
   (`llmserve.runtime.request_checks.context_problem`, the scheduler's check too); generation
   stops at the context (finish reason length).
 * temperature: finite and >= 0 (0 means greedy); top_p in (0, 1]; top_k >= 0 (0 = disabled).
+  The ranges are defined once, for the scheduler and the worker too: llmserve/runtime/ranges.py.
   A temperature below MIN_TEMPERATURE counts as 0, as in vLLM: it is greedy in effect, and logits
   divided by a subnormal temperature overflow to inf, which made the worker's sampling fail for
   the whole batch.
@@ -26,8 +27,9 @@ Decisions:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from llmserve.runtime.ranges import TEMPERATURE, TOP_P, Range
 
 __all__ = [
     "ALLOWED_ROLES",
@@ -99,6 +101,12 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_range(allowed: Range, value: object) -> None:
+    problem = allowed.problem(value)
+    if problem is not None:
+        raise InvalidRequest(problem)
 
 
 def _check_messages(messages: object) -> tuple[tuple[str, str], ...]:
@@ -188,19 +196,13 @@ def validate(
     if temperature is None:
         resolved_temperature = DEFAULT_TEMPERATURE
     else:
-        if not _is_number(temperature) or not math.isfinite(temperature):
-            raise InvalidRequest(f"temperature is {temperature!r}; it must be a finite number")
-        if temperature < 0:
-            raise InvalidRequest(
-                f"temperature is {temperature}; it must be >= 0 (0 means greedy decoding)"
-            )
+        _check_range(TEMPERATURE, temperature)
         resolved_temperature = float(temperature) if temperature >= MIN_TEMPERATURE else 0.0
 
     if top_p is None:
         resolved_top_p = DEFAULT_TOP_P
     else:
-        if not _is_number(top_p) or math.isnan(top_p) or not 0.0 < top_p <= 1.0:
-            raise InvalidRequest(f"top_p is {top_p!r}; it must be in (0, 1] (1 disables it)")
+        _check_range(TOP_P, top_p)
         resolved_top_p = float(top_p)
 
     if top_k is None:

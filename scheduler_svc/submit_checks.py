@@ -1,9 +1,8 @@
 """What the scheduler checks in a Submit: the gateway is a caller like any other, and one bad
-request must never reach a batch where it would fail the others."""
+request must never reach a batch where it would fail the others. The ranges are the gateway's
+and the worker's too (llmserve/runtime/ranges.py)."""
 
 from __future__ import annotations
-
-import math
 
 from llmserve.runtime.request_checks import sampling_problem
 from llmserve.v1 import common_pb2
@@ -24,10 +23,6 @@ def submit_problem(
         worst = max(max(prompt_ids), max(resume_ids, default=0))
         if worst >= vocab_size:
             return f"token id {worst} is outside the vocabulary of {vocab_size} tokens"
-    if s.HasField("temperature") and not (math.isfinite(s.temperature) and s.temperature >= 0):
-        return f"temperature must be a finite number >= 0, got {s.temperature}"
-    if s.HasField("top_p") and not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
-        return f"top_p must be in (0, 1], got {s.top_p}"
     return sampling_problem(s) or token_ids_problem(s, vocab_size)
 
 

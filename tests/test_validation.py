@@ -79,6 +79,7 @@ def test_messages_ok_and_empty_content_allowed() -> None:
 
 
 ROLES = "system, user, assistant"
+A_TEMPERATURE = "a finite number >= 0 (0 means greedy decoding)"
 BAD = [
     ({"prompt": None}, "send either prompt or messages; neither was given"),
     ({"messages": [("user", "x")]}, "send either prompt or messages, not both"),
@@ -108,11 +109,11 @@ BAD = [
     ),
     ({"max_tokens": 1.5}, "max_tokens must be an integer, not float"),
     ({"max_tokens": True}, "max_tokens must be an integer, not bool"),
-    ({"temperature": -0.1}, "temperature is -0.1; it must be >= 0 (0 means greedy decoding)"),
-    ({"temperature": math.nan}, "temperature is nan; it must be a finite number"),
-    ({"temperature": math.inf}, "temperature is inf; it must be a finite number"),
-    ({"temperature": "hot"}, "temperature is 'hot'; it must be a finite number"),
-    ({"temperature": True}, "temperature is True; it must be a finite number"),
+    ({"temperature": -0.1}, f"temperature is -0.1; it must be {A_TEMPERATURE}"),
+    ({"temperature": math.nan}, f"temperature is nan; it must be {A_TEMPERATURE}"),
+    ({"temperature": math.inf}, f"temperature is inf; it must be {A_TEMPERATURE}"),
+    ({"temperature": "hot"}, f"temperature is 'hot'; it must be {A_TEMPERATURE}"),
+    ({"temperature": True}, f"temperature is True; it must be {A_TEMPERATURE}"),
     ({"top_p": 0.0}, "top_p is 0.0; it must be in (0, 1] (1 disables it)"),
     ({"top_p": 1.01}, "top_p is 1.01; it must be in (0, 1] (1 disables it)"),
     ({"top_p": -1}, "top_p is -1; it must be in (0, 1] (1 disables it)"),

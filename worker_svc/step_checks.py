@@ -5,28 +5,25 @@ alone, the rest of its step runs."""
 
 from __future__ import annotations
 
-import math
-
+from llmserve.runtime.ranges import LOGIT_BIAS, SAMPLING_RANGES
 from llmserve.runtime.request_checks import MAX_LOGPROBS
 from llmserve.v1 import worker_pb2
 from worker_svc.work import WorkItem
 
+UNSET_IS_ONE = frozenset({"top_p", "repetition_penalty"})
+
 
 def sampling_problem(s: worker_pb2.WorkSampling, vocab_size: int) -> str | None:
-    if not math.isfinite(s.temperature) or s.temperature < 0:
-        return f"temperature must be a finite number >= 0, got {s.temperature}"
-    if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
-        return f"top_p must be in [0, 1], got {s.top_p}"
-    if not math.isfinite(s.min_p) or not 0 <= s.min_p <= 1:
-        return f"min_p must be in [0, 1], got {s.min_p}"
-    for name in ("presence_penalty", "frequency_penalty"):
-        if not math.isfinite(getattr(s, name)):
-            return f"{name} must be a finite number, got {getattr(s, name)}"
-    if not math.isfinite(s.repetition_penalty) or s.repetition_penalty < 0:
-        rp = s.repetition_penalty
-        return f"repetition_penalty must be a finite number > 0 (0 means off), got {rp}"
-    if not all(math.isfinite(bias) for bias in s.logit_bias.values()):
-        return "logit_bias values must be finite numbers"
+    """The ranges of llmserve/runtime/ranges.py, as the gateway and the scheduler check them,
+    applied to the values sampling uses: a top_p or repetition_penalty of 0 is proto3's unset,
+    which samples as 1 (worker_svc.session.sampling_of)."""
+    for allowed in SAMPLING_RANGES:
+        value = getattr(s, allowed.name)
+        problem = allowed.problem(value or 1.0 if allowed.name in UNSET_IS_ONE else value)
+        if problem is not None:
+            return problem
+    if not all(LOGIT_BIAS.contains(bias) for bias in s.logit_bias.values()):
+        return f"logit_bias values must be {LOGIT_BIAS.spelled}"
     ids = list(s.logit_bias) + list(s.stop_token_ids)
     if ids and max(ids) >= vocab_size:
         return f"token id {max(ids)} is outside the vocabulary of {vocab_size}"

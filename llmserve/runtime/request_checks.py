@@ -4,25 +4,25 @@ scheduler, which knows it."""
 
 from __future__ import annotations
 
-import math
-
+from llmserve.runtime.ranges import LOGIT_BIAS, SAMPLING_RANGES
 from llmserve.v1 import common_pb2
 
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit)
+OPTIONAL = frozenset({"temperature", "top_p", "repetition_penalty"})  # proto3 `optional`
 
 
 def sampling_problem(s: common_pb2.SamplingParams) -> str | None:
-    if not (math.isfinite(s.min_p) and 0 <= s.min_p <= 1):
-        return f"min_p must be in [0, 1], got {s.min_p}"
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(s, name)
-        if not (math.isfinite(value) and -2 <= value <= 2):
-            return f"{name} must be in [-2, 2], got {value}"
-    rp = s.repetition_penalty
-    if s.HasField("repetition_penalty") and not (math.isfinite(rp) and rp > 0):
-        return f"repetition_penalty must be a finite number > 0, got {rp}"
-    if not all(math.isfinite(b) and -100 <= b <= 100 for b in s.logit_bias.values()):
-        return "logit_bias values must be in [-100, 100]"
+    """What is wrong with a request's sampling settings (their ranges: llmserve/runtime/ranges.py),
+    or None. An unset temperature, top_p or repetition_penalty is its default."""
+    for allowed in SAMPLING_RANGES:
+        optional = allowed.name in OPTIONAL
+        if optional and not s.HasField(allowed.name):  # type: ignore[arg-type]
+            continue
+        problem = allowed.problem(getattr(s, allowed.name))
+        if problem is not None:
+            return problem
+    if not all(LOGIT_BIAS.contains(b) for b in s.logit_bias.values()):
+        return f"logit_bias values must be {LOGIT_BIAS.spelled}"
     if s.HasField("logprobs") and s.logprobs > MAX_LOGPROBS:
         return f"logprobs (top alternatives) must be at most {MAX_LOGPROBS}, got {s.logprobs}"
     if s.min_tokens > s.max_tokens:

@@ -1,0 +1,112 @@
+"""One range per sampling setting (llmserve/runtime/ranges.py), applied by the gateway's
+validation, the scheduler's submit checks and the worker's step checks alike: a value one layer
+takes, every layer takes, and a value that sampling cannot do (a repetition penalty that
+overflows the logits) is refused at the door, not failed by the worker's batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gateway.validation import InvalidRequest, validate
+from llmserve.runtime.ranges import (
+    FREQUENCY_PENALTY,
+    LOGIT_BIAS,
+    MIN_P,
+    PRESENCE_PENALTY,
+    REPETITION_PENALTY,
+    TEMPERATURE,
+    TOP_P,
+    Range,
+)
+from llmserve.runtime.request_checks import sampling_problem
+from llmserve.v1 import common_pb2, worker_pb2
+from scheduler_svc.submit_checks import submit_problem
+from worker_svc.step_checks import sampling_problem as step_problem
+
+VOCAB = 64
+PROBES = [
+    -3.0, -2.0, -1.0, -1e-9, 0.0, 1e-38, 1e-9, 1e-5, 1e-4, 0.5, 1.0, 1.01, 2.0, 2.5, 100.0,
+    150.0, 1000.0, 1e4, 1e5, 1e38, math.inf, -math.inf, math.nan,
+]  # fmt: skip
+SCALARS = [TEMPERATURE, TOP_P, MIN_P, PRESENCE_PENALTY, FREQUENCY_PENALTY, REPETITION_PENALTY]
+
+
+def f32(value: float) -> float:
+    """The value as a protobuf float field holds it."""
+    return worker_pb2.WorkSampling(min_p=value).min_p
+
+
+def gateway_takes(name: str, value: float) -> bool:
+    """The gateway validates temperature and top_p with the request; the rest with the
+    SamplingParams it builds (the same check the scheduler runs)."""
+    if name in ("temperature", "top_p"):
+        try:
+            validate("hi", None, None, **{"temperature": None, "top_p": None, name: value},
+                     top_k=None, stop=[], max_context=64, default_max_tokens=8)  # fmt: skip
+        except InvalidRequest:
+            return False
+        return True
+    return sampling_problem(common_pb2.SamplingParams(max_tokens=8, **{name: value})) is None
+
+
+def scheduler_takes(name: str, value: float) -> bool:
+    params = common_pb2.SamplingParams(max_tokens=8, **{name: value})
+    return submit_problem([1, 2], [], params, VOCAB) is None
+
+
+def worker_takes(name: str, value: float) -> bool:
+    return step_problem(worker_pb2.WorkSampling(**{name: value}), VOCAB) is None
+
+
+@pytest.mark.parametrize("allowed", SCALARS, ids=lambda r: r.name)
+def test_every_layer_takes_exactly_the_values_of_the_one_range(allowed: Range) -> None:
+    for value in PROBES:
+        held = f32(value)  # what the scheduler and the worker receive
+        if value == 0 and allowed.name in ("top_p", "repetition_penalty"):
+            continue  # the worker's proto3 default: unset (1), as the scheduler never sends it
+        expected = allowed.contains(held)
+        got = {
+            "gateway": gateway_takes(allowed.name, value),
+            "scheduler": scheduler_takes(allowed.name, value),
+            "worker": worker_takes(allowed.name, value),
+        }
+        assert got == dict.fromkeys(got, expected), (allowed.name, value)
+
+
+def test_top_p_is_refused_at_zero_by_the_scheduler_and_the_gateway_alike() -> None:
+    """The two used to disagree: (0, 1] in the scheduler, [0, 1] in the worker."""
+    assert not gateway_takes("top_p", 0.0) and not scheduler_takes("top_p", 0.0)
+    assert worker_takes("top_p", 0.0)  # 0 is the worker's unset (1), never sent for a request
+    assert not worker_takes("top_p", 1.5) and not worker_takes("top_p", -0.5)
+
+
+def test_a_repetition_penalty_that_overflows_the_logits_is_refused_everywhere() -> None:
+    for tiny in (1e-38, 1e-9):
+        assert not gateway_takes("repetition_penalty", tiny)
+        assert not scheduler_takes("repetition_penalty", tiny)
+        assert not worker_takes("repetition_penalty", tiny)
+    for usual in (0.5, 1.0, 1.3, 1000.0):
+        assert gateway_takes("repetition_penalty", usual) and worker_takes(
+            "repetition_penalty", usual
+        )
+
+
+def test_logit_bias_values_are_bounded_by_every_layer() -> None:
+    for bias, ok in ((100.0, True), (-100.0, True), (100.5, False), (math.inf, False)):
+        assert LOGIT_BIAS.contains(bias) is ok
+        params = common_pb2.SamplingParams(max_tokens=8, logit_bias={3: bias})
+        assert (sampling_problem(params) is None) is ok
+        assert (submit_problem([1], [], params, VOCAB) is None) is ok
+        assert (step_problem(worker_pb2.WorkSampling(logit_bias={3: bias}), VOCAB) is None) is ok
+
+
+def test_a_refusal_names_the_field_the_range_and_what_it_means() -> None:
+    assert TOP_P.refusal(0.0) == "top_p is 0.0; it must be in (0, 1] (1 disables it)"
+    assert TEMPERATURE.refusal(-1) == (
+        "temperature is -1; it must be a finite number >= 0 (0 means greedy decoding)"
+    )
+    assert PRESENCE_PENALTY.problem(2.0) is None
+    assert PRESENCE_PENALTY.problem(3) == "presence_penalty is 3; it must be in [-2, 2]"
+    assert not TOP_P.contains(True) and not TOP_P.contains("0.5")
