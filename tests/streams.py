@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -26,6 +27,20 @@ class Outcome:
         return max((b - a for a, b in pairs), default=0.0)
 
 
+def _record(target: str, request, outcome: Outcome, timeout: float) -> None:
+    """Stream `request` to its end, recording tokens, arrivals and how it ended in `outcome`."""
+    try:
+        for message in client.stream(target, request, timeout=timeout):
+            if message.HasField("final"):
+                outcome.final = message.final
+            else:
+                outcome.tokens.extend(message.delta.token_ids)
+                outcome.arrivals.append(time.monotonic())
+    except grpc.RpcError as err:
+        outcome.code, outcome.details = err.code(), err.details() or ""
+    outcome.ended_at = time.monotonic()
+
+
 class Streams:
     """Start one thread per request; each streams to the end and records its Outcome."""
 
@@ -40,16 +55,7 @@ class Streams:
             t.start()
 
     def _run(self, request, outcome: Outcome) -> None:
-        try:
-            for message in client.stream(self.target, request, timeout=self.timeout):
-                if message.HasField("final"):
-                    outcome.final = message.final
-                else:
-                    outcome.tokens.extend(message.delta.token_ids)
-                    outcome.arrivals.append(time.monotonic())
-        except grpc.RpcError as err:
-            outcome.code, outcome.details = err.code(), err.details() or ""
-        outcome.ended_at = time.monotonic()
+        _record(self.target, request, outcome, self.timeout)
 
     def all_have(self, n: int) -> bool:
         return all(len(o.tokens) >= n or o.ended_at for o in self.outcomes)
@@ -60,4 +66,52 @@ class Streams:
             t.join(max(0.0, deadline - time.monotonic()))
         hung = sum(t.is_alive() for t in self.threads)
         assert not hung, f"{hung} streams still running after {timeout} s"
+        return self.outcomes
+
+
+class SteadyLoad:
+    """`width` clients, each streaming one request after another (request k is `make(k)`) until
+    `stop()` or until `limit` requests have started: a load that lasts until the test has seen
+    what it waits for, however fast the host. `outcomes[k]` is request k's Outcome."""
+
+    def __init__(
+        self, target: str, make: Callable[[int], object], width: int, limit: int,
+        timeout: float = 120.0,
+    ) -> None:  # fmt: skip
+        self.target, self.make, self.limit, self.timeout = target, make, limit, timeout
+        self.outcomes: list[Outcome] = []
+        self._lock, self._stopped = threading.Lock(), threading.Event()
+        self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(width)]
+        for t in self.threads:
+            t.start()
+
+    def _next(self) -> tuple[int, Outcome] | None:
+        with self._lock:
+            if self._stopped.is_set() or len(self.outcomes) >= self.limit:
+                return None
+            self.outcomes.append(Outcome())
+            return len(self.outcomes) - 1, self.outcomes[-1]
+
+    def _client(self) -> None:
+        while (item := self._next()) is not None:
+            k, outcome = item
+            _record(self.target, self.make(k), outcome, self.timeout)
+
+    @property
+    def exhausted(self) -> bool:
+        """Every request it may start has started (the limit is reached)."""
+        with self._lock:
+            return len(self.outcomes) >= self.limit
+
+    def stop(self) -> None:
+        """Start no more requests; those in flight go on to their end."""
+        self._stopped.set()
+
+    def join(self, timeout: float) -> list[Outcome]:
+        self.stop()
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        hung = sum(t.is_alive() for t in self.threads)
+        assert not hung, f"{hung} load clients still streaming after {timeout} s"
         return self.outcomes
