@@ -1,14 +1,19 @@
 """What the services expose: every socket a default stack listens on is on loopback (gRPC and
-metrics alike), and no code deserializes with pickle."""
+metrics alike), a server beyond loopback without a token says so loudly at start, and no code
+deserializes with pickle."""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import logging
 import os
 import re
 from pathlib import Path
 
+from gateway.auth import ApiKeyInterceptor
 from gateway.settings import GatewaySettings
+from llmserve.runtime.server import Server
 from llmserve.stack import Stack
 from scheduler_svc.settings import SchedulerSettings
 from tests.stacks import free_run, running_stack, tiny_settings
@@ -85,3 +90,28 @@ def test_nothing_is_deserialized_with_pickle() -> None:
     hits = [f"{p.relative_to(ROOT)}: {m.group(0).strip()}" for p in files
             for m in PICKLE.finditer(p.read_text())]  # fmt: skip
     assert not hits, hits
+
+
+def _warnings_at_start(caplog, host: str, **kwargs) -> list[str]:
+    """The warnings a server logs when it is set up on `host` (it is never started)."""
+
+    async def build() -> None:
+        server = Server(host, 0, ["llmserve.v1.Worker"], **kwargs)
+        await server.server.stop(None)
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="llmserve"):
+        asyncio.run(build())
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_server_beyond_loopback_without_a_token_warns_loudly_at_start(caplog) -> None:
+    (warning,) = _warnings_at_start(caplog, "0.0.0.0")
+    assert "0.0.0.0" in warning and "WITHOUT A TOKEN" in warning
+    assert "--internal-token-file" in warning and "llmserve.v1.Worker" in warning
+
+
+def test_loopback_or_a_token_needs_no_warning(caplog) -> None:
+    assert _warnings_at_start(caplog, "127.0.0.1") == []
+    assert _warnings_at_start(caplog, "0.0.0.0", token="secret") == []
+    assert _warnings_at_start(caplog, "0.0.0.0", interceptors=[ApiKeyInterceptor("k")]) == []

@@ -9,6 +9,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
+
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.session import Session
 from worker_svc.settings import WorkerSettings
@@ -28,6 +30,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self.on_execute = None  # metrics hook: (shape, seconds, report), also for releases only
         self.end_stream = lambda: None  # ends the current step stream (when the worker stops)
+        self.driver: str | None = None  # the peer whose step stream drives this worker now
         self.shown = threading.Lock()  # the metrics hook vs a stream's end
 
     async def drain(self) -> None:
@@ -64,8 +67,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def Steps(self, request_iterator, context):
         """Steps are queued on the one forward thread as they arrive, so step N+1 starts the
-        moment N ends; results go back in order. A new stream (a new or restarted scheduler)
-        starts from nothing: the old one executes nothing more."""
+        moment N ends; results go back in order. One stream at a time: while one lives, another
+        is refused (FAILED_PRECONDITION), so that no process can take the worker over silently.
+        A new stream once the last has ended (a restarted scheduler: a killed one's connection
+        is closed by its kernel, a hung one's by the keepalive) starts from nothing."""
+        if self.driver is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, taken(self.driver))
+        self.driver = driver = context.peer() or "a peer"
         with self.shown:
             self.session.closed = True
             session = self.session = Session(self.runner, self.runner.num_blocks)
@@ -99,6 +107,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 yield result
         finally:
             reader.cancel()
+            if self.driver is driver:
+                self.driver = None
             with self.shown:
                 session.closed = True
                 if self.session is session:  # no scheduler drives these requests any more
@@ -109,3 +119,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """The pool as the metrics show it, also when no step runs (a stream ended)."""
         if self.on_execute is not None:
             self.on_execute(None, 0.0, kv)
+
+
+def taken(driver: str) -> str:
+    return (
+        f"this worker is driven by another scheduler's step stream (from {driver}); it takes a "
+        "new one once that stream ends"
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import ipaddress
 import logging
 import os
 import signal
@@ -24,6 +25,16 @@ DRAIN_SECONDS = 60.0
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+# A peer that stops answering HTTP/2 pings for KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS loses its
+# connection (its calls end): a hung or partitioned scheduler's step stream ends, so that a
+# worker, which takes one stream at a time, can be driven by a replacement. The kernel closes a
+# killed process's connections at once.
+KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS = 20_000, 20_000
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.max_pings_without_data", 0),  # an idle step stream sends no data for long
 ]
 # Reconnect within a second of a peer coming back: gRPC's default backoff grows to 120 s, and a
 # scheduler polling a restarted worker (or a gateway whose scheduler restarted) waited that long.
@@ -87,6 +98,7 @@ class Server:
             # never share a port: a second server on a busy port (a restarted worker while the
             # old one still lives, a test stack on a port another just took) must fail to start
             ("grpc.so_reuseport", 0),
+            *KEEPALIVE_OPTIONS,
             *extra_options,
         ]
         self.server = grpc.aio.server(options=options, interceptors=interceptors or None)
@@ -105,6 +117,10 @@ class Server:
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")
         self.address = f"{host}:{self.port}"
+        if not is_loopback(host) and not any(
+            isinstance(i, TokenInterceptor) for i in interceptors or ()
+        ):
+            log.warning(exposed_warning(self.address, service_names))
         self.stopping = asyncio.Event()
 
     async def set_serving(self, serving: bool) -> None:
@@ -141,6 +157,26 @@ class Server:
         if before_stop is not None:
             await before_stop()
         await self.server.stop(grace)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` reaches this machine only ("localhost", 127.0.0.0/8, ::1)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name, or "" (every address)
+        return False
+
+
+def exposed_warning(address: str, service_names: list[str]) -> str:
+    return (
+        f"LISTENING ON {address} WITHOUT A TOKEN: any process that reaches this address can "
+        f"call {', '.join(service_names)} (submit and cancel requests, read the status, take "
+        "over a worker's step stream). Set --internal-token-file (or $LLMSERVE_INTERNAL_TOKEN) "
+        "on every service (the gateway: --api-key-file), or listen on loopback only"
+    )
 
 
 async def wait_healthy(target: str, timeout: float, service: str = "") -> None:
