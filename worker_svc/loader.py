@@ -39,18 +39,23 @@ def tiny_model(dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
     return config, random_weights(config, dtype, seed=TINY_SEED)
 
 
-def random_weights(config: ModelConfig, dtype: torch.dtype, seed: int = 0) -> Weights:
-    """Deterministic random weights (drawn in fp32 on CPU, then cast)."""
-    gen = torch.Generator().manual_seed(seed)
+def random_weights(
+    config: ModelConfig, dtype: torch.dtype, seed: int = 0, device: torch.device | str = "cpu"
+) -> Weights:
+    """Deterministic random weights, drawn in fp32 on `device` (the CPU by default), then cast.
+    On a GPU a model of a real architecture's size is built in seconds from its config alone
+    (the GPU check times such models: a forward's time does not depend on the weights' values).
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
     h, i = config.hidden_size, config.intermediate_size
 
     def mat(rows: int, cols: int) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=gen) * (1.0 / cols) ** 0.5
+        return torch.randn(rows, cols, generator=gen, device=device) * (1.0 / cols) ** 0.5
 
     def norm() -> torch.Tensor:
-        return 1.0 + 0.1 * torch.randn(h, generator=gen)
+        return 1.0 + 0.1 * torch.randn(h, generator=gen, device=device)
 
-    embed = torch.randn(config.vocab_size, h, generator=gen)
+    embed = torch.randn(config.vocab_size, h, generator=gen, device=device)
     layers = [
         fuse_layer(
             attn_norm=norm(),

@@ -98,3 +98,46 @@ def tiny_config() -> ModelConfig:
         eos_token_ids=(2,),
         name="tiny",
     )
+
+
+def llama32_1b_config() -> ModelConfig:
+    """Llama-3.2-1B's shape (its config.json): random weights of this shape time like the real
+    ones (the GPU check builds them from this config; nothing is downloaded)."""
+    return ModelConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        max_context=131072,
+        tie_embeddings=True,
+        bos_token_id=128000,
+        eos_token_ids=(128001,),
+        name="Llama-3.2-1B-shape",
+        rope_scaling=RopeScaling("llama3", 32.0, 1.0, 4.0, 8192),
+    )
+
+
+def llama31_8b_config() -> ModelConfig:
+    """Llama-3.1-8B's shape (its config.json), for sizing the KV pool from a GPU's memory."""
+    return ModelConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        max_context=131072,
+        tie_embeddings=False,
+        bos_token_id=128000,
+        eos_token_ids=(128001,),
+        name="Llama-3.1-8B-shape",
+        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
+    )

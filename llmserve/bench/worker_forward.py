@@ -54,11 +54,15 @@ class Ours:
         context: int,
         block_size: int = 16,
         device: str = "cpu",
+        cuda_graphs: bool = False,
     ) -> None:
+        """cuda_graphs: decode steps replay CUDA graphs (a CUDA device only, as in a worker)."""
         self.block_size = block_size
         per_request = -(-(context + 1) // block_size)
         num_blocks = max_batch * per_request + 8
-        self.runner = ModelRunner(config, weights, num_blocks, block_size, dtype, device=device)
+        self.runner = ModelRunner(
+            config, weights, num_blocks, block_size, dtype, device=device, cuda_graphs=cuda_graphs
+        )
         # cached positions hold random values (timing does not depend on them); blocks are
         # handed out shuffled, as they would be after a while of serving
         self.runner.pool.k.normal_()
