@@ -20,6 +20,7 @@ from scheduler_svc.core import Scheduler
 from scheduler_svc.invariants import ENV_VAR, check_invariants, check_step
 from scheduler_svc.output import Refused
 from scheduler_svc.relay import EventRelay
+from scheduler_svc.run_clock import RunClock
 from scheduler_svc.sequence import SeqStatus, Sequence
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.step import Step
@@ -73,6 +74,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.eos_ids: frozenset[int] = frozenset()
         self.streams: dict[str, asyncio.Queue[scheduler_pb2.TokenEvent]] = {}
         self.times = StepTimes()
+        self.clock = RunClock()  # the scheduler's own running time: how late a worker is
         self.check_every_step = os.environ.get(ENV_VAR, "") not in ("", "0")
         if self.check_every_step:
             log.warning("%s is set: checking the core's invariants after every step", ENV_VAR)
@@ -167,6 +169,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             max_tokens=s.max_tokens,
             ignore_eos=s.ignore_eos,
             sampling=work_sampling(s),
+            cache_salt=request.cache_salt,
         )
         seq.eos_ids = self.eos_ids
         seq.stop_ids = (frozenset() if seq.ignore_eos else self.eos_ids) | set(s.stop_token_ids)
@@ -274,6 +277,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def start(self) -> None:
         self.started = True
+        self.clock_task = asyncio.create_task(self.clock.tick(), name="run-clock")
+        self.clock_task.add_done_callback(self.died)
         for index, ws in enumerate(self.core.workers):
             if ws.healthy:
                 self.start_loop(index)
@@ -330,7 +335,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 await self.try_restore(index)
             return
         serving = await client.serving()
-        now = time.monotonic()
+        now = self.clock.now()  # silence counts only while the scheduler itself runs
         if serving is None:
             client.silent_since = client.silent_since or now
             loop = self.loops[index]

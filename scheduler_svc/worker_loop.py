@@ -76,7 +76,7 @@ class WorkerLoop:
         self.service.dispatch(events)
 
     async def drive(self, stream: StepStream) -> None:
-        inflight: deque[tuple[Step, float]] = deque()
+        inflight: deque[tuple[Step, float, float]] = deque()  # step, sent (perf, running)
         ws = self.core.workers[self.index]
         while ws.healthy:
             if len(inflight) < self.depth:
@@ -89,7 +89,7 @@ class WorkerLoop:
                     msg = step_message(self.core.steps, step)
                     self.client.step_bytes += msg.ByteSize()
                     await stream.send(msg)
-                    inflight.append((step, started))
+                    inflight.append((step, started, self.service.clock.now()))
                     self.hand_over()
                     if step.has_work and len(inflight) < self.depth:
                         continue  # overlap: plan the next step now, then wait for this one
@@ -100,9 +100,41 @@ class WorkerLoop:
                             await self.wake.wait()
                     stream.check()
                     continue
-            result = await stream.receive(self.hang_bound())
-            step, sent = inflight.popleft()
+            result = await self.answer(stream, inflight[0][2])
+            step, sent, _ = inflight.popleft()
             self.events += self.complete(step, result, sent)
+
+    async def answer(self, stream: StepStream, sent: float):
+        """The oldest step's result. The worker is hung (WorkerLost) only when the answer is
+        late by the scheduler's own running time (`sent` on service.clock): a scheduler that
+        was stopped or blocked does not blame its workers. A late worker is then asked its
+        health: one that does not answer is failed at once; one that answers gets one more
+        hang bound (the answer may be on its way), then fails all the same (a stuck kernel
+        keeps health answering)."""
+        clock = self.service.clock
+        due, chances = sent + self.hang_bound(), 1
+        while True:
+            result = await stream.receive(max(0.0, due - clock.now()))
+            if result is not None:
+                return result
+            if clock.now() < due:
+                continue  # the scheduler itself did not run all that time: wait on
+            late = clock.now() - sent
+            alive = await self.client.serving() is not None
+            result = await stream.receive(0.0)  # it may have come during the health check
+            if result is not None:
+                return result
+            if alive and chances:
+                chances -= 1
+                due = clock.now() + self.hang_bound()
+                log.warning(
+                    "worker %s: no answer to a step in %.1f s, but its health answers: "
+                    "waiting %.1f s more",
+                    self.core.workers[self.index].spec.name, late, self.hang_bound(),
+                )  # fmt: skip
+                continue
+            health = "answers" if alive else "does not answer"
+            raise WorkerLost(f"no answer to a step in {late:.1f} s; its health {health}")
 
     def complete(self, step: Step, result, sent: float) -> list:
         service, client = self.service, self.client

@@ -68,6 +68,7 @@ class StepStream:
 
     def __init__(self, call) -> None:
         self.call = call
+        self.reading: asyncio.Task | None = None  # the read of the next result, kept if late
 
     async def send(self, step: worker_pb2.Step) -> None:
         try:
@@ -75,12 +76,18 @@ class StepStream:
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as err:
             raise WorkerLost(f"step stream broke: {err}") from err
 
-    async def receive(self, timeout: float) -> worker_pb2.StepResult:
+    async def receive(self, timeout: float) -> worker_pb2.StepResult | None:
+        """The next result, or None if it has not come within `timeout` seconds. The read goes
+        on (a cancelled read would cancel the call): the caller judges whether the worker is
+        late, by the scheduler's own running time, and asks again or gives up."""
+        if self.reading is None:
+            self.reading = asyncio.ensure_future(self.call.read())
+        done, _ = await asyncio.wait((self.reading,), timeout=timeout)
+        if not done:
+            return None
+        reading, self.reading = self.reading, None
         try:
-            async with asyncio.timeout(timeout):  # unlike wait_for, never swallows a cancel
-                result = await self.call.read()
-        except TimeoutError as err:
-            raise WorkerLost(f"no answer to a step in {timeout:.0f} s") from err
+            result = reading.result()
         except grpc.aio.AioRpcError as err:
             raise WorkerLost(f"{err.code().name}: {err.details()}") from err
         if result is grpc.aio.EOF:
@@ -93,4 +100,6 @@ class StepStream:
             raise WorkerLost("the worker ended the step stream")
 
     def cancel(self) -> None:
+        if self.reading is not None:
+            self.reading.cancel()
         self.call.cancel()
