@@ -20,7 +20,7 @@ from typing import TypeVar
 import grpc
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -42,10 +42,13 @@ from llmserve.v1 import scheduler_pb2
 T = TypeVar("T")
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 HEALTH_TIMEOUT_S = 2.0
+# A deadline further than this is none: gRPC's deadlines overflow (and pass at once) from about
+# 9.2e9 seconds, its nanoseconds past a 64-bit integer; no request runs for three years.
+MAX_DEADLINE_S = 1e8
 
 
 class ClientGone(Exception):
-    """The client disconnected before its answer began."""
+    """The client disconnected before its answer began (mid-body, too): a cancellation."""
 
 
 class EventStream(StreamingResponse):
@@ -92,7 +95,12 @@ class HttpApi:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
         ]
-        handlers = {HTTPException: _route_error, ApiError: _api_error, Exception: _server_error}
+        handlers = {
+            HTTPException: _route_error,
+            ApiError: _api_error,
+            ClientGone: _client_gone,
+            Exception: _server_error,
+        }
         return Starlette(routes=routes, exception_handlers=handlers)
 
     # ---- generation ----------------------------------------------------------------------
@@ -258,11 +266,14 @@ class HttpApi:
         if declared.isdigit() and int(declared) > limit:
             raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:  # it left mid-body (or was closed: --http-body-timeout)
+            raise ClientGone from None
         return b"".join(chunks)
 
     def _check_model(self, name: str | None) -> None:
@@ -298,6 +309,8 @@ def _time_remaining(request: Request) -> Callable[[], float | None]:
             f"{DEADLINE_HEADER} is {header!r}; it must be a positive number of seconds",
             param=DEADLINE_HEADER,
         )
+    if seconds > MAX_DEADLINE_S:
+        return lambda: None
     deadline = time.monotonic() + seconds
     return lambda: deadline - time.monotonic()
 
@@ -365,6 +378,10 @@ def _failed(call: HttpCall, err: ApiError) -> Response:
 async def _api_error(request: Request, err: Exception) -> Response:
     assert isinstance(err, ApiError)
     return err.response()
+
+
+async def _client_gone(request: Request, err: Exception) -> Response:
+    return Response(status_code=499)  # nobody reads it
 
 
 async def _route_error(request: Request, err: Exception) -> Response:

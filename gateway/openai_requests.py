@@ -218,15 +218,16 @@ def _token_ids(ids: list[int], param: str) -> list[int]:
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
-    """OpenAI's keys are token ids written as strings."""
-    try:
-        out = {int(key): value for key, value in bias.items()}
-    except ValueError:
-        raise ApiError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "logit_bias keys must be token ids (integers as strings)",
-            param="logit_bias",
-        ) from None
+    """OpenAI's keys are token ids written as strings: ASCII digits only (`int` would also take
+    " 3 ", "1_0" and other scripts' digits such as "١")."""
+    for key in bias:
+        if not (key.isascii() and key.isdigit()):
+            raise ApiError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"logit_bias key {key!r} is not a token id: write each id in digits 0-9",
+                param="logit_bias",
+            )
+    out = {int(key): value for key, value in bias.items()}
     _token_ids(list(out), "logit_bias")
     return out
 

@@ -1,0 +1,98 @@
+"""Request fields of the HTTP API as the gateway reads them (no stack): logit_bias keys are token
+ids in ASCII digits only; a single stop string is one stop, matched whole; chat `logprobs: true`
+alone asks for logprobs; x-request-timeout past what gRPC can hold is no deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+from starlette.requests import Request
+
+from gateway.http_api import _time_remaining
+from gateway.http_errors import ApiError
+from gateway.http_server import connection_cap
+from gateway.openai_requests import ChatCompletionRequest, CompletionRequest
+from gateway.stops import StopMatcher
+from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+
+def completion(**fields) -> CompletionRequest:
+    return CompletionRequest.parse(json.dumps({"prompt": "hi", **fields}).encode())
+
+
+@pytest.mark.parametrize("key", [" 3 ", "3 ", "\u0661", "1_0", "+3", "-1", "0x3", "", "3.0"])
+def test_a_logit_bias_key_that_is_not_plain_digits_is_refused(key: str) -> None:
+    with pytest.raises(ApiError) as err:
+        completion(logit_bias={key: 1.0}).generate_input()
+    assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.param == "logit_bias" and repr(key) in err.value.message
+
+
+def test_logit_bias_keys_in_digits_are_token_ids() -> None:
+    job = completion(logit_bias={"3": 1.5, "0": -2.0, "42": 100.0}).generate_input()
+    assert job.logit_bias == {3: 1.5, 0: -2.0, 42: 100.0}
+
+
+def test_a_single_stop_string_is_one_stop_matched_whole() -> None:
+    """What the openai SDK sends for `stop="abc"`: the text runs past each of its characters
+    (and past "ab", "bc") and ends only before "abc" itself."""
+    stop = completion(stop="abc").generate_input().stop
+    assert list(stop) == ["abc"]
+    text = "a cab, b bc ab. c! abc and more"
+    matcher = StopMatcher(list(stop))
+    pieces = [matcher.push(text[i : i + 2]) for i in range(0, len(text), 2)]
+    assert "".join(p for p, _ in pieces) == "a cab, b bc ab. c! " and pieces[-1][1]
+
+
+def test_chat_logprobs_true_without_top_logprobs_asks_for_logprobs() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+    job = ChatCompletionRequest.parse(json.dumps(body).encode()).generate_input()
+    assert job.logprobs == 0  # the sampled tokens' logprobs, no alternatives
+    del body["logprobs"]
+    assert ChatCompletionRequest.parse(json.dumps(body).encode()).generate_input().logprobs is None
+
+
+def request_with(headers: dict[str, str]) -> Request:
+    raw = [(k.encode(), v.encode()) for k, v in headers.items()]
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": raw})
+
+
+async def status_code_within(timeout: float | None) -> grpc.StatusCode:
+    """What a gRPC call with this timeout gets from a server that implements nothing."""
+    server = grpc.aio.server()
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            try:
+                await stub.Status(scheduler_pb2.StatusRequest(), timeout=timeout)
+            except grpc.aio.AioRpcError as err:
+                return err.code()
+            return grpc.StatusCode.OK
+    finally:
+        await server.stop(None)
+
+
+@pytest.mark.parametrize("header", ["1e10", "9.3e9", "1e300", "31536000000"])
+def test_a_huge_request_timeout_reaches_the_scheduler_as_a_deadline_that_has_not_passed(
+    header: str,
+) -> None:
+    """gRPC's deadline overflowed past ~9.2e9 s: such a call ended DEADLINE_EXCEEDED at once."""
+    remaining = _time_remaining(request_with({"x-request-timeout": header}))()
+    assert asyncio.run(status_code_within(remaining)) is grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_an_ordinary_request_timeout_counts_down() -> None:
+    remaining = _time_remaining(request_with({"x-request-timeout": "30"}))()
+    assert remaining is not None and 29 < remaining <= 30
+
+
+def test_http_connections_get_at_most_half_the_open_file_limit() -> None:
+    assert connection_cap(512, 1024) == 512
+    assert connection_cap(900, 1024) == 512
+    assert connection_cap(512, 20) == 10
+    assert connection_cap(512, -1) == 512  # unlimited
