@@ -22,13 +22,16 @@ def blocks_for(positions: int, block_size: int) -> int:
     return -(-positions // block_size)
 
 
-def block_keys(tokens: list[int], block_size: int, keys: list[bytes], upto: int) -> list[bytes]:
+def block_keys(
+    tokens: list[int], block_size: int, keys: list[bytes], upto: int, salt: bytes = b""
+) -> list[bytes]:
     """Extend `keys` (the keys of `tokens`' first full blocks, as computed so far) to `upto`
     blocks. Each key is BLAKE2b (256 bits) over the previous key and this block's token ids: a
     cryptographic hash, so that no client can craft a prompt whose blocks collide with another's
     and read or poison its KV (a plain 64-bit hash of the tokens would allow it), at about 1 µs
-    a block (SHA-256 takes twice as long here)."""
-    prev = keys[-1] if keys else b""
+    a block (SHA-256 takes twice as long here). A `salt` seeds the chain (hashed apart, so that
+    no salt can equal a key): chains of different salts share no key, hence no block."""
+    prev = keys[-1] if keys else salt and hashlib.blake2b(salt, person=b"llmserve-salt").digest()
     blake2b = hashlib.blake2b
     for i in range(len(keys), upto):
         chunk = array("I", tokens[i * block_size : (i + 1) * block_size]).tobytes()

@@ -480,7 +480,8 @@ class Scheduler:
         keys = seq.block_keys
         if len(keys) < upto:
             prompt = seq.prompt_ids
-            block_keys(prompt if upto * bs <= len(prompt) else seq.tokens, bs, keys, upto)
+            tokens = prompt if upto * bs <= len(prompt) else seq.tokens
+            block_keys(tokens, bs, keys, upto, seq.cache_salt)
         return keys
 
     def _cache(self, ws: WorkerState, seq: Sequence, start: int, end: int) -> None:

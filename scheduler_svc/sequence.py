@@ -54,6 +54,7 @@ class Sequence:
     preemptions: int = 0
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full blocks
     key_block_size: int = 0  # the block size `block_keys` are for
+    cache_salt: bytes = b""  # seeds `block_keys`: only requests of equal salt share blocks
     suspect: bool = False  # a step computing its KV failed: cache none of it (until recomputed)
 
     def __post_init__(self) -> None:
