@@ -1,20 +1,132 @@
 """uvicorn in the gateway's own event loop, beside the gRPC server: its socket is bound at start
 (a port in use stops the gateway with the reason), it serves once the gateway is ready, and the
-gateway's SIGTERM drains it with the gRPC calls (uvicorn's own signal handling stays off)."""
+gateway's SIGTERM drains it with the gRPC calls (uvicorn's own signal handling stays off).
+
+The port is public and its clients are unauthenticated until their head is read, so each
+connection is guarded (`GuardedH11Protocol`): its request head must arrive within
+--http-header-timeout of the connection (or of its previous response), its body within
+--http-body-timeout of its head, or it is closed; and beyond --http-max-connections open at once a
+new connection is answered 503 and closed, so that slow clients can neither hold the gateway's
+file descriptors (the gRPC API needs them too) nor its memory."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import resource
 import socket
+from dataclasses import dataclass
 
+import h11
 import uvicorn
 from starlette.applications import Starlette
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateway.settings import GatewaySettings
 
 log = logging.getLogger("gateway")
+REQUEST_IN = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)  # h11's client states past a body
+BUSY_BODY = json.dumps(
+    {
+        "error": {
+            "message": "the gateway has too many HTTP connections open; retry later",
+            "type": "server_error",
+            "param": None,
+            "code": "unavailable",
+        }
+    }
+).encode()
+BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    b"connection: close\r\nretry-after: 1\r\ncontent-length: %d\r\n\r\n%s"
+) % (len(BUSY_BODY), BUSY_BODY)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionGuards:
+    header_timeout: float  # seconds for a request's head, from the connection or last response
+    body_timeout: float  # seconds for its whole body, from its head
+    max_connections: int  # open at once; more are answered 503 and closed
+
+
+def connection_cap(wanted: int, open_files: int) -> int:
+    """At most half the process's file descriptors (`open_files`, its RLIMIT_NOFILE; negative:
+    unlimited) go to HTTP connections: the gRPC API and the scheduler's channel need the rest."""
+    return wanted if open_files < 0 else max(1, min(wanted, open_files // 2))
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request's head and body, and a cap on the
+    connections open at once (`guards`, set by `guarded`)."""
+
+    guards: ConnectionGuards
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self.deadline: asyncio.TimerHandle | None = None
+        self.awaiting = "head"
+        super().connection_made(transport)
+        if len(self.connections) > self.guards.max_connections:
+            self.connections.discard(self)  # never counted: it is closed now
+            transport.write(BUSY)
+            transport.close()
+            return
+        self._expect("head", self.guards.header_timeout)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        theirs = self.conn.their_state
+        if theirs is h11.SEND_BODY and self.awaiting == "head":
+            self._expect("body", self.guards.body_timeout)
+        elif theirs in REQUEST_IN and self.awaiting:
+            self._cancel()
+
+    def on_response_complete(self) -> None:
+        if not self.transport.is_closing():  # the next request's head, from now
+            self._expect("head", self.guards.header_timeout)
+        super().on_response_complete()  # handles a pipelined request: handle_events
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel()
+        super().connection_lost(exc)
+
+    def _expect(self, part: str, seconds: float) -> None:
+        self._cancel()
+        self.awaiting = part
+        self.deadline = self.loop.call_later(seconds, self._late, part, seconds)
+
+    def _cancel(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+        self.deadline, self.awaiting = None, ""
+
+    def _late(self, part: str, seconds: float) -> None:
+        """Closed: a request in progress sees its client gone (it is cancelled)."""
+        self.deadline, self.awaiting = None, ""
+        if not self.transport.is_closing():
+            log.debug("closed an HTTP connection from %s: no request %s in %gs", self.client,
+                      part, seconds)  # fmt: skip
+            self.transport.close()
+
+
+def guarded(guards: ConnectionGuards) -> type[GuardedH11Protocol]:
+    """The protocol class uvicorn builds each connection with, holding these guards."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guards": guards})
+
+
+def guards_of(settings: GatewaySettings) -> ConnectionGuards:
+    open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    cap = connection_cap(settings.http_max_connections, open_files)
+    if cap < settings.http_max_connections:
+        log.warning(
+            "--http-max-connections %d is more than half the %d open files this process may "
+            "have: %d HTTP connections at most",
+            settings.http_max_connections,
+            open_files,
+            cap,
+        )
+    return ConnectionGuards(settings.http_header_timeout, settings.http_body_timeout, cap)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -37,6 +149,7 @@ class HttpServer(uvicorn.Server):
         super().__init__(
             uvicorn.Config(
                 app,
+                http=guarded(guards_of(settings)),  # type: ignore[arg-type]
                 log_config=None,  # the gateway's logging
                 access_log=False,  # as gRPC calls, requests are counted in metrics, not logged
                 lifespan="off",

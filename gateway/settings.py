@@ -71,6 +71,19 @@ class GatewaySettings:
         "streamed, to its replacement if it is back within this many seconds",
     )
     drain_timeout: float = setting(60.0, "on SIGTERM: seconds for the streams in flight to finish")
+    http_header_timeout: float = setting(
+        10.0,
+        "seconds an HTTP client has to send a request's head, from its connection or its "
+        "previous response; a slower one is closed",
+    )
+    http_body_timeout: float = setting(
+        60.0, "seconds an HTTP client has to send a request's whole body once its head is in"
+    )
+    http_max_connections: int = setting(
+        512,
+        "HTTP connections open at once (at most half the open-file limit); more are answered "
+        "503 and closed, so that idle clients cannot take what the gRPC API needs",
+    )
 
     def api_key(self) -> str:
         """The content of --api-key-file, else $LLMSERVE_API_KEY; "" = no key. A key file that
@@ -101,9 +114,13 @@ class GatewaySettings:
             "max_queued_tokens",
             "max_request_bytes",
             "tokenize_threads",
+            "http_max_connections",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        for name in ("http_header_timeout", "http_body_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
         for name in ("max_messages", "max_prompt_chars"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0 = from the context)")
