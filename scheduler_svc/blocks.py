@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -143,17 +144,27 @@ class BlockPool:
 
     def cache(self, block: int, key: bytes) -> None:
         """`block`, held and full, holds the contents `key` names (once its step has run). A
-        block already cached, or contents already cached in another block, stay as they are."""
-        if block in self.key_of or key in self.cached:
+        block already cached stays as it is. Contents cached before in another block are
+        forgotten there: the newest computation of a key is the one the cache names, so a
+        block that became stale can never outlive a recompute of its contents."""
+        if block in self.key_of:
             return
+        old = self.cached.get(key)
+        if old is not None:
+            self._forget(old)
         self.key_of[block] = key
         self.cached[key] = block
         self.fresh.add(block)
 
-    def uncache(self, blocks: list[int]) -> None:
+    def uncache(self, blocks: Iterable[int]) -> None:
         """These cached blocks' contents cannot be trusted (their step failed): forget them."""
         for block in blocks:
-            del self.cached[self.key_of.pop(block)]
-            if block in self.evictable:
-                del self.evictable[block]
-                self.free.append(block)
+            self._forget(block)
+
+    def _forget(self, block: int) -> None:
+        """A cached block loses its key; if nobody holds it, it is plainly free."""
+        del self.cached[self.key_of.pop(block)]
+        self.fresh.discard(block)
+        if block in self.evictable:
+            del self.evictable[block]
+            self.free.append(block)

@@ -262,7 +262,7 @@ class Scheduler:
         """The worker answered that this execution raised: fail its requests (re-queueing them
         would carry a request that breaks the model to every worker)."""
         failed = []
-        self._distrust(step, {w.handle for w in step.chunks})
+        self._distrust(step, {w.handle for w in step.chunks} | set(step.decode_handles))
         for seq, handle in [(w.seq, w.handle) for w in step.chunks] + list(
             zip(step.decodes, step.decode_handles, strict=True)
         ):
@@ -314,9 +314,12 @@ class Scheduler:
     def _plan_chunk(self, ws: WorkerState, step: Step, seq: Sequence, n: int) -> None:
         start = seq.num_computed
         sample = start + n == seq.known
-        step.chunks.append(Work(seq, seq.handle, start, n, sample))
+        work = Work(seq, seq.handle, start, n, sample)
+        step.chunks.append(work)
         seq.num_computed = start + n
         if self.caching:
+            bs = ws.spec.block_size
+            work.blocks = ws.pool.tables[seq.request_id][start // bs : blocks_for(start + n, bs)]
             self._cache(ws, seq, start, start + n)
         if sample:
             seq.known += 1
@@ -498,31 +501,67 @@ class Scheduler:
             pool.cache(table[i], keys[i])
 
     def _distrust(self, step: Step, handles: set[int]) -> None:
-        """These chunks of a step failed: the KV they wrote, and what their requests computed
-        on top of it since (with overlap, later chunks were planned over it), is not to be
-        trusted. Their requests cache nothing more (a cancelled or preempted one included, its
-        handle changed since), the blocks cached under their keys from the failed chunk on
-        leave the cache, and any request that has already started from those blocks goes back
-        to the queue."""
+        """These items of a step failed: the KV they wrote, and everything computed over it
+        since (with overlap, later steps were planned over it), is not to be trusted. Their
+        requests cache nothing more (a cancelled or preempted one included, its handle changed
+        since); the blocks they wrote, their later blocks, and those cached under their keys
+        from the failed positions on leave the cache; and so, transitively, does every block a
+        request filled over a distrusted one: such a request goes back to the queue (admitted
+        with overlap before the failure was known), or, if it has finished since, caches
+        nothing when it leaves."""
         if not self.caching:
             return
         ws = self.workers[step.worker]
-        pool, bs = ws.pool, ws.spec.block_size
-        bad: set[int] = set()
-        for work in step.chunks:
-            seq = work.seq
-            if work.handle not in handles:
-                continue
-            seq.suspect = True
-            if seq.key_block_size == bs:
-                keys = seq.block_keys[work.start // bs :]
-                bad.update(b for b in map(pool.cached.get, keys) if b is not None)
+        bad = self._failed_blocks(ws, step, handles)
         if not bad:
             return
-        pool.uncache(list(bad))
-        for seq in reversed(ws.running):
-            if seq.handle not in handles and not bad.isdisjoint(pool.table(seq.request_id)):
+        tainted = self._spread_distrust(ws, bad, handles)
+        ws.pool.uncache([b for b in bad if b in ws.pool.key_of])
+        for seq in tainted:
+            if seq.is_finished:
+                seq.suspect = True
+            else:
                 self._preempt(ws, seq, cache=False)
+
+    def _failed_blocks(self, ws: WorkerState, step: Step, handles: set[int]) -> set[int]:
+        """The blocks the failed items of `step` wrote or their requests computed over them."""
+        pool, bs = ws.pool, ws.spec.block_size
+        bad: set[int] = set()
+        items = [(w.seq, w.handle, w.start, w.blocks) for w in step.chunks]
+        decodes = zip(step.decodes, step.decode_handles, strict=True)
+        items += [(seq, h, len(seq.prompt_ids), []) for seq, h in decodes]  # writes past it
+        for seq, handle, start, written in items:
+            if handle not in handles:
+                continue
+            seq.suspect = True
+            bad.update(written)
+            if seq.handle == handle or (seq.is_finished and seq.worker == ws.index):
+                bad.update(pool.table(seq.request_id)[start // bs :])
+            if seq.key_block_size == bs:
+                keys = seq.block_keys[start // bs :]
+                bad.update(b for b in map(pool.cached.get, keys) if b is not None)
+        return bad
+
+    @staticmethod
+    def _spread_distrust(ws: WorkerState, bad: set[int], handles: set[int]) -> list[Sequence]:
+        """The other requests on `ws` whose tables hold a distrusted block, in admission order:
+        their blocks from that one on join `bad`, until no more request is reached."""
+        pool = ws.pool
+        tainted: dict[Sequence, None] = {}
+        others = [s for s in ws.running if s.handle not in handles]
+        grew = True
+        while grew:
+            grew = False
+            for seq in others:
+                if seq in tainted:
+                    continue
+                table = pool.table(seq.request_id)
+                first = next((i for i, b in enumerate(table) if b in bad), None)
+                if first is not None:
+                    bad.update(table[first:])
+                    tainted[seq] = None
+                    grew = True
+        return [s for s in ws.running if s in tainted][::-1]  # newest first: FCFS kept
 
     # ---- helpers -------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ class Work:
     start: int
     num_tokens: int
     sample: bool  # the chunk reaches the end of the known tokens: a new token comes out
+    blocks: list[int] = field(default_factory=list)  # those it writes into (prefix caching)
 
     @property
     def token_ids(self) -> list[int]:
