@@ -17,33 +17,53 @@ from scheduler_svc.service import SchedulerService
 from scheduler_svc.settings import ENV_PREFIX, SchedulerSettings
 from scheduler_svc.workers import WorkerClient
 
+JOIN_GRACE_S = 3.0  # once a listed worker answers, the others get this long to answer too
+
+
+async def describe_once(client: WorkerClient) -> str:
+    """Why the worker did not describe itself ("" = it did); a refused token stops the start."""
+    try:
+        await client.describe(timeout=2.0)
+        return ""
+    except grpc.aio.AioRpcError as err:
+        if err.code() is grpc.StatusCode.UNAUTHENTICATED:
+            raise SystemExit(f"worker {client.target}: {err.details()}") from None
+        return err.details() or err.code().name
+
 
 async def connect(
     settings: SchedulerSettings, token: str = "", timeout: float = 120.0
-) -> list[WorkerClient]:
+) -> tuple[list[WorkerClient], list[WorkerClient]]:
+    """The workers of --workers: (those that answer, those that do not). It waits up to
+    `timeout` for one to answer, then JOIN_GRACE_S at most for the rest: the scheduler serves
+    with the workers that answer (a restarted one must not wait for a worker that is down),
+    and the others join when they answer (SchedulerService.join_absent)."""
     clients = [WorkerClient(t, token=token) for t in settings.worker_targets]
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    for client in clients:
-        while True:
-            try:
-                await client.describe(timeout=2.0)
-                break
-            except grpc.aio.AioRpcError as err:
-                if err.code() is grpc.StatusCode.UNAUTHENTICATED:
-                    raise SystemExit(f"worker {client.target}: {err.details()}") from None
-                if loop.time() > deadline:
-                    raise SystemExit(
-                        f"worker {client.target} did not answer: {err.details()}"
-                    ) from None
-                await asyncio.sleep(0.2)
-        capacity = client.info.capacity_positions
-        if settings.kv_capacity and capacity != settings.kv_capacity:
-            raise SystemExit(
-                f"worker {client.target} reports a KV pool of {capacity} positions, "
-                f"but --kv-capacity is {settings.kv_capacity}"
-            )
-    return clients
+    deadline, grace_end = loop.time() + timeout, None
+    why: dict[WorkerClient, str] = dict.fromkeys(clients, "not asked yet")
+    while why:
+        asked = list(why)
+        answers = await asyncio.gather(*map(describe_once, asked))
+        for client, problem in zip(asked, answers, strict=True):
+            if problem:
+                why[client] = problem
+                continue
+            del why[client]
+            mismatch = settings.capacity_problem(client.info.capacity_positions)
+            if mismatch:
+                raise SystemExit(f"worker {client.target} {mismatch}")
+        now = loop.time()
+        if len(why) < len(clients):
+            grace_end = grace_end or now + JOIN_GRACE_S
+        if why and grace_end is not None and now >= grace_end:
+            break
+        if why and grace_end is None and now > deadline:
+            client, problem = next(iter(why.items()))
+            raise SystemExit(f"worker {client.target} did not answer: {problem}")
+        if why:
+            await asyncio.sleep(0.2)
+    return [c for c in clients if c not in why], list(why)
 
 
 async def serve(settings: SchedulerSettings) -> None:
@@ -57,10 +77,12 @@ async def serve(settings: SchedulerSettings) -> None:
         [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name],
         token=token,
     )
-    clients = await connect(settings, token)
+    clients, absent = await connect(settings, token)
     for c in clients:
         log.info("worker %s: %s", c.target, str(c.info).replace("\n", " "))
-    service = SchedulerService(settings, clients, token)
+    for c in absent:
+        log.warning("worker %s does not answer: serving without it until it does", c.target)
+    service = SchedulerService(settings, clients, token, absent)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server.server)
 
     async def ready() -> None:

@@ -64,11 +64,16 @@ def work_sampling(s: common_pb2.SamplingParams) -> worker_pb2.WorkSampling:
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(
-        self, settings: SchedulerSettings, clients: list[WorkerClient], token: str = ""
+        self,
+        settings: SchedulerSettings,
+        clients: list[WorkerClient],
+        token: str = "",
+        absent: list[WorkerClient] | None = None,
     ) -> None:
         self.settings = settings
         self.token = token  # the internal token, sent to the workers that join
         self.clients: list[WorkerClient] = []
+        self.absent = list(absent or [])  # in --workers, not answering yet: see join_absent
         self.loops: list[WorkerLoop | None] = []
         self.core = Scheduler(settings.core())
         self.eos_ids: frozenset[int] = frozenset()
@@ -323,7 +328,23 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         pool); forget a registered one that stays away."""
         while True:
             await asyncio.sleep(period)
-            await asyncio.gather(*(self.watch(i) for i in range(len(self.core.workers))))
+            watched = (self.watch(i) for i in range(len(self.core.workers)))
+            await asyncio.gather(*watched, *map(self.join_absent, list(self.absent)))
+
+    async def join_absent(self, client: WorkerClient) -> None:
+        """A worker of --workers that did not answer at the start joins once it does."""
+        try:
+            await client.describe(timeout=1.0)
+        except grpc.aio.AioRpcError:
+            return
+        self.absent.remove(client)
+        problem = self.settings.capacity_problem(client.info.capacity_positions)
+        if problem or any(c.target == client.target for c in self.clients):
+            log.error("worker %s %s: it stays out", client.target, problem or "joined already")
+            await client.close()
+            return
+        log.info("worker %s joined: %s", client.target, str(client.info).replace("\n", " "))
+        self.join(client)
 
     async def watch(self, index: int) -> None:
         """One worker's health: a live one that says NOT_SERVING drains; one that does not

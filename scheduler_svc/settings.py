@@ -59,6 +59,15 @@ class SchedulerSettings(CoreConfig):
             raise ValueError("--stream-interval-ms must be >= 0")
         CoreConfig.__post_init__(self)  # validates budget and running limit (no super(): slots)
 
+    def capacity_problem(self, positions: int) -> str | None:
+        """Why a worker with a KV pool of `positions` cannot serve here (--kv-capacity)."""
+        if self.kv_capacity and positions != self.kv_capacity:
+            return (
+                f"reports a KV pool of {positions} positions, but --kv-capacity is "
+                f"{self.kv_capacity}"
+            )
+        return None
+
     @property
     def entries(self) -> list[str]:
         return [t.strip() for t in self.workers.split(",") if t.strip()]
