@@ -2,9 +2,15 @@
 (gRPC) or headers (HTTP, gateway/http_api.py).
 
 Health checks and reflection stay open so that probes work without the key.
+
+The key also names a tenant of the prefix cache: `cache_salt` mixes a digest of it (never the
+key) with the request's own salt, so that clients of different keys or salts share no cached
+KV block and cannot learn through the cache whether another's prompt starts like theirs.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 from llmserve.runtime.auth import Metadata, TokenInterceptor
 
@@ -30,3 +36,20 @@ class ApiKeyInterceptor(TokenInterceptor):
             token_of=key_from_metadata,
             refusal=API_KEY_REFUSAL,
         )
+
+
+def tenant_of(api_key: str) -> bytes:
+    """The prefix-cache tenant of an API key: a digest of it (b"" without a key)."""
+    if not api_key:
+        return b""
+    return hashlib.blake2b(api_key.encode(), person=b"llmserve-tenant").digest()
+
+
+def cache_salt(tenant: bytes, request_salt: str) -> bytes:
+    """The salt the scheduler seeds the request's block keys with: b"" (shared with every
+    request without one, as before) when there is neither a tenant nor a request salt; else a
+    keyed digest, so that equal (tenant, salt) pairs, and only those, share cached blocks."""
+    if not tenant and not request_salt:
+        return b""
+    digest = hashlib.blake2b(request_salt.encode(), key=tenant, person=b"llmserve-cache")
+    return digest.digest()

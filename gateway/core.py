@@ -21,6 +21,7 @@ from typing import Protocol
 import grpc
 
 from gateway.admission import AdmissionQueue
+from gateway.auth import cache_salt, tenant_of
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.settings import GatewaySettings
 from gateway.stops import StopMatcher
@@ -65,6 +66,7 @@ class GenerateInput:
     min_tokens: int = 0
     logit_bias: Mapping[int, float] | None = None
     logprobs: int | None = None  # top alternatives with each token's logprob; None: no logprobs
+    cache_salt: str = ""  # only requests of equal salt (and API key) share cached KV blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +116,7 @@ class GatewayCore:
         self.model = model  # the name the workers serve, from the scheduler's status
         self.model_name = model_name or model  # the model this gateway's tokenizer is for
         self.refusal: str | None = None  # set while the workers serve another model
+        self.tenant = tenant_of(settings.api_key())  # its clients' share of the prefix cache
         self.queue = AdmissionQueue(settings.max_queued_requests, settings.max_queued_tokens)
         self.pool = ThreadPoolExecutor(settings.tokenize_threads, thread_name_prefix="tokenize")
         self.observer = None  # metrics hook, set by the metrics module
@@ -226,6 +229,7 @@ class GatewayCore:
                 logit_bias=job.logit_bias,
                 logprobs=job.logprobs,
             ),
+            cache_salt=cache_salt(self.tenant, job.cache_salt),
         )
         invalid = sampling_problem(submit.sampling)
         if invalid is not None:

@@ -88,6 +88,7 @@ class Sampling(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # an extension, as in vLLM
+    cache_salt: str | None = None  # vLLM's: only requests of equal salt share cached KV blocks
 
     # ranges are checked with the gRPC API's (llmserve/runtime/request_checks.py)
     presence_penalty: float | None = None
@@ -144,6 +145,7 @@ class Sampling(Body):
             min_tokens=self.min_tokens or 0,
             logit_bias=_logit_bias(self.logit_bias or {}),
             logprobs=self.top_logprobs_asked(),
+            cache_salt=self.cache_salt or "",
         )
 
 

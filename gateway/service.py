@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
@@ -12,11 +13,14 @@ import grpc
 from gateway.choices import choice_inputs, choices_problem, merged
 from gateway.core import Delta, Finish, GatewayCore, GenerateInput, GenerationError
 from gateway.usage import Tally
-from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from llmserve.runtime.auth import internal_token, internal_token_of
+from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 
 __all__ = ["GatewayService", "Tally", "generate_input"]
 
 STATUS_TIMEOUT_S = 10.0  # a Status call without a deadline waits for the scheduler this long
+# a worker's figures that move with prefix-cache hits (an ordinary client's Status omits them)
+CACHE_FIGURES = ("cached_blocks", "evictable_blocks", "evictions", "prompt_tokens", "hit_tokens")
 
 
 def generate_input(request: gateway_pb2.GenerateRequest) -> GenerateInput:
@@ -42,12 +46,14 @@ def generate_input(request: gateway_pb2.GenerateRequest) -> GenerateInput:
         min_tokens=s.min_tokens,
         logit_bias=dict(s.logit_bias),
         logprobs=s.logprobs if s.HasField("logprobs") else None,
+        cache_salt=request.cache_salt,
     )
 
 
 class GatewayService(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, core: GatewayCore) -> None:
         self.core = core
+        self.operator_token: str | None = None  # the internal token ("" = none), read once
 
     async def Generate(self, request, context):
         async for message in self._generate(request, context):
@@ -86,12 +92,21 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         )
 
     async def Status(self, request, context):
-        """The scheduler's Status, passed on: `llmserve status` needs only the gateway."""
+        """The scheduler's Status, passed on: `llmserve status` needs only the gateway. An
+        ordinary client (the API key only) gets it without the prefix-cache figures, which
+        would tell it whether another client's prompt starts like its own; the operator (the
+        call carries the stack's internal token) gets them all."""
         try:
             timeout = context.time_remaining() or STATUS_TIMEOUT_S
-            return await self.core.scheduler.Status(request, timeout=timeout)
+            reply = await self.core.scheduler.Status(request, timeout=timeout)
         except grpc.aio.AioRpcError as err:
             await context.abort(err.code(), f"the scheduler's status: {err.details()}")
+        if self.operator_token is None:
+            self.operator_token = internal_token(self.core.settings.internal_token_file)
+        given = internal_token_of(context.invocation_metadata()).encode()
+        if not self.operator_token or not hmac.compare_digest(given, self.operator_token.encode()):
+            withhold_cache_figures(reply)
+        return reply
 
     async def _generate(self, request, context) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         problem = choices_problem(request.n if request.HasField("n") else None)
@@ -111,6 +126,16 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     yield _message(request, index, event)
             except GenerationError as err:
                 _refuse(context, err.code, err.message)
+
+
+def withhold_cache_figures(reply: scheduler_pb2.StatusReply) -> None:
+    """Clear every figure that moves with prefix-cache hits, and say so."""
+    for kv in reply.workers:
+        for name in CACHE_FIGURES:
+            kv.ClearField(name)
+    for name in ("prompt_tokens", "hit_tokens", "evictions"):
+        reply.ClearField(name)
+    reply.cache_figures_withheld = True
 
 
 def _n(request: gateway_pb2.GenerateRequest) -> int:

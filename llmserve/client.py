@@ -176,6 +176,7 @@ def status_dict(reply: scheduler_pb2.StatusReply) -> dict:
         "prompt_tokens",
         "hit_tokens",
         "evictions",
+        "cache_figures_withheld",
     ]
     out = {k: getattr(reply, k) for k in keys}
     out["stalls"] = dict(reply.stalls)

@@ -9,6 +9,7 @@ REASONS = {r.value: r.description for r in StallReason}
 
 def format_status(s: dict) -> str:
     head = s["head_wait_reason"]
+    withheld = s.get("cache_figures_withheld", False)
     lines = [
         f"model {s['model']}  policy {s['policy']}  mode {s['mode']}  budget {s['token_budget']}"
         f"  max running {s['max_running']}  block size {s['block_size']}"
@@ -39,17 +40,14 @@ def format_status(s: dict) -> str:
                 f"\n  {'':<10} prefix cache: cached blocks {w['cached_blocks']:>6}  evictable "
                 f"{w['evictable_blocks']:>6}  hit rate {hit_rate(w):>6}  evictions "
                 f"{w['evictions']}"
-                if s["prefix_caching"]
+                if s["prefix_caching"] and not withheld
                 else ""
             )
         )
     stalls = ", ".join(f"{k} {v}" for k, v in sorted(s["stalls"].items())) or "none"
     refused = ", ".join(f"{k} {v}" for k, v in sorted(s["refused"].items())) or "none"
     lines += [
-        f"prefix cache: hit rate {hit_rate(s)} ({s['hit_tokens']} of {s['prompt_tokens']} "
-        f"prompt tokens served from cache)  evictions {s['evictions']}"
-        if s["prefix_caching"]
-        else "prefix cache: off",
+        prefix_cache_line(s),
         f"admission stalls by reason (steps): {stalls}",
         f"refused at submit: {refused}",
     ]
@@ -61,3 +59,22 @@ def hit_rate(figures: dict) -> str:
     if not figures["prompt_tokens"]:
         return "-"
     return f"{100 * figures['hit_tokens'] / figures['prompt_tokens']:.1f}%"
+
+
+CACHE_WITHHELD = (
+    "prefix cache: on (its figures are for the operator: ask with the internal token, or read "
+    "the scheduler's /metrics)"
+)
+
+
+def prefix_cache_line(s: dict) -> str:
+    """The cache's figures; only that it is on where they were withheld (an ordinary client's
+    Status through the gateway: they would tell it of other clients' prompts)."""
+    if not s["prefix_caching"]:
+        return "prefix cache: off"
+    if s.get("cache_figures_withheld"):
+        return CACHE_WITHHELD
+    return (
+        f"prefix cache: hit rate {hit_rate(s)} ({s['hit_tokens']} of {s['prompt_tokens']} "
+        f"prompt tokens served from cache)  evictions {s['evictions']}"
+    )
