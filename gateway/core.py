@@ -277,8 +277,8 @@ class GatewayCore:
                 except grpc.aio.AioRpcError as err:
                     if not await _scheduler_lost(call, err, resume_by is not None):
                         raise
-                    if len(streamed) >= params.max_tokens:  # only its end was lost
-                        finish = common_pb2.FINISH_REASON_LENGTH
+                    finish = _known_end(streamed, params.max_tokens, job.stop_token_ids)
+                    if finish:  # only its end was lost: resubmitted, it would run on
                         break
                     now = time.monotonic()
                     if resume_by is None or await _accepted(call):
@@ -317,6 +317,17 @@ class GatewayCore:
             if self.observer is not None:
                 self.observer(finish, tally)
         yield Finish(rid, finish, tally.usage(), error)
+
+
+def _known_end(streamed: list[int], max_tokens: int, stop_token_ids: Sequence[int]) -> int:
+    """How a request whose finish was lost has ended, if its tokens say so (UNSPECIFIED: it
+    may go on): all max_tokens streamed, or the last one is a stop_token_id (EOS is left to
+    the scheduler, which knows the model's and whether ignore_eos holds)."""
+    if len(streamed) >= max_tokens:
+        return common_pb2.FINISH_REASON_LENGTH
+    if streamed and streamed[-1] in stop_token_ids:
+        return common_pb2.FINISH_REASON_STOP
+    return common_pb2.FINISH_REASON_UNSPECIFIED
 
 
 async def _accepted(call) -> bool:
