@@ -29,10 +29,12 @@ from tests.stack_checks import (
     wait_idle,
 )
 from tests.stacks import running_stack, tiny_settings
+from tests.streams import Streams
 
 pytestmark = pytest.mark.usefixtures("hang_guard")
 SOAK_SECONDS = float(os.environ.get("LLMSERVE_SOAK_SECONDS", "60"))
 BOUND = 15.0  # seconds: a generous bound on "at once" on a loaded 2-core machine
+SIM_STEP_MS = 20.0
 WORDS = "the cat sat on a mat and then it ran far away to see what the dog was up to".split()
 
 
@@ -51,9 +53,17 @@ def expect_code(target: str, request, timeout: float) -> tuple[grpc.StatusCode, 
     return err.value.code(), err.value.details() or "", time.monotonic() - started
 
 
+def blocking_settings(**overrides):
+    """A stack on the simulated model whose every step takes at least SIM_STEP_MS: a Blocker's
+    1900 tokens last 38 s or more on any host (the tiny model may run them in 2 s on a fast one,
+    ending before the test has seen what it waits for)."""
+    return tiny_settings(model="sim", sim_step_ms=SIM_STEP_MS, **overrides)
+
+
 class Blocker:
-    """A long request holding the only running slot until cancelled. `streaming` is set at its
-    first token: the gateway has seen it admitted, so it no longer counts in the gateway's queue."""
+    """A long request holding the only running slot until cancelled (on a blocking_settings
+    stack). `streaming` is set at its first token: the gateway has seen it admitted, so it no
+    longer counts in the gateway's queue."""
 
     def __init__(self, target: str) -> None:
         self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
@@ -77,28 +87,20 @@ class Blocker:
 
 
 def test_queue_token_limit_refuses_at_once(tmp_path) -> None:
-    settings = tiny_settings(max_running=1, max_queued_requests=10, max_queued_tokens=60)
+    settings = blocking_settings(max_running=1, max_queued_requests=10, max_queued_tokens=60)
     prompt = " ".join(WORDS[:12])  # about 13 tokens
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler
         blocker = Blocker(gw)
         assert blocker.streaming.wait(BOUND), "the blocker never ran"
-        queued = [
-            threading.Thread(
-                target=expect_code,
-                args=(gw, client.make_request(prompt=prompt, max_tokens=4), 2.0),
-            )
-            for _ in range(3)
-        ]
-        for t in queued:
-            t.start()
+        small = client.make_request(prompt=prompt, max_tokens=4, ignore_eos=True)
+        queued = Streams(gw, [small] * 3, timeout=BOUND * 4)  # they wait as long as it runs
         wait_for(lambda: waiting(sched) == 3, BOUND, "three requests wait")
         code, details, took = expect_code(gw, client.make_request(prompt=prompt * 3), BOUND)
         assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and "prompt tokens" in details
         assert took < 5.0
-        for t in queued:
-            t.join(BOUND)
         blocker.cancel()
+        assert [len(o.tokens) for o in queued.join(BOUND * 4)] == [4, 4, 4]  # then they ran
         wait_idle(sched)
         stop_cleanly(stack)
 
@@ -113,20 +115,20 @@ def watch_queue(scheduler: str, seen: list[int], seconds: float = 5.0) -> None:
 
 
 def test_deadline_while_queued_frees_everything(tmp_path) -> None:
-    settings = tiny_settings(max_running=1, max_queued_requests=1, kv_capacity=2048)
+    settings = blocking_settings(max_running=1, max_queued_requests=1, kv_capacity=2048)
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler
         for i in range(3):  # the one queue slot is freed every time, or the next is refused
-            blocker = Blocker(gw)  # a fresh one each time: ~1900 tokens outlast the deadline
+            blocker = Blocker(gw)  # a fresh one each time: it outlasts the deadline
             assert blocker.streaming.wait(BOUND), "the blocker never ran"
             seen: list[int] = []
             watcher = threading.Thread(target=watch_queue, args=(sched, seen))
             watcher.start()
-            code, details, took = expect_code(gw, greedy_request(i + 1, 8), timeout=1.0)
+            code, details, took = expect_code(gw, greedy_request(i + 1, 8), timeout=2.0)
             watcher.join()
             assert code is grpc.StatusCode.DEADLINE_EXCEEDED, (code, details)
             assert seen, "the request never waited in the scheduler's queue"
-            assert 0.9 < took < 1.0 + BOUND
+            assert 1.9 < took < 2.0 + BOUND
             wait_for(lambda: waiting(sched) == 0, BOUND, "the expired request left the queue")
             assert running(sched) == 1  # the blocker still runs: the request expired waiting
             blocker.cancel()
