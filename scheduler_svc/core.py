@@ -450,6 +450,7 @@ class Scheduler:
             ws.pool.share(seq.request_id, hit)
             step.shares.append((seq.handle, hit))
             seq.num_computed = len(hit) * ws.spec.block_size
+        seq.cached_to = seq.num_computed  # shared blocks are cached; its own, not yet
         ws.prompt_tokens += seq.known
         ws.hit_tokens += seq.num_computed
         self._grow(ws, seq, seq.stop_at if self.reserve else seq.num_computed + n, step)
@@ -477,15 +478,25 @@ class Scheduler:
 
     @staticmethod
     def _keys(seq: Sequence, upto: int, bs: int) -> list[bytes]:
-        """The keys of `seq`'s first `upto` full blocks (kept on it, extended as needed)."""
+        """The keys of `seq`'s first `upto` full blocks (kept on it, extended as needed; only
+        the tokens of the blocks still to hash are read)."""
         if seq.key_block_size != bs:
             seq.block_keys, seq.key_block_size = [], bs
         keys = seq.block_keys
         if len(keys) < upto:
-            prompt = seq.prompt_ids
-            tokens = prompt if upto * bs <= len(prompt) else seq.tokens
-            block_keys(tokens, bs, keys, upto, seq.cache_salt)
+            prompt, salt = seq.prompt_ids, seq.cache_salt
+            if upto * bs <= len(prompt):
+                block_keys(prompt, bs, keys, upto, salt)
+            else:
+                at = len(keys) * bs
+                tail = prompt[at:] + seq.output_ids[max(0, at - len(prompt)) :]
+                block_keys(tail, bs, keys, upto, salt, offset=at)
         return keys
+
+    def _cache_rest(self, ws: WorkerState, seq: Sequence) -> None:
+        """`seq` leaves its worker: cache the full blocks its chunks have not (those its
+        decodes filled), as far as its tokens are known."""
+        self._cache(ws, seq, seq.cached_to, min(seq.num_computed, seq.num_tokens))
 
     def _cache(self, ws: WorkerState, seq: Sequence, start: int, end: int) -> None:
         """Positions start..end of `seq` are (or will be, by its steps sent) written: cache the
@@ -499,6 +510,7 @@ class Scheduler:
         table = pool.tables[seq.request_id]
         for i in range(first, last):
             pool.cache(table[i], keys[i])
+        seq.cached_to = max(seq.cached_to, last * bs)
 
     def _distrust(self, step: Step, handles: set[int]) -> None:
         """These items of a step failed: the KV they wrote, and everything computed over it
@@ -601,7 +613,7 @@ class Scheduler:
         ws.running.remove(seq)
         ws.prefilling.discard(seq)
         if self.caching and cache:  # its recompute (or another request) may find these again
-            self._cache(ws, seq, 0, min(seq.num_computed, seq.num_tokens))
+            self._cache_rest(ws, seq)
         ws.pool.release(seq.request_id)
         ws.released.append(seq.handle)
         seq.status, seq.worker, seq.handle = SeqStatus.WAITING, None, NO_HANDLE
@@ -618,7 +630,7 @@ class Scheduler:
         for seq, handle in ws.done:
             ws.prefilling.discard(seq)
             if self.caching and seq.finish is not Finish.ERROR:  # an error's KV is suspect
-                self._cache(ws, seq, 0, min(seq.num_computed, seq.num_tokens))
+                self._cache_rest(ws, seq)
             ws.pool.release(seq.request_id)
             ws.released.append(handle)
             if self.seqs.get(seq.request_id) is seq:

@@ -56,6 +56,7 @@ class Sequence:
     key_block_size: int = 0  # the block size `block_keys` are for
     cache_salt: bytes = b""  # seeds `block_keys`: only requests of equal salt share blocks
     suspect: bool = False  # a step computing its KV failed: cache none of it (until recomputed)
+    cached_to: int = 0  # its chunks have cached its full blocks before this position
 
     def __post_init__(self) -> None:
         self.known = len(self.prompt_ids) + len(self.output_ids)

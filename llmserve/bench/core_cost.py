@@ -4,11 +4,13 @@ admitted and waiting requests grow. Pure Python, no model: what the core adds to
 from __future__ import annotations
 
 import itertools
+import statistics
 import time
 from dataclasses import dataclass
 
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
+from scheduler_svc.output import Event
 from scheduler_svc.sequence import Sequence
 
 PROMPT = 32
@@ -82,3 +84,90 @@ def default_grid(quick: bool = False) -> list[tuple[int, int, int]]:
     grid += [(256, w, 0) for w in (1_000, 100_000)]
     grid += [(256, 10_000, a) for a in (16, 64)]
     return grid
+
+
+# ---- the prefix cache under a Mooncake-shaped load (issue 20, item 13) --------------------
+
+HASH_BLOCK = 512  # tokens per hash id in Mooncake's traces
+LONG_PROMPT = 30 * HASH_BLOCK  # 15,360 tokens
+SHARED_BLOCKS = 4  # hash blocks each request shares with others (a system prompt)
+PREFIXES = 16
+NEVER_EVICTS = 1 << 26  # positions: more than the run ever holds
+EVICTS = 4_000_000  # positions: 256 long requests fill it, so cached blocks are taken
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCost:
+    running: int
+    caching: bool
+    positions: int
+    steps: int
+    schedule_us: float  # medians per step
+    complete_us: float
+    evictions: int
+    hit_rate: float
+
+    @property
+    def total_us(self) -> float:
+        return self.schedule_us + self.complete_us
+
+
+class PrefixSteady:
+    """One worker at its running limit with long prompts (the hash trace's shape at load): each
+    request is a shared 2,048-token prefix (one of 16) and 13,312 tokens of its own, prefilled in
+    chunks of the 8,192-token budget, then decodes a few hundred tokens and is replaced by a new
+    one from a queue that never empties. Block size 16, as in `bench sim`."""
+
+    def __init__(self, running: int, caching: bool, positions: int, block_size: int = 16) -> None:
+        self.ids = itertools.count()
+        spec = WorkerSpec("w0", positions // block_size, block_size, 32768)
+        config = CoreConfig(token_budget=8192, max_running=running, prefix_caching=caching)
+        self.core = Scheduler(config, [spec], clock=lambda: 0.0)
+        self.prefixes = [
+            [1000 + p * 7 + i % 97 for i in range(SHARED_BLOCKS * HASH_BLOCK)]
+            for p in range(PREFIXES)
+        ]
+        for _ in range(running + 8):
+            self._add()
+
+    def _add(self) -> None:
+        n = next(self.ids)
+        own = [(n * 131 + i) % 50_000 + 3 for i in range(LONG_PROMPT - SHARED_BLOCKS * HASH_BLOCK)]
+        prompt = self.prefixes[n % PREFIXES] + own
+        self.core.add(Sequence(str(n), prompt, 100 + (n * 37) % 300, arrival=1.0))
+
+    def step(self) -> tuple[float, float]:
+        core = self.core
+        t0 = time.perf_counter()
+        steps = core.schedule()
+        t1 = time.perf_counter()
+        for step in steps:
+            core.complete(step, [7] * step.num_sampled)
+        t2 = time.perf_counter()
+        for event in core.take_raw_events():
+            if type(event) is Event and event.finish is not None:
+                self._add()
+        return t1 - t0, t2 - t1
+
+
+def prefix_cost(
+    running: int = 256, caching: bool = True, positions: int = NEVER_EVICTS, steps: int = 200
+) -> PrefixCost:
+    """Per-step core time (medians) once every request has been replaced at least once."""
+    state = PrefixSteady(running, caching, positions)
+    warm = 0
+    while state.core.finished < running + 8 and warm < 20_000:  # the first batch replaced
+        state.step()
+        warm += 1
+    times = [state.step() for _ in range(steps)]
+    kv = state.core.snapshot().workers[0]
+    return PrefixCost(
+        running,
+        caching,
+        positions,
+        steps,
+        1e6 * statistics.median(t for t, _ in times),
+        1e6 * statistics.median(c for _, c in times),
+        kv.evictions,
+        kv.hit_tokens / max(1, kv.prompt_tokens),
+    )
