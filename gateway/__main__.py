@@ -16,6 +16,7 @@ from gateway.http_server import HttpServer, bind
 from gateway.inflate import SERVER_OPTIONS
 from gateway.malformed import MalformedRequestInterceptor
 from gateway.metrics import GatewayMetrics
+from gateway.scheduler_watch import CHECK_TIMEOUT_S, WATCH_PERIOD_S, SilenceBound, Verdict
 from gateway.served_model import (
     ServedModel,
     first_mismatch,
@@ -28,6 +29,8 @@ from gateway.settings import ENV_PREFIX, GatewaySettings
 from gateway.tokenizer_files import load_tokenizer
 from llmserve.runtime.auth import internal_token
 from llmserve.runtime.flags import add_flags, from_args
+from llmserve.runtime.health import check_health
+from llmserve.runtime.metrics_http import metrics_host
 from llmserve.runtime.server import Server, die_with_parent, internal_channel, setup_logging
 from llmserve.v1 import (
     gateway_pb2,
@@ -110,7 +113,38 @@ async def follow_workers(stub, core: GatewayCore, server: Server, token: str) ->
             else:
                 log.info("the workers serve this gateway's model again: SERVING")
             if not server.stopping.is_set():
-                await server.set_serving(problem is None)
+                await server.set_serving(problem is None and core.scheduler_hung is None)
+
+
+async def watch_scheduler(channel, core: GatewayCore, server: Server) -> None:
+    """The gateway's own bound on a hung scheduler (gateway/scheduler_watch.py): NOT_SERVING
+    and new requests refused after --scheduler-timeout without an answer, the held requests
+    ended after --resubmit-timeout; SERVING again once it answers."""
+    s = core.settings
+    bound = SilenceBound(s.scheduler_timeout, s.resubmit_timeout)
+    while True:
+        await asyncio.sleep(WATCH_PERIOD_S)
+        try:
+            await check_health(channel, timeout=CHECK_TIMEOUT_S)
+            silent = False
+        except grpc.aio.AioRpcError as err:  # UNAVAILABLE: down, which resubmission bounds
+            silent = err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        was, verdict = bound.verdict, bound.observe(silent)
+        if verdict is Verdict.ANSWERS:
+            if was is not Verdict.ANSWERS:
+                log.info("the scheduler answers again: SERVING")
+                core.scheduler_hung = None
+                if not server.stopping.is_set():
+                    await server.set_serving(core.refusal is None)
+            continue
+        core.scheduler_hung = bound.problem()
+        if was is Verdict.ANSWERS:
+            log.error("NOT_SERVING: %s", core.scheduler_hung)
+            if not server.stopping.is_set():
+                await server.set_serving(False)
+        if verdict is Verdict.GIVEN_UP and core.held:
+            log.error("ending %d requests: %s", len(core.held), core.scheduler_hung)
+            core.give_up_on_scheduler(core.scheduler_hung)
 
 
 async def serve(settings: GatewaySettings) -> None:
@@ -159,9 +193,11 @@ async def serve(settings: GatewaySettings) -> None:
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayService(core), server.server)
     if metrics:
         metrics.attach(core)
-        metrics.serve(settings.host, settings.metrics_port)
-        log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
+        where = metrics_host(settings.host, settings.metrics_host)
+        metrics.serve(where, settings.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", where, settings.metrics_port)
     follower = asyncio.create_task(follow_workers(stub, core, server, token))
+    watcher = asyncio.create_task(watch_scheduler(channel, core, server))
     http = None
     if http_socket is not None:
         api = HttpApi(
@@ -173,6 +209,7 @@ async def serve(settings: GatewaySettings) -> None:
         await server.run(grace=settings.drain_timeout, before_stop=http.drain if http else None)
     finally:
         follower.cancel()
+        watcher.cancel()
         if http is not None:
             await http.stopped()
 

@@ -116,6 +116,8 @@ class GatewayCore:
         self.model = model  # the name the workers serve, from the scheduler's status
         self.model_name = model_name or model  # the model this gateway's tokenizer is for
         self.refusal: str | None = None  # set while the workers serve another model
+        self.scheduler_hung: str | None = None  # set while the scheduler answers nothing
+        self.held: set = set()  # the scheduler calls of the requests in flight
         self.tenant = tenant_of(settings.api_key())  # its clients' share of the prefix cache
         self.queue = AdmissionQueue(settings.max_queued_requests, settings.max_queued_tokens)
         self.pool = ThreadPoolExecutor(settings.tokenize_threads, thread_name_prefix="tokenize")
@@ -195,6 +197,8 @@ class GatewayCore:
         `rid`: the scheduler's key (default: a new one); never a client's id, which may collide."""
         if self.refusal is not None:
             raise GenerationError(grpc.StatusCode.UNAVAILABLE, self.refusal)
+        if self.scheduler_hung is not None:
+            raise GenerationError(grpc.StatusCode.UNAVAILABLE, self.scheduler_hung)
         tally = Tally()
         rid = rid or uuid.uuid4().hex
         # refusals are raised where they are made, never held in a local: an exception held
@@ -236,7 +240,7 @@ class GatewayCore:
             raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, invalid)
         self.queue.enter(len(prompt_ids))
         queued = True
-        call = self.scheduler.Submit(submit, timeout=time_remaining())
+        call = self._submit(submit, time_remaining)
         detok = IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=True, prompt_ids=prompt_ids
         )
@@ -292,7 +296,8 @@ class GatewayCore:
                     tally.resubmits += 1
                     del submit.resume_token_ids[:]
                     submit.resume_token_ids.extend(streamed)
-                    call = self.scheduler.Submit(submit, timeout=time_remaining())
+                    self.held.discard(call)
+                    call = self._submit(submit, time_remaining)
             if finish == common_pb2.FINISH_REASON_ERROR:
                 raise GenerationError(grpc.StatusCode.UNAVAILABLE, error or "generation failed")
             if not stops.stopped:
@@ -300,7 +305,12 @@ class GatewayCore:
                 tail += stops.flush()
                 if tail:
                     yield Delta(tail, [])
-        except (asyncio.CancelledError, GeneratorExit):  # the client left, or its deadline passed
+        except asyncio.CancelledError:
+            if self._given_up():
+                raise GenerationError(grpc.StatusCode.UNAVAILABLE, self.scheduler_hung) from None
+            finish = common_pb2.FINISH_REASON_CANCELLED  # the client left, or its deadline passed
+            raise
+        except GeneratorExit:  # the client left
             finish = common_pb2.FINISH_REASON_CANCELLED
             raise
         except grpc.aio.AioRpcError as err:
@@ -314,9 +324,28 @@ class GatewayCore:
             if queued:
                 self.queue.leave(len(prompt_ids))
             call.cancel()
+            self.held.discard(call)
             if self.observer is not None:
                 self.observer(finish, tally)
         yield Finish(rid, finish, tally.usage(), error)
+
+    def _submit(self, submit: scheduler_pb2.SubmitRequest, time_remaining):
+        call = self.scheduler.Submit(submit, timeout=time_remaining())
+        self.held.add(call)
+        return call
+
+    def give_up_on_scheduler(self, problem: str) -> None:
+        """The scheduler has answered nothing for too long: end every request it holds with
+        UNAVAILABLE (`problem`), as if it had died (see gateway/scheduler_watch.py)."""
+        self.scheduler_hung = problem
+        for call in list(self.held):
+            call.cancel()
+
+    def _given_up(self) -> bool:
+        """Was this request's call cancelled by give_up_on_scheduler (not its task: the client
+        leaving cancels the task)?"""
+        task = asyncio.current_task()
+        return self.scheduler_hung is not None and task is not None and not task.cancelling()
 
 
 def _known_end(streamed: list[int], max_tokens: int, stop_token_ids: Sequence[int]) -> int:

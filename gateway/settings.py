@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from llmserve.runtime.auth import INTERNAL_TOKEN_HELP, read_secret_file
 from llmserve.runtime.flags import setting
+from llmserve.runtime.metrics_http import METRICS_HOST_HELP
 
 ENV_PREFIX = "LLMSERVE_GATEWAY_"  # $LLMSERVE_GATEWAY_HTTP_PORT=8000 = --http-port 8000
 
@@ -32,6 +33,7 @@ class GatewaySettings:
         262144, "refuse with RESOURCE_EXHAUSTED beyond this many waiting prompt tokens"
     )
     metrics_port: int = setting(0, "Prometheus /metrics port; 0 = off")
+    metrics_host: str = setting("", METRICS_HOST_HELP)
     http_port: int = setting(
         0,
         "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
@@ -69,6 +71,12 @@ class GatewaySettings:
         30.0,
         "a request held by a scheduler that dies is sent again, with the tokens already "
         "streamed, to its replacement if it is back within this many seconds",
+    )
+    scheduler_timeout: float = setting(
+        5.0,
+        "a scheduler that answers no health check this long (hung: its connection open, no "
+        "answer) turns the gateway NOT_SERVING and new requests are refused; the requests it "
+        "holds end with UNAVAILABLE after --resubmit-timeout, as had it died",
     )
     drain_timeout: float = setting(60.0, "on SIGTERM: seconds for the streams in flight to finish")
     http_header_timeout: float = setting(
@@ -121,6 +129,8 @@ class GatewaySettings:
         for name in ("http_header_timeout", "http_body_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if self.scheduler_timeout <= 0 or self.resubmit_timeout <= 0:
+            raise ValueError("--scheduler-timeout and --resubmit-timeout must be > 0")
         for name in ("max_messages", "max_prompt_chars"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0 = from the context)")
