@@ -87,21 +87,29 @@ class BlockPool:
         need = -(-positions // self.block_size) - len(table)
         if need <= 0:
             return []
-        new = []
-        refs, free = self.refs, self.free
-        for _ in range(need):
-            block = free.popleft() if free else self._evict()
+        free = self.free
+        if need <= len(free):
+            new = [free.popleft() for _ in range(need)]
+        else:
+            new = list(free)
+            free.clear()
+            new += self._evict(need - len(new))
+        refs = self.refs
+        for block in new:
             refs[block] = 1
-            new.append(block)
         table += new
         return new
 
-    def _evict(self) -> int:
-        """The least recently used evictable block, its cached contents forgotten."""
-        block, _ = self.evictable.popitem(last=False)
-        del self.cached[self.key_of.pop(block)]
-        self.evictions += 1
-        return block
+    def _evict(self, n: int) -> list[int]:
+        """The `n` least recently used evictable blocks, their cached contents forgotten."""
+        evictable, cached, key_of = self.evictable, self.cached, self.key_of
+        taken = []
+        for _ in range(n):
+            block, _ = evictable.popitem(last=False)
+            del cached[key_of.pop(block)]
+            taken.append(block)
+        self.evictions += n
+        return taken
 
     def release(self, request_id: str) -> None:
         """Drop the request's references. Its blocks whose last reference this was become free,
@@ -153,18 +161,24 @@ class BlockPool:
         return sum(1 for block in blocks if refs[block] == 0)
 
     def cache(self, block: int, key: bytes) -> None:
-        """`block`, held and full, holds the contents `key` names (once its step has run). A
-        block already cached stays as it is. Contents cached before in another block are
+        """`block`, held and full, holds the contents `key` names (once its step has run)."""
+        self.cache_all([block], [key])
+
+    def cache_all(self, blocks: list[int], keys: list[bytes]) -> None:
+        """Each block, held and full, holds the contents its key names (once its step has run).
+        A block already cached stays as it is. Contents cached before in another block are
         forgotten there: the newest computation of a key is the one the cache names, so a
         block that became stale can never outlive a recompute of its contents."""
-        if block in self.key_of:
-            return
-        old = self.cached.get(key)
-        if old is not None:
-            self._forget(old)
-        self.key_of[block] = key
-        self.cached[key] = block
-        self.fresh.add(block)
+        key_of, cached, fresh = self.key_of, self.cached, self.fresh
+        for block, key in zip(blocks, keys, strict=True):
+            if block in key_of:
+                continue
+            old = cached.get(key)
+            if old is not None:
+                self._forget(old)
+            key_of[block] = key
+            cached[key] = block
+            fresh.add(block)
 
     def uncache(self, blocks: Iterable[int]) -> None:
         """These cached blocks' contents cannot be trusted (their step failed): forget them."""

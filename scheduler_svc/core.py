@@ -508,8 +508,7 @@ class Scheduler:
         keys = self._keys(seq, last, bs)
         pool = ws.pool
         table = pool.tables[seq.request_id]
-        for i in range(first, last):
-            pool.cache(table[i], keys[i])
+        pool.cache_all(table[first:last], keys[first:last])
         seq.cached_to = max(seq.cached_to, last * bs)
 
     def _distrust(self, step: Step, handles: set[int]) -> None:
