@@ -10,6 +10,7 @@ import grpc
 
 from llmserve.runtime.auth import internal_token
 from llmserve.runtime.flags import add_flags, from_args
+from llmserve.runtime.metrics_http import metrics_host
 from llmserve.runtime.server import Server, die_with_parent, setup_logging
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.metrics import SchedulerMetrics
@@ -90,8 +91,9 @@ async def serve(settings: SchedulerSettings) -> None:
         if settings.metrics_port:
             metrics = SchedulerMetrics()
             metrics.attach(service)
-            metrics.serve(settings.host, settings.metrics_port)
-            log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
+            where = metrics_host(settings.host, settings.metrics_host)
+            metrics.serve(where, settings.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", where, settings.metrics_port)
 
     await server.run(ready, grace=settings.drain_timeout)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 from llmserve.runtime.auth import INTERNAL_TOKEN_HELP
 from llmserve.runtime.flags import setting
+from llmserve.runtime.metrics_http import METRICS_HOST_HELP
 from scheduler_svc.config import CoreConfig
 
 ENV_PREFIX = "LLMSERVE_SCHEDULER_"  # $LLMSERVE_SCHEDULER_TOKEN_BUDGET=512 = --token-budget 512
@@ -42,6 +43,7 @@ class SchedulerSettings(CoreConfig):
         0.0, "gather token events this long before sending them (0 = every step)"
     )
     metrics_port: int = setting(0, "Prometheus /metrics port; 0 = off")
+    metrics_host: str = setting("", METRICS_HOST_HELP)
     drain_timeout: float = setting(60.0, "on SIGTERM: seconds for the requests in flight to finish")
     internal_token_file: str = setting("", INTERNAL_TOKEN_HELP)
 

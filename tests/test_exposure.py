@@ -9,11 +9,16 @@ import ipaddress
 import logging
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from gateway.auth import ApiKeyInterceptor
 from gateway.settings import GatewaySettings
-from llmserve.runtime.server import Server
+from llmserve.ports import free_ports
+from llmserve.runtime.server import Server, wait_healthy
 from llmserve.stack import Stack
 from scheduler_svc.settings import SchedulerSettings
 from tests.stacks import free_run, running_stack, tiny_settings
@@ -115,3 +120,37 @@ def test_loopback_or_a_token_needs_no_warning(caplog) -> None:
     assert _warnings_at_start(caplog, "127.0.0.1") == []
     assert _warnings_at_start(caplog, "0.0.0.0", token="secret") == []
     assert _warnings_at_start(caplog, "0.0.0.0", interceptors=[ApiKeyInterceptor("k")]) == []
+
+
+@pytest.mark.parametrize("service", ["worker_svc", "scheduler_svc"])
+def test_metrics_listen_on_metrics_host_apart_from_the_grpc_host(service, tmp_path) -> None:
+    """--metrics-host: the operator's metrics on an address of their own (here another
+    loopback address than the gRPC one)."""
+    grpc_port, metrics_port, worker_port = free_ports(3)
+    args = {
+        "worker_svc": ["--model", "sim"],
+        "scheduler_svc": ["--workers", f"127.0.0.1:{worker_port}"],
+    }[service]
+    log = (tmp_path / "log").open("w")
+    worker = None
+    if service == "scheduler_svc":  # the scheduler waits for its worker
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "worker_svc", "--model", "sim", "--port", str(worker_port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", service, "--host", "127.0.0.2", "--port", str(grpc_port),
+         "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1", *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        asyncio.run(wait_healthy(f"127.0.0.2:{grpc_port}", 120))
+        found = set(listening(proc.pid))
+    finally:
+        for p in (proc, worker):
+            if p is not None:
+                p.kill()
+                p.wait()
+    assert ("127.0.0.2", grpc_port) in found and ("127.0.0.1", metrics_port) in found, found

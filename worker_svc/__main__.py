@@ -12,6 +12,7 @@ import torch
 
 from llmserve.runtime.auth import internal_token
 from llmserve.runtime.flags import add_flags, from_args
+from llmserve.runtime.metrics_http import metrics_host
 from llmserve.runtime.server import Server, die_with_parent, internal_channel, setup_logging
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_svc.device import resolve_device
@@ -63,8 +64,9 @@ async def serve(settings: WorkerSettings) -> None:
     if settings.metrics_port:
         metrics = WorkerMetrics(settings.display_name)
         metrics.attach(service)
-        metrics.serve(settings.host, settings.metrics_port)
-        log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
+        where = metrics_host(settings.host, settings.metrics_host)
+        metrics.serve(where, settings.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", where, settings.metrics_port)
     registering: list[asyncio.Task] = []
 
     async def ready() -> None:

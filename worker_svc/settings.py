@@ -8,6 +8,7 @@ from typing import Literal
 
 from llmserve.runtime.auth import INTERNAL_TOKEN_HELP
 from llmserve.runtime.flags import setting
+from llmserve.runtime.metrics_http import METRICS_HOST_HELP
 
 ENV_PREFIX = "LLMSERVE_WORKER_"  # $LLMSERVE_WORKER_DEVICE=cuda:1 = --device cuda:1
 
@@ -49,6 +50,7 @@ class WorkerSettings:
     block_size: int = setting(16, "positions per KV block")
     threads: int = setting(0, "torch threads; 0 = torch's default")
     metrics_port: int = setting(0, "Prometheus /metrics port; 0 = off")
+    metrics_host: str = setting("", METRICS_HOST_HELP)
     drain_timeout: float = setting(60.0, "on SIGTERM: seconds to finish the requests held here")
     max_context: int = setting(0, "positions one request may reach here (0 = the model's context)")
     scheduler: str = setting(

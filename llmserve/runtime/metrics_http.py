@@ -24,6 +24,15 @@ LATENCY_BUCKETS = (5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 6
 TOKEN_GAP_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 METRICS_PATH = "/metrics"
+METRICS_HOST_HELP = (
+    'the address /metrics listens on ("" = --host): the figures are the operator\'s (the '
+    "prefix cache's hits among them), so bind it where only the operator's Prometheus reaches"
+)
+
+
+def metrics_host(host: str, metrics_host: str) -> str:
+    """Where /metrics listens: --metrics-host, else the service's --host."""
+    return metrics_host or host
 
 
 class _Server(ThreadingMixIn, WSGIServer):
