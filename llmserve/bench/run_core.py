@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -13,7 +14,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from llmserve.bench.core_cost import CoreCost, core_cost, default_grid
+from llmserve.bench.core_cost import (
+    EVICTS,
+    NEVER_EVICTS,
+    CoreCost,
+    core_cost,
+    default_grid,
+    prefix_cost,
+)
 from llmserve.bench.report import machine
 
 BASELINE_SCRIPT = """
@@ -26,6 +34,77 @@ for running, waiting, admit in json.loads(sys.argv[2]):
     rows.append([c.schedule_us, c.postprocess_us])
 print(json.dumps(rows))
 """
+
+
+PREFIX_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from llmserve.bench.core_cost import prefix_cost
+print(json.dumps([prefix_cost(256, c, p).total_us for c, p in json.loads(sys.argv[2])]))
+"""
+PREFIX_ROWS = [(False, NEVER_EVICTS), (True, NEVER_EVICTS), (True, EVICTS)]
+
+
+def _tree_of(rev: str, tmp: str) -> None:
+    """The scheduler core of `rev` and this tree's core_cost.py (its scenarios), under `tmp`."""
+    archive = subprocess.run(
+        ["git", "archive", rev, "scheduler_svc", "llmserve/bench/core_cost.py"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+    (Path(tmp) / "llmserve" / "__init__.py").touch()
+    (Path(tmp) / "llmserve" / "bench" / "__init__.py").touch()
+
+
+def prefix_baseline(rev: str) -> list[float] | None:
+    """PREFIX_ROWS' µs per step with the core of `rev` (None if it cannot run them)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            _tree_of(rev, tmp)
+            here = Path(__file__).with_name("core_cost.py")
+            (Path(tmp) / "llmserve" / "bench" / "core_cost.py").write_text(here.read_text())
+            out = subprocess.run(
+                [sys.executable, "-c", PREFIX_SCRIPT, tmp, json.dumps(PREFIX_ROWS)],
+                check=True,
+                capture_output=True,
+                text=True,
+                cwd=tmp,
+            ).stdout
+        except (subprocess.CalledProcessError, OSError):
+            return None
+    return json.loads(out)
+
+
+def run_prefix(rev: str, rounds: int) -> dict:
+    """Per-step core time at 256 running with long prompts: caching off, on with a pool that
+    never evicts, on with one that evicts; medians per step, the median of `rounds` runs, this
+    core and `rev`'s measured in turn."""
+    ours: list[list[float]] = []
+    theirs: list[list[float]] = []
+    for _ in range(rounds):
+        ours.append([prefix_cost(256, c, p).total_us for c, p in PREFIX_ROWS])
+        base = prefix_baseline(rev) if rev else None
+        if base is not None:
+            theirs.append(base)
+    t = Table(title="core µs per step, 256 running, 15,360-token prompts (medians)")
+    for col in (
+        "prefix caching",
+        "pool",
+        "µs per step",
+        *([f"at {rev}", "speed-up"] if theirs else []),
+    ):
+        t.add_column(col, justify="right")
+    rows = []
+    for i, (caching, positions) in enumerate(PREFIX_ROWS):
+        now = statistics.median(r[i] for r in ours)
+        then = statistics.median(r[i] for r in theirs) if theirs else None
+        pool = "never evicts" if positions == NEVER_EVICTS else f"{positions:,} positions"
+        extra = [f"{then:.0f}", f"{then / now:.1f}x"] if then is not None else []
+        t.add_row("on" if caching else "off", pool, f"{now:.0f}", *extra)
+        rows.append({"caching": caching, "positions": positions, "us": now, "baseline_us": then})
+    Console(width=120).print(t)
+    return {"rev": rev, "rows": rows}
 
 
 def baseline_costs(rev: str, grid: list[tuple[int, int, int]]) -> list[list[float]]:
@@ -104,6 +183,7 @@ def run_core(args: argparse.Namespace, command: str) -> int:
             *extra,
         )
     Console(width=120).print(t)
+    prefix = run_prefix(getattr(args, "prefix_rev", "") or args.baseline_rev, args.rounds)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.name}.json"
     path.write_text(
@@ -113,6 +193,7 @@ def run_core(args: argparse.Namespace, command: str) -> int:
                 "machine": machine(),
                 "rows": [asdict(c) for c in rows],
                 "baseline": {"rev": args.baseline_rev, "rows": base} if base else None,
+                "prefix": prefix,
             },
             indent=1,
         )
