@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from llmserve import client
+from llmserve.runtime.server import CHANNEL_OPTIONS
+from llmserve.v1 import gateway_pb2_grpc
 
 
 @dataclass
@@ -115,3 +117,29 @@ class SteadyLoad:
         hung = sum(t.is_alive() for t in self.threads)
         assert not hung, f"{hung} load clients still streaming after {timeout} s"
         return self.outcomes
+
+
+class Held:
+    """One stream held open until `cancel()`: on a stack whose steps take a floor of time (the
+    simulated model's --sim-step-ms), a long request that holds its running slot for as long as
+    the test needs. `streaming` is set at its first token (the gateway has seen it admitted)."""
+
+    def __init__(self, target: str, request, timeout: float = 120.0) -> None:
+        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        stub = gateway_pb2_grpc.GatewayStub(self.channel)
+        self.call = stub.Generate(request, timeout=timeout)
+        self.streaming = threading.Event()
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        try:
+            for _ in self.call:
+                self.streaming.set()
+        except grpc.RpcError:
+            pass
+
+    def cancel(self, timeout: float = 15.0) -> None:
+        self.call.cancel()
+        self.thread.join(timeout)
+        self.channel.close()

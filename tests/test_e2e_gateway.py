@@ -12,7 +12,9 @@ import pytest
 from llmserve import client
 from llmserve.runtime.server import CHANNEL_OPTIONS
 from llmserve.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.stack_checks import wait_for
 from tests.stacks import running_stack, tiny_settings
+from tests.streams import Held
 
 PROMPTS = ["Hello there", "The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12", "日本語 🙂"]
 
@@ -150,35 +152,29 @@ def test_deadline_frees_kv(stack, stub) -> None:
 
 
 def test_queue_limits_refuse_at_once_with_resource_exhausted(tmp_path) -> None:
-    settings = tiny_settings(max_running=1, max_queued_requests=1, max_queued_tokens=10**6)
+    """One request runs, one waits, a third is refused: on the simulated model, each step at
+    least 20 ms, the first holds its slot (1900 tokens, 38 s or more) for as long as the test
+    needs on any host; both are cancelled at the end."""
+    settings = tiny_settings(
+        model="sim", sim_step_ms=20.0, max_running=1, max_queued_requests=1,
+        max_queued_tokens=10**6,
+    )  # fmt: skip
     long = client.make_request(prompt="x", max_tokens=1900, ignore_eos=True)
-
-    def background() -> None:
-        try:
-            list(client.stream(settings.gateway, long, timeout=3))
-        except grpc.RpcError:
-            pass  # cut by its deadline; that is the point
-
-    def wait_for(field: str) -> None:
-        deadline = time.monotonic() + 10
-        while getattr(client.status(settings.scheduler), field) < 1:
-            assert time.monotonic() < deadline, f"no request became {field}"
-            time.sleep(0.01)
-
     with running_stack(settings, tmp_path):
-        running, queued = (threading.Thread(target=background) for _ in range(2))
-        running.start()
-        wait_for("running")
-        queued.start()
-        wait_for("waiting")
+        running = Held(settings.gateway, long)
+        assert running.streaming.wait(30), "the first request never ran"
+        queued = Held(settings.gateway, long)
+        wait_for(lambda: client.status(settings.scheduler).waiting == 1, 30, "one waits")
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
-            list(client.stream(settings.gateway, long, timeout=10))
+            list(client.stream(settings.gateway, long, timeout=30))
         assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "queue full" in err.value.details()
         assert time.monotonic() - started < 2
-        running.join(10)
-        queued.join(10)
+        assert not queued.streaming.is_set()  # still waiting behind the first
+        running.cancel()
+        queued.cancel()
+        wait_idle(settings.scheduler)
 
 
 def greedy_outputs(settings, tmp_path, n: int = 6) -> tuple[list[list[int]], dict]:

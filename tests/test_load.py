@@ -29,7 +29,7 @@ from tests.stack_checks import (
     wait_idle,
 )
 from tests.stacks import running_stack, tiny_settings
-from tests.streams import Streams
+from tests.streams import Held, Streams
 
 pytestmark = pytest.mark.usefixtures("hang_guard")
 SOAK_SECONDS = float(os.environ.get("LLMSERVE_SOAK_SECONDS", "60"))
@@ -60,30 +60,12 @@ def blocking_settings(**overrides):
     return tiny_settings(model="sim", sim_step_ms=SIM_STEP_MS, **overrides)
 
 
-class Blocker:
+class Blocker(Held):
     """A long request holding the only running slot until cancelled (on a blocking_settings
-    stack). `streaming` is set at its first token: the gateway has seen it admitted, so it no
-    longer counts in the gateway's queue."""
+    stack)."""
 
     def __init__(self, target: str) -> None:
-        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-        stub = gateway_pb2_grpc.GatewayStub(self.channel)
-        self.call = stub.Generate(greedy_request(0, 1900), timeout=120)
-        self.streaming = threading.Event()
-        self.thread = threading.Thread(target=self._drain, daemon=True)
-        self.thread.start()
-
-    def _drain(self) -> None:
-        try:
-            for _ in self.call:
-                self.streaming.set()
-        except grpc.RpcError:
-            pass
-
-    def cancel(self) -> None:
-        self.call.cancel()
-        self.thread.join(BOUND)
-        self.channel.close()
+        super().__init__(target, greedy_request(0, 1900))
 
 
 def test_queue_token_limit_refuses_at_once(tmp_path) -> None:
