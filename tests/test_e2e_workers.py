@@ -29,12 +29,10 @@ def run_burst(settings, tmp_path, n: int = 8) -> tuple[list[list[int]], set[str]
         threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
         for t in threads:
             t.start()
-        while any(t.is_alive() for t in threads):
-            for w in client.status(stack.settings.scheduler).workers:
-                if w.running:
-                    busy.add(w.name)
-            time.sleep(0.005)
+        for t in threads:
+            t.join(120)
         final = client.status(stack.settings.scheduler)
+        busy.update(w.name for w in final.workers if w.steps > 0)  # steps never go down
     assert all(w.written == 0 and w.free == w.capacity for w in final.workers)
     return [outputs[i] for i in range(n)], busy
 

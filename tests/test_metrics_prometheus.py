@@ -23,6 +23,7 @@ import pytest
 from llmserve import client
 from llmserve.prometheus import Prometheus, scrape_config, stack_targets
 from tests import dashboard, prometheus_api
+from tests.stack_checks import wait_idle
 from tests.stacks import free_port, free_run, running_stack, tiny_settings
 
 PROMPT = " a b c d e f g h"  # eight tokens
@@ -134,7 +135,7 @@ def run_workload(policy: str, workdir: Path, keep: ExitStack) -> Run:
             time.sleep(1.0)
             codes = send_bad_requests(gateway)  # while the load runs
             results += [r for loop in loops for r in loop.result()]
-        time.sleep(0.5)  # the scheduler sees the stop-cancelled calls end
+        wait_idle(settings.scheduler)  # the scheduler has seen the stop-cancelled calls end
         ended = time.time()
         wait_for(
             lambda: prometheus_api.value(url, "min(timestamp(up))", time.time()) > ended,
