@@ -11,8 +11,6 @@ import grpc
 
 from gateway.auth import ApiKeyInterceptor
 from gateway.core import GatewayCore
-from gateway.http_api import HttpApi
-from gateway.http_server import HttpServer, bind
 from gateway.inflate import SERVER_OPTIONS
 from gateway.malformed import MalformedRequestInterceptor
 from gateway.metrics import GatewayMetrics
@@ -166,7 +164,11 @@ async def serve(settings: GatewaySettings) -> None:
         max_message_bytes=settings.max_request_bytes,
         extra_options=SERVER_OPTIONS,  # requests are inflated by MalformedRequestInterceptor
     )
-    http_socket = bind(settings.host, settings.http_port) if settings.http_port else None
+    http_socket = None
+    if settings.http_port:  # starlette and uvicorn only with the HTTP API (a GPU check has none)
+        from gateway.http_server import bind
+
+        http_socket = bind(settings.host, settings.http_port)
     log.info(
         "API key %s; TLS %s; internal token %s",
         "required" if api_key else "off",
@@ -200,6 +202,9 @@ async def serve(settings: GatewaySettings) -> None:
     watcher = asyncio.create_task(watch_scheduler(channel, core, server))
     http = None
     if http_socket is not None:
+        from gateway.http_api import HttpApi
+        from gateway.http_server import HttpServer
+
         api = HttpApi(
             core, api_key, metrics, settings.max_request_bytes, lambda: not server.stopping.is_set()
         )
