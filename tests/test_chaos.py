@@ -1,5 +1,6 @@
 """Chaos: under steady load, random workers and the scheduler are SIGKILLed, SIGSTOPped and
-SIGCONTed, and SIGTERMed, then restarted (never all workers at once). Every accepted request
+SIGCONTed (the scheduler for longer than its hang floor), and SIGTERMed, then restarted (never
+all workers at once). Every accepted request
 must end with its full output, identical to an undisturbed fp32 run (no gap, no duplicate), or
 with an explicit error; a request that has streamed tokens never fails (whatever breaks, it is
 recomputed or resubmitted); KV returns to 0."""
@@ -70,7 +71,8 @@ class Load:
         assert not any(t.is_alive() for t in self.threads), "a client stream hangs"
 
 
-KINDS = ["kill", "stop", "term", "kill-scheduler", "term-scheduler"]
+KINDS = ["kill", "stop", "term", "kill-scheduler", "term-scheduler", "stop-scheduler"]
+SCHEDULER_STOP_S = (3.0, 8.0)  # beyond its --hang-floor 2: every answer is late by the wall
 
 
 def disturb(stack, rng: random.Random, kind: str) -> str:
@@ -89,7 +91,7 @@ def disturb(stack, rng: random.Random, kind: str) -> str:
         stack.restart(name)
     else:
         proc.send_signal(signal.SIGSTOP)
-        time.sleep(rng.uniform(1.0, 4.0))
+        time.sleep(rng.uniform(*SCHEDULER_STOP_S) if name == "scheduler" else rng.uniform(1.0, 4.0))
         proc.send_signal(signal.SIGCONT)
     return f"{kind} {name if name == worker else ''}".strip()
 
