@@ -215,7 +215,7 @@ def test_soak_at_twice_capacity_accounts_for_every_request(tmp_path) -> None:
         capacity = measure_capacity(gw, concurrency=settings.max_running)
         wait_idle(sched)
         rss_before = stack_rss(stack)
-        rate = min(2 * capacity, 60.0)
+        rate = 2 * capacity  # no cap: below capacity (a fast host) nothing would be refused
         soak = Soak(gw, seed=6)
         soak.run(rate, seconds)
         soak.finish(BOUND * 4)
