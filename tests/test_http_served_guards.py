@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import resource
 import socket
 import urllib.request
 from dataclasses import replace
@@ -100,6 +101,30 @@ def test_past_the_connection_cap_http_is_refused_while_grpc_generate_succeeds(st
     finally:
         for sock in held:
             sock.close()
+    wait_for(lambda: models_status(stack) == 200, BOUND_S, "HTTP served again once freed")
+
+
+def test_1100_idle_partial_heads_leave_a_gateway_of_1024_files_serving_grpc(stack) -> None:
+    """The slowloris of the issue: before the cap, the HTTP side took every file descriptor and
+    every new gRPC client timed out."""
+    gateway = stack.procs["gateway"].pid
+    limits = resource.prlimit(gateway, resource.RLIMIT_NOFILE)
+    resource.prlimit(gateway, resource.RLIMIT_NOFILE, (1024, limits[1]))
+    heads: list[socket.socket] = []
+    try:
+        for _ in range(1100):
+            heads.append(connect(stack))
+            try:
+                heads[-1].sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+            except OSError:  # refused and closed already: it still holds its socket here
+                pass
+        request = client.make_request(prompt="Hello", max_tokens=4, temperature=0.0)
+        *_, last = client.stream(stack.settings.gateway, request, timeout=30)
+        assert last.final.usage.completion_tokens == 4
+    finally:
+        for sock in heads:
+            sock.close()
+        resource.prlimit(gateway, resource.RLIMIT_NOFILE, limits)
     wait_for(lambda: models_status(stack) == 200, BOUND_S, "HTTP served again once freed")
 
 
