@@ -39,8 +39,9 @@ _PB2_CHECK = re.compile(
     r"_runtime_version\.ValidateProtobufRuntimeVersion\((?P<args>[^)]*)\)\n",
     re.DOTALL,
 )
+PORTABLE_MARK = "# portable (llmserve.bench.gpu_carry)"
 _PB2_PORTABLE = (
-    "try:  # portable (llmserve.bench.gpu_carry): an older protobuf warns, it is not refused\n"
+    f"try:  {PORTABLE_MARK}: an older protobuf warns, it is not refused\n"
     "    from google.protobuf import runtime_version as _runtime_version\n"
     "    _runtime_version.ValidateProtobufRuntimeVersion({args})\n"
     "except Exception as _version_error:  # ImportError before protobuf 5.26, else VersionError\n"
@@ -48,14 +49,14 @@ _PB2_PORTABLE = (
     "    _warnings.warn(f'{{__name__}}: {{_version_error}}', stacklevel=1)\n"
 )
 _GRPC_CHECK = "if _version_not_supported:\n    raise RuntimeError("
-_GRPC_PORTABLE = (
-    "if _version_not_supported:  # portable (llmserve.bench.gpu_carry): a warning\n"
-    "    warnings.warn("
-)
+_GRPC_PORTABLE = f"if _version_not_supported:  {PORTABLE_MARK}: a warning\n    warnings.warn("
 
 
 def portable_source(text: str) -> str:
-    """A generated *_pb2.py or *_pb2_grpc.py whose version check warns instead of raising."""
+    """A generated *_pb2.py or *_pb2_grpc.py whose version check warns instead of raising (a
+    file already made portable is returned as it is)."""
+    if PORTABLE_MARK in text:
+        return text
     match = _PB2_CHECK.search(text)
     if match:
         block = match.group("rest") + _PB2_PORTABLE.format(args=match.group("args").strip())
@@ -101,7 +102,7 @@ def copy_distribution(distribution: str, packages: tuple[str, ...], site: Path) 
         source = Path(next(iter(spec.submodule_search_locations)))
         ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyi")
         shutil.copytree(source, site / package, ignore=ignore, dirs_exist_ok=True)
-    make_portable(site)
+        make_portable(site / package)
     return importlib.metadata.version(distribution)
 
 

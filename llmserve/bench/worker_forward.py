@@ -11,6 +11,7 @@ query row).
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import time
@@ -115,14 +116,14 @@ class Theirs:
         positions = torch.full((batch, 1), self.context, device=self.device)
         mask = torch.ones(batch, self.context + 1, dtype=torch.int64, device=self.device)
 
+        # the cache's argument is `cache` in recent transformers, `past_key_values` before
+        takes = inspect.signature(self.model.forward).parameters
+        given = {"cache" if "cache" in takes else "past_key_values": cache}
+
         @torch.inference_mode()
         def step() -> object:
             out = self.model(
-                input_ids=ids,
-                position_ids=positions,
-                attention_mask=mask,
-                cache=cache,
-                use_cache=True,
+                input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True, **given
             )
             cache.crop(-1)  # back to the same cached length
             return out.logits[:, -1].argmax(-1).tolist()  # waits for the device, as ours does

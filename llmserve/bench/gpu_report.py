@@ -1,0 +1,125 @@
+"""The GPU check's report: one JSON of every figure and a short markdown that docs/gpu.md can take
+as it is. Every section is there, with its figures or with `skipped: why` / `failed: why`; none
+is left out and none is made up. Standard library only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SECTIONS = ("logits", "kernels", "forward_timings", "kv_sizing", "served")
+
+
+def section(status: str, reason: str = "", results: list | None = None) -> dict:
+    """status: ok, failed or skipped; reason: why it failed or was skipped."""
+    out: dict = {"status": status, "results": results or []}
+    if reason:
+        out["reason"] = reason
+    return out
+
+
+def write(report: dict, out: Path) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    data, text = out / "gpu-check.json", out / "gpu-check.md"
+    data.write_text(json.dumps(report, indent=1) + "\n")
+    text.write_text(markdown(report))
+    return data, text
+
+
+def markdown(report: dict) -> str:
+    env = report.get("environment", {})
+    lines = [
+        f"### GPU check: {env.get('device_name', '?')} ({env.get('device', '?')})",
+        "",
+        f"`{report.get('command', '')}` — {report.get('total_s', 0):.0f} s, "
+        f"{'passed' if report.get('passed') else 'FAILED'}; python {env.get('python')}, torch "
+        f"{env.get('torch')} (CUDA {env.get('cuda')}), triton {env.get('triton')}, transformers "
+        f"{env.get('transformers')}, grpcio {env.get('grpcio')}, protobuf {env.get('protobuf')}. "
+        "Random weights at the real shapes (nothing downloaded).",
+    ]
+    sections = report.get("sections", {})
+    for name in SECTIONS:
+        part = sections.get(name) or section("skipped", "not reached (the run ended first)")
+        lines += ["", f"**{name.replace('_', ' ')}**: {part['status']}"]
+        if part.get("reason"):
+            lines[-1] += f": {part['reason']}"
+        lines += RENDER[name](part.get("results", []))
+    return "\n".join(lines) + "\n"
+
+
+def _logits(results: list) -> list[str]:
+    rows = ["", "| shape | dtype | max abs diff vs transformers | ours / theirs vs fp32 | greedy "
+            "agreement | ok |", "|---|---|---:|---:|---:|---|"]  # fmt: skip
+    for r in results:
+        for dtype in ("fp32", "bf16"):
+            d = r[dtype]
+            rows.append(
+                f"| {r['shape']} | {dtype} | {d['max_abs_diff_vs_transformers']:.2e} | "
+                f"{d['ours_max_abs_diff_vs_fp32_reference']:.2e} / "
+                f"{d['theirs_max_abs_diff_vs_fp32_reference']:.2e} | "
+                f"{100 * d['greedy_agreement']:.0f}% | {'ok' if d['ok'] else 'FAILED'} |"
+            )
+    return rows if results else []
+
+
+def _kernels(results: list) -> list[str]:
+    return [f"- {'native' if r['native'] else 'interpreter'} ({r['selection']}): {r['summary']}"
+            for r in results]  # fmt: skip
+
+
+def _timings(results: list) -> list[str]:
+    if not results:
+        return []
+    rows = ["", "| shape | case | ours, graphs on (ms) | ours, graphs off (ms) | transformers sdpa "
+            "(ms) | speed-up |", "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+    for r in results:
+        for case, t in r["ms"].items():
+            on = t.get("ours_graphs_on")
+            rows.append(
+                f"| {r['shape']} | {case} | {'—' if on is None else f'{on:.2f}'} | "
+                f"{t['ours_graphs_off']:.2f} | {t['transformers_sdpa']:.2f} | "
+                f"{t['speedup_vs_transformers']:.2f}x |"
+            )
+    graphs = results[0]["cuda_graphs"]
+    note = f"bf16, {results[0]['context']} cached positions per decode row; CUDA graphs {graphs}"
+    return rows + ["", note]
+
+
+def _kv(results: list) -> list[str]:
+    if not results:
+        return []
+    rows = ["", "| shape | positions | pool GiB | bytes / position | in use before GiB |",
+            "|---|---:|---:|---:|---:|"]  # fmt: skip
+    for r in results:
+        rows.append(
+            f"| {r['shape']} | {r['positions']:,} | {r['pool_gib']:.2f} | "
+            f"{r['bytes_per_position']:,} | {r['used_before_gib']:.2f} |"
+        )
+    return rows
+
+
+def _served(results: list) -> list[str]:
+    if not results:
+        return []
+    rows = ["", "| shape | concurrent | output tok/s | worker busy | forward ms / step | outside "
+            "forward ms / step |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in results:
+        for level, c in r["concurrency"].items():
+            rows.append(
+                f"| {r['shape']} | {level} | {c['output_tok_s']:,.0f} | "
+                f"{100 * c['worker_busy']:.1f}% | {c['step_ms']:.2f} | "
+                f"{c['outside_forward_ms_per_step']:.2f} |"
+            )
+    r = results[0]
+    rows += ["", f"{r['dtype']}, {r['max_tokens']} tokens per request, {r['window_s']:g} s "
+             f"windows, KV {r['kv_capacity']}"]  # fmt: skip
+    return rows
+
+
+RENDER = {
+    "logits": _logits,
+    "kernels": _kernels,
+    "forward_timings": _timings,
+    "kv_sizing": _kv,
+    "served": _served,
+}
