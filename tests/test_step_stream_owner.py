@@ -1,6 +1,7 @@
 """One scheduler drives a worker at a time: while a scheduler's step stream lives, a second one
 is refused (FAILED_PRECONDITION, saying so) instead of silently taking the worker over; once the
-first stream is gone (its scheduler was kill -9'd) a new scheduler takes over at once.
+first stream is gone (its scheduler was kill -9'd: at once; hung: after the keepalive) a new
+scheduler takes over.
 
 A real worker process (the simulated model); the first scheduler is a child process holding a
 step stream that it has seen answered."""
@@ -8,6 +9,7 @@ step stream that it has seen answered."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import sys
 import time
@@ -15,7 +17,7 @@ import time
 import grpc
 import pytest
 
-from llmserve.runtime.server import wait_healthy
+from llmserve.runtime.server import KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, wait_healthy
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.stacks import free_port
 
@@ -103,3 +105,30 @@ def test_a_scheduler_killed_with_sigkill_is_replaced_at_once(worker) -> None:
 def test_a_stream_that_ended_leaves_the_worker_free_for_the_next(worker) -> None:
     assert one_step(worker).step == 7
     assert one_step(worker).step == 7  # the first call's stream ended when it was closed
+
+
+def test_a_hung_scheduler_loses_the_worker_to_the_keepalive(worker) -> None:
+    """A scheduler stopped with SIGSTOP (or cut off) keeps its connection open but answers no
+    HTTP/2 ping: the worker drops it after the keepalive's time and timeout, and a replacement
+    takes over."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, worker], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().split() == ["answered", "1"]
+        holder.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        bound = (KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS) / 1e3 + TAKEOVER_BOUND_S
+        while True:
+            try:
+                result = one_step(worker)
+                break
+            except grpc.RpcError as err:
+                assert err.code() is grpc.StatusCode.FAILED_PRECONDITION, err.details()
+                assert time.monotonic() - stopped < bound, "the hung stream was never dropped"
+                time.sleep(0.5)
+        assert result.step == 7 and not result.error
+        print(f"\ntakeover {time.monotonic() - stopped:.1f} s after the first scheduler's SIGSTOP")
+    finally:
+        holder.kill()
+        holder.wait()

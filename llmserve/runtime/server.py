@@ -34,6 +34,7 @@ KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS = 20_000, 20_000
 KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_time_ms", KEEPALIVE_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # else a ping waits 60 s for its ack
     ("grpc.http2.max_pings_without_data", 0),  # an idle step stream sends no data for long
 ]
 # Reconnect within a second of a peer coming back: gRPC's default backoff grows to 120 s, and a
