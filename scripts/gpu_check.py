@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from llmserve.bench.gpu_carry import CARRY, bootstrap  # noqa: E402  (standard library only)
+from llmserve.bench.gpu_report import SECTIONS as PARTS  # noqa: E402  (standard library only)
 
 FULL = {
     "logits": ["smollm2-135m"],
@@ -50,7 +51,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--budget-s", type=float, default=450.0, help="no part starts after this many seconds"
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="the parts to run, comma-separated (a rerun takes only those that failed)",
+    )
+    args = parser.parse_args(argv)
+    args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown parts {unknown}: choose from {', '.join(PARTS)}")
+    return args
 
 
 class Check:
@@ -63,6 +74,9 @@ class Check:
     def part(self, name: str, shapes: list[str], measure: Callable[[str], dict]) -> None:
         from llmserve.bench.gpu_report import section, write
 
+        if name not in self.args.parts:
+            self.report["sections"][name] = section("skipped", "not asked for (--parts)")
+            return
         results, failures = [], []
         for shape in shapes:
             if time.monotonic() - self.started > self.args.budget_s:
@@ -87,7 +101,7 @@ class Check:
         write(self.report, self.args.out)
 
     def totals(self) -> None:
-        sections = self.report["sections"].values()
+        sections = [s for name, s in self.report["sections"].items() if name in self.args.parts]
         self.report["passed"] = bool(sections) and all(s["status"] == "ok" for s in sections)
         self.report["total_s"] = round(time.monotonic() - self.started, 1)
 
