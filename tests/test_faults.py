@@ -1,5 +1,8 @@
-"""Faults through real processes (tiny model, loopback): workers and the scheduler killed with
-SIGKILL and restarted, every service stopped with SIGTERM, a request that breaks the model.
+"""Faults through real processes (loopback): workers and the scheduler killed with SIGKILL and
+restarted, every service stopped with SIGTERM, a request that breaks the model. A fault must
+strike streams in flight: those tests run the simulated model, each step STEP_FLOOR_MS or more
+(held_settings), so a stream outlasts the test's own steps on any host; the tiny model may end
+300 tokens in a tenth of a second on a fast one.
 
 Every accepted request must end properly: with its full output (identical to an undisturbed
 greedy run) when a worker survives, or with UNAVAILABLE within a bounded time when none does.
@@ -18,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve import client
 from llmserve.runtime.server import CHANNEL_OPTIONS
+from llmserve.stack import StackSettings
 from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.stack_checks import (
     generate,
@@ -34,6 +38,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hang_guard")]
 LENGTH = common_pb2.FINISH_REASON_LENGTH
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 BOUND = 15.0  # seconds: generous bound on "at once" after a fault, on a loaded 2-core machine
+STEP_FLOOR_MS = 10.0  # held_settings: a 200-token stream lasts 2 s or more on any host
+
+
+def held_settings(**overrides) -> StackSettings:
+    """A stack on the simulated model (deterministic greedy tokens, a request recomputed
+    elsewhere samples the same ones), each step STEP_FLOOR_MS or more."""
+    return tiny_settings(model="sim", sim_step_ms=STEP_FLOOR_MS, **overrides)
 
 
 def baseline(target: str, n: int, max_tokens: int) -> list[list[int]]:
@@ -67,7 +78,7 @@ def worker_healthy(scheduler: str, index: int) -> bool:
 
 
 def test_killed_worker_requests_finish_on_the_survivor_unchanged(tmp_path) -> None:
-    settings = tiny_settings(workers=2, kv_capacity=4096, block_size=16, token_budget=64)
+    settings = held_settings(workers=2, kv_capacity=4096, block_size=16, token_budget=64)
     n, max_tokens = 6, 300
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler
@@ -102,7 +113,7 @@ def test_killed_worker_requests_finish_on_the_survivor_unchanged(tmp_path) -> No
 
 
 def test_single_worker_death_gives_unavailable_then_recovers(tmp_path) -> None:
-    settings = tiny_settings(workers=1, kv_capacity=2048, token_budget=64)
+    settings = held_settings(workers=1, kv_capacity=2048, token_budget=64)
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler
         streams = Streams(gw, [greedy_request(i, 1000) for i in range(3)])
@@ -140,7 +151,7 @@ def test_scheduler_kill_and_restart_loses_no_request_the_gateway_holds(tmp_path)
     while it is down; the streams in flight wait, and once it is back the gateway resubmits
     them with the tokens already streamed: each client sees its whole output, no gap, no
     duplicate. The worker's view resets when the new scheduler connects (KV back to 0)."""
-    settings = tiny_settings(
+    settings = held_settings(
         workers=1, kv_capacity=2048, token_budget=64, metrics_base_port=free_run(3)
     )
     n, max_tokens = 3, 300
@@ -153,7 +164,10 @@ def test_scheduler_kill_and_restart_loses_no_request_the_gateway_holds(tmp_path)
         with pytest.raises(grpc.RpcError) as err:  # down: refused, not hung
             generate(gw, greedy_request(1, 4), timeout=BOUND)
         assert err.value.code() is UNAVAILABLE and "scheduler" in err.value.details()
-        time.sleep(2)  # long enough for the gateway's reconnect backoff to grow
+        # The condition itself, not a wait for one: the scheduler stays down 2 s, so the
+        # gateway's reconnect backoff grows to its 1 s cap meanwhile (200 ms, x1.6 each try); a
+        # slow host only keeps it down longer, which --resubmit-timeout (30 s) bounds.
+        time.sleep(2)
         stack.restart("scheduler")
         outcomes = streams.join(120)
         assert [o.code for o in outcomes] == [None] * n, [o.details for o in outcomes]
@@ -175,7 +189,7 @@ def health_watch(target: str):
 
 
 def test_sigterm_drains_the_gateway_and_the_scheduler(tmp_path) -> None:
-    settings = tiny_settings(workers=1, kv_capacity=2048, token_budget=64)
+    settings = held_settings(workers=1, kv_capacity=2048, token_budget=64)
     n, max_tokens = 3, 200
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler
@@ -211,7 +225,7 @@ def test_sigterm_worker_drains_its_requests_and_exits_zero(tmp_path) -> None:
     """SIGTERM on a worker: health NOT_SERVING, the scheduler stops placing requests there, the
     worker finishes the ones it holds (no move, no recompute) and exits 0; new requests go to
     the other worker."""
-    settings = tiny_settings(workers=2, kv_capacity=4096, token_budget=64)
+    settings = held_settings(workers=2, kv_capacity=4096, token_budget=64)
     n, max_tokens = 6, 300
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler
@@ -232,7 +246,7 @@ def test_sigterm_worker_drains_its_requests_and_exits_zero(tmp_path) -> None:
 
 
 def test_sigterm_single_worker_finishes_in_flight_then_exits_zero(tmp_path) -> None:
-    settings = tiny_settings(kv_capacity=4096, token_budget=64)
+    settings = held_settings(kv_capacity=4096, token_budget=64)
     with running_stack(settings, tmp_path) as stack:
         gw = settings.gateway
         expected = baseline(gw, 3, 200)
@@ -304,7 +318,7 @@ def worker_written(metrics_port: int) -> float:
 def test_a_worker_shows_its_kv_free_once_its_scheduler_is_gone(tmp_path) -> None:
     """The worker's requests belong to the scheduler's stream: when that stream ends (the
     scheduler was killed), its KV is free at once, not at the next step of a new scheduler."""
-    settings = tiny_settings(kv_capacity=2048, token_budget=64, metrics_base_port=free_run(3))
+    settings = held_settings(kv_capacity=2048, token_budget=64, metrics_base_port=free_run(3))
     with running_stack(settings, tmp_path) as stack:
         port = settings.metrics_port(2)
         streams = Streams(settings.gateway, [greedy_request(i, 1000) for i in range(3)])
