@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -51,6 +51,31 @@ def block_keys(
     return keys
 
 
+class Keys(Mapping[int, bytes]):
+    """block -> key of the cached blocks, read-only, over the pool's list indexed by block (a
+    list is one memory access a block, a dict of millions of blocks two and a resize now and
+    then: the per-block cost of a chunk). Iterating it scans the pool (checks and tests only)."""
+
+    def __init__(self, by_block: list[bytes | None], cached: dict[bytes, int]) -> None:
+        self._by_block, self._cached = by_block, cached
+
+    def __getitem__(self, block: int) -> bytes:
+        key = self._by_block[block] if 0 <= block < len(self._by_block) else None
+        if key is None:
+            raise KeyError(block)
+        return key
+
+    def __contains__(self, block: object) -> bool:
+        by_block = self._by_block
+        return type(block) is int and 0 <= block < len(by_block) and by_block[block] is not None
+
+    def __iter__(self) -> Iterator[int]:
+        return (block for block, key in enumerate(self._by_block) if key is not None)
+
+    def __len__(self) -> int:
+        return len(self._cached)  # a key names one block and a cached block has one key
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
@@ -58,8 +83,9 @@ class BlockPool:
         self.free: deque[int] = deque(range(num_blocks))
         self.tables: dict[str, list[int]] = {}
         self.refs = [0] * num_blocks  # how many tables list each block
-        self.key_of: dict[int, bytes] = {}  # block -> its key, for cached blocks
+        self.key_at: list[bytes | None] = [None] * num_blocks  # each cached block's key
         self.cached: dict[bytes, int] = {}  # key -> block
+        self.key_of = Keys(self.key_at, self.cached)  # block -> key, for cached blocks
         self.evictable: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self.fresh: set[int] = set()  # cached in the step being planned: not readable yet
         self.evictions = 0
@@ -89,7 +115,8 @@ class BlockPool:
             return []
         free = self.free
         if need <= len(free):
-            new = [free.popleft() for _ in range(need)]
+            popleft = free.popleft
+            new = [popleft() for _ in range(need)]
         else:
             new = list(free)
             free.clear()
@@ -102,11 +129,12 @@ class BlockPool:
 
     def _evict(self, n: int) -> list[int]:
         """The `n` least recently used evictable blocks, their cached contents forgotten."""
-        evictable, cached, key_of = self.evictable, self.cached, self.key_of
+        popitem, cached, key_at = self.evictable.popitem, self.cached, self.key_at
         taken = []
         for _ in range(n):
-            block, _ = evictable.popitem(last=False)
-            del cached[key_of.pop(block)]
+            block = popitem(False)[0]
+            del cached[key_at[block]]
+            key_at[block] = None
             taken.append(block)
         self.evictions += n
         return taken
@@ -115,17 +143,19 @@ class BlockPool:
         """Drop the request's references. Its blocks whose last reference this was become free,
         or evictable if cached; the end of a sequence is evicted before its beginning."""
         table = self.tables.pop(request_id, ())
-        refs, key_of = self.refs, self.key_of
+        refs, key_at, free = self.refs, self.key_at, self.free
         cached = []
         for block in table:
-            refs[block] -= 1
-            if refs[block] == 0:
-                if block in key_of:
-                    cached.append(block)
+            left = refs[block] - 1
+            refs[block] = left
+            if not left:
+                if key_at[block] is None:
+                    free.append(block)
                 else:
-                    self.free.append(block)
+                    cached.append(block)
+        evictable = self.evictable
         for block in reversed(cached):
-            self.evictable[block] = None
+            evictable[block] = None
 
     def table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])
@@ -169,16 +199,16 @@ class BlockPool:
         A block already cached stays as it is. Contents cached before in another block are
         forgotten there: the newest computation of a key is the one the cache names, so a
         block that became stale can never outlive a recompute of its contents."""
-        key_of, cached, fresh = self.key_of, self.cached, self.fresh
+        key_at, setdefault, add_fresh = self.key_at, self.cached.setdefault, self.fresh.add
         for block, key in zip(blocks, keys, strict=True):
-            if block in key_of:
+            if key_at[block] is not None:
                 continue
-            old = cached.get(key)
-            if old is not None:
+            old = setdefault(key, block)  # one lookup: the key is new (the usual case) or not
+            if old != block:
                 self._forget(old)
-            key_of[block] = key
-            cached[key] = block
-            fresh.add(block)
+                self.cached[key] = block
+            key_at[block] = key
+            add_fresh(block)
 
     def uncache(self, blocks: Iterable[int]) -> None:
         """These cached blocks' contents cannot be trusted (their step failed): forget them."""
@@ -187,7 +217,10 @@ class BlockPool:
 
     def _forget(self, block: int) -> None:
         """A cached block loses its key; if nobody holds it, it is plainly free."""
-        del self.cached[self.key_of.pop(block)]
+        key = self.key_at[block]
+        assert key is not None, f"block {block} is not cached"
+        del self.cached[key]
+        self.key_at[block] = None
         self.fresh.discard(block)
         if block in self.evictable:
             del self.evictable[block]

@@ -40,6 +40,7 @@ from scheduler_svc.step import Step, Work
 from scheduler_svc.worker_state import WorkerState
 
 RUNNING, FINISHED = SeqStatus.RUNNING, SeqStatus.FINISHED
+HIT_BATCH = 32  # blocks hashed at a time past a request's known keys to look up its cache hit
 
 
 class Scheduler:
@@ -384,6 +385,10 @@ class Scheduler:
         if not candidates:
             down = self._candidates(seq, live=False)
             return None, (StallReason.KV_CAPACITY if down else None), []
+        if len(candidates) == 1:  # a full worker needs no cache hit (and no key) to refuse
+            full = self._worker_full(candidates[0])
+            if full is not None:
+                return candidates[0], full, []
         hits = {ws.index: self._hit(ws, seq) for ws in candidates}
         if len(candidates) > 1:
             candidates.sort(
@@ -422,10 +427,9 @@ class Scheduler:
         """The per-worker limits that do not depend on the step's token budget. With `hit`
         cached blocks, the request needs blocks for the rest only, plus the cached ones that
         nobody holds (sharing takes them out of the evictable, counted-free ones)."""
-        if self.static and ws.closed and ws.running:
-            return StallReason.STATIC_BATCH
-        if len(ws.running) >= self.config.max_running:
-            return StallReason.MAX_RUNNING
+        full = self._worker_full(ws)
+        if full is not None:
+            return full
         bs = ws.spec.block_size
         start = len(hit) * bs
         end = start + self._chunk(seq, self._full_budget(), start)
@@ -439,6 +443,14 @@ class Scheduler:
         if now <= free + ws.reserved_unused():
             return StallReason.KV_RESERVED
         return StallReason.KV_CAPACITY
+
+    def _worker_full(self, ws: WorkerState) -> StallReason | None:
+        """The limits of a worker that no request can pass now, whatever its tokens."""
+        if self.static and ws.closed and ws.running:
+            return StallReason.STATIC_BATCH
+        if len(ws.running) >= self.config.max_running:
+            return StallReason.MAX_RUNNING
+        return None
 
     def _start(self, ws: WorkerState, seq: Sequence, step: Step, n: int, hit: list[int]) -> None:
         seq.status, seq.worker = RUNNING, ws.index
@@ -472,9 +484,17 @@ class Scheduler:
         always computed, for the logits that sample the next one."""
         if not ws.pool.cached:  # caching off, or nothing cached yet: no key to compute
             return []
-        bs = ws.spec.block_size
+        bs, match = ws.spec.block_size, ws.pool.match
         upto = (seq.known - 1) // bs
-        return ws.pool.match(self._keys(seq, upto, bs)[:upto])
+        keys = self._keys(seq, 0, bs)
+        hit: list[int] = []
+        while True:  # hash only as far as the cache matches (then the chunks hash the rest)
+            known = min(len(keys), upto)
+            found = match(keys[len(hit) : known])
+            hit += found
+            if len(hit) < known or known == upto:
+                return hit
+            self._keys(seq, min(upto, max(2 * known, known + HIT_BATCH)), bs)
 
     @staticmethod
     def _keys(seq: Sequence, upto: int, bs: int) -> list[bytes]:
