@@ -12,6 +12,19 @@ from scheduler_svc.sequence import Finish
 from tests.sim import seq
 
 
+def counted_ticks(relay: EventRelay) -> list[float]:
+    """The loop times at which the relay's timer ticks (each tick hands over one slice)."""
+    ticks: list[float] = []
+    tick = relay.tick
+
+    def counted() -> None:
+        ticks.append(asyncio.get_running_loop().time())
+        tick()
+
+    relay.tick = counted  # the relay arms its timer with self.tick
+    return ticks
+
+
 def drain(queue: asyncio.Queue) -> list:
     items = []
     while not queue.empty():
@@ -30,17 +43,22 @@ def test_without_an_interval_events_are_handed_over_at_once() -> None:
 
 
 def test_delayed_events_arrive_within_the_interval_merged_per_request() -> None:
-    async def scenario() -> tuple[list, list]:
+    """Within the interval: at one of the first SLICES ticks, each interval / SLICES after the
+    one before (counted, not timed: a loaded host may run every tick late)."""
+
+    async def scenario() -> tuple[list, list, list[float]]:
         streams = {"a": asyncio.Queue()}
         relay = EventRelay(streams, 0.02)
+        ticks = counted_ticks(relay)
         relay.dispatch([Event("a", token_id=5), ("a", 6)])
         before = drain(streams["a"])
-        await asyncio.sleep(0.05)
-        return before, drain(streams["a"])
+        after = [await asyncio.wait_for(streams["a"].get(), 30)]
+        return before, after + drain(streams["a"]), ticks
 
-    before, after = asyncio.run(scenario())
+    before, after, ticks = asyncio.run(scenario())
     assert before == []
     assert len(after) == 1 and list(after[0].token_ids) == [5, 6]
+    assert 1 <= len(ticks) <= SLICES
 
 
 def test_an_immediate_dispatch_first_hands_over_the_delayed_events() -> None:
@@ -50,13 +68,17 @@ def test_an_immediate_dispatch_first_hands_over_the_delayed_events() -> None:
     async def scenario() -> list:
         streams = {"a": asyncio.Queue()}
         relay = EventRelay(streams, 0.5)
+        ticks = counted_ticks(relay)
         relay.dispatch([("a", 7)])
         relay.dispatch([Event("a", finish=Finish.LENGTH)], now=True)
         got = drain(streams["a"])
-        await asyncio.sleep(0.6)  # the cancelled timer must not hand anything over again
-        return got + drain(streams["a"])
+        # The cancelled timer was due 0.05 s after the dispatch: the loop runs timers by their
+        # deadlines, so this later one returns after it would have ticked, on any host.
+        await asyncio.sleep(0.6)
+        return got + drain(streams["a"]), ticks
 
-    events = asyncio.run(scenario())
+    events, ticks = asyncio.run(scenario())
+    assert ticks == []  # the cancelled timer never ticked
     assert [t for e in events for t in e.token_ids] == [7]
     assert events[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
