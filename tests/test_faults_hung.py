@@ -1,5 +1,6 @@
-"""Workers that hang, stop, come back and die while draining, through real processes (tiny
-model, fp32, loopback): no request is left hanging, and one bad worker never stalls the rest."""
+"""Workers that hang, stop, come back and die while draining, through real processes (the
+simulated model, each step a floor of time, so the streams are in flight when the fault strikes
+on any host; loopback): no request is left hanging, and one bad worker never stalls the rest."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from llmserve import client
 from tests.stack_checks import generate, greedy_request, stop_cleanly, wait_for, wait_idle
 from tests.stacks import running_stack, tiny_settings
 from tests.streams import Streams
-from tests.test_faults import BOUND, baseline, kill9, worker_running
+from tests.test_faults import BOUND, baseline, held_settings, kill9, worker_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hang_guard")]
 
@@ -32,7 +33,7 @@ def test_a_hung_worker_is_failed_within_its_bound_and_stalls_no_one_else(tmp_pat
     """SIGSTOP one of two workers during 20 streams: the scheduler fails it within the hang
     bound, its requests are recomputed on the other (outputs identical), no stream waits long;
     after SIGCONT it rejoins clean and gets work again."""
-    settings = tiny_settings(
+    settings = held_settings(
         workers=2, kv_capacity=4096, token_budget=64, max_running=32,
         scheduler_flags=f"--hang-floor {HANG_FLOOR}",
     )  # fmt: skip
@@ -72,7 +73,7 @@ def test_a_worker_restarted_after_a_drain_takes_work_and_survives_the_other_dyin
 ) -> None:
     """SIGTERM one of two workers under load, start it again on the same port: it is healthy,
     not draining, and gets work; kill -9 the other: its requests finish on the restarted one."""
-    settings = tiny_settings(workers=2, kv_capacity=4096, token_budget=64)
+    settings = held_settings(workers=2, kv_capacity=4096, token_budget=64)
     n, max_tokens = 6, 200
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler
@@ -99,7 +100,7 @@ def test_requests_no_live_worker_can_take_fail_unavailable_instead_of_waiting(tm
     """One worker, two running and two waiting (running limit 2): SIGTERM it. The two running
     finish on it as it drains; the two waiting can never be placed and end at once with
     UNAVAILABLE; so do new requests."""
-    settings = tiny_settings(kv_capacity=4096, token_budget=64, max_running=2)
+    settings = held_settings(kv_capacity=4096, token_budget=64, max_running=2)
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler
         expected = baseline(gw, 4, 300)
@@ -120,7 +121,7 @@ def test_requests_no_live_worker_can_take_fail_unavailable_instead_of_waiting(tm
 
 
 def test_a_worker_killed_while_draining_is_shown_failed_and_its_requests_move(tmp_path) -> None:
-    settings = tiny_settings(workers=2, kv_capacity=4096, token_budget=64)
+    settings = held_settings(workers=2, kv_capacity=4096, token_budget=64)
     n, max_tokens = 6, 400
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler

@@ -1,4 +1,5 @@
-"""The scheduler's own faults, through real processes (tiny model, fp32, loopback): a scheduler
+"""The scheduler's own faults, through real processes (the simulated model with a step floor,
+so the streams are in flight when the fault strikes on any host; loopback): a scheduler
 that was stopped does not blame its workers, and a restarted one serves with the workers that
 answer while another listed one is down."""
 
@@ -11,9 +12,9 @@ import pytest
 
 from llmserve import client
 from tests.stack_checks import greedy_request, stop_cleanly, wait_for, wait_idle
-from tests.stacks import running_stack, tiny_settings
+from tests.stacks import running_stack
 from tests.streams import Streams
-from tests.test_faults import BOUND, baseline, kill9, worker_running
+from tests.test_faults import BOUND, baseline, held_settings, kill9, worker_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hang_guard")]
 
@@ -26,11 +27,11 @@ def test_a_stopped_scheduler_fails_no_worker_and_every_stream_completes(tmp_path
     wall clock every step answer is late when it runs again; by its own running time none is.
     No worker is failed, nothing is moved, every stream completes identical to an undisturbed
     run. (It failed both workers and every stream with "no live worker ... 0 live".)"""
-    settings = tiny_settings(
+    settings = held_settings(
         workers=2, kv_capacity=4096, token_budget=64, max_running=32,
         scheduler_flags=f"--hang-floor {HANG_FLOOR}",
     )  # fmt: skip
-    n, max_tokens = 20, 120
+    n, max_tokens = 20, 200
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler
         expected = baseline(gw, n, max_tokens)
@@ -57,7 +58,7 @@ def test_a_restarted_scheduler_serves_with_the_workers_that_answer(tmp_path) -> 
     """kill -9 one of two workers, then kill -9 and restart the scheduler: it serves with the
     worker that answers (it waited up to 120 s for both, and every request the gateway held
     failed at the 30 s resubmit timeout); the other joins when it comes back."""
-    settings = tiny_settings(workers=2, kv_capacity=4096, token_budget=64)
+    settings = held_settings(workers=2, kv_capacity=4096, token_budget=64)
     n, max_tokens = 4, 200
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler

@@ -19,9 +19,9 @@ from gateway.tokenizer_files import load_tokenizer
 from llmserve.runtime.protocol import ACCEPTED_KEY
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.stack_checks import generate, greedy_request, stop_cleanly, wait_for
-from tests.stacks import running_stack, tiny_settings
+from tests.stacks import running_stack
 from tests.streams import Streams
-from tests.test_faults import BOUND
+from tests.test_faults import BOUND, held_settings
 
 SCHEDULER_TIMEOUT, RESUBMIT_TIMEOUT = 2.0, 6.0
 
@@ -103,7 +103,7 @@ def test_a_stopped_scheduler_turns_the_gateway_not_serving_and_bounds_held_strea
     UNAVAILABLE (it waited as long as the scheduler hung); after SIGCONT it serves again."""
     monkeypatch.setenv("LLMSERVE_GATEWAY_SCHEDULER_TIMEOUT", str(SCHEDULER_TIMEOUT))
     monkeypatch.setenv("LLMSERVE_GATEWAY_RESUBMIT_TIMEOUT", str(RESUBMIT_TIMEOUT))
-    settings = tiny_settings(kv_capacity=2048, token_budget=64)
+    settings = held_settings(kv_capacity=2048, token_budget=64)  # the stream outlasts the stop
     serving, not_serving = (
         health_pb2.HealthCheckResponse.SERVING,
         health_pb2.HealthCheckResponse.NOT_SERVING,
