@@ -35,6 +35,9 @@ class StackSettings(CoreConfig):
         "computed), a .gguf file or a Hugging Face model directory; served by every worker",
     )
     dtype: Literal["bf16", "fp32"] = setting("bf16", help_of(WK, "dtype"))
+    quantization: Literal["none", "int8", "int4", "auto"] = setting(
+        "none", help_of(WK, "quantization")
+    )
     device: str = setting("auto", "each worker's device: " + help_of(WK, "device"))
     workers: int = setting(1, "worker processes, each with its own KV pool")
     kv_capacity: int = setting(16384, "KV positions per worker")
@@ -171,6 +174,8 @@ class Stack:
             s.model_source,
             "--dtype",
             s.dtype,
+            "--quantization",
+            s.quantization,
             "--device",
             s.device,
             "--kv-capacity",

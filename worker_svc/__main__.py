@@ -19,6 +19,7 @@ from worker_svc.device import resolve_device
 from worker_svc.loader import load_model
 from worker_svc.memory_profile import pool_positions, profile_blocks
 from worker_svc.metrics import WorkerMetrics
+from worker_svc.quant import check_quantization
 from worker_svc.runner import ModelRunner
 from worker_svc.service import WorkerService
 from worker_svc.settings import ENV_PREFIX, WorkerSettings
@@ -86,7 +87,9 @@ def make_runner(settings: WorkerSettings):
     if settings.model == "sim":
         config = sim_config()
     else:
-        config, weights = load_model(settings.model, DTYPES[settings.dtype])
+        device = resolve_device(settings.device)
+        quantization = check_quantization(settings.quantization, device, DTYPES[settings.dtype])
+        config, weights = load_model(settings.model, DTYPES[settings.dtype], quantization)
     if settings.max_context:
         config = dataclasses.replace(
             config, max_context=min(config.max_context, settings.max_context)

@@ -2,13 +2,16 @@
 
 F.linear in bf16 reorders the weight into oneDNN's blocked layout on every call; packing once
 makes batch-1 decode matmuls about 2x faster (same kernel, bit-identical results). fp32 stays on
-F.linear (MKL), which keeps fp32 results identical to transformers'.
+F.linear (MKL), which keeps fp32 results identical to transformers'. Quantized weights (int8,
+int4) run by PyTorch's weight-only CPU kernels instead (QuantizedLinear, worker_svc/quant.py).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from worker_svc.quant import QuantizedWeight, is_quantized
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -38,3 +41,26 @@ class Linear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+class QuantizedLinear:
+    """y = x @ dequantized(weight).T + bias, by the int8 / int4 CPU kernels (worker_svc.quant)."""
+
+    __slots__ = ("weight", "bias")
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, in] -> [tokens, out]."""
+        y = self.weight.matmul(x.contiguous())
+        return y if self.bias is None else y.add_(self.bias)
+
+
+def make_linear(
+    weight: torch.Tensor | QuantizedWeight, pack: bool, bias: torch.Tensor | None = None
+) -> Linear | QuantizedLinear:
+    if is_quantized(weight):
+        return QuantizedLinear(weight, bias)
+    return Linear(weight, pack, bias)

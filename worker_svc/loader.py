@@ -10,22 +10,35 @@ import torch
 from llmserve.runtime.model_files import display_name
 from worker_svc.hf_dir import load_hf_dir
 from worker_svc.model_config import ModelConfig, tiny_config
-from worker_svc.weights import LayerWeights, Weights, fuse_layer
+from worker_svc.quant import QUANTIZATIONS, Int4Codes, Source
+from worker_svc.quant_gguf import INT4_TYPES, int4_codes_from_gguf
+from worker_svc.weights import LayerWeights, Weights, fuse_layer, quantize_weights
 
 TINY_SEED = 0
 
 
-def load_model(source: str, dtype: torch.dtype = torch.bfloat16) -> tuple[ModelConfig, Weights]:
-    """source: "tiny", "smollm2", a path to a .gguf file, or an HF model directory."""
-    if source == "tiny":
-        return tiny_model(dtype)
+def load_model(
+    source: str, dtype: torch.dtype = torch.bfloat16, quantization: str = "none"
+) -> tuple[ModelConfig, Weights]:
+    """source: "tiny", "smollm2", a path to a .gguf file, or an HF model directory.
+    quantization: none, int8, int4 or auto (a GGUF's 4-bit matrices kept as int4; none for the
+    others), as in worker_svc.quant; the embedding and lm_head stay `dtype`."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not one of {QUANTIZATIONS}")
     if source == "smollm2":
         from llmserve.runtime.model_files import default_gguf_path
 
-        return load_gguf(default_gguf_path(), dtype)
+        return load_gguf(default_gguf_path(), dtype, quantization)
     path = Path(source).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, dtype)
+    if source != "tiny" and path.is_file() and path.suffix == ".gguf":
+        return load_gguf(path, dtype, quantization)
+    config, weights = load_unquantized(source, path, dtype)
+    return config, quantize_weights(weights, quantization)
+
+
+def load_unquantized(source: str, path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
+    if source == "tiny":
+        return tiny_model(dtype)
     if path.is_dir() and (path / "config.json").is_file():
         return load_hf_dir(path, dtype)
     raise ValueError(f"unknown model source {source!r}: not tiny/smollm2/.gguf/HF directory")
@@ -80,7 +93,11 @@ def random_weights(
 # ---------------------------------------------------------------------------- GGUF
 
 
-def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
+def load_gguf(
+    path: Path, dtype: torch.dtype, quantization: str = "none"
+) -> tuple[ModelConfig, Weights]:
+    """quantization other than none: the projections' 4-bit blocks (Q4_0, Q4_1, Q4_K) are read
+    as codes, never as values; other types are read as values (worker_svc.quant)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -103,6 +120,13 @@ def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
         if not array.flags.writeable:  # unquantized tensors come straight from the mmap
             array = array.copy()
         return torch.from_numpy(array.reshape([int(d) for d in reversed(t.shape)]))
+
+    def projection(name: str) -> Source:
+        """A matrix as its 4-bit codes where it has them and they are wanted, else values."""
+        t = tensors[name]
+        if quantization == "none" or t.tensor_type.name not in INT4_TYPES:
+            return load(name)
+        return int4_codes_from_gguf(t.tensor_type.name, t.data, int(t.shape[-1]))
 
     num_heads = int(value("llama.attention.head_count"))
     num_kv_heads = int(value("llama.attention.head_count_kv", num_heads))
@@ -138,15 +162,16 @@ def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
         layers.append(
             fuse_layer(
                 attn_norm=load(p + "attn_norm.weight"),
-                q=unpermute_rope(load(p + "attn_q.weight"), num_heads),
-                k=unpermute_rope(load(p + "attn_k.weight"), num_kv_heads),
-                v=load(p + "attn_v.weight"),
-                o=load(p + "attn_output.weight"),
+                q=unpermute_rope(projection(p + "attn_q.weight"), num_heads),
+                k=unpermute_rope(projection(p + "attn_k.weight"), num_kv_heads),
+                v=projection(p + "attn_v.weight"),
+                o=projection(p + "attn_output.weight"),
                 mlp_norm=load(p + "ffn_norm.weight"),
-                gate=load(p + "ffn_gate.weight"),
-                up=load(p + "ffn_up.weight"),
-                down=load(p + "ffn_down.weight"),
+                gate=projection(p + "ffn_gate.weight"),
+                up=projection(p + "ffn_up.weight"),
+                down=projection(p + "ffn_down.weight"),
                 dtype=dtype,
+                quantization=quantization,
             )
         )
     embed = load("token_embd.weight").to(dtype)
@@ -160,12 +185,14 @@ def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
     return config, weights
 
 
-def unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_rope(w: Source, num_heads: int) -> Source:
     """Undo llama.cpp's interleaving of q/k rows (inverse of convert_hf_to_gguf's permute).
 
-    w: [heads * head_dim, hidden]; per head llama.cpp stores rows as (half, pair) pairs,
-    HF as (pair, half).
+    w: [heads * head_dim, hidden] (or 4-bit codes: their rows and groups move alike); per head
+    llama.cpp stores rows as (half, pair) pairs, HF as (pair, half).
     """
+    if isinstance(w, Int4Codes):
+        return w.map_rows(lambda rows: unpermute_rope(rows, num_heads))
     rows = w.shape[0]
     half = rows // num_heads // 2
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

@@ -19,7 +19,7 @@ log = logging.getLogger("worker")
 
 def weights_bytes(weights: Weights) -> int:
     tensors = {id(t): t for t in _tensors(weights)}  # a tied lm_head counts once
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return sum(t.nbytes for t in tensors.values())  # quantized matrices: codes and scales
 
 
 def _tensors(weights: Weights) -> list[torch.Tensor]:

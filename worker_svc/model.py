@@ -11,7 +11,7 @@ from worker_svc import cpu_kernels
 from worker_svc.attention_backend import attention_backend, requested_backend
 from worker_svc.attention_plan import AttentionPlan, PagedBatch, paged_batch
 from worker_svc.kv_pool import KvPool
-from worker_svc.linear import Linear, packing_available
+from worker_svc.linear import Linear, QuantizedLinear, make_linear, packing_available
 from worker_svc.model_config import ModelConfig
 from worker_svc.rope import RopeTable, apply_rope
 from worker_svc.weights import Weights
@@ -27,10 +27,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @dataclass(slots=True)
 class LayerLinears:
-    qkv: Linear
-    o: Linear
-    gate_up: Linear
-    down: Linear
+    qkv: Linear | QuantizedLinear
+    o: Linear | QuantizedLinear
+    gate_up: Linear | QuantizedLinear
+    down: Linear | QuantizedLinear
 
 
 class LlamaModel:
@@ -57,10 +57,10 @@ class LlamaModel:
     def make_linears(self, pack: bool) -> tuple[list[LayerLinears], Linear]:
         linears = [
             LayerLinears(
-                Linear(lw.qkv, pack, lw.qkv_bias),
-                Linear(lw.o, pack, lw.o_bias),
-                Linear(lw.gate_up, pack, lw.gate_up_bias),
-                Linear(lw.down, pack, lw.down_bias),
+                make_linear(lw.qkv, pack, lw.qkv_bias),
+                make_linear(lw.o, pack, lw.o_bias),
+                make_linear(lw.gate_up, pack, lw.gate_up_bias),
+                make_linear(lw.down, pack, lw.down_bias),
             )
             for lw in self.weights.layers
         ]

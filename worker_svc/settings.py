@@ -24,6 +24,12 @@ class WorkerSettings:
         "--sim-step-ms per execution), a .gguf file or a Hugging Face model directory",
     )
     dtype: Literal["bf16", "fp32"] = setting("bf16", "the weights' and KV's dtype")
+    quantization: Literal["none", "int8", "int4", "auto"] = setting(
+        "none",
+        "how the layers' matrices run (CPU only; embedding and lm_head stay --dtype): none "
+        "(--dtype values, a GGUF dequantized), int8 (per row), int4 (groups of 32), auto (a "
+        "GGUF's Q4_0/Q4_1/Q4_K matrices as int4, the rest as --dtype; none off the CPU)",
+    )
     device: str = setting(
         "auto", "auto (the first CUDA device when there is one, else the CPU), cpu, cuda, cuda:N"
     )
@@ -81,6 +87,8 @@ class WorkerSettings:
             )
         if self.max_context < 0 or self.sim_step_ms < 0 or self.sim_token_us < 0:
             raise ValueError("--max-context, --sim-step-ms and --sim-token-us must be >= 0")
+        if self.quantization not in ("none", "int8", "int4", "auto"):
+            raise ValueError(f"--quantization: none, int8, int4 or auto, not {self.quantization!r}")
         if self.dtype not in ("bf16", "fp32"):
             raise ValueError(f"--dtype must be bf16 or fp32, got {self.dtype!r}")
 

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from worker_svc.quant import QuantizedWeight, Source, fuse_matrices, is_quantized
+
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # HF's names, without "_proj"
+Matrix = torch.Tensor | QuantizedWeight  # a projection's weight: values, or run as quantized
 
 
 @dataclass(slots=True)
 class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]; q rows, then k, then v
-    o: torch.Tensor  # [hidden, heads * head_dim]
+    qkv: Matrix  # [(heads + 2 * kv_heads) * head_dim, hidden]; q rows, then k, then v
+    o: Matrix  # [hidden, heads * head_dim]
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]; gate rows, then up
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Matrix  # [2 * intermediate, hidden]; gate rows, then up
+    down: Matrix  # [hidden, intermediate]
     # biases (Qwen2's q/k/v, Llama's attention_bias / mlp_bias); None: the projection has none
     qkv_bias: torch.Tensor | None = None  # [(heads + 2 * kv_heads) * head_dim]
     o_bias: torch.Tensor | None = None  # [hidden]
@@ -37,7 +40,10 @@ class Weights:
     lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed when tied
 
     def to(self, device: torch.device) -> Weights:
-        """A copy on `device`; a tied lm_head stays the embedding's tensor."""
+        """A copy on `device`; a tied lm_head stays the embedding's tensor. Quantized
+        matrices run on the CPU only."""
+        if device.type != "cpu" and self.quantized():
+            raise ValueError(f"quantized weights run on the CPU only, not on {device}")
         moved = {}
 
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -52,6 +58,9 @@ class Weights:
             for lw in self.layers
         ]
         return Weights(move(self.embed), layers, move(self.final_norm), move(self.lm_head))
+
+    def quantized(self) -> bool:
+        return any(is_quantized(m) for lw in self.layers for m in matrices(lw))
 
     def num_parameters(self) -> int:
         tensors = [self.embed, self.final_norm]
@@ -70,26 +79,37 @@ class Weights:
         return sum(t.numel() for t in tensors)
 
 
+def matrices(layer: LayerWeights) -> tuple[Matrix, ...]:
+    return (layer.qkv, layer.o, layer.gate_up, layer.down)
+
+
 def fuse_layer(
     attn_norm: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
+    q: Source,
+    k: Source,
+    v: Source,
+    o: Source,
     mlp_norm: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    down: torch.Tensor,
+    gate: Source,
+    up: Source,
+    down: Source,
     dtype: torch.dtype,
     biases: Mapping[str, torch.Tensor] | None = None,
+    quantization: str = "none",
 ) -> LayerWeights:
     """Build one layer from HF-layout projection matrices ([out, in]), fusing QKV and gate/up.
-    biases: by projection name (PROJECTIONS); within a fused group a missing one is zeros."""
+    biases: by projection name (PROJECTIONS); within a fused group a missing one is zeros.
+    quantization: how the fused matrices run (quant.fuse_matrices); norms and biases stay dtype.
+    """
+
+    def matrix(*parts: Source) -> Matrix:
+        return fuse_matrices(parts, quantization, dtype)
+
     b = dict(biases or {})
     if set(b) - set(PROJECTIONS):
         raise ValueError(f"unknown projections {sorted(set(b) - set(PROJECTIONS))}")
 
-    def fused(*parts: tuple[str, torch.Tensor]) -> torch.Tensor | None:
+    def fused(*parts: tuple[str, Source]) -> torch.Tensor | None:
         if not any(name in b for name, _ in parts):
             return None
         rows = [b.get(name, torch.zeros(w.shape[0])) for name, w in parts]
@@ -100,13 +120,33 @@ def fuse_layer(
 
     return LayerWeights(
         attn_norm=attn_norm.to(dtype).contiguous(),
-        qkv=torch.cat([q, k, v], dim=0).to(dtype).contiguous(),
-        o=o.to(dtype).contiguous(),
+        qkv=matrix(q, k, v),
+        o=matrix(o),
         mlp_norm=mlp_norm.to(dtype).contiguous(),
-        gate_up=torch.cat([gate, up], dim=0).to(dtype).contiguous(),
-        down=down.to(dtype).contiguous(),
+        gate_up=matrix(gate, up),
+        down=matrix(down),
         qkv_bias=fused(("q", q), ("k", k), ("v", v)),
         o_bias=fused(("o", o)),
         gate_up_bias=fused(("gate", gate), ("up", up)),
         down_bias=fused(("down", down)),
     )
+
+
+def quantize_weights(weights: Weights, quantization: str) -> Weights:
+    """The layers' matrices run as `quantization` (none, int8, int4; auto is none here: values
+    carry no file type to keep), quantized from their values. Embedding and lm_head stay."""
+    if quantization in ("none", "auto"):
+        return weights
+    dtype = weights.embed.dtype
+
+    def run_as(m: Matrix) -> Matrix:
+        if is_quantized(m):
+            raise ValueError("the weights are quantized already")
+        return fuse_matrices([m], quantization, dtype)
+
+    layers = [
+        replace(lw, qkv=run_as(lw.qkv), o=run_as(lw.o), gate_up=run_as(lw.gate_up),
+                down=run_as(lw.down))
+        for lw in weights.layers
+    ]  # fmt: skip
+    return replace(weights, layers=layers)

@@ -1,0 +1,181 @@
+"""Weight-only quantized matrices run as quantized on the CPU: int8 per output channel and int4
+in groups of 32 along the input, by PyTorch's own CPU kernels (the ones gpt-fast and torchao
+call): `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`. Activations stay bf16 (or fp32);
+the kernels dequantize weight tiles as they go, so a step reads 1 byte (int8) or 0.625 bytes
+(int4 with its group scale and zero) per weight instead of bf16's 2.
+
+GGUF's 4-bit types (Q4_0, Q4_1, Q4_K) are group-32 affine codes already (quant_gguf.py maps
+their blocks onto Int4Codes exactly); everything else is quantized here from its values
+(round to nearest: min/max per group for int4, absolute max per row for int8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+QUANTIZATIONS = ("none", "int8", "int4", "auto")
+GROUP_SIZE = 32  # GGUF's block (and Q4_K's sub-block) length; the int4 kernel takes 32..256
+INT4_OFFSET = 8  # the kernel's convention: w = (code - 8) * scale + zero, code in [0, 15]
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Codes:
+    """Group-wise affine 4-bit codes on the host, before packing: w = (codes - 8) * scale + zero
+    per group of GROUP_SIZE inputs. codes: [out, in] uint8 in [0, 15]; scale, zero: [out,
+    in / GROUP_SIZE] fp32. Rows can be reordered and stacked exactly (map_rows, stack)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Int4Codes:
+        """The same row operation (a permutation) applied to the codes and their groups."""
+        return Int4Codes(fn(self.codes), fn(self.scale), fn(self.zero))
+
+    def dequantize(self) -> torch.Tensor:
+        """[out, in] fp32, exactly the values the codes stand for."""
+        rows, cols = self.codes.shape
+        grouped = self.codes.view(rows, -1, GROUP_SIZE).float() - INT4_OFFSET
+        return (grouped * self.scale[..., None] + self.zero[..., None]).view(rows, cols)
+
+    @staticmethod
+    def stack(parts: Sequence[Int4Codes]) -> Int4Codes:
+        return Int4Codes(
+            torch.cat([p.codes for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.zero for p in parts]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Weight:
+    """int8 codes [out, in] with one scale per output row: w = codes * scales[:, None]."""
+
+    codes: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out], the activations' dtype (the kernel requires it)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def numel(self) -> int:
+        return self.codes.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, in] -> [tokens, out]."""
+        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Weight:
+    """int4 codes packed by `_convert_weight_to_int4pack_for_cpu` ([out, in / 2] uint8) and their
+    groups' scales and zeros [in / GROUP_SIZE, out, 2] in the activations' dtype."""
+
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    def numel(self) -> int:
+        return self.out_features * self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, in] -> [tokens, out]."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, GROUP_SIZE, self.scales_and_zeros
+        )
+
+
+QuantizedWeight = Int8Weight | Int4Weight
+
+
+def is_quantized(matrix: object) -> bool:
+    return isinstance(matrix, Int8Weight | Int4Weight)
+
+
+def pack_int4(codes: Int4Codes, dtype: torch.dtype) -> Int4Weight:
+    rows, cols = codes.shape
+    if cols % GROUP_SIZE:
+        raise ValueError(f"int4: {cols} inputs are not a multiple of {GROUP_SIZE}")
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32), 1)
+    groups = torch.stack([codes.scale, codes.zero], dim=-1)  # [out, groups, 2]
+    scales_and_zeros = groups.transpose(0, 1).contiguous().to(dtype)
+    return Int4Weight(packed, scales_and_zeros, rows, cols)
+
+
+def int4_codes(w: torch.Tensor) -> Int4Codes:
+    """Round-to-nearest asymmetric 4-bit codes of w [out, in] per group (min and max kept)."""
+    rows, cols = w.shape
+    if cols % GROUP_SIZE:
+        raise ValueError(f"int4: {cols} inputs are not a multiple of {GROUP_SIZE}")
+    grouped = w.float().view(rows, -1, GROUP_SIZE)
+    low, high = grouped.amin(-1), grouped.amax(-1)
+    scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = ((grouped - low[..., None]) / scale[..., None]).round().clamp(0, 15)
+    zero = low + INT4_OFFSET * scale
+    return Int4Codes(codes.to(torch.uint8).view(rows, cols), scale, zero)
+
+
+def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
+    """Symmetric round-to-nearest per output row: scale = max |w| / 127."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return Int8Weight(codes.contiguous(), scale.to(dtype))
+
+
+Source = torch.Tensor | Int4Codes  # one projection as loaded: values, or a GGUF file's codes
+
+
+def fuse_matrices(parts: Sequence[Source], mode: str, dtype: torch.dtype):
+    """Stack projections row-wise ([out, in] each) into one matrix run as `mode`:
+    none: dtype values; int8 / int4: quantized (4-bit codes from the file kept exactly);
+    auto: int4 when every part is 4-bit codes, else dtype values (a file's other types)."""
+    if mode == "auto":
+        mode = "int4" if all(isinstance(p, Int4Codes) for p in parts) else "none"
+    if mode == "int4":
+        codes = [p if isinstance(p, Int4Codes) else int4_codes(p) for p in parts]
+        return pack_int4(Int4Codes.stack(codes), dtype)
+    values = torch.cat([values_of(p) for p in parts])
+    if mode == "int8":
+        return quantize_int8(values, dtype)
+    if mode == "none":
+        return values.to(dtype).contiguous()
+    raise ValueError(f"unknown quantization {mode!r}; expected one of {QUANTIZATIONS}")
+
+
+def values_of(part: Source) -> torch.Tensor:
+    return part.dequantize() if isinstance(part, Int4Codes) else part
+
+
+def check_quantization(mode: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The mode a worker runs: the quantized kernels are the CPU's; elsewhere auto means none
+    and int8 / int4 are refused."""
+    if mode not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {QUANTIZATIONS}, got {mode!r}")
+    if device.type != "cpu" or mode == "none":
+        if mode in ("int8", "int4"):
+            raise ValueError(f"--quantization {mode} runs on the CPU only (device {device})")
+        return "none"
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"--quantization {mode}: activations must be bf16 or fp32")
+    return mode
