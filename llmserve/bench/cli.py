@@ -129,6 +129,12 @@ def add_bench_parser(sub) -> None:
         default=5.0,
         help="p99 TTFT target (s) for 'throughput at equal p99 TTFT'",
     )
+    sim.add_argument(
+        "--baseline-rev",
+        default="",
+        help="also simulate every load and policy with the scheduler core of this git "
+        "revision, and print the core's real µs per step side by side (e.g. bc5c0ff)",
+    )
     _out_flags(sim, "sim")
     sim.set_defaults(func=_cmd_sim)
 

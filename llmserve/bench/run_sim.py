@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
+import subprocess
+import sys
+import tempfile
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from llmserve.bench.caching import caching_pairs, print_caching
@@ -20,16 +25,7 @@ def run_sim(args: argparse.Namespace, command: str) -> int:
     from llmserve.bench.cli import build_workload
 
     cost = CostModel.load(args.cost_model or DEFAULT_COST_MODEL)
-    settings = SimSettings(
-        workers=args.sim_workers,
-        kv_capacity=args.kv_capacity,
-        block_size=args.block_size,
-        token_budget=args.token_budget,
-        max_running=args.max_running,
-        max_context=args.max_context,
-        speedup=args.speedup,
-        step_overhead_s=args.step_overhead,
-    )
+    settings = _settings(args)
     policies = parse_policies(args.policies, args.prefix_caching)
     rows: list[dict[str, Any]] = []
     for load in [float(x) for x in args.loads.split(",")]:
@@ -74,6 +70,10 @@ def run_sim(args: argparse.Namespace, command: str) -> int:
             args.out, name, summaries, report.results, f"{workload.name}, load ×{load:g}, simulated"
         )
     best = at_slo(rows, args.ttft_slo)
+    baseline = None
+    if getattr(args, "baseline_rev", ""):
+        baseline = baseline_core(args, args.baseline_rev)
+        print_core_side_by_side(rows, baseline, args.baseline_rev)
     sweep = {
         "command": command,
         "ttft_slo_s": args.ttft_slo,
@@ -81,6 +81,7 @@ def run_sim(args: argparse.Namespace, command: str) -> int:
         "at_slo": best,
         "at_slo_ratios": slo_ratios(best),
         "reserve_vs_paged": reserve_vs_paged(rows),
+        "baseline_core": {"rev": args.baseline_rev, "rows": baseline} if baseline else None,
     }
     path = args.out / f"{args.name}-sweep.json"
     path.write_text(json.dumps(sweep, indent=1))
@@ -111,6 +112,8 @@ def _row(load: float, s: dict[str, Any], counters: dict[str, Any]) -> dict[str, 
         "virtual_s": counters["virtual_s"],
         "real_s": counters["real_s"],
         "core_us_per_step": counters["core_us_per_step"],
+        "core_us_median": counters["core_us_median"],
+        "core_us_median_full": counters["core_us_median_full"],
         "steps": counters["steps"],
         "step_ms": 1000 * counters["busy_s"] / max(1, counters["steps"]),
     }
@@ -228,3 +231,101 @@ def _print_sweep(sweep: dict[str, Any]) -> None:
             f"throughput; p99 TTFT ×{(r['ttft_p99_ratio'] or 0):.2f}; peak running "
             f"{r['reserve_peak_running']} vs {r['paged_peak_running']}"
         )
+
+
+# ---- the core of another revision on the same simulations (--baseline-rev) ----------------
+
+BASELINE_SCRIPT = """
+import json, pickle, sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]  # that revision's scheduler_svc, then this tree
+from llmserve.bench.run_sim import core_figures
+print(json.dumps(core_figures(pickle.loads(open(sys.argv[3], "rb").read()))))
+"""
+CORE_KEYS = ("core_us_per_step", "core_us_median", "core_us_median_full")
+
+
+def core_figures(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each load and policy of `args` simulated again (no report): the core's time per step."""
+    from llmserve.bench.cli import build_workload
+
+    cost = CostModel.load(args.cost_model or DEFAULT_COST_MODEL)
+    settings = _settings(args)
+    out = []
+    for load in [float(x) for x in args.loads.split(",")]:
+        workload = build_workload(args, time_scale=args.time_scale / load)
+        for policy in parse_policies(args.policies, args.prefix_caching):
+            result = Simulation(settings, policy, cost).run(workload, False)
+            counters = result.counters
+            row = {k: counters[k] for k in CORE_KEYS}
+            out.append({"load": load, "policy": policy.label, **row, "steps": counters["steps"]})
+    return out
+
+
+def baseline_core(args: argparse.Namespace, rev: str) -> list[dict[str, Any]] | None:
+    """`core_figures` with the scheduler core of git revision `rev` (None if it cannot run)."""
+    root = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            archive = subprocess.run(
+                ["git", "-C", str(root), "archive", rev, "scheduler_svc"],
+                check=True,
+                capture_output=True,
+            ).stdout
+            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+            pickled = Path(tmp) / "args.pickle"
+            pickled.write_bytes(pickle.dumps(args))
+            out = subprocess.run(
+                [sys.executable, "-c", BASELINE_SCRIPT, tmp, str(root), str(pickled)],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+        except (subprocess.CalledProcessError, OSError) as e:
+            print(f"--baseline-rev {rev}: could not run its core ({e})", file=sys.stderr)
+            return None
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def print_core_side_by_side(
+    rows: list[dict[str, Any]], baseline: list[dict[str, Any]] | None, rev: str
+) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"the scheduler core's real µs per step: this tree and {rev}")
+    for col in ("load", "policy", "steps", "mean", "median", "median ≥90% running"):
+        t.add_column(col, justify="right")
+    t.add_column(f"at {rev}: mean / median / ≥90%", justify="right")
+    t.add_column("speed-up (median ≥90%)", justify="right")
+    theirs = {(b["load"], b["policy"]): b for b in baseline or []}
+    for r in rows:
+        b = theirs.get((r["load"], r["policy"]))
+        ours = [r[k] for k in CORE_KEYS]
+        then = [b[k] for k in CORE_KEYS] if b else [None] * 3
+        ratio = _div(then[2], ours[2])
+        t.add_row(
+            f"×{r['load']:g}",
+            r["policy"],
+            str(r["steps"]),
+            *(_us(v) for v in ours),
+            " / ".join(_us(v) for v in then),
+            f"{ratio:.1f}×" if ratio else "-",
+        )
+    Console(width=190).print(t)
+
+
+def _us(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
+def _settings(args: argparse.Namespace) -> SimSettings:
+    return SimSettings(
+        workers=args.sim_workers,
+        kv_capacity=args.kv_capacity,
+        block_size=args.block_size,
+        token_budget=args.token_budget,
+        max_running=args.max_running,
+        max_context=args.max_context,
+        speedup=args.speedup,
+        step_overhead_s=args.step_overhead,
+    )

@@ -12,6 +12,7 @@ that one's prompt and generated ids.
 from __future__ import annotations
 
 import heapq
+import statistics
 import time
 from array import array
 from collections import deque
@@ -83,6 +84,7 @@ class Simulation:
         self.steps = 0
         self.busy_s = 0.0
         self.core_s = 0.0  # real seconds spent in schedule() + postprocess()
+        self.core_steps: list[tuple[float, int]] = []  # each step's core seconds, its running
         self.arrivals: list[tuple[float, int, RequestSpec]] = []  # (due, index, spec), a heap
         self.content: Content | None = None
         self.followers: dict[int, RequestSpec] = {}
@@ -146,7 +148,8 @@ class Simulation:
     def _step(self) -> list[str]:
         t = time.perf_counter()
         batches = self.core.schedule()
-        self.core_s += time.perf_counter() - t
+        planned = time.perf_counter() - t
+        self.core_s += planned
         self._events()
         if not any(b.has_work for b in batches):
             if not self.core.waiting or any(ws.running for ws in self.core.workers):
@@ -164,8 +167,24 @@ class Simulation:
         t = time.perf_counter()
         for batch, sampled in zip(batches, tokens, strict=True):
             self.core.complete(batch, sampled)
-        self.core_s += time.perf_counter() - t
+        completed = time.perf_counter() - t
+        self.core_s += completed
+        running = sum(b.num_requests for b in batches)
+        self.core_steps.append((planned + completed, running))
         return self._events()
+
+    def core_figures(self) -> dict[str, float | None]:
+        """The core's real time per step, in µs: the mean, the median, and the median of the
+        steps that ran at least 90% of the running limit of all workers (None if none did)."""
+        times = [t for t, _ in self.core_steps]
+        full = 0.9 * self.settings.max_running * self.settings.workers
+        busy = [t for t, running in self.core_steps if running >= full]
+        return {
+            "core_us_per_step": 1e6 * self.core_s / max(1, self.steps),
+            "core_us_median": 1e6 * statistics.median(times) if times else None,
+            "core_us_median_full": 1e6 * statistics.median(busy) if busy else None,
+            "full_steps": len(busy),
+        }
 
     def _seconds(self, batch: Step) -> float:
         work = [(w.start, w.num_tokens, w.sample) for w in batch.chunks]
@@ -268,7 +287,7 @@ class Simulation:
             "busy_s": self.busy_s,
             "real_s": wall,
             "core_s": self.core_s,
-            "core_us_per_step": 1e6 * self.core_s / max(1, self.steps),
+            **self.core_figures(),
             "preemptions": self.core.preemptions,
             **prefix_counters(self.core.snapshot().workers),
             # what the simulated workers ran, whatever the core reports
