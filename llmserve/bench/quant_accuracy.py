@@ -1,0 +1,124 @@
+"""The accuracy guard of --quantization: each mode's next-token distributions against the
+unquantized (none) path on a fixed prompt set, and the demo's greedy answers.
+
+python -m llmserve.bench.quant_accuracy [--source smollm2] [--modes int8,int4,auto] [--tokens 24]
+
+Every position of every prompt is scored (teacher forcing: the prompt's own next token is fed,
+whatever a mode would pick), so the figures compare distributions, not diverging generations:
+top-1 agreement (the argmax is the same) and mean KL(none || mode) in nats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from llmserve.demo import QUESTIONS  # noqa: E402
+from worker_svc.loader import load_model  # noqa: E402
+from worker_svc.runner import ModelRunner  # noqa: E402
+from worker_svc.work import WorkItem  # noqa: E402
+
+PASSAGES = (
+    "The river wound slowly through the valley, past fields of wheat and the old stone mill "
+    "where the miller's family had worked for three generations.",
+    "To make a cup of tea, boil fresh water, warm the pot, add one spoon of leaves per cup and "
+    "let it steep for four minutes before pouring.",
+    "Photosynthesis is the process by which green plants use sunlight, water and carbon "
+    "dioxide to produce glucose and release oxygen into the air.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + "
+    "fibonacci(n - 2)\n",
+    "In 1969 the Apollo 11 mission landed the first humans on the Moon; Neil Armstrong and "
+    "Buzz Aldrin walked on its surface while Michael Collins orbited above.",
+    "The meeting is moved to Thursday at three o'clock because the projector in the main room "
+    "is broken and the technician cannot come before Wednesday.",
+)
+BLOCK = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Agreement:
+    positions: int
+    top1: float  # share of positions whose argmax is the reference's
+    mean_kl: float  # mean KL(reference || mode), nats
+    max_kl: float
+
+
+def prompt_set(tokenizer) -> list[list[int]]:
+    """The passages as plain text, then the demo's questions in the chat template."""
+    plain = [tokenizer.encode(p) for p in PASSAGES]
+    chats = [chat_ids(tokenizer, q) for q in QUESTIONS]
+    return plain + chats
+
+
+def chat_ids(tokenizer, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def make_runner(source: str, quantization: str, max_tokens: int = 512) -> ModelRunner:
+    config, weights = load_model(source, torch.bfloat16, quantization)
+    return ModelRunner(config, weights, -(-max_tokens // BLOCK), BLOCK, torch.bfloat16)
+
+
+def next_token_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:
+    """[positions of all prompts, vocab] fp32: the distribution after each prompt token."""
+    rows = []
+    for i, ids in enumerate(prompts):
+        table = list(range(-(-len(ids) // BLOCK)))
+        rows.append(runner.compute_logits([WorkItem(str(i), ids, 0, table)], all_positions=True))
+    return torch.cat(rows).float()
+
+
+def agreement(reference: torch.Tensor, logits: torch.Tensor) -> Agreement:
+    ref, mode = reference.log_softmax(-1), logits.log_softmax(-1)
+    kl = (ref.exp() * (ref - mode)).sum(-1)
+    top1 = (ref.argmax(-1) == mode.argmax(-1)).float().mean()
+    return Agreement(ref.shape[0], float(top1), float(kl.mean()), float(kl.max()))
+
+
+def greedy(runner: ModelRunner, ids: list[int], tokens: int, stop: tuple[int, ...]) -> list[int]:
+    """Greedy continuation of ids (up to `tokens`, ending at a stop token)."""
+    table = list(range(-(-(len(ids) + tokens) // BLOCK)))
+    out = runner.execute([WorkItem("g", ids, 0, table)])
+    generated = [out[0]]
+    while len(generated) < tokens and generated[-1] not in stop:
+        position = len(ids) + len(generated) - 1
+        item = WorkItem("g", [generated[-1]], position, table, sample_index=len(generated))
+        generated.append(runner.execute([item])[0])
+    return generated
+
+
+def main() -> None:
+    from gateway.tokenizer import load_default_tokenizer
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--source", default="smollm2")
+    parser.add_argument("--modes", default="int8,int4,auto")
+    parser.add_argument("--tokens", type=int, default=24, help="greedy tokens per question")
+    args = parser.parse_args()
+    tokenizer = load_default_tokenizer()
+    prompts = prompt_set(tokenizer)
+    modes = ["none", *args.modes.split(",")]
+    runners = {mode: make_runner(args.source, mode) for mode in modes}
+    reference = next_token_logits(runners["none"], prompts)
+    print(f"{args.source}: {reference.shape[0]} positions in {len(prompts)} prompts")
+    print(f"{'mode':<6}{'top-1':>8}{'mean KL':>10}{'max KL':>9}")
+    for mode in modes[1:]:
+        a = agreement(reference, next_token_logits(runners[mode], prompts))
+        print(f"{mode:<6}{a.top1:>8.3f}{a.mean_kl:>10.4f}{a.max_kl:>9.3f}")
+    stop = (tokenizer.eos_token_id,)
+    for question in QUESTIONS:
+        print(f"\n> {question}")
+        for mode, runner in runners.items():
+            answer = greedy(runner, chat_ids(tokenizer, question), args.tokens, stop)
+            text = tokenizer.decode(answer, skip_special_tokens=True).strip()
+            print(f"  {mode:<5} {text!r}")
+
+
+if __name__ == "__main__":
+    main()
