@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
 
 from llmserve.runtime.request_checks import context_problem
-from scheduler_svc.blocks import block_keys, blocks_for
+from scheduler_svc.blocks import block_keys, blocks_for, common_blocks
 from scheduler_svc.config import (
     BatchMode,
     CoreConfig,
@@ -41,6 +41,7 @@ from scheduler_svc.worker_state import WorkerState
 
 RUNNING, FINISHED = SeqStatus.RUNNING, SeqStatus.FINISHED
 HIT_BATCH = 32  # blocks hashed at a time past a request's known keys to look up its cache hit
+KEY_MEMO = 64  # recent requests, by first block key, whose prompt keys a new request may reuse
 
 
 class Scheduler:
@@ -70,6 +71,8 @@ class Scheduler:
         self.reserve = config.policy is KvPolicy.RESERVE
         self.static = config.mode is BatchMode.STATIC
         self.caching = config.prefix_caching and not self.reserve
+        # (first block key, block size) -> the latest request whose keys start so (`_reuse_keys`)
+        self.key_memo: OrderedDict[tuple[bytes, int], Sequence] = OrderedDict()
 
     # ---- workers in and out --------------------------------------------------------------
 
@@ -482,11 +485,15 @@ class Scheduler:
     def _hit(self, ws: WorkerState, seq: Sequence) -> list[int]:
         """The cached blocks `seq` would start from on `ws`; at least its last known token is
         always computed, for the logits that sample the next one."""
-        if not ws.pool.cached:  # caching off, or nothing cached yet: no key to compute
+        if not self.caching:
             return []
         bs, match = ws.spec.block_size, ws.pool.match
         upto = (seq.known - 1) // bs
         keys = self._keys(seq, 0, bs)
+        if not keys and upto > 1:
+            self._reuse_keys(seq, bs, upto)
+        if not ws.pool.cached:  # nothing cached yet: nothing to look up
+            return []
         hit: list[int] = []
         while True:  # hash only as far as the cache matches (then the chunks hash the rest)
             known = min(len(keys), upto)
@@ -495,6 +502,27 @@ class Scheduler:
             if len(hit) < known or known == upto:
                 return hit
             self._keys(seq, min(upto, max(2 * known, known + HIT_BATCH)), bs)
+
+    def _reuse_keys(self, seq: Sequence, bs: int, upto: int) -> None:
+        """A request about to look up its hit: where its prompt's first blocks equal, token for
+        token, those of the latest request whose first key is its own (same first block, same
+        salt), take that one's keys instead of hashing them (keys are a function of the salt
+        and the tokens: equal tokens, equal keys). Comparing ids costs far less than hashing
+        them, and a long cached prefix (a document, a conversation's history) is what most
+        admissions of a Mooncake-shaped load look up."""
+        keys = self._keys(seq, 1, bs)
+        memo, at = self.key_memo, (keys[0], bs)
+        other = memo.get(at)
+        memo[at] = seq
+        memo.move_to_end(at)
+        if len(memo) > KEY_MEMO:
+            memo.popitem(last=False)
+        if other is None or other is seq or other.key_block_size != bs:
+            return
+        theirs = other.block_keys
+        limit = min(upto, len(theirs), len(seq.prompt_ids) // bs, len(other.prompt_ids) // bs)
+        same = common_blocks(seq.prompt_ids, other.prompt_ids, bs, limit)
+        keys += theirs[1:same]
 
     @staticmethod
     def _keys(seq: Sequence, upto: int, bs: int) -> list[bytes]:

@@ -11,7 +11,7 @@ import types
 import pytest
 
 import scheduler_svc.blocks as blocks_module
-from scheduler_svc.blocks import BlockPool
+from scheduler_svc.blocks import BlockPool, block_keys, common_blocks
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import HIT_BATCH, Scheduler
 from scheduler_svc.output import Event
@@ -116,3 +116,44 @@ def test_a_full_worker_looks_up_nothing_however_much_of_the_head_is_cached(
         assert len(waiting_steps[own]) >= 10 and state.core.stalls["max_running"] >= 10
     assert waiting_steps[512] == waiting_steps[2048]
     assert set(waiting_steps[2048]) == {0}
+
+
+def test_common_blocks_counts_the_equal_leading_blocks() -> None:
+    base = list(range(1000, 1000 + 40 * BS))
+    for differs_at in (0, 1, 15, 16, 17, 31 * BS + 3, 32 * BS, 33 * BS, 39 * BS + 15):
+        other = base.copy()
+        other[differs_at] = -1
+        assert common_blocks(base, other, BS, 40) == differs_at // BS
+        assert common_blocks(base, other, BS, 2) == min(2, differs_at // BS)
+    assert common_blocks(base, base.copy(), BS, 40) == 40
+    assert common_blocks(base, base[: 10 * BS], BS, 10) == 10
+
+
+def test_a_prompt_that_repeats_a_recent_ones_prefix_reuses_its_keys_unhashed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Keys are a function of the salt and the tokens, so a new request whose first blocks equal
+    a recent request's (compared id for id) takes those keys: it hashes only what differs,
+    and its keys are exactly those hashing would give."""
+    counts = Counts(monkeypatch)
+    spec = WorkerSpec("w0", 4096, BS, 65536)
+    config = CoreConfig(token_budget=4096, max_running=4, prefix_caching=True)
+    core = Scheduler(config, [spec], clock=lambda: 0.0)
+    document = [7000 + i % 501 for i in range(100 * BS)]  # 100 blocks, shared
+    first = Sequence("a", document + [1] * BS, 2, arrival=1.0)
+    core.add(first)
+    for step in core.schedule():
+        core.complete(step, [7] * step.num_sampled)
+    counts.take()
+    second = Sequence("b", document + [2] * (3 * BS), 2, arrival=1.0, cache_salt=b"")
+    core.add(second)
+    core.schedule()
+    hashes, _ = counts.take()
+    assert hashes <= 1 + 3 + 1  # its first block, its own three, the last one's lookup
+    assert second.block_keys == block_keys(second.prompt_ids, BS, [], len(second.block_keys))
+    assert core.snapshot().workers[0].hit_tokens >= 100 * BS
+    # another salt shares nothing: every block hashed anew
+    third = Sequence("c", document + [2] * (3 * BS), 2, arrival=1.0, cache_salt=b"tenant")
+    core.add(third)
+    core.schedule()
+    assert counts.take()[0] >= 100
