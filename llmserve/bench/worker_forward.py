@@ -1,6 +1,7 @@
 """Ours vs transformers on the same weights and dtype: decode steps and a prompt prefill.
 
 python -m llmserve.bench.worker_forward [--source smollm2] [--dtype bf16] [--reps 10] [--threads 2]
+python -m llmserve.bench.worker_forward --quantization int8,int4,auto  (ours per mode vs bf16)
 
 transformers runs with each attention implementation named in --theirs-attn (sdpa and eager by
 default); "theirs" is the faster of them in each case, so the baseline is the best transformers
@@ -153,9 +154,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     parser.add_argument("--theirs-attn", default="sdpa,eager", help="transformers attention impls")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    parser.add_argument(
+        "--quantization",
+        default="",
+        help="e.g. int8,int4,auto: our step times in each mode against bf16 (none), side by side "
+        "(llmserve/bench/quant_forward.py); transformers is not run",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.quantization:
+        from llmserve.bench.quant_forward import quantization_table
+
+        modes, batches = args.quantization.split(","), [int(b) for b in args.batches.split(",")]
+        quantization_table(args.source, modes, batches, args.prefill, args.context, args.reps)
+        return
     dtype = DTYPES[args.dtype]
     batches = [int(b) for b in args.batches.split(",")]
     config, weights = load_model(args.source, dtype)
@@ -200,7 +213,7 @@ def weights_read_per_token(weights: Weights) -> int:
     total = weights.lm_head.numel() * weights.lm_head.element_size()
     for layer in weights.layers:
         for t in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            total += t.numel() * t.element_size()
+            total += t.nbytes  # a quantized matrix: its codes and scales
     return total
 
 

@@ -1,0 +1,73 @@
+"""Our worker's step times for each --quantization side by side with bf16 (none), in one run.
+
+python -m llmserve.bench.worker_forward --quantization int8,int4,auto [--batches 1,8,64]
+    [--prefill 128] [--reps 10] [--threads 2]
+
+Every mode is loaded once and the cases run interleaved (A B C A B C ...), so load from other
+processes on a shared host hits all modes alike; the figures are medians, the ratios bf16's time
+over the mode's (above 1: the mode is faster). The host's CPU flags are printed with the table:
+compare only within one run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from llmserve.bench.worker_forward import Ours, median_ms
+from worker_svc.loader import load_model
+from worker_svc.weights import Weights, matrices
+
+FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> list[str]:
+    """The flags of FLAGS this host's CPU has (Linux' /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    words = set(text.split())
+    return [f for f in FLAGS if f in words]
+
+
+def bytes_per_decode_step(weights: Weights) -> int:
+    """What a batch-1 decode step reads: every layer matrix and the lm_head, once."""
+    return weights.lm_head.nbytes + sum(m.nbytes for lw in weights.layers for m in matrices(lw))
+
+
+def quantization_table(
+    source: str,
+    modes: list[str],
+    batches: list[int],
+    prefill: int,
+    context: int,
+    reps: int,
+) -> None:
+    modes = ["none", *(m for m in modes if m != "none")]
+    runs, read = [], []
+    for mode in modes:
+        config, weights = load_model(source, torch.bfloat16, mode)
+        runs.append(Ours(config, weights, torch.bfloat16, max(batches), context))
+        read.append(bytes_per_decode_step(weights))
+    print(
+        f"{config.name}  bf16 activations  threads={torch.get_num_threads()}  context={context}  "
+        f"reps={reps}  cpu flags: {' '.join(cpu_flags()) or '?'}"
+    )
+    print("weights read per decode step: " + "  ".join(
+        f"{m} {r / 1e6:.0f} MB" for m, r in zip(modes, read, strict=True)
+    ))  # fmt: skip
+    head = "".join(f"{m + ' ms':>11}" for m in modes)
+    ratios = "".join(f"{'x ' + m:>9}" for m in modes[1:])
+    print(f"{'case':<14}{head}  {ratios}")
+    prompt = torch.randint(
+        0, config.vocab_size, (prefill,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
+    cases = [(f"decode @{b}", lambda o, b=b: o.decode(b)) for b in batches]
+    cases.append((f"prefill {prefill}", lambda o: o.prefill(prompt)))
+    for name, make in cases:
+        times = median_ms([make(o) for o in runs], reps)
+        cells = "".join(f"{t:>11.1f}" for t in times)
+        speedups = "".join(f"{times[0] / t:>8.2f}x" for t in times[1:])
+        print(f"{name:<14}{cells}  {speedups}")
