@@ -199,6 +199,17 @@ def add_bench_parser(sub) -> None:
         help="also measure the core of this git revision, side by side (e.g. 47d2b63, the "
         "lock-step core before per-worker loops)",
     )
+    core.add_argument(
+        "--prefix-revs",
+        default="",
+        help="comma-separated revisions for the prefix-cache table (default: --baseline-rev), "
+        "each measured in turn with this core, e.g. 9a8d3e1,bc5c0ff",
+    )
+    core.add_argument(
+        "--prefix-only",
+        action="store_true",
+        help="only the prefix-cache table (PrefixSteady: 256 running, 15,360-token prompts)",
+    )
     _out_flags(core, "core")
     core.set_defaults(func=_cmd_core)
 

@@ -76,35 +76,36 @@ def prefix_baseline(rev: str) -> list[float] | None:
     return json.loads(out)
 
 
-def run_prefix(rev: str, rounds: int) -> dict:
+def run_prefix(revs: list[str], rounds: int) -> dict:
     """Per-step core time at 256 running with long prompts: caching off, on with a pool that
     never evicts, on with one that evicts; medians per step, the median of `rounds` runs, this
-    core and `rev`'s measured in turn."""
+    core and each of `revs`' measured in turn (the same load on all, so the ratios hold on a
+    shared host)."""
     ours: list[list[float]] = []
-    theirs: list[list[float]] = []
+    theirs: dict[str, list[list[float]]] = {rev: [] for rev in revs}
     for _ in range(rounds):
         ours.append([prefix_cost(256, c, p).total_us for c, p in PREFIX_ROWS])
-        base = prefix_baseline(rev) if rev else None
-        if base is not None:
-            theirs.append(base)
+        for rev in revs:
+            base = prefix_baseline(rev)
+            if base is not None:
+                theirs[rev].append(base)
+    measured = [rev for rev in revs if theirs[rev]]
     t = Table(title="core µs per step, 256 running, 15,360-token prompts (medians)")
-    for col in (
-        "prefix caching",
-        "pool",
-        "µs per step",
-        *([f"at {rev}", "speed-up"] if theirs else []),
-    ):
+    for col in ("prefix caching", "pool", "µs per step"):
         t.add_column(col, justify="right")
+    for rev in measured:
+        t.add_column(f"at {rev}", justify="right")
+        t.add_column("speed-up", justify="right")
     rows = []
     for i, (caching, positions) in enumerate(PREFIX_ROWS):
         now = statistics.median(r[i] for r in ours)
-        then = statistics.median(r[i] for r in theirs) if theirs else None
+        then = {rev: statistics.median(r[i] for r in theirs[rev]) for rev in measured}
         pool = "never evicts" if positions == NEVER_EVICTS else f"{positions:,} positions"
-        extra = [f"{then:.0f}", f"{then / now:.1f}x"] if then is not None else []
+        extra = [x for rev in measured for x in (f"{then[rev]:.0f}", f"{then[rev] / now:.1f}x")]
         t.add_row("on" if caching else "off", pool, f"{now:.0f}", *extra)
         rows.append({"caching": caching, "positions": positions, "us": now, "baseline_us": then})
-    Console(width=120).print(t)
-    return {"rev": rev, "rows": rows}
+    Console(width=140).print(t)
+    return {"revs": measured, "rounds": rounds, "rows": rows}
 
 
 def baseline_costs(rev: str, grid: list[tuple[int, int, int]]) -> list[list[float]]:
@@ -133,7 +134,7 @@ def run_core(args: argparse.Namespace, command: str) -> int:
     """Each row: this core and the baseline's measured back to back, `--rounds` times, the
     fastest of each kept (this machine's speed drifts over minutes; interleaving keeps the
     ratio honest)."""
-    grid = default_grid(args.quick)
+    grid = [] if getattr(args, "prefix_only", False) else default_grid(args.quick)
     rows: list[CoreCost] = []
     base: list[list[float]] | None = [] if args.baseline_rev else None
     for running, waiting, admit in grid:
@@ -182,8 +183,10 @@ def run_core(args: argparse.Namespace, command: str) -> int:
             f"{total:.0f}",
             *extra,
         )
-    Console(width=120).print(t)
-    prefix = run_prefix(getattr(args, "prefix_rev", "") or args.baseline_rev, args.rounds)
+    if rows:
+        Console(width=120).print(t)
+    revs = [r for r in (getattr(args, "prefix_revs", "") or args.baseline_rev).split(",") if r]
+    prefix = run_prefix(revs, args.rounds)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.name}.json"
     path.write_text(
