@@ -18,16 +18,11 @@ from rich.table import Table
 
 from llmserve import client
 from llmserve.client import status_dict
+from llmserve.demo_questions import QUESTIONS
 from llmserve.stack import Stack, StackSettings
 from llmserve.status_text import REASONS, format_status
 
 console = Console(highlight=False, width=None if Console().is_terminal else 120)
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "Write one sentence about the sea.",
-    "What is 12 times 12?",
-]
 
 
 def native_bf16() -> bool:

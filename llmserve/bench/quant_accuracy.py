@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from llmserve.demo import QUESTIONS  # noqa: E402
+from llmserve.demo_questions import QUESTIONS  # noqa: E402
 from worker_svc.loader import load_model  # noqa: E402
 from worker_svc.runner import ModelRunner  # noqa: E402
 from worker_svc.work import WorkItem  # noqa: E402
