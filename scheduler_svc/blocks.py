@@ -167,6 +167,12 @@ class BlockPool:
         or evictable if cached; the end of a sequence is evicted before its beginning."""
         table = self.tables.pop(request_id, ())
         refs, key_at, free = self.refs, self.key_at, self.free
+        if not self.cached:  # nothing cached (caching off): no key to look at
+            for block in table:
+                refs[block] -= 1
+                if not refs[block]:
+                    free.append(block)
+            return
         cached = []
         for block in table:
             left = refs[block] - 1
