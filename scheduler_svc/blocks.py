@@ -228,16 +228,21 @@ class BlockPool:
         A block already cached stays as it is. Contents cached before in another block are
         forgotten there: the newest computation of a key is the one the cache names, so a
         block that became stale can never outlive a recompute of its contents."""
-        key_at, setdefault, add_fresh = self.key_at, self.cached.setdefault, self.fresh.add
+        key_at, setdefault = self.key_at, self.cached.setdefault
+        skipped: list[int] = []
         for block, key in zip(blocks, keys, strict=True):
             if key_at[block] is not None:
+                skipped.append(block)  # already cached: it stays, and is not fresh for this
                 continue
             old = setdefault(key, block)  # one lookup: the key is new (the usual case) or not
-            if old != block:
+            if old is not block:
                 self._forget(old)
                 self.cached[key] = block
             key_at[block] = key
-            add_fresh(block)
+        if skipped:
+            self.fresh.update(set(blocks).difference(skipped))
+        else:
+            self.fresh.update(blocks)
 
     def uncache(self, blocks: Iterable[int]) -> None:
         """These cached blocks' contents cannot be trusted (their step failed): forget them."""
