@@ -20,7 +20,6 @@ from llmserve.bench.core_cost import (
     CoreCost,
     core_cost,
     default_grid,
-    prefix_cost,
 )
 from llmserve.bench.report import machine
 
@@ -76,6 +75,20 @@ def prefix_baseline(rev: str) -> list[float] | None:
     return json.loads(out)
 
 
+def prefix_here() -> list[float]:
+    """PREFIX_ROWS' µs per step with this tree's core, in a fresh process as the baselines are
+    (in this one, what earlier rows left in the heap would weigh on its collector)."""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", PREFIX_SCRIPT, str(root), json.dumps(PREFIX_ROWS)],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=root,
+    ).stdout
+    return json.loads(out)
+
+
 def run_prefix(revs: list[str], rounds: int) -> dict:
     """Per-step core time at 256 running with long prompts: caching off, on with a pool that
     never evicts, on with one that evicts; medians per step, the median of `rounds` runs, this
@@ -84,7 +97,7 @@ def run_prefix(revs: list[str], rounds: int) -> dict:
     ours: list[list[float]] = []
     theirs: dict[str, list[list[float]]] = {rev: [] for rev in revs}
     for _ in range(rounds):
-        ours.append([prefix_cost(256, c, p).total_us for c, p in PREFIX_ROWS])
+        ours.append(prefix_here())
         for rev in revs:
             base = prefix_baseline(rev)
             if base is not None:
