@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pickle
 import subprocess
 import sys
 import tempfile
@@ -236,12 +235,31 @@ def _print_sweep(sweep: dict[str, Any]) -> None:
 # ---- the core of another revision on the same simulations (--baseline-rev) ----------------
 
 BASELINE_SCRIPT = """
-import json, pickle, sys
+import sys
 sys.path[:0] = [sys.argv[1], sys.argv[2]]  # that revision's scheduler_svc, then this tree
-from llmserve.bench.run_sim import core_figures
-print(json.dumps(core_figures(pickle.loads(open(sys.argv[3], "rb").read()))))
+from llmserve.bench.run_sim import core_figures, args_from_json
+import json
+print(json.dumps(core_figures(args_from_json(open(sys.argv[3]).read()))))
 """
 CORE_KEYS = ("core_us_per_step", "core_us_median", "core_us_median_full")
+
+
+def args_to_json(args: argparse.Namespace) -> str:
+    """The command's arguments for a child process (JSON, never pickle): paths tagged, the
+    subcommand's handler (a function) left out."""
+    tagged = {
+        k: ["path", str(v)] if isinstance(v, Path) else ["value", v]
+        for k, v in vars(args).items()
+        if not callable(v)
+    }
+    return json.dumps(tagged)
+
+
+def args_from_json(text: str) -> argparse.Namespace:
+    tagged = json.loads(text)
+    return argparse.Namespace(
+        **{k: Path(v) if kind == "path" else v for k, (kind, v) in tagged.items()}
+    )
 
 
 def core_figures(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -272,10 +290,10 @@ def baseline_core(args: argparse.Namespace, rev: str) -> list[dict[str, Any]] | 
                 capture_output=True,
             ).stdout
             subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-            pickled = Path(tmp) / "args.pickle"
-            pickled.write_bytes(pickle.dumps(args))
+            saved = Path(tmp) / "args.json"
+            saved.write_text(args_to_json(args))
             out = subprocess.run(
-                [sys.executable, "-c", BASELINE_SCRIPT, tmp, str(root), str(pickled)],
+                [sys.executable, "-c", BASELINE_SCRIPT, tmp, str(root), str(saved)],
                 check=True,
                 capture_output=True,
                 text=True,
