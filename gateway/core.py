@@ -22,6 +22,7 @@ import grpc
 
 from gateway.admission import AdmissionQueue
 from gateway.auth import cache_salt, tenant_of
+from gateway.context_fit import completion_budget, completion_overflow, prompt_overflow
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.settings import GatewaySettings
 from gateway.stops import StopMatcher
@@ -67,6 +68,11 @@ class GenerateInput:
     logit_bias: Mapping[int, float] | None = None
     logprobs: int | None = None  # top alternatives with each token's logprob; None: no logprobs
     cache_salt: str = ""  # only requests of equal salt (and API key) share cached KV blocks
+    # The HTTP API's (vLLM's) rules: prompt + max_tokens must fit the context (else
+    # ContextLengthExceeded), max_tokens unset is the rest of it (gateway/context_fit.py)
+    fit_context: bool = False
+    include_stop: bool = False  # the stop string that ended the text stays in it
+    skip_special_tokens: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +80,7 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)  # when asked
+    prompt_tokens: int = 0  # the request's, for usage figures as the tokens come
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,14 +89,22 @@ class Finish:
     reason: int  # common_pb2.FinishReason
     usage: common_pb2.Usage
     error: str = ""
+    cached_tokens: int = 0  # of usage.prompt_tokens, those the prefix cache served
 
 
 class GenerationError(Exception):
     """The request ends without a result: `code` says why, `message` what to do."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.param = code, message, param  # param: the field at fault
+
+
+class ContextLengthExceeded(GenerationError):
+    """The prompt, or the prompt and max_tokens, do not fit the model's context."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message, param)
 
 
 class QueueFull(GenerationError):
@@ -145,16 +160,19 @@ class GatewayCore:
 
     def _validate_and_tokenize(self, job: GenerateInput) -> tuple[ValidatedParams, list[int]]:
         params = self._validate(job)
-        return params, self._tokenize(params)
+        return params, self._tokenize(params, job.messages)
 
     def _validate(self, job: GenerateInput) -> ValidatedParams:
         messages = None
         if job.messages is not None:
             messages = [(m.role, m.content) for m in job.messages]
+        max_tokens = job.max_tokens
+        if job.fit_context and isinstance(max_tokens, int) and max_tokens > self.max_context:
+            max_tokens = None  # refused once the prompt is counted, in vLLM's words (_check_fit)
         return validate(
             prompt=job.prompt,
             messages=messages,
-            max_tokens=job.max_tokens,
+            max_tokens=max_tokens,
             temperature=job.temperature,
             top_p=job.top_p,
             top_k=job.top_k,
@@ -163,11 +181,11 @@ class GatewayCore:
             default_max_tokens=self.settings.default_max_tokens,
         )
 
-    def _tokenize(self, params: ValidatedParams) -> list[int]:
+    def _tokenize(
+        self, params: ValidatedParams, turns: Sequence[ChatTurn] | None = None
+    ) -> list[int]:
         if params.messages is not None:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": r, "content": c} for r, c in params.messages]
-            )
+            text = self.tokenizer.apply_chat_template(_template_messages(params.messages, turns))
         else:
             text = params.prompt or ""
         # a rendered chat spells its special tokens (BOS too); a plain prompt gets the tokenizer's
@@ -175,16 +193,29 @@ class GatewayCore:
         trim_after(len(text))
         return ids
 
-    def _check_admission(self, prompt_ids: list[int]) -> None:
+    def _check_admission(self, prompt_ids: list[int], job: GenerateInput) -> None:
         """Raise unless the prompt can run and the queue limits take it now."""
         if not prompt_ids:
             raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt has no tokens")
+        if job.fit_context:
+            self._check_fit(len(prompt_ids), job)
         too_long = context_problem(len(prompt_ids), self.max_context)
         if too_long:  # before the queue limit: it can never run
             raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, too_long)
         refusal = self.queue.refusal(len(prompt_ids))
         if refusal:
             raise QueueFull(refusal)
+
+    def _check_fit(self, prompt_tokens: int, job: GenerateInput) -> None:
+        """The HTTP API's rule: prompt + max_tokens within the context (gateway/context_fit)."""
+        prompt_param = "prompt" if job.messages is None else "messages"
+        too_long = prompt_overflow(prompt_tokens, self.max_context)
+        if too_long:
+            raise ContextLengthExceeded(too_long, prompt_param)
+        if job.max_tokens is not None:
+            too_long = completion_overflow(prompt_tokens, job.max_tokens, self.max_context)
+            if too_long:
+                raise ContextLengthExceeded(too_long, "max_tokens")
 
     async def generate(
         self,
@@ -207,18 +238,21 @@ class GatewayCore:
         try:
             params, prompt_ids = await self.prepare(job)
         except ValueError as err:  # InvalidRequest, a template's refusal, invalid Unicode
-            invalid = str(err) or type(err).__name__
+            invalid, param = str(err) or type(err).__name__, getattr(err, "param", None)
         else:
             invalid = None
         if invalid is not None:
-            raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, invalid)
-        self._check_admission(prompt_ids)
+            raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, invalid, param)
+        self._check_admission(prompt_ids, job)
         tally.prompt_tokens = len(prompt_ids)
+        max_tokens = params.max_tokens
+        if job.fit_context:
+            max_tokens = completion_budget(len(prompt_ids), job.max_tokens, self.max_context)
         submit = scheduler_pb2.SubmitRequest(
             request_id=rid,
             prompt_token_ids=prompt_ids,
             sampling=common_pb2.SamplingParams(
-                max_tokens=params.max_tokens,
+                max_tokens=max_tokens,
                 temperature=params.temperature,
                 top_p=params.top_p,
                 top_k=params.top_k,
@@ -242,9 +276,9 @@ class GatewayCore:
         queued = True
         call = self._submit(submit, time_remaining)
         detok = IncrementalDetokenizer(
-            self.tokenizer, skip_special_tokens=True, prompt_ids=prompt_ids
+            self.tokenizer, skip_special_tokens=job.skip_special_tokens, prompt_ids=prompt_ids
         )
-        stops = StopMatcher(list(params.stop))
+        stops = StopMatcher(list(params.stop), include_stop=job.include_stop)
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
         error = ""
         streamed: list[int] = []  # every token received: a resubmission resumes after them
@@ -257,6 +291,7 @@ class GatewayCore:
                             self.queue.leave(len(prompt_ids))
                             queued = False
                             tally.queue_time = event.queue_time_s
+                            tally.cached_tokens = event.cached_tokens
                         if event.token_ids:
                             now = time.monotonic()
                             if self.on_tokens is not None:
@@ -266,7 +301,8 @@ class GatewayCore:
                             tally.completion_tokens += len(event.token_ids)
                             streamed += event.token_ids
                             text, hit = stops.push(detok.push(list(event.token_ids)))
-                            yield Delta(text, list(event.token_ids), list(event.logprobs))
+                            ids, lps = list(event.token_ids), list(event.logprobs)
+                            yield Delta(text, ids, lps, tally.prompt_tokens)
                             if hit:
                                 finish = common_pb2.FINISH_REASON_STOP
                                 call.cancel()
@@ -281,7 +317,7 @@ class GatewayCore:
                 except grpc.aio.AioRpcError as err:
                     if not await _scheduler_lost(call, err, resume_by is not None):
                         raise
-                    finish = _known_end(streamed, params.max_tokens, job.stop_token_ids)
+                    finish = _known_end(streamed, max_tokens, job.stop_token_ids)
                     if finish:  # only its end was lost: resubmitted, it would run on
                         break
                     now = time.monotonic()
@@ -304,7 +340,7 @@ class GatewayCore:
                 tail, _ = stops.push(detok.flush())
                 tail += stops.flush()
                 if tail:
-                    yield Delta(tail, [])
+                    yield Delta(tail, [], prompt_tokens=tally.prompt_tokens)
         except asyncio.CancelledError:
             if self._given_up():
                 raise GenerationError(grpc.StatusCode.UNAVAILABLE, self.scheduler_hung) from None
@@ -327,7 +363,7 @@ class GatewayCore:
             self.held.discard(call)
             if self.observer is not None:
                 self.observer(finish, tally)
-        yield Finish(rid, finish, tally.usage(), error)
+        yield Finish(rid, finish, tally.usage(), error, tally.cached_tokens)
 
     def _submit(self, submit: scheduler_pb2.SubmitRequest, time_remaining):
         call = self.scheduler.Submit(submit, timeout=time_remaining())
@@ -346,6 +382,15 @@ class GatewayCore:
         leaving cancels the task)?"""
         task = asyncio.current_task()
         return self.scheduler_hung is not None and task is not None and not task.cancelling()
+
+
+def _template_messages(
+    checked: Sequence[tuple[str, str]], turns: Sequence[ChatTurn] | None
+) -> list[dict]:
+    """The checked (role, content) pairs with what else each turn carries for the chat template
+    (`extra`: an HTTP message's tool_calls, tool_call_id, name; gRPC's carry none)."""
+    extras = [getattr(t, "extra", None) or {} for t in turns] if turns else [{}] * len(checked)
+    return [{"role": r, "content": c} | x for (r, c), x in zip(checked, extras, strict=True)]
 
 
 def _known_end(streamed: list[int], max_tokens: int, stop_token_ids: Sequence[int]) -> int:

@@ -2,7 +2,9 @@
 with the HTTP status a refusal of the generation path (a gRPC status code) maps to.
 
 `code` is the gRPC status name in lower case (`invalid_argument`, `resource_exhausted`, ...),
-the same vocabulary as the gRPC API and the `code` label of the gateway's request metrics.
+the same vocabulary as the gRPC API and the `code` label of the gateway's request metrics, except
+where clients match on OpenAI's own code: a request over the model's context is
+`context_length_exceeded` (gateway/context_fit.py). A 429 carries `Retry-After`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import json
 import grpc
 from starlette.responses import Response
 
-from gateway.core import GenerationError, QueueFull
+from gateway.context_fit import CONTEXT_CODE
+from gateway.core import ContextLengthExceeded, GenerationError, QueueFull
 
 # gRPC status -> HTTP status. A RESOURCE_EXHAUSTED from the scheduler is a request that can never
 # fit (larger than the KV pool): 400, for the client must change it; only the gateway's queue
@@ -30,13 +33,15 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 QUEUE_FULL_STATUS = 429
+RETRY_AFTER_S = 1  # a full queue's `Retry-After`: the queue moves at the pace of requests ending
 DEADLINE_HEADER = "x-request-timeout"  # a request's deadline in seconds (gRPC's is the call's)
 ERROR_TYPE = {401: "authentication_error", 429: "rate_limit_error", 504: "timeout_error"}
 
 
 class ApiError(Exception):
     """A refusal of the HTTP API: `code` as the gRPC API would answer it; `status` the HTTP
-    status (by default the one `code` maps to); `param` the request field at fault."""
+    status (by default the one `code` maps to); `param` the request field at fault;
+    `openai_code` the body's `code` where it is OpenAI's own rather than the gRPC status name."""
 
     def __init__(
         self,
@@ -44,10 +49,12 @@ class ApiError(Exception):
         message: str,
         param: str | None = None,
         status: int | None = None,
+        openai_code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.code, self.message, self.param = code, message, param
         self.status = status or HTTP_STATUS.get(code, 500)
+        self.openai_code = openai_code or code.name.lower()
 
     @property
     def type(self) -> str:
@@ -60,12 +67,14 @@ class ApiError(Exception):
                 "message": self.message,
                 "type": self.type,
                 "param": self.param,
-                "code": self.code.name.lower(),
+                "code": self.openai_code,
             }
         }
 
     def response(self) -> Response:
-        return Response(json.dumps(self.body()), self.status, media_type="application/json")
+        headers = {"retry-after": str(RETRY_AFTER_S)} if self.status == 429 else None
+        body = json.dumps(self.body())
+        return Response(body, self.status, headers=headers, media_type="application/json")
 
 
 def from_generation(err: GenerationError) -> ApiError:
@@ -77,4 +86,5 @@ def from_generation(err: GenerationError) -> ApiError:
     if err.code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return ApiError(err.code, f"the request's {DEADLINE_HEADER} passed before it finished")
     status = QUEUE_FULL_STATUS if isinstance(err, QueueFull) else None
-    return ApiError(err.code, err.message, status=status)
+    openai_code = CONTEXT_CODE if isinstance(err, ContextLengthExceeded) else None
+    return ApiError(err.code, err.message, err.param, status, openai_code)

@@ -3,7 +3,8 @@
 `StopMatcher.push(delta)` returns the text that is safe to emit now and whether a stop string was
 hit. Text that could still turn out to be the start of a stop string is held back; when a stop is
 hit, the output ends just before the earliest occurrence of any stop string (the stop itself is
-not emitted) and everything after it is dropped.
+not emitted, unless `include_stop`: vLLM's `include_stop_str_in_output`, then it ends just after
+it) and everything after it is dropped.
 
 "Earliest" means the occurrence that is completed first as text streams in: generation stops
 the moment a stop string appears. Among occurrences completed by the same character the one that
@@ -24,12 +25,13 @@ __all__ = ["StopMatcher"]
 class StopMatcher:
     """Find the first occurrence of any of `stops` in text that arrives in pieces."""
 
-    __slots__ = ("_stops", "_pending", "_done", "matched")
+    __slots__ = ("_stops", "_include_stop", "_pending", "_done", "matched")
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include_stop: bool = False) -> None:
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
         self._stops = tuple(dict.fromkeys(stops))  # de-duplicated, order kept
+        self._include_stop = include_stop  # the text ends after the stop, not before it
         self._pending = ""  # text received but not yet emitted: a possible start of a stop
         self._done = False
         self.matched: str | None = None  # the stop string that was hit, if any
@@ -54,7 +56,7 @@ class StopMatcher:
             index, stop = hit
             self._done = True
             self.matched = stop
-            return text[:index], True
+            return text[: index + len(stop) * self._include_stop], True
         keep = self._partial_suffix_len(text)
         cut = len(text) - keep
         self._pending = text[cut:]

@@ -14,6 +14,7 @@ class Tally:
 
     received: float = field(default_factory=time.monotonic)
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of those, served by the prefix cache (the scheduler's admission)
     completion_tokens: int = 0
     queue_time: float = 0.0
     first_token_at: float | None = None

@@ -7,8 +7,11 @@ can pass it straight to the client (gRPC INVALID_ARGUMENT).
 Decisions:
 * exactly one of `prompt` / `messages`. A prompt may be whitespace-only (it is valid text for the
   model); only the empty string is refused.
-* chat messages: at least one; role is one of system/user/assistant; content must be a str and
-  MAY be empty (an empty system or assistant turn is legitimate and renders fine).
+* chat messages: at least one; role is one of system/user/assistant/developer/tool (developer is
+  rendered as a system message, tool as the chat template renders tool results: see
+  gateway/tokenizer.py); content must be a str and MAY be empty (an empty system or assistant
+  turn is legitimate and renders fine).
+* every refusal names the field at fault (`InvalidRequest.param`), as the HTTP API's `param`.
 * `max_tokens` unset -> `min(default_max_tokens, max_context)`; set -> 1..max_context. The
   prompt's length is known only after tokenizing: it must leave room for one token
   (`llmserve.runtime.request_checks.context_problem`, the scheduler's check too); generation
@@ -43,7 +46,7 @@ __all__ = [
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
-ALLOWED_ROLES = ("system", "user", "assistant")
+ALLOWED_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 DEFAULT_TEMPERATURE = 1.0
 MIN_TEMPERATURE = 1e-5  # below this, greedy
@@ -52,7 +55,11 @@ DEFAULT_TOP_K = 0
 
 
 class InvalidRequest(ValueError):
-    """The request is malformed; the message says what to change."""
+    """The request is malformed; the message says what to change, `param` which field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,29 +110,31 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _check_range(allowed: Range, value: object) -> None:
+def _check_range(allowed: Range, value: object, param: str) -> None:
     problem = allowed.problem(value)
     if problem is not None:
-        raise InvalidRequest(problem)
+        raise InvalidRequest(problem, param)
 
 
 def _check_messages(messages: object) -> tuple[tuple[str, str], ...]:
     if not isinstance(messages, list | tuple):
-        raise InvalidRequest("messages must be a list of (role, content) pairs")
+        raise InvalidRequest("messages must be a list of (role, content) pairs", "messages")
     if not messages:
-        raise InvalidRequest("messages is empty: send at least one message")
+        raise InvalidRequest("messages is empty: send at least one message", "messages")
     out: list[tuple[str, str]] = []
     for i, message in enumerate(messages):
         if not isinstance(message, list | tuple) or len(message) != 2:
-            raise InvalidRequest(f"messages[{i}] must be a (role, content) pair")
+            raise InvalidRequest(f"messages[{i}] must be a (role, content) pair", f"messages[{i}]")
         role, content = message
         if role not in ALLOWED_ROLES:
             raise InvalidRequest(
-                f"messages[{i}].role is {role!r}; it must be one of {', '.join(ALLOWED_ROLES)}"
+                f"messages[{i}].role is {role!r}; it must be one of {', '.join(ALLOWED_ROLES)}",
+                f"messages[{i}].role",
             )
         if not isinstance(content, str):
             raise InvalidRequest(
-                f"messages[{i}].content must be a string, not {type(content).__name__}"
+                f"messages[{i}].content must be a string, not {type(content).__name__}",
+                f"messages[{i}].content",
             )
         out.append((role, content))
     return tuple(out)
@@ -135,17 +144,18 @@ def _check_stop(stop: object) -> tuple[str, ...]:
     if stop is None:
         return ()
     if not isinstance(stop, list | tuple):
-        raise InvalidRequest("stop must be a list of strings")
+        raise InvalidRequest("stop must be a list of strings", "stop")
     if len(stop) > MAX_STOPS:
-        raise InvalidRequest(f"stop has {len(stop)} strings; at most {MAX_STOPS} are allowed")
+        message = f"stop has {len(stop)} strings; at most {MAX_STOPS} are allowed"
+        raise InvalidRequest(message, "stop")
     for i, s in enumerate(stop):
         if not isinstance(s, str):
-            raise InvalidRequest(f"stop[{i}] must be a string, not {type(s).__name__}")
+            raise InvalidRequest(f"stop[{i}] must be a string, not {type(s).__name__}", "stop")
         if not s:
-            raise InvalidRequest(f"stop[{i}] is empty; stop strings must be non-empty")
+            raise InvalidRequest(f"stop[{i}] is empty; stop strings must be non-empty", "stop")
         if len(s) > MAX_STOP_CHARS:
             raise InvalidRequest(
-                f"stop[{i}] is {len(s)} characters long; the limit is {MAX_STOP_CHARS}"
+                f"stop[{i}] is {len(s)} characters long; the limit is {MAX_STOP_CHARS}", "stop"
             )
     return tuple(stop)
 
@@ -166,16 +176,16 @@ def validate(
         raise ValueError("server misconfigured: max_context and default_max_tokens must be > 0")
 
     if prompt is None and messages is None:
-        raise InvalidRequest("send either prompt or messages; neither was given")
+        raise InvalidRequest("send either prompt or messages; neither was given", "messages")
     if prompt is not None and messages is not None:
-        raise InvalidRequest("send either prompt or messages, not both")
+        raise InvalidRequest("send either prompt or messages, not both", "prompt")
 
     checked_messages: tuple[tuple[str, str], ...] | None = None
     if prompt is not None:
         if not isinstance(prompt, str):
-            raise InvalidRequest(f"prompt must be a string, not {type(prompt).__name__}")
+            raise InvalidRequest(f"prompt must be a string, not {type(prompt).__name__}", "prompt")
         if prompt == "":
-            raise InvalidRequest("prompt is empty; send at least one character")
+            raise InvalidRequest("prompt is empty; send at least one character", "prompt")
     else:
         checked_messages = _check_messages(messages)
 
@@ -183,35 +193,37 @@ def validate(
         resolved_max_tokens = min(default_max_tokens, max_context)
     else:
         if not _is_int(max_tokens):
-            raise InvalidRequest(f"max_tokens must be an integer, not {type(max_tokens).__name__}")
+            kind = type(max_tokens).__name__
+            raise InvalidRequest(f"max_tokens must be an integer, not {kind}", "max_tokens")
         if max_tokens <= 0:
-            raise InvalidRequest(f"max_tokens is {max_tokens}; it must be at least 1")
+            raise InvalidRequest(f"max_tokens is {max_tokens}; it must be at least 1", "max_tokens")
         if max_tokens > max_context:
             raise InvalidRequest(
                 f"max_tokens is {max_tokens}; it must be at most the model's context of "
-                f"{max_context} tokens"
+                f"{max_context} tokens",
+                "max_tokens",
             )
         resolved_max_tokens = max_tokens
 
     if temperature is None:
         resolved_temperature = DEFAULT_TEMPERATURE
     else:
-        _check_range(TEMPERATURE, temperature)
+        _check_range(TEMPERATURE, temperature, "temperature")
         resolved_temperature = float(temperature) if temperature >= MIN_TEMPERATURE else 0.0
 
     if top_p is None:
         resolved_top_p = DEFAULT_TOP_P
     else:
-        _check_range(TOP_P, top_p)
+        _check_range(TOP_P, top_p, "top_p")
         resolved_top_p = float(top_p)
 
     if top_k is None:
         resolved_top_k = DEFAULT_TOP_K
     else:
         if not _is_int(top_k):
-            raise InvalidRequest(f"top_k must be an integer, not {type(top_k).__name__}")
+            raise InvalidRequest(f"top_k must be an integer, not {type(top_k).__name__}", "top_k")
         if top_k < 0:
-            raise InvalidRequest(f"top_k is {top_k}; it must be >= 0 (0 disables it)")
+            raise InvalidRequest(f"top_k is {top_k}; it must be >= 0 (0 disables it)", "top_k")
         resolved_top_k = top_k
 
     return ValidatedParams(

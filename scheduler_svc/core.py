@@ -475,7 +475,12 @@ class Scheduler:
         if seq.admitted_at is None:
             seq.admitted_at = self.clock()
             self.outbox.append(
-                Event(seq.request_id, admitted=True, queue_time=seq.admitted_at - seq.arrival)
+                Event(
+                    seq.request_id,
+                    admitted=True,
+                    queue_time=seq.admitted_at - seq.arrival,
+                    cached_tokens=seq.num_computed,
+                )
             )
         step.budget -= n
         self._plan_chunk(ws, step, seq, n)

@@ -16,6 +16,7 @@ class Event:
     finish: Finish | None = None
     error: str = ""
     preemptions: int = 0
+    cached_tokens: int = 0  # with admitted: the prompt tokens its first admission found cached
 
 
 @dataclass(slots=True)

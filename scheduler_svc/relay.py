@@ -64,6 +64,7 @@ class EventRelay:
         out = self._merged(ev.request_id)
         if ev.admitted:
             out.admitted, out.queue_time_s = True, ev.queue_time
+            out.cached_tokens = ev.cached_tokens
         if ev.token_id is not None:
             out.token_ids.append(ev.token_id)
         if ev.finish is not None:

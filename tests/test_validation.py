@@ -78,7 +78,7 @@ def test_messages_ok_and_empty_content_allowed() -> None:
     assert p.messages == tuple(msgs)
 
 
-ROLES = "system, user, assistant"
+ROLES = "system, user, assistant, developer, tool"
 A_TEMPERATURE = "a finite number >= 0 (0 means greedy decoding)"
 BAD = [
     ({"prompt": None}, "send either prompt or messages; neither was given"),
@@ -88,8 +88,8 @@ BAD = [
     ({"prompt": None, "messages": "hi"}, "messages must be a list of (role, content) pairs"),
     ({"prompt": None, "messages": []}, "messages is empty: send at least one message"),
     (
-        {"prompt": None, "messages": [("tool", "x")]},
-        f"messages[0].role is 'tool'; it must be one of {ROLES}",
+        {"prompt": None, "messages": [("wizard", "x")]},
+        f"messages[0].role is 'wizard'; it must be one of {ROLES}",
     ),
     (
         {"prompt": None, "messages": [("user", "a"), ("", "x")]},
