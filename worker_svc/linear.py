@@ -3,7 +3,10 @@
 F.linear in bf16 reorders the weight into oneDNN's blocked layout on every call; packing once
 makes batch-1 decode matmuls about 2x faster (same kernel, bit-identical results). fp32 stays on
 F.linear (MKL), which keeps fp32 results identical to transformers'. Quantized weights (int8,
-int4) run by PyTorch's weight-only CPU kernels instead (QuantizedLinear, worker_svc/quant.py).
+int4) run by PyTorch's weight-only CPU kernels instead (QuantizedLinear, worker_svc/quant.py);
+one kept also as dense values (--quantization auto) runs the quantized kernel for matmuls of up
+to `max_rows` rows (decode: bound by reading the weights) and the dense one above (prefill and
+large batches: bound by compute, where oneDNN's bf16 kernels are faster).
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker_svc.quant import QuantizedWeight, is_quantized
+from worker_svc.cpu_features import host_features
+from worker_svc.quant import QuantizedWeight, dense_values, is_quantized
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -29,12 +33,21 @@ class Linear:
 
     __slots__ = ("weight", "bias", "packed")
 
-    def __init__(self, weight: torch.Tensor, pack: bool, bias: torch.Tensor | None = None) -> None:
-        self.weight = weight
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        pack: bool,
+        bias: torch.Tensor | None = None,
+        keep_weight: bool = True,
+    ) -> None:
+        """keep_weight=False: once packed, the plain weight is let go (None), not held twice."""
+        self.weight: torch.Tensor | None = weight
         self.bias = bias
         self.packed: torch.Tensor | None = None
         if pack:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            if not keep_weight:
+                self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, in] -> [tokens, out]."""
@@ -44,23 +57,63 @@ class Linear:
 
 
 class QuantizedLinear:
-    """y = x @ dequantized(weight).T + bias, by the int8 / int4 CPU kernels (worker_svc.quant)."""
+    """y = x @ dequantized(weight).T + bias, by the int8 / int4 CPU kernels (worker_svc.quant);
+    with a dense form (the same values), x of more than max_rows rows goes to that instead."""
 
-    __slots__ = ("weight", "bias")
+    __slots__ = ("weight", "bias", "dense", "max_rows")
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None = None,
+        dense: Linear | None = None,
+        max_rows: int = 0,
+    ) -> None:
         self.weight = weight
         self.bias = bias
+        self.dense = dense
+        self.max_rows = max_rows
+
+    def uses_dense(self, rows: int) -> bool:
+        return self.dense is not None and rows > self.max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, in] -> [tokens, out]."""
+        if self.dense is not None and x.shape[0] > self.max_rows:
+            return self.dense(x)
         y = self.weight.matmul(x.contiguous())
         return y if self.bias is None else y.add_(self.bias)
 
 
+def dual_linear(
+    weight: QuantizedWeight, pack: bool, bias: torch.Tensor | None, max_rows: int
+) -> QuantizedLinear:
+    """The quantized kernel up to max_rows rows, the dense values (packed for oneDNN where it
+    can: the plain copy let go) above."""
+    dense = Linear(dense_values(weight), pack, bias, keep_weight=False)
+    return QuantizedLinear(weight, bias, dense, max_rows)
+
+
 def make_linear(
-    weight: torch.Tensor | QuantizedWeight, pack: bool, bias: torch.Tensor | None = None
+    weight: torch.Tensor | QuantizedWeight,
+    pack: bool,
+    bias: torch.Tensor | None = None,
+    max_rows: int | None = None,
 ) -> Linear | QuantizedLinear:
+    """max_rows: for a weight kept also dense, the rows up to which the quantized kernel runs
+    (None: this CPU's figure, worker_svc.cpu_features.QUANTIZED_MAX_ROWS)."""
     if is_quantized(weight):
-        return QuantizedLinear(weight, bias)
+        if not weight.keep_dense:
+            return QuantizedLinear(weight, bias)
+        rows = host_features().quantized_max_rows if max_rows is None else max_rows
+        return dual_linear(weight, pack, bias, rows)
     return Linear(weight, pack, bias)
+
+
+def dense_bytes(linear: object) -> int:
+    """Memory a quantized linear's dense form holds (0 for any other)."""
+    if not isinstance(linear, QuantizedLinear) or linear.dense is None:
+        return 0
+    held = linear.dense.packed if linear.dense.packed is not None else linear.dense.weight
+    assert held is not None
+    return held.nbytes

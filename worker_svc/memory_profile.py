@@ -11,6 +11,7 @@ import torch
 from worker_svc.device import MemoryProbe, device_memory
 from worker_svc.kv_sizing import MemoryPlan
 from worker_svc.model_config import ModelConfig
+from worker_svc.quant import dense_dtype, is_quantized
 from worker_svc.weights import Weights
 from worker_svc.work import WorkItem
 
@@ -18,8 +19,16 @@ log = logging.getLogger("worker")
 
 
 def weights_bytes(weights: Weights) -> int:
+    """Quantized matrices: codes and scales, and the dense copy of those kept in both forms
+    (--quantization auto: worker_svc.linear.dual_linear)."""
     tensors = {id(t): t for t in _tensors(weights)}  # a tied lm_head counts once
-    return sum(t.nbytes for t in tensors.values())  # quantized matrices: codes and scales
+    return sum(t.nbytes + dense_copy_bytes(t) for t in tensors.values())
+
+
+def dense_copy_bytes(matrix) -> int:
+    if not is_quantized(matrix) or not matrix.keep_dense:
+        return 0
+    return matrix.numel() * torch.empty((), dtype=dense_dtype(matrix)).element_size()
 
 
 def _tensors(weights: Weights) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ their blocks onto Int4Codes exactly); everything else is quantized here from its
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -60,6 +60,7 @@ class Int8Weight:
 
     codes: torch.Tensor  # [out, in] int8
     scales: torch.Tensor  # [out], the activations' dtype (the kernel requires it)
+    keep_dense: bool = False  # also kept as dtype values, for matmuls of many rows (auto)
 
     @property
     def shape(self) -> torch.Size:
@@ -86,6 +87,7 @@ class Int4Weight:
     scales_and_zeros: torch.Tensor
     out_features: int
     in_features: int
+    keep_dense: bool = False  # also kept as dtype values, for matmuls of many rows (auto)
 
     @property
     def shape(self) -> torch.Size:
@@ -110,6 +112,23 @@ QuantizedWeight = Int8Weight | Int4Weight
 
 def is_quantized(matrix: object) -> bool:
     return isinstance(matrix, Int8Weight | Int4Weight)
+
+
+def dense_dtype(weight: QuantizedWeight) -> torch.dtype:
+    """The activations' dtype the weight was packed for (its dense form's)."""
+    return weight.scales.dtype if isinstance(weight, Int8Weight) else weight.scales_and_zeros.dtype
+
+
+def dense_values(weight: QuantizedWeight, chunk: int = 512) -> torch.Tensor:
+    """[out, in] in the activations' dtype: the values the kernel computes with, read back
+    through the kernel itself (identity rows in, the weight's columns out), a chunk at a time."""
+    dtype = dense_dtype(weight)
+    rows, cols = weight.shape
+    out = torch.empty(rows, cols, dtype=dtype)
+    eye = torch.eye(cols, dtype=dtype)
+    for start in range(0, cols, chunk):
+        out[:, start : start + chunk] = weight.matmul(eye[start : start + chunk]).t()
+    return out
 
 
 def pack_int4(codes: Int4Codes, dtype: torch.dtype) -> Int4Weight:
@@ -149,9 +168,12 @@ Source = torch.Tensor | Int4Codes  # one projection as loaded: values, or a GGUF
 def fuse_matrices(parts: Sequence[Source], mode: str, dtype: torch.dtype):
     """Stack projections row-wise ([out, in] each) into one matrix run as `mode`:
     none: dtype values; int8 / int4: quantized (4-bit codes from the file kept exactly);
-    auto: int4 when every part is 4-bit codes, else dtype values (a file's other types)."""
+    auto: int4 when every part is 4-bit codes, kept also as dtype values (the same values) for
+    matmuls of many rows (worker_svc.linear.QuantizedLinear); else dtype values."""
     if mode == "auto":
-        mode = "int4" if all(isinstance(p, Int4Codes) for p in parts) else "none"
+        if not all(isinstance(p, Int4Codes) for p in parts):
+            return fuse_matrices(parts, "none", dtype)
+        return replace(fuse_matrices(parts, "int4", dtype), keep_dense=True)
     if mode == "int4":
         codes = [p if isinstance(p, Int4Codes) else int4_codes(p) for p in parts]
         return pack_int4(Int4Codes.stack(codes), dtype)

@@ -1,0 +1,108 @@
+"""What the CPU can do, read from /proc/cpuinfo's flags, and the matrix paths that follow from it.
+
+The tiers, best first: amx (AMX bf16 and int8 tiles: oneDNN's bf16 matmuls run on them),
+avx512_bf16 (native bf16 dot products), avx512_vnni (int8 dot products, bf16 converted),
+avx512, avx2, baseline (none of these: bf16 is emulated, slowly). Pure logic: no torch here
+(torch's own view of the CPU, `torch.backends.cpu.get_cpu_capability()`, is asked by the
+worker, worker_svc.kernel_plan).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+TIERS = ("amx", "avx512_bf16", "avx512_vnni", "avx512", "avx2", "baseline")
+
+# Rows (tokens of one matmul) up to which a quantized layer runs its int4 / int8 kernel (reads
+# 0.6 / 1 byte per weight: wins while the step is bound by memory bandwidth); above, its bf16
+# form (oneDNN, compute-bound). Measured on avx512_bf16 (2 threads, SmolLM2-135M: auto against
+# none at batch 1 .. 64, docs/benchmarks.md "Quantized weights"); the others are estimated from
+# it: AMX's bf16 tiles win at fewer rows, bf16 without native dot products at more.
+QUANTIZED_MAX_ROWS = {
+    "amx": 4,
+    "avx512_bf16": 8,
+    "avx512_vnni": 16,
+    "avx512": 16,
+    "avx2": 16,
+    "baseline": 16,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CpuFeatures:
+    flags: frozenset[str]  # the ones of FLAGS this CPU has
+    model: str  # "model name" ("" where not said)
+    threads_per_core: int  # SMT siblings per physical core (1 without SMT)
+
+    @property
+    def tier(self) -> str:
+        has = self.flags.__contains__
+        if has("amx_bf16") and has("amx_tile"):
+            return "amx"
+        if has("avx512_bf16"):
+            return "avx512_bf16"
+        if has("avx512_vnni"):
+            return "avx512_vnni"
+        if has("avx512f"):
+            return "avx512"
+        return "avx2" if has("avx2") else "baseline"
+
+    @property
+    def bf16_native(self) -> bool:
+        """bf16 dot products in hardware (AVX-512 BF16 or AMX); elsewhere bf16 is converted."""
+        return self.tier in ("amx", "avx512_bf16")
+
+    @property
+    def quantized_max_rows(self) -> int:
+        return QUANTIZED_MAX_ROWS[self.tier]
+
+    def flag_text(self) -> str:
+        return " ".join(f for f in FLAGS if f in self.flags) or "none"
+
+
+def parse_cpuinfo(text: str) -> CpuFeatures:
+    """The first processor's block of /proc/cpuinfo (x86 "flags"; other CPUs say "Features",
+    where none of FLAGS appear)."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block is enough: all cores are alike
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip().lower(), value.strip())
+    words = set((fields.get("flags") or fields.get("features") or "").split())
+    siblings, cores = _count(fields.get("siblings")), _count(fields.get("cpu cores"))
+    smt = siblings // cores if siblings and cores and siblings >= cores else 1
+    return CpuFeatures(frozenset(f for f in FLAGS if f in words), fields.get("model name", ""), smt)
+
+
+def _count(value: str | None) -> int:
+    return int(value) if value and value.isdigit() else 0
+
+
+@cache
+def host_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuFeatures:
+    """This host's CPU; no flags where /proc/cpuinfo cannot be read (not Linux)."""
+    try:
+        return parse_cpuinfo(cpuinfo.read_text())
+    except OSError:
+        return CpuFeatures(frozenset(), "", 1)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: a container's or taskset's limit)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def pick_threads(default: int, cpus: int, threads_per_core: int) -> int:
+    """Matmul threads: one per physical core this process may use, never more than torch's
+    default (which counts the machine's cores, not the container's share)."""
+    return max(1, min(default, cpus // max(1, threads_per_core)))
