@@ -59,6 +59,7 @@ def work_sampling(s: common_pb2.SamplingParams) -> worker_pb2.WorkSampling:
         logit_bias=s.logit_bias,
         min_tokens=s.min_tokens,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
+        grammar=s.grammar if s.HasField("grammar") else None,  # structured output, as sent
     )
 
 

@@ -4,8 +4,9 @@ A seeded draw depends only on (seed, sample_index, logits): its generator is see
 of (seed, sample_index), so batching and recomputation do not change it.
 
 The order, as vLLM's: logit_bias, the min_tokens mask, the repetition penalty (prompt and
-generated tokens), the presence and frequency penalties (generated tokens); then temperature,
-min_p, top-k, top-p. Greedy takes the argmax after the first four. Logprobs are those of the raw
+generated tokens), the presence and frequency penalties (generated tokens), the grammar's mask
+(structured output: what it does not allow next is -inf); then temperature, min_p, top-k,
+top-p. Greedy takes the argmax after the first five. Logprobs are those of the raw
 model logits (vLLM's default), whatever the settings.
 """
 
@@ -95,7 +96,19 @@ def shape_logits(
             logits[seen] = torch.where(old > 0, old / rp, old * rp)
         counts = torch.bincount(seen[len(history) - sample_index :], minlength=logits.shape[0])
         logits -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0)  # [vocab]
+    if s.grammar is not None:
+        logits = grammar_masked(logits, s.grammar.allowed())
     return logits
+
+
+def grammar_masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits: [vocab]; allowed: [vocab] bool, the grammar's next tokens. Where the min_tokens
+    mask took every token the grammar allows (a complete answer allows only EOS), the grammar
+    wins: its tokens keep their raw place (0) rather than leave the row with nothing to draw."""
+    masked = logits.masked_fill(~allowed, -math.inf)
+    if not bool(torch.isfinite(masked).any()):
+        masked = torch.zeros_like(logits).masked_fill(~allowed, -math.inf)
+    return masked
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:

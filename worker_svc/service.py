@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
+from worker_svc.grammar import GrammarCache, TokenTable, model_tokenizer
 from worker_svc.session import Session
 from worker_svc.settings import WorkerSettings
 
@@ -25,7 +26,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.settings = settings
         self.runner = runner
         self.model_name = model_name
-        self.session = Session(runner, runner.num_blocks)
+        self.grammars = grammar_cache(settings.model, runner)
+        self.session = Session(runner, runner.num_blocks, self.grammars)
         self.last_call = 0.0
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self.on_execute = None  # metrics hook: (shape, seconds, report), also for releases only
@@ -76,7 +78,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.driver = driver = context.peer() or "a peer"
         with self.shown:
             self.session.closed = True
-            session = self.session = Session(self.runner, self.runner.num_blocks)
+            session = self.session = Session(self.runner, self.runner.num_blocks, self.grammars)
         loop = asyncio.get_running_loop()
         results: asyncio.Queue = asyncio.Queue()
 
@@ -112,13 +114,23 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             with self.shown:
                 session.closed = True
                 if self.session is session:  # no scheduler drives these requests any more
-                    self.session = Session(self.runner, self.runner.num_blocks)
+                    self.session = Session(self.runner, self.runner.num_blocks, self.grammars)
                     self.report(self.session.report())
 
     def report(self, kv: worker_pb2.KvReport) -> None:
         """The pool as the metrics show it, also when no step runs (a stream ended)."""
         if self.on_execute is not None:
             self.on_execute(None, 0.0, kv)
+
+
+def grammar_cache(model: str, runner) -> GrammarCache | None:
+    """Structured output's grammars, on the model's vocabulary (built at the first constrained
+    request); none for the simulated model, which computes no logits to mask."""
+    if model == "sim":
+        return None
+    cfg = runner.config
+    vocab, eos = cfg.vocab_size, cfg.eos_token_ids
+    return GrammarCache(TokenTable(lambda: model_tokenizer(model, vocab, eos)))
 
 
 def taken(driver: str) -> str:

@@ -8,6 +8,7 @@ import time
 from typing import Protocol
 
 from llmserve.v1 import common_pb2, worker_pb2
+from worker_svc.grammar import GrammarCache, GrammarState
 from worker_svc.model_config import ModelConfig
 from worker_svc.step_checks import (
     blocks_problem,
@@ -63,8 +64,9 @@ class Session:
     A request with bad input (or one whose execution fails on its own) fails alone: it is
     forgotten here and reported in the result's `failed`; the rest of its step runs."""
 
-    def __init__(self, runner: Runner, num_blocks: int) -> None:
+    def __init__(self, runner: Runner, num_blocks: int, grammars: GrammarCache | None = None):
         self.runner = runner
+        self.grammars = grammars  # compiles structured output's grammars (None: refused)
         self.num_blocks = num_blocks
         self.block_size = runner.block_size
         self.vocab_size = runner.config.vocab_size
@@ -96,7 +98,7 @@ class Session:
         seconds = 0.0
         failed: dict[int, str] = {}
         try:
-            handles, batch = self.apply(step, failed)
+            handles, batch = self.constrain(*self.apply(step, failed), failed)
             shape = shape_of(batch)
             if batch:
                 tokens = self.execute(handles, batch, failed)
@@ -140,7 +142,12 @@ class Session:
                 sample_index=added.sample_index,
                 cached=len(cached),
             )
-            if item.sampling.penalized:  # the cached prefix is part of what it has processed
+            if added.sampling.HasField("grammar"):
+                why = self.attach_grammar(item, added.sampling)
+                if why:
+                    failed.setdefault(added.handle, why)
+                    continue
+            if item.sampling.needs_history:  # the cached prefix is part of what it has processed
                 item.history.extend(cached)
         self.share(step, failed)
         for grant in step.grants:
@@ -175,6 +182,35 @@ class Session:
             kept = [(h, i) for h, i in zip(handles, batch, strict=True) if h not in failed]
             handles, batch = [h for h, _ in kept], [i for _, i in kept]
         return handles, batch
+
+    def attach_grammar(self, item: WorkItem, sampling: worker_pb2.WorkSampling) -> str | None:
+        """The request's matcher, fresh: `constrain` brings it up to its generated tokens."""
+        if self.grammars is None:
+            return "structured output is not available on this worker"
+        try:
+            matcher = self.grammars.matcher(sampling.grammar)
+        except Exception as err:  # a grammar that fails to compile, a table that failed
+            return f"{type(err).__name__}: {err}"
+        item.sampling.grammar = GrammarState(matcher, self.vocab_size)
+        return None
+
+    def constrain(
+        self, handles: list[int], batch: list[WorkItem], failed: dict[int, str]
+    ) -> tuple[list[int], list[WorkItem]]:
+        """Each constrained item that samples now: its matcher caught up with the tokens it
+        generated (all of them after a recompute). One whose grammar fails fails alone."""
+        kept_handles, kept = [], []
+        for handle, item in zip(handles, batch, strict=True):
+            state = item.sampling.grammar
+            if state is not None and item.sample:
+                try:
+                    state.sync(item.history + item.token_ids, item.sample_index)
+                except ValueError as err:
+                    failed.setdefault(handle, str(err))
+                    continue
+            kept_handles.append(handle)
+            kept.append(item)
+        return kept_handles, kept
 
     def share(self, step: worker_pb2.Step, failed: dict[int, str]) -> None:
         """The shared blocks of the requests added in this step: the first of their tables."""
@@ -248,7 +284,7 @@ class Session:
             if handle in failed:
                 continue
             self.own_written += len(item.token_ids)
-            if item.sampling.penalized:
+            if item.sampling.needs_history:
                 item.history.extend(item.token_ids)
             item.start_position += len(item.token_ids)
             if token is None:
@@ -256,6 +292,8 @@ class Session:
             else:
                 item.token_ids, item.sample = [token], True
                 item.sample_index += 1
+                if item.sampling.grammar is not None:
+                    item.sampling.grammar.advance(token)
                 sampled.append((token, item.logprobs))
         return sampled
 

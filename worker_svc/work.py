@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -19,6 +20,7 @@ class SamplingSettings:
     min_tokens: int = 0  # stop_token_ids are masked until this many are generated
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # top alternatives returned with each token; None: no logprobs
+    grammar: Any = None  # structured output: the request's GrammarState (worker_svc/grammar.py)
 
     @property
     def greedy(self) -> bool:
@@ -32,10 +34,17 @@ class SamplingSettings:
         )
 
     @property
+    def needs_history(self) -> bool:
+        """Keeps the tokens it processed: for its penalties, or to rebuild its grammar's state
+        after a recompute."""
+        return self.penalized or self.grammar is not None
+
+    @property
     def shapes_logits(self) -> bool:
         """Changes the logits before temperature: then even a greedy row is not a plain argmax."""
         return (
-            bool(self.logit_bias)
+            self.grammar is not None
+            or bool(self.logit_bias)
             or self.penalized
             or (self.min_tokens > 0 and bool(self.stop_token_ids))
         )

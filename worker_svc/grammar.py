@@ -1,0 +1,222 @@
+"""Structured output on the worker: one llguidance matcher per constrained request, which says
+what tokens may come next (a mask over the vocabulary) and advances with each token sampled.
+
+The token table is the model's own vocabulary, read from the files the worker loads (a GGUF's
+`tokenizer.ggml.*` metadata, an HF directory's tokenizer.json): the gateway's tokenizer reads the
+same files. Building it takes seconds (the GGUF reader), so it starts in the background when the
+worker starts (`TokenTable.start`) and the first constrained request waits for it.
+
+Compiled grammars are cached by (kind, spec): a request takes a copy of the compiled matcher.
+A matcher's state is a function of the tokens it consumed, so a request recomputed after a
+preemption, a failover or a resubmission rebuilds it from its generated tokens (`sync`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+
+import llguidance
+import numpy as np
+import torch
+
+from llmserve.v1 import common_pb2
+
+GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept (each a matcher to copy)
+TABLE_WAIT_SECONDS = 120.0  # the first constrained request waits this long for the table
+# JSON as OpenAI's and vLLM's servers write it under a schema: no free whitespace (a model cannot
+# pad the answer with newlines until max_tokens), one space after ',' and ':'
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_CONTROL = 3  # llama.cpp's token type of a special (control) token
+
+
+def grammar_text(grammar: common_pb2.Grammar) -> str:
+    """The llguidance grammar of a Grammar message. Raises ValueError on a malformed spec."""
+    kind, spec = grammar.kind, grammar.spec
+    if kind == common_pb2.Grammar.JSON_SCHEMA:
+        return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
+    if kind == common_pb2.Grammar.REGEX:
+        return llguidance.LLMatcher.grammar_from_regex(spec)
+    if kind == common_pb2.Grammar.CHOICE:
+        return llguidance.grammar_from("choice", spec)
+    if kind == common_pb2.Grammar.LARK:
+        return llguidance.grammar_from("grammar", spec)
+    raise ValueError(f"grammar kind {kind} is not one of JSON_SCHEMA, REGEX, CHOICE, LARK")
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable character -> byte table (byte-level BPE vocabularies spell bytes so)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+class ByteVocab:
+    """A vocabulary as llguidance's TokenizerWrapper takes it: each token's bytes, the special
+    ids and a (greedy, longest-match) encoder, which masks never use."""
+
+    def __init__(self, tokens: list[bytes], special: list[int], eos: int, bos: int | None):
+        self.tokens = tokens
+        self.special_token_ids = special
+        self.eos_token_id = eos
+        self.bos_token_id = bos
+        skip = set(special)
+        self.ids = {t: i for i, t in enumerate(tokens) if i not in skip and t}
+        self.longest = max((len(t) for t in self.ids), default=1)
+
+    def __call__(self, text: bytes) -> list[int]:
+        out, at = [], 0
+        while at < len(text):
+            for size in range(min(self.longest, len(text) - at), 0, -1):
+                token = self.ids.get(text[at : at + size])
+                if token is not None:
+                    out.append(token)
+                    at += size
+                    break
+            else:
+                at += 1  # a byte no token spells: skipped
+        return out
+
+
+def gguf_vocab(path: Path, eos: int) -> ByteVocab:
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+    names = fields["tokenizer.ggml.tokens"]
+    kinds = fields.get("tokenizer.ggml.token_type")
+    words = [bytes(names.parts[i]).decode() for i in names.data]
+    types = [int(kinds.parts[i][0]) for i in kinds.data] if kinds else [1] * len(words)
+    decoder = _byte_decoder()
+    special = [i for i, t in enumerate(types) if t == _CONTROL]
+    tokens = [
+        w.encode() if t == _CONTROL else bytes(decoder.get(c, 0) for c in w)
+        for w, t in zip(words, types, strict=True)
+    ]
+    bos = fields.get("tokenizer.ggml.bos_token_id")
+    return ByteVocab(tokens, special, eos, int(bos.parts[-1][0]) if bos else None)
+
+
+def model_tokenizer(source: str, vocab_size: int, eos_ids: Sequence[int]) -> llguidance.LLTokenizer:
+    """The llguidance tokenizer of the worker's --model: tiny, sim and smollm2 share SmolLM2's
+    vocabulary (the default GGUF); else the GGUF file or the HF directory's tokenizer.json."""
+    eos = list(eos_ids) or [0]
+    path = Path(source).expanduser()
+    if path.is_dir():
+        text = (path / "tokenizer.json").read_text()
+        return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos)
+    if not (path.is_file() and path.suffix == ".gguf"):
+        from llmserve.runtime.model_files import default_gguf_path
+
+        path = default_gguf_path()
+    vocab = gguf_vocab(path, eos[0])
+    wrapper = llguidance.TokenizerWrapper(vocab)
+    return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=eos)
+
+
+class TokenTable:
+    """The tokenizer, built once in a background thread; `get` waits for it."""
+
+    def __init__(self, build: Callable[[], llguidance.LLTokenizer]) -> None:
+        self.build = build
+        self.future: Future = Future()
+        self.started = False
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        with self.lock:
+            if self.started:
+                return
+            self.started = True
+        threading.Thread(target=self._run, name="token-table", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.future.set_result(self.build())
+        except Exception as err:  # a constrained request fails with it; the rest run
+            self.future.set_exception(err)
+
+    def get(self) -> llguidance.LLTokenizer:
+        self.start()
+        return self.future.result(timeout=TABLE_WAIT_SECONDS)
+
+
+class GrammarCache:
+    """Compiled grammars by (kind, spec): a compiled matcher per grammar, copied per request."""
+
+    def __init__(self, table: TokenTable, size: int = GRAMMAR_CACHE_SIZE) -> None:
+        self.table = table
+        self.size = size
+        self.compiled: OrderedDict[tuple[int, str], llguidance.LLMatcher] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def matcher(self, grammar: common_pb2.Grammar) -> llguidance.LLMatcher:
+        """A fresh matcher (no token consumed). Raises ValueError on a grammar that fails."""
+        key = (grammar.kind, grammar.spec)
+        with self.lock:
+            template = self.compiled.get(key)
+            if template is not None:
+                self.compiled.move_to_end(key)
+                return template.deep_copy()
+        template = llguidance.LLMatcher(self.table.get(), grammar_text(grammar), log_level=0)
+        if template.is_error():
+            raise ValueError(f"the grammar does not compile: {template.get_error()}")
+        with self.lock:
+            self.compiled[key] = template
+            while len(self.compiled) > self.size:
+                self.compiled.popitem(last=False)
+        return template.deep_copy()
+
+
+class GrammarState:
+    """One request's matcher, and how many of its generated tokens it has consumed."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.consumed = 0
+
+    def sync(self, tokens: Sequence[int], generated: int) -> None:
+        """Catch up with the request's generated tokens: the last `generated` of `tokens`
+        (prompt + output), of which `consumed` are consumed. After a recompute (preemption,
+        failover, resubmission) the matcher starts from nothing and consumes them all."""
+        missing = generated - self.consumed
+        if missing > 0:
+            self.matcher.consume_tokens(list(tokens[len(tokens) - missing :]))
+            self.consumed = generated
+        self.check()
+
+    def advance(self, token: int) -> None:
+        self.matcher.consume_token(token)
+        self.consumed += 1
+
+    def allowed(self) -> torch.Tensor:
+        """[vocab] bool: the tokens the grammar allows next (only EOS once it is complete)."""
+        self.check()
+        packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        bits = np.unpackbits(packed, bitorder="little")[: self.vocab_size]
+        out = torch.zeros(self.vocab_size, dtype=torch.bool)
+        out[: bits.shape[0]] = torch.from_numpy(bits.astype(np.bool_))
+        return out
+
+    def check(self) -> None:
+        if self.matcher.is_error():
+            raise ValueError(f"structured output failed: {self.matcher.get_error()}")
+
+
+def spec_of(kind: str, value: object) -> common_pb2.Grammar:
+    """A Grammar message (for tests and tools): kind json_schema, regex, choice or lark."""
+    spec = value if isinstance(value, str) else json.dumps(value)
+    return common_pb2.Grammar(kind=common_pb2.Grammar.Kind.Value(kind.upper()), spec=spec)
