@@ -13,6 +13,7 @@ import grpc
 
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.grammar import GrammarCache, TokenTable, model_tokenizer
+from worker_svc.kernel_plan import describe_fields
 from worker_svc.session import Session
 from worker_svc.settings import WorkerSettings
 
@@ -62,6 +63,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             vocab_size=cfg.vocab_size,
             eos_token_ids=list(cfg.eos_token_ids),
             device=str(getattr(self.runner, "device", "cpu")),
+            **describe_fields(self.runner),  # the kernels picked for this host (kernel_plan)
         )
 
     async def Describe(self, request, context):

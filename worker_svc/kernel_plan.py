@@ -1,0 +1,135 @@
+"""What the worker runs on this host, chosen at start and reported (log, Describe, status): the
+CPU's tier (worker_svc.cpu_features), the dtype, the quantization and which matmul path serves
+which rows, and the threads."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from worker_svc.cpu_features import CpuFeatures, pick_threads, usable_cpus
+from worker_svc.linear import QuantizedLinear
+from worker_svc.quant import dense_dtype
+
+CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # measure_max_rows' candidates
+DENSE_PATHS = {
+    "amx": "oneDNN AMX",
+    "avx512_bf16": "oneDNN AVX-512 BF16",
+    "avx512_vnni": "oneDNN AVX-512",
+    "avx512": "oneDNN AVX-512",
+    "avx2": "oneDNN AVX2",
+    "baseline": "oneDNN",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class KernelPlan:
+    cpu: str  # the tier: amx, avx512_bf16, avx512_vnni, avx512, avx2, baseline
+    cpu_flags: str  # of cpu_features.FLAGS, space-separated
+    torch_capability: str  # torch.backends.cpu.get_cpu_capability(): AVX512, AVX2, DEFAULT
+    dtype: str
+    quantization: str
+    quantized_max_rows: int  # auto: the quantized kernel up to this many rows; 0 = not split
+    rows_from: str  # where quantized_max_rows came from: "cpu table", "measured", "--flag"
+    threads: int
+
+    def matmuls(self) -> str:
+        """Which path serves which rows, in words."""
+        dense = f"{self.dtype} {DENSE_PATHS[self.cpu]}"
+        if self.quantization in ("int8", "int4"):
+            return f"{self.quantization} kernel at every size"
+        if self.quantized_max_rows:
+            return (
+                f"int4 kernel up to {self.quantized_max_rows} rows ({self.rows_from}), "
+                f"{dense} above"
+            )
+        return dense if self.dtype == "bf16" else f"{self.dtype} MKL"
+
+    def fields(self) -> dict:
+        """The WorkerInfo (Describe) fields that report it."""
+        return {
+            "cpu": self.cpu,
+            "cpu_flags": self.cpu_flags,
+            "quantization": self.quantization,
+            "quantized_max_rows": self.quantized_max_rows,
+            "threads": self.threads,
+            "kernels": self.matmuls(),
+        }
+
+    def summary(self) -> str:
+        return (
+            f"cpu {self.cpu} ({self.cpu_flags}; torch {self.torch_capability}), "
+            f"{self.threads} threads, quantization {self.quantization}: {self.matmuls()}"
+        )
+
+
+def describe_fields(runner) -> dict:
+    """A runner's plan as WorkerInfo fields (none for a runner without one: the simulated)."""
+    plan = getattr(runner, "kernel_plan", None)
+    return plan.fields() if plan is not None else {}
+
+
+def dual_linears(linears: Iterable) -> list[QuantizedLinear]:
+    """The model's quantized linears that keep a dense form too (--quantization auto)."""
+    out = []
+    for layer in linears:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if isinstance(lin, QuantizedLinear) and lin.dense is not None:
+                out.append(lin)
+    return out
+
+
+def set_max_rows(linears: list[QuantizedLinear], rows: int) -> None:
+    for lin in linears:
+        lin.max_rows = rows
+
+
+def threads_for(cpu: CpuFeatures, asked: int) -> int:
+    """--threads when given; else one per physical core of this process's CPUs."""
+    if asked:
+        return asked
+    return pick_threads(torch.get_num_threads(), usable_cpus(), cpu.threads_per_core)
+
+
+@torch.inference_mode()
+def measure_max_rows(
+    linears: list[QuantizedLinear], budget_s: float = 1.5, reps: int = 5
+) -> tuple[int, list[tuple[int, float, float]]]:
+    """The most rows at which the quantized kernels, over all the model's split linears, are
+    still no slower than the dense ones: both timed at CANDIDATE_ROWS, interleaved, medians of
+    `reps`, stopping at the first size the dense path wins or when `budget_s` is spent. Returns
+    the rows and the timings (rows, quantized s, dense s)."""
+    if not linears:
+        return 0, []
+    deadline = time.perf_counter() + budget_s
+    best, timings = 0, []
+    for rows in CANDIDATE_ROWS:
+        quantized, dense = time_both(linears, rows, reps)
+        timings.append((rows, quantized, dense))
+        if quantized > dense:
+            break
+        best = rows
+        if time.perf_counter() > deadline:
+            break
+    return best, timings
+
+
+def time_both(linears: list[QuantizedLinear], rows: int, reps: int) -> tuple[float, float]:
+    """Median seconds of one pass over all `linears` at `rows` rows: quantized, dense."""
+    dtype = dense_dtype(linears[0].weight)
+    xs = [torch.randn(rows, lin.weight.shape[1], dtype=dtype) for lin in linears]
+    quantized, dense = [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for lin, x in zip(linears, xs, strict=True):
+            lin.weight.matmul(x)
+        middle = time.perf_counter()
+        for lin, x in zip(linears, xs, strict=True):
+            lin.dense(x)
+        quantized.append(middle - start)
+        dense.append(time.perf_counter() - middle)
+    return statistics.median(quantized), statistics.median(dense)
