@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API of the gateway (Starlette): completions and chat completions
-(whole, or streamed as server-sent events), models, health, tokenize and detokenize.
+(whole, or streamed as server-sent events), models, health, tokenize and detokenize, and the
+gateway's Prometheus metrics for the operator (`/metrics`, the registry its metrics port serves).
 
 It serves through the same generation path as the gRPC API (gateway/core.py): the same
 validation, queue limits, API key and metrics. A client that disconnects cancels its request,
@@ -18,6 +19,7 @@ from contextlib import aclosing
 from typing import TypeVar
 
 import grpc
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -36,7 +38,8 @@ from gateway.openai_requests import (
     Sampling,
     TokenizeRequest,
 )
-from gateway.openai_responses import DONE, Reply, event, logprobs_body
+from gateway.openai_responses import DONE, Reply, event, logprobs_body, running_usage
+from llmserve.runtime.auth import internal_token, internal_token_of
 from llmserve.v1 import scheduler_pb2
 
 T = TypeVar("T")
@@ -84,6 +87,7 @@ class HttpApi:
         self.max_body_bytes = max_body_bytes
         self.serving = serving
         self.started = int(time.time())
+        self.operator_token: str | None = None  # the stack's internal token, read once
 
     def app(self) -> Starlette:
         routes = [
@@ -94,6 +98,7 @@ class HttpApi:
             Route("/health", self.health, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/metrics", self.metrics_page, methods=["GET"]),
         ]
         handlers = {
             HTTPException: _route_error,
@@ -118,7 +123,8 @@ class HttpApi:
             body = kind.parse(await self._body(request))
             self._check_model(body.model)
             job = body.generate_input()
-            reply = Reply(path == HTTP_CHAT, self.core.model, body.stream and body.include_usage)
+            usage_chunks = body.stream and body.include_usage
+            reply = Reply(path == HTTP_CHAT, self.core.model, usage_chunks, body.continuous_usage)
             remaining = _time_remaining(request)
             streams = [
                 self.core.generate(job, remaining, rid=f"{reply.id}-{i}" if i else reply.id)
@@ -159,22 +165,31 @@ class HttpApi:
     ) -> AsyncGenerator[bytes, None]:
         """The chunks of n choices, each with its index, as their tokens come."""
         code = "CANCELLED"  # until it ends otherwise: the client left
+        prompt = _prompt_tokens(first[1])
+        counts = [0] * n  # each choice's tokens so far, for continuous usage
+
+        def so_far(index: int) -> dict:
+            return running_usage(prompt, counts[index])
+
         try:
             async with aclosing(events):
                 if reply.chat:
                     for index in range(n):
-                        yield reply.chunk("", role=True, index=index)
+                        yield reply.chunk("", role=True, index=index, so_far=so_far(index))
                 (index, item), offsets, finishes = first, [0] * n, {}
                 while True:
                     if isinstance(item, Finish):
                         finishes[index] = item
-                        yield reply.chunk(None, finish=item, index=index)
+                        yield reply.chunk(None, finish=item, index=index, so_far=so_far(index))
                         if len(finishes) == n:
                             break
-                    elif item.text or item.logprobs:
+                    else:
+                        counts[index] += len(item.token_ids)
+                    if isinstance(item, Delta) and (item.text or item.logprobs):
                         at = offsets[index]
                         logprobs = self._logprobs(reply, item.token_ids, item.logprobs, at)
-                        yield reply.chunk(item.text, logprobs=logprobs, index=index)
+                        usage = so_far(index)
+                        yield reply.chunk(item.text, logprobs=logprobs, index=index, so_far=usage)
                         offsets[index] += len(item.text)
                     index, item = await anext(events)
                 if reply.include_usage:
@@ -244,7 +259,38 @@ class HttpApi:
         text = await loop.run_in_executor(self.core.pool, self.core.tokenizer.decode, body.tokens)
         return JSONResponse({"prompt": text})
 
+    async def metrics_page(self, request: Request) -> Response:
+        """The gateway's Prometheus metrics (the registry of its --metrics-port), for the
+        operator only: they are about every client (docs/observability.md)."""
+        self._authorize_operator(request)
+        if self.metrics is None:
+            raise ApiError(grpc.StatusCode.NOT_FOUND, "this gateway keeps no metrics")
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     # ---- the checks every route shares -----------------------------------------------------
+
+    def _authorize_operator(self, request: Request) -> None:
+        """The stack's internal token (the operator's credential), as `Authorization: Bearer
+        TOKEN` (Prometheus' scrape `authorization`) or its own header. Without one the stack has
+        no operator apart from its clients: open when it has no API key either (every port is
+        open then), else refused, for an API key is a client's."""
+        if self.operator_token is None:
+            self.operator_token = internal_token(self.core.settings.internal_token_file)
+        if not self.operator_token:
+            if self.api_key:
+                message = (
+                    "/metrics on the HTTP port needs the stack's internal token, and this stack "
+                    "has none: scrape the gateway's --metrics-port"
+                )
+                raise ApiError(grpc.StatusCode.PERMISSION_DENIED, message, status=403)
+            return
+        headers = tuple(request.headers.items())
+        given = (internal_token_of(headers) or key_from_metadata(headers)).encode()
+        if not hmac.compare_digest(given, self.operator_token.encode()):
+            message = (
+                "/metrics needs the stack's internal token: send `authorization: Bearer TOKEN`"
+            )
+            raise ApiError(grpc.StatusCode.UNAUTHENTICATED, message)
 
     def _authorize(self, request: Request) -> None:
         """`Authorization: Bearer KEY` (or `x-api-key: KEY`), as on gRPC."""
@@ -313,6 +359,11 @@ def _time_remaining(request: Request) -> Callable[[], float | None]:
         return lambda: None
     deadline = time.monotonic() + seconds
     return lambda: deadline - time.monotonic()
+
+
+def _prompt_tokens(item: Delta | Finish) -> int:
+    """The request's prompt tokens, from its first event."""
+    return item.usage.prompt_tokens if isinstance(item, Finish) else item.prompt_tokens
 
 
 async def _collect(events: AsyncIterator[Delta | Finish]) -> tuple[str, Finish, list, list]:

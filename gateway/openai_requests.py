@@ -5,7 +5,7 @@ the same for HTTP and gRPC; what is checked here is what JSON can say and protob
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -17,14 +17,37 @@ from llmserve.runtime.request_checks import MAX_LOGPROBS
 
 U32_MAX = 2**32 - 1
 TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union members
-# Sampling fields of OpenAI's API (and vLLM's) that the gateway does not implement yet, with
-# their neutral values: a request that sets one to anything else is refused, not served as if
-# it had not asked (a client reading logprobs that never come, a penalty silently off).
+# Fields of OpenAI's API (and vLLM's) that would change the result and that the gateway does
+# not implement yet, with their neutral values: a request that sets one to anything else is
+# refused (400 naming it), not served as if it had not asked (a client reading logprobs that
+# never come, a penalty silently off). Structured output and tools are not listed here: they
+# have their own module (gateway/structured.py).
 NOT_YET: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "echo": (None, 0),
+    "echo": (None, 0, False),
     "suffix": (None, ""),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "priority": (None, 0),
+    "return_tokens_as_token_ids": (None, False),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "spaces_between_special_tokens": (None, True),
+    "logits_processors": (None, []),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
 }
+CHAT_NOT_YET: dict[str, tuple[Any, ...]] = {
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None,),
+    "add_special_tokens": (None, False),
+}
+COMPLETION_NOT_YET: dict[str, tuple[Any, ...]] = {"add_special_tokens": (None, True)}
 
 
 class Body(BaseModel):
@@ -40,10 +63,12 @@ class Body(BaseModel):
 
 
 class Turn(NamedTuple):
-    """A chat message as the generation path takes it."""
+    """A chat message as the generation path takes it; `extra`: what else the chat template
+    gets (an assistant turn's tool_calls, a tool result's tool_call_id and name)."""
 
     role: str
     content: str
+    extra: dict[str, Any] | None = None
 
 
 class ContentPart(Body):
@@ -51,13 +76,49 @@ class ContentPart(Body):
     text: str | None = None
 
 
+class FunctionCall(Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Body):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Body):
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def turn(self, index: int) -> Turn:
         """Text parts are joined by newlines (as vLLM does); no content (an assistant turn that
         called tools) is empty text."""
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ApiError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a tool message needs the tool_call_id of the call it answers",
+                param=f"messages[{index}].tool_call_id",
+            )
+        if self.tool_calls and self.role != "assistant":
+            raise ApiError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"only an assistant message carries tool_calls, not a {self.role!r} one",
+                param=f"messages[{index}].tool_calls",
+            )
+        extra: dict[str, Any] = {}
+        if self.tool_calls:
+            extra["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            extra["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            extra["name"] = self.name
+        return Turn(self.role, self._text(index), extra or None)
+
+    def _text(self, index: int) -> str:
         content = self.content
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
@@ -67,11 +128,12 @@ class ChatMessage(Body):
                     param=f"messages[{index}].content",
                 )
             content = "\n".join(part.text or "" for part in content)
-        return Turn(self.role, content or "")
+        return content or ""
 
 
 class StreamOptions(Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class Sampling(Body):
@@ -98,25 +160,46 @@ class Sampling(Body):
     min_tokens: int | None = Field(None, ge=0, le=U32_MAX)  # an extension, as in vLLM
     logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias
     stop_token_ids: list[int] | None = None  # an extension, as in vLLM
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string ends the text, kept
+    skip_special_tokens: bool = True  # vLLM's: the text leaves out special tokens
+    # not implemented yet: refused unless neutral (NOT_YET)
     best_of: Any = None
     echo: Any = None
     suffix: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    priority: Any = None
+    return_tokens_as_token_ids: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    spaces_between_special_tokens: Any = None
+    logits_processors: Any = None
+    modalities: Any = None
+    audio: Any = None
+    add_special_tokens: Any = None
+
+    not_yet: ClassVar[dict[str, tuple[Any, ...]]] = NOT_YET
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
+
     def check_supported(self) -> None:
         problem = choices_problem(self.n)
         if problem is not None:
             raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, problem, param="n")
-        for name, neutral in NOT_YET.items():
+        for name, neutral in self.not_yet.items():
             if getattr(self, name) not in neutral:
-                raise ApiError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{name} is not supported yet; leave it out (or at {neutral[1]!r})",
-                    param=name,
-                )
+                at = f" (or at {neutral[1]!r})" if len(neutral) > 1 else ""
+                message = f"{name} is not supported yet; leave it out{at}"
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param=name)
 
     def top_logprobs_asked(self) -> int | None:
         """Alternatives to return with each token's logprob; None: no logprobs."""
@@ -146,6 +229,9 @@ class Sampling(Body):
             logit_bias=_logit_bias(self.logit_bias or {}),
             logprobs=self.top_logprobs_asked(),
             cache_salt=self.cache_salt or "",
+            fit_context=True,
+            include_stop=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
 
@@ -154,6 +240,13 @@ class ChatCompletionRequest(Sampling):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+
+    not_yet: ClassVar[dict[str, tuple[Any, ...]]] = NOT_YET | CHAT_NOT_YET
 
     def top_logprobs_asked(self) -> int | None:
         if not self.logprobs:
@@ -177,6 +270,8 @@ class ChatCompletionRequest(Sampling):
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+
+    not_yet: ClassVar[dict[str, tuple[Any, ...]]] = NOT_YET | COMPLETION_NOT_YET
 
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs

@@ -21,8 +21,8 @@ def finish_reason(finish: Finish) -> str:
     return FINISH_REASONS.get(finish.reason, "stop")
 
 
-def usage(finish: Finish) -> dict[str, int]:
-    prompt, completion = finish.usage.prompt_tokens, finish.usage.completion_tokens
+def running_usage(prompt: int, completion: int) -> dict[str, int]:
+    """The token counts so far (vLLM's `continuous_usage_stats`: one in every chunk)."""
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -30,7 +30,14 @@ def usage(finish: Finish) -> dict[str, int]:
     }
 
 
-def usage_of(finishes: Sequence[Finish]) -> dict[str, int]:
+def usage(finish: Finish) -> dict:
+    """A finished request's usage; `prompt_tokens_details.cached_tokens`: of its prompt, the
+    tokens its first admission found in the prefix cache (their KV not computed again)."""
+    counted = running_usage(finish.usage.prompt_tokens, finish.usage.completion_tokens)
+    return counted | {"prompt_tokens_details": {"cached_tokens": finish.cached_tokens}}
+
+
+def usage_of(finishes: Sequence[Finish]) -> dict:
     """The usage of choices from one prompt: the prompt once, every choice's tokens."""
     total = usage(finishes[0])
     total["completion_tokens"] = sum(f.usage.completion_tokens for f in finishes)
@@ -89,6 +96,7 @@ class Reply:
     chat: bool
     model: str
     include_usage: bool = False  # streams: a last chunk with the usage, `usage: null` before
+    continuous_usage: bool = False  # streams with include_usage: each chunk's usage so far
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -124,9 +132,10 @@ class Reply:
         role: bool = False,
         logprobs: dict | None = None,
         index: int = 0,
+        so_far: dict | None = None,
     ) -> bytes:
         """A streamed chunk of choice `index`: text (None: only the role, or only the finish
-        reason)."""
+        reason); `so_far`: its usage (continuous_usage), else null."""
         choice: dict = {"index": index}
         if self.chat:
             delta: dict = {"role": "assistant"} if role else {}
@@ -138,7 +147,7 @@ class Reply:
         choice |= {"logprobs": logprobs, "finish_reason": finish and finish_reason(finish)}
         body = self._head(chunk=True) | {"choices": [choice]}
         if self.include_usage:
-            body["usage"] = None
+            body["usage"] = so_far if self.continuous_usage else None
         return event(body)
 
     def usage_chunk(self, finishes: Sequence[Finish]) -> bytes:

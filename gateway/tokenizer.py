@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import mmap
 import struct
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
 from pathlib import Path
@@ -29,7 +30,13 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
-__all__ = ["ChatTemplateError", "Tokenizer", "load_default_tokenizer"]
+__all__ = [
+    "ChatTemplateError",
+    "TemplateRoles",
+    "Tokenizer",
+    "load_default_tokenizer",
+    "template_messages",
+]
 
 # llama.cpp's token types (tokenizer.ggml.token_type)
 _TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
@@ -159,6 +166,77 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+# ---- OpenAI's roles in a chat template -------------------------------------------------------
+#
+# `developer` (OpenAI's newer name for the system prompt) is a system message unless the template
+# names the role itself. A template with tool support (it reads `tool_calls`, as Qwen2.5's,
+# Llama 3.1's, Hermes' do) gets `tool` messages and the assistant's `tool_calls` as they are
+# (each call's `arguments` parsed from its JSON text into an object, as vLLM and transformers
+# hand them to templates). A template without it (SmolLM2's) gets the Hermes/Qwen plain format:
+# an assistant turn's calls appended to its content, one `<tool_call>\n{"name": ..., "arguments":
+# ...}\n</tool_call>` each; consecutive tool results as one user turn of
+# `<tool_response>\n...\n</tool_response>` blocks, in the order of the calls.
+
+TOOL_CALL_FORMAT = "<tool_call>\n{}\n</tool_call>"
+TOOL_RESPONSE_FORMAT = "<tool_response>\n{}\n</tool_response>"
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateRoles:
+    """Which of OpenAI's newer roles a chat template renders itself."""
+
+    developer: bool
+    tools: bool
+
+    @classmethod
+    def of(cls, source: str) -> TemplateRoles:
+        return cls(developer="developer" in source, tools="tool_calls" in source)
+
+
+def template_messages(messages: list[dict[str, Any]], roles: TemplateRoles) -> list[dict]:
+    """`messages` as the template `roles` describes can render them (see above)."""
+    out: list[dict] = []
+    results = False  # the last turn of `out` holds tool results: the next one joins it
+    for message in map(dict, messages):
+        if message["role"] == "developer" and not roles.developer:
+            message["role"] = "system"
+        if message["role"] == "tool" and not roles.tools:
+            block = TOOL_RESPONSE_FORMAT.format(message["content"])
+            if results:
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+            results = True
+            continue
+        results = False
+        calls = message.pop("tool_calls", None) or []
+        if calls and roles.tools:
+            message["tool_calls"] = [_parsed_arguments(c) for c in calls]
+        elif calls:
+            text = [message["content"]] if message["content"] else []
+            message["content"] = "\n".join(text + [_call_text(c) for c in calls])
+        out.append(message)
+    return out
+
+
+def _arguments(call: dict) -> Any:
+    """A call's arguments as an object: OpenAI sends them as JSON text."""
+    arguments = call["function"]["arguments"]
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        return arguments  # not JSON: the template gets the text as sent
+
+
+def _parsed_arguments(call: dict) -> dict:
+    return call | {"function": call["function"] | {"arguments": _arguments(call)}}
+
+
+def _call_text(call: dict) -> str:
+    body = {"name": call["function"]["name"], "arguments": _arguments(call)}
+    return TOOL_CALL_FORMAT.format(json.dumps(body, ensure_ascii=False))
 
 
 # ---- the tokenizer ------------------------------------------------------------------------------
@@ -324,19 +402,21 @@ class Tokenizer:
 
     # -- chat --
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """Render `messages` with the model's chat template, ending with the assistant prompt."""
-        if self._chat_template_source is None:
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        """Render `messages` with the model's chat template, ending with the assistant prompt.
+        The OpenAI roles the template does not know are rendered as `template_messages` says."""
+        source = self._chat_template_source
+        if source is None:
             raise ChatTemplateError("this model has no chat template (tokenizer.chat_template)")
         if self._chat_template is None:
-            self._chat_template = _compile_chat_template(self._chat_template_source)
+            self._chat_template = _compile_chat_template(source)
 
         def spelled(token_id: int | None) -> str | None:
             return None if token_id is None else self._tokens[token_id]
 
         try:
             return self._chat_template.render(
-                messages=[dict(m) for m in messages],
+                messages=template_messages(messages, TemplateRoles.of(source)),
                 add_generation_prompt=True,
                 bos_token=spelled(self._bos_token_id),
                 eos_token=spelled(self._eos_token_id),
