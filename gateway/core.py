@@ -26,6 +26,7 @@ from gateway.context_fit import completion_budget, completion_overflow, prompt_o
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.settings import GatewaySettings
 from gateway.stops import StopMatcher
+from gateway.structured import grpc_grammar_problem
 from gateway.tokenizer import Tokenizer
 from gateway.trim import trim_after
 from gateway.usage import Tally
@@ -68,6 +69,7 @@ class GenerateInput:
     logit_bias: Mapping[int, float] | None = None
     logprobs: int | None = None  # top alternatives with each token's logprob; None: no logprobs
     cache_salt: str = ""  # only requests of equal salt (and API key) share cached KV blocks
+    grammar: common_pb2.Grammar | None = None  # structured output (gateway/structured.py)
     # The HTTP API's (vLLM's) rules: prompt + max_tokens must fit the context (else
     # ContextLengthExceeded), max_tokens unset is the rest of it (gateway/context_fit.py)
     fit_context: bool = False
@@ -160,6 +162,10 @@ class GatewayCore:
 
     def _validate_and_tokenize(self, job: GenerateInput) -> tuple[ValidatedParams, list[int]]:
         params = self._validate(job)
+        if job.grammar is not None:  # compiled once per grammar (cached)
+            problem = grpc_grammar_problem(job.grammar)
+            if problem:
+                raise ValueError(problem)
         return params, self._tokenize(params, job.messages)
 
     def _validate(self, job: GenerateInput) -> ValidatedParams:
@@ -266,6 +272,7 @@ class GatewayCore:
                 min_tokens=job.min_tokens,
                 logit_bias=job.logit_bias,
                 logprobs=job.logprobs,
+                grammar=job.grammar,
             ),
             cache_salt=cache_salt(self.tenant, job.cache_salt),
         )

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gateway.choices import U64_MAX, choice_inputs, choices_problem
 from gateway.core import GenerateInput
 from gateway.http_errors import ApiError
+from gateway.structured import StructuredFields
 from llmserve.runtime.request_checks import MAX_LOGPROBS
 
 U32_MAX = 2**32 - 1
@@ -136,7 +137,7 @@ class StreamOptions(Body):
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
-class Sampling(Body):
+class Sampling(StructuredFields, Body):
     """The fields completions and chat completions share."""
 
     model: str | None = None  # None: the served model
@@ -229,6 +230,7 @@ class Sampling(Body):
             logit_bias=_logit_bias(self.logit_bias or {}),
             logprobs=self.top_logprobs_asked(),
             cache_salt=self.cache_salt or "",
+            grammar=self.grammar(),  # response_format, structured_outputs, guided_*
             fit_context=True,
             include_stop=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,

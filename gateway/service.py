@@ -47,6 +47,7 @@ def generate_input(request: gateway_pb2.GenerateRequest) -> GenerateInput:
         logit_bias=dict(s.logit_bias),
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         cache_salt=request.cache_salt,
+        grammar=s.grammar if s.HasField("grammar") else None,
     )
 
 
