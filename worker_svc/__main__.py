@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 import time
 
 import grpc
@@ -15,7 +16,9 @@ from llmserve.runtime.flags import add_flags, from_args
 from llmserve.runtime.metrics_http import metrics_host
 from llmserve.runtime.server import Server, die_with_parent, internal_channel, setup_logging
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from worker_svc.cpu_features import host_features
 from worker_svc.device import resolve_device
+from worker_svc.kernel_plan import plan_kernels, threads_for
 from worker_svc.loader import load_model
 from worker_svc.memory_profile import pool_positions, profile_blocks
 from worker_svc.metrics import WorkerMetrics
@@ -100,6 +103,8 @@ def make_runner(settings: WorkerSettings):
         return SimRunner(config, blocks, settings.block_size, step, token)
     dtype = DTYPES[settings.dtype]
     device = resolve_device(settings.device)
+    cpu = host_features()
+    torch.set_num_threads(threads_for(cpu, settings.threads))
     used_before = 0  # device memory other processes hold
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -110,6 +115,10 @@ def make_runner(settings: WorkerSettings):
         config, weights, blocks, settings.block_size, dtype,
         device=device, cuda_graphs=settings.cuda_graphs and device.type == "cuda",
     )  # fmt: skip
+    runner.kernel_plan = plan_kernels(
+        runner, cpu, settings.dtype, quantization, settings.quantized_max_rows
+    )
+    logging.getLogger("worker").info("kernels: %s", runner.kernel_plan.summary())
     if not settings.num_blocks:
         positions = pool_positions(config, weights, dtype, device, settings, runner, used_before)
         runner.resize_pool(positions // settings.block_size)

@@ -36,9 +36,12 @@ class KernelPlan:
     quantized_max_rows: int  # auto: the quantized kernel up to this many rows; 0 = not split
     rows_from: str  # where quantized_max_rows came from: "cpu table", "measured", "--flag"
     threads: int
+    device: str = "cpu"
 
     def matmuls(self) -> str:
         """Which path serves which rows, in words."""
+        if self.device != "cpu":
+            return f"{self.dtype} torch on {self.device}"
         dense = f"{self.dtype} {DENSE_PATHS[self.cpu]}"
         if self.quantization in ("int8", "int4"):
             return f"{self.quantization} kernel at every size"
@@ -65,6 +68,31 @@ class KernelPlan:
             f"cpu {self.cpu} ({self.cpu_flags}; torch {self.torch_capability}), "
             f"{self.threads} threads, quantization {self.quantization}: {self.matmuls()}"
         )
+
+
+def plan_kernels(
+    runner, cpu: CpuFeatures, dtype: str, quantization: str, asked_rows: int = 0
+) -> KernelPlan:
+    """The plan of a built runner: auto's split linears get their row threshold (asked_rows
+    when > 0; measured at start when -1; else the CPU's table figure)."""
+    linears = dual_linears(runner.model.linears)
+    rows, source = cpu.quantized_max_rows, "cpu table"
+    if asked_rows > 0:
+        rows, source = asked_rows, "--quantized-max-rows"
+    elif asked_rows < 0 and linears:
+        rows, source = measure_max_rows(linears)[0], "measured"
+    set_max_rows(linears, rows)
+    return KernelPlan(
+        cpu=cpu.tier,
+        cpu_flags=cpu.flag_text(),
+        torch_capability=torch.backends.cpu.get_cpu_capability(),
+        dtype=dtype,
+        quantization=quantization,
+        quantized_max_rows=rows if linears else 0,
+        rows_from=source,
+        threads=torch.get_num_threads(),
+        device=str(runner.device),
+    )
 
 
 def describe_fields(runner) -> dict:

@@ -30,6 +30,12 @@ class WorkerSettings:
         "(--dtype values, a GGUF dequantized), int8 (per row), int4 (groups of 32), auto (a "
         "GGUF's Q4_0/Q4_1/Q4_K matrices as int4, the rest as --dtype; none off the CPU)",
     )
+    quantized_max_rows: int = setting(
+        0,
+        "--quantization auto: a matmul of up to this many rows (tokens) runs the int4 kernel, "
+        "a larger one the --dtype values kept beside it; 0 = this CPU's figure "
+        "(worker_svc/cpu_features.py), -1 = measured at start (about 1-2 s)",
+    )
     device: str = setting(
         "auto", "auto (the first CUDA device when there is one, else the CPU), cpu, cuda, cuda:N"
     )
@@ -89,6 +95,8 @@ class WorkerSettings:
             raise ValueError("--max-context, --sim-step-ms and --sim-token-us must be >= 0")
         if self.quantization not in ("none", "int8", "int4", "auto"):
             raise ValueError(f"--quantization: none, int8, int4 or auto, not {self.quantization!r}")
+        if self.quantized_max_rows < -1:
+            raise ValueError(f"--quantized-max-rows must be >= -1, got {self.quantized_max_rows}")
         if self.dtype not in ("bf16", "fp32"):
             raise ValueError(f"--dtype must be bf16 or fp32, got {self.dtype!r}")
 
