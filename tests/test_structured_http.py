@@ -16,7 +16,6 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmserve import client
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.stacks import free_run, running_stack, tiny_settings
 
@@ -191,9 +190,10 @@ def test_constrained_and_free_requests_share_batches(stack, sdk) -> None:
 
 
 def test_a_constrained_request_recomputed_after_preemption_stays_valid(tmp_path) -> None:
-    """A KV pool of 512 positions and 6 requests of up to 400: the scheduler preempts; every
-    constrained answer is still valid, and some were preempted on the way."""
-    settings = tiny_settings(kv_capacity=512, max_running=6)
+    """A KV pool of 160 positions (10 blocks) for 6 constrained requests of ~30-60 tokens
+    each: the scheduler preempts some (their KV freed, recomputed later, their matchers rebuilt
+    from the tokens they had generated); every answer is still valid."""
+    settings = tiny_settings(kv_capacity=160, max_running=6)
     schema = json.dumps(Person.model_json_schema())
     grammar = common_pb2.Grammar(kind=common_pb2.Grammar.JSON_SCHEMA, spec=schema)
     results: dict[int, gateway_pb2.GenerateResult] = {}
@@ -202,11 +202,9 @@ def test_a_constrained_request_recomputed_after_preemption_stays_valid(tmp_path)
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
         def one(i: int) -> None:
-            sampling = common_pb2.SamplingParams(max_tokens=400, temperature=1.0, seed=i)
-            if i % 2 == 0:
-                sampling.grammar.CopyFrom(grammar)
-            else:
-                sampling.ignore_eos = True  # the free ones fill the pool
+            sampling = common_pb2.SamplingParams(
+                max_tokens=120, temperature=1.0, seed=i, grammar=grammar
+            )
             request = gateway_pb2.GenerateRequest(prompt=f"Person {i}:", sampling=sampling)
             results[i] = stub.GenerateUnary(request, timeout=300)
 
@@ -215,11 +213,11 @@ def test_a_constrained_request_recomputed_after_preemption_stays_valid(tmp_path)
             t.start()
         for t in threads:
             t.join(300)
-        preempted = client.status(settings.scheduler).preemptions
         channel.close()
-    assert len(results) == 6 and preempted > 0
-    for i in range(0, 6, 2):
-        Person.model_validate_json(results[i].text)
+    assert len(results) == 6
+    assert sum(r.usage.preemptions for r in results.values()) > 0
+    for result in results.values():
+        Person.model_validate_json(result.text)
 
 
 def test_langchain_with_structured_output_json_schema(stack) -> None:
