@@ -3,6 +3,9 @@
 On the HTTP API (as vLLM, whose wording litellm and LangChain recognise by "maximum context
 length" and the `context_length_exceeded` code) a prompt plus `max_tokens` over the context is
 refused rather than cut at the context, and `max_tokens` left out is the rest of the context.
+Each message ends with the code in parentheses: the openai SDK (3.x) puts only the message in
+the text of its error, which is where LangChain's ChatOpenAI looks for `context_length_exceeded`
+(litellm looks for "maximum context length"); vLLM's own words come first, unchanged.
 The gRPC API keeps its own rule: `--default-max-tokens`, generation stopping at the context."""
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ def prompt_overflow(prompt_tokens: int, max_context: int) -> str | None:
         return None
     return (
         f"This model's maximum context length is {max_context} tokens. However, your request "
-        f"has {prompt_tokens} input tokens. Please reduce the length of the input messages."
+        f"has {prompt_tokens} input tokens. Please reduce the length of the input messages. "
+        f"({CONTEXT_CODE})"
     )
 
 
@@ -27,7 +31,7 @@ def completion_overflow(prompt_tokens: int, max_tokens: int, max_context: int) -
     return (
         f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
         f"maximum context length is {max_context} tokens and your request has {prompt_tokens} "
-        f"input tokens ({max_tokens} > {max_context} - {prompt_tokens})."
+        f"input tokens ({max_tokens} > {max_context} - {prompt_tokens}). ({CONTEXT_CODE})"
     )
 
 

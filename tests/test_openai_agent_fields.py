@@ -175,7 +175,7 @@ def test_context_overflow_is_worded_as_vllm_words_it() -> None:
     assert completion_overflow(2778, 8000, 4096) == (
         "'max_tokens' or 'max_completion_tokens' is too large: 8000. This model's maximum "
         "context length is 4096 tokens and your request has 2778 input tokens "
-        "(8000 > 4096 - 2778)."
+        "(8000 > 4096 - 2778). (context_length_exceeded)"
     )
     assert "maximum context length is 1536 tokens" in prompt_overflow(4176, 1536)
     assert completion_overflow(10, 6, 16) is None and prompt_overflow(15, 16) is None
