@@ -203,6 +203,7 @@ def status_dict(reply: scheduler_pb2.StatusReply) -> dict:
             "evictions": w.evictions,
             "prompt_tokens": w.prompt_tokens,
             "hit_tokens": w.hit_tokens,
+            "kernels": w.kernels,
         }
         for w in reply.workers
     ]

@@ -36,6 +36,7 @@ def format_status(s: dict) -> str:
             f"reserved-unwritten {w['reserved_unwritten']:>7}  free {w['free']:>7}  "
             f"running {w['running']}"
             + (f"  stalls: {stalls}" if stalls else "")
+            + (f"\n  {'':<10} kernels: {w['kernels']}" if w.get("kernels") else "")
             + (
                 f"\n  {'':<10} prefix cache: cached blocks {w['cached_blocks']:>6}  evictable "
                 f"{w['evictable_blocks']:>6}  hit rate {hit_rate(w):>6}  evictions "

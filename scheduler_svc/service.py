@@ -277,6 +277,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 out.forward_seconds = client.forward_seconds
                 out.idle_seconds = client.idle_seconds
                 out.step_bytes = client.step_bytes
+                out.kernels = client.info.kernels  # the worker's pick for its host
         return reply
 
     # ---- the step loops -------------------------------------------------------------------

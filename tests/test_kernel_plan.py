@@ -8,6 +8,7 @@ import pytest
 
 from worker_svc.__main__ import make_runner
 from worker_svc.cpu_features import host_features
+from worker_svc.kernel_plan import DENSE_PATHS as DENSE
 from worker_svc.kernel_plan import dual_linears
 from worker_svc.service import WorkerService
 from worker_svc.settings import WorkerSettings
@@ -29,14 +30,15 @@ def test_describe_reports_where_auto_switches_paths(asked):
     assert {lin.max_rows for lin in split} == {rows}
     assert info.quantization == "auto" and info.quantized_max_rows == rows
     assert info.cpu == cpu.tier and info.cpu_flags == cpu.flag_text()
-    assert info.kernels.startswith(f"int4 kernel up to {rows} rows")
+    assert f"quantization auto: int4 kernel up to {rows} rows" in info.kernels
     assert info.threads >= 1
 
 
 def test_describe_reports_a_plain_worker_unsplit():
     _, info = describe(model="tiny", quantization="auto")  # random values: nothing 4-bit to keep
     assert info.quantization == "auto" and info.quantized_max_rows == 0
-    assert info.kernels.startswith("bf16 oneDNN") and info.cpu == host_features().tier
+    assert info.kernels.endswith("quantization auto: bf16 " + DENSE[info.cpu])
+    assert info.cpu == host_features().tier
 
 
 def test_a_simulated_worker_reports_no_kernels():

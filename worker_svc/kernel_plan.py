@@ -60,7 +60,7 @@ class KernelPlan:
             "quantization": self.quantization,
             "quantized_max_rows": self.quantized_max_rows,
             "threads": self.threads,
-            "kernels": self.matmuls(),
+            "kernels": self.summary(),
         }
 
     def summary(self) -> str:
