@@ -216,15 +216,17 @@ BAD = {  # the path, the body, the field the error names
     "stop is a number": (CMPL, {"prompt": "hi", "stop": 7}, "stop"),
     "stream is a string": (CMPL, {"prompt": "hi", "stream": "yes"}, "stream"),
     "n of 0": (CHAT, {"messages": [HI], "n": 0}, "n"),
-    "empty messages": (CHAT, {"messages": []}, None),
+    "empty messages": (CHAT, {"messages": []}, "messages"),
     "no messages": (CHAT, {"max_tokens": 3}, "messages"),
     "a role the template does not know": (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]},
-                                          None),
-    "empty prompt": (CMPL, {"prompt": ""}, None),
+                                          "messages[0].role"),
+    "empty prompt": (CMPL, {"prompt": ""}, "prompt"),
     "token ids as the prompt": (CMPL, {"prompt": [1, 2, 3]}, "prompt"),
-    "negative temperature": (CMPL, {"prompt": "hi", "temperature": -1}, None),
-    "top_p above 1": (CMPL, {"prompt": "hi", "top_p": 1.5}, None),
-    "max_tokens beyond the context": (CMPL, {"prompt": "hi", "max_tokens": 10**6}, None),
+    "negative temperature": (CMPL, {"prompt": "hi", "temperature": -1}, "temperature"),
+    "top_p above 1": (CMPL, {"prompt": "hi", "top_p": 1.5}, "top_p"),
+    "max_tokens of 0": (CMPL, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    "an empty stop": (CMPL, {"prompt": "hi", "stop": ["a", ""]}, "stop"),
+    "17 stops": (CMPL, {"prompt": "hi", "stop": [str(i) for i in range(17)]}, "stop"),
     "top_logprobs without logprobs": (CHAT, {"messages": [HI], "top_logprobs": 2}, "top_logprobs"),
     "logprobs above 20": (CMPL, {"prompt": "hi", "logprobs": 21}, "logprobs"),
     "a body that is not JSON": (CMPL, b"{not json", None),
@@ -237,6 +239,13 @@ def test_a_bad_request_is_400_in_openai_shape_naming_the_field(stack, case) -> N
     status, reply = call(stack, "POST", path, body)
     assert status == 400, reply
     assert_openai_error(reply, "invalid_request_error", "invalid_argument", param)
+
+
+def test_max_tokens_beyond_the_context_is_a_context_overflow(stack) -> None:
+    status, reply = call(stack, "POST", CMPL, {"prompt": "hi", "max_tokens": 10**6})
+    assert status == 400, reply
+    assert_openai_error(reply, "invalid_request_error", "context_length_exceeded", "max_tokens")
+    assert "maximum context length" in reply["error"]["message"]
 
 
 def test_unknown_fields_are_ignored_as_openai_servers_do(stack) -> None:
@@ -301,8 +310,9 @@ def test_a_full_queue_is_429_over_http_and_resource_exhausted_over_grpc(stack, s
             status, reply = call(stack, "POST", "/v1/completions", {"prompt": "hi"})
             assert status == 429 and "queue full" in reply["error"]["message"]
             assert_openai_error(reply, "rate_limit_error", "resource_exhausted")
-            with pytest.raises(openai.RateLimitError):
+            with pytest.raises(openai.RateLimitError) as limited:
                 sdk.completions.create(model=model, prompt="hi", max_tokens=2)
+            assert limited.value.response.headers["retry-after"] == "1"
             with pytest.raises(grpc.RpcError) as err:
                 grpc_text(stack, prompt="hi", max_tokens=2)
             assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
