@@ -90,3 +90,11 @@ def test_kv_sizing_counts_the_dense_copy_of_auto():
 
     extra = weights_bytes(with_qkv("auto")) - weights_bytes(with_qkv("int4"))
     assert extra == layer.qkv.nbytes  # the same matrix in bf16, once
+
+
+def test_auto_hands_its_load_time_values_over_once_and_they_are_the_kernels():
+    gen = torch.Generator().manual_seed(15)
+    weight = fuse_matrices([int4_codes(torch.randn(64, 96, generator=gen))], "auto", torch.bfloat16)
+    handed = dense_values(weight)  # computed at load from the codes
+    assert weight.handover == []  # the weight holds them no longer
+    assert torch.equal(handed, dense_values(weight))  # read back through the kernel

@@ -12,7 +12,7 @@ their blocks onto Int4Codes exactly); everything else is quantized here from its
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -88,6 +88,9 @@ class Int4Weight:
     out_features: int
     in_features: int
     keep_dense: bool = False  # also kept as dtype values, for matmuls of many rows (auto)
+    # auto: those values as computed at load (from the codes, cheaply), handed over once to the
+    # linear that keeps them (dense_values pops them: the weight does not hold them after)
+    handover: list[torch.Tensor] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def shape(self) -> torch.Size:
@@ -120,8 +123,11 @@ def dense_dtype(weight: QuantizedWeight) -> torch.dtype:
 
 
 def dense_values(weight: QuantizedWeight, chunk: int = 512) -> torch.Tensor:
-    """[out, in] in the activations' dtype: the values the kernel computes with, read back
-    through the kernel itself (identity rows in, the weight's columns out), a chunk at a time."""
+    """[out, in] in the activations' dtype: the values the kernel computes with. Handed over
+    from the load where there (Int4Weight.handover), else read back through the kernel itself
+    (identity rows in, the weight's columns out), a chunk at a time (slower: ~1 s a model)."""
+    if isinstance(weight, Int4Weight) and weight.handover:
+        return weight.handover.pop()
     dtype = dense_dtype(weight)
     rows, cols = weight.shape
     out = torch.empty(rows, cols, dtype=dtype)
@@ -173,7 +179,10 @@ def fuse_matrices(parts: Sequence[Source], mode: str, dtype: torch.dtype):
     if mode == "auto":
         if not all(isinstance(p, Int4Codes) for p in parts):
             return fuse_matrices(parts, "none", dtype)
-        return replace(fuse_matrices(parts, "int4", dtype), keep_dense=True)
+        codes = Int4Codes.stack(parts)
+        return replace(
+            pack_int4(codes, dtype), keep_dense=True, handover=[kernel_values(codes, dtype)]
+        )
     if mode == "int4":
         codes = [p if isinstance(p, Int4Codes) else int4_codes(p) for p in parts]
         return pack_int4(Int4Codes.stack(codes), dtype)
@@ -183,6 +192,12 @@ def fuse_matrices(parts: Sequence[Source], mode: str, dtype: torch.dtype):
     if mode == "none":
         return values.to(dtype).contiguous()
     raise ValueError(f"unknown quantization {mode!r}; expected one of {QUANTIZATIONS}")
+
+
+def kernel_values(codes: Int4Codes, dtype: torch.dtype) -> torch.Tensor:
+    """The values the int4 kernel computes with: its scales and zeros are `dtype` (pack_int4)."""
+    scale, zero = codes.scale.to(dtype).float(), codes.zero.to(dtype).float()
+    return Int4Codes(codes.codes, scale, zero).dequantize().to(dtype).contiguous()
 
 
 def values_of(part: Source) -> torch.Tensor:

@@ -1,7 +1,11 @@
 """Our worker's step times for each --quantization side by side with bf16 (none), in one run.
 
-python -m llmserve.bench.worker_forward --quantization int8,int4,auto [--batches 1,8,64]
+python -m llmserve.bench.worker_forward --quantization none,int4,auto [--batches 1,8,64]
     [--prefill 128] [--reps 10] [--threads 2]
+
+auto runs the int4 kernel for matmuls up to the CPU's row figure and the bf16 values above
+(worker_svc/cpu_features.py: QUANTIZED_MAX_ROWS); the table names the figure and the layer
+matrices each mode holds in memory (quantized codes, dense copies, oneDNN's packed copies).
 
 Every mode is loaded once and the cases run interleaved (A B C A B C ...), so load from other
 processes on a shared host hits all modes alike; the figures are medians, the ratios bf16's time
@@ -11,25 +15,38 @@ compare only within one run.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from llmserve.bench.worker_forward import Ours, median_ms
+from worker_svc.cpu_features import host_features
+from worker_svc.linear import Linear, QuantizedLinear
 from worker_svc.loader import load_model
 from worker_svc.weights import Weights, matrices
 
-FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+def cpu_line() -> str:
+    cpu = host_features()
+    return (
+        f"cpu {cpu.model or '?'}: {cpu.tier} ({cpu.flag_text()}; torch "
+        f"{torch.backends.cpu.get_cpu_capability()}); auto's int4 kernel up to "
+        f"{cpu.quantized_max_rows} rows"
+    )
 
 
-def cpu_flags() -> list[str]:
-    """The flags of FLAGS this host's CPU has (Linux' /proc/cpuinfo)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    words = set(text.split())
-    return [f for f in FLAGS if f in words]
+def held_bytes(ours: Ours) -> int:
+    """Bytes of the layer matrices the model's linears hold, each tensor once."""
+    held: dict[int, int] = {}
+    for layer in ours.runner.model.linears:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            for t in held_tensors(lin):
+                held[id(t)] = t.nbytes
+    return sum(held.values())
+
+
+def held_tensors(lin: Linear | QuantizedLinear) -> list:
+    if isinstance(lin, QuantizedLinear):
+        return [lin.weight, *(held_tensors(lin.dense) if lin.dense is not None else [])]
+    return [t for t in (lin.weight, lin.packed) if t is not None]
 
 
 def bytes_per_decode_step(weights: Weights) -> int:
@@ -53,10 +70,13 @@ def quantization_table(
         read.append(bytes_per_decode_step(weights))
     print(
         f"{config.name}  bf16 activations  threads={torch.get_num_threads()}  context={context}  "
-        f"reps={reps}  cpu flags: {' '.join(cpu_flags()) or '?'}"
+        f"reps={reps}\n{cpu_line()}"
     )
     print("weights read per decode step: " + "  ".join(
         f"{m} {r / 1e6:.0f} MB" for m, r in zip(modes, read, strict=True)
+    ))  # fmt: skip
+    print("layer matrices held: " + "  ".join(
+        f"{m} {held_bytes(o) / 1e6:.0f} MB" for m, o in zip(modes, runs, strict=True)
     ))  # fmt: skip
     head = "".join(f"{m + ' ms':>11}" for m in modes)
     ratios = "".join(f"{'x ' + m:>9}" for m in modes[1:])

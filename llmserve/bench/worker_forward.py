@@ -1,7 +1,7 @@
 """Ours vs transformers on the same weights and dtype: decode steps and a prompt prefill.
 
 python -m llmserve.bench.worker_forward [--source smollm2] [--dtype bf16] [--reps 10] [--threads 2]
-python -m llmserve.bench.worker_forward --quantization int8,int4,auto  (ours per mode vs bf16)
+python -m llmserve.bench.worker_forward --quantization none,int4,auto  (ours per mode vs bf16)
 
 transformers runs with each attention implementation named in --theirs-attn (sdpa and eager by
 default); "theirs" is the faster of them in each case, so the baseline is the best transformers
