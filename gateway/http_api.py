@@ -124,7 +124,13 @@ class HttpApi:
             self._check_model(body.model)
             job = body.generate_input()
             usage_chunks = body.stream and body.include_usage
-            reply = Reply(path == HTTP_CHAT, self.core.model, usage_chunks, body.continuous_usage)
+            reply = Reply(
+                path == HTTP_CHAT,
+                self.core.model,
+                usage_chunks,
+                body.continuous_usage,
+                tools=body.tool_plan(),
+            )
             remaining = _time_remaining(request)
             streams = [
                 self.core.generate(job, remaining, rid=f"{reply.id}-{i}" if i else reply.id)
@@ -171,6 +177,7 @@ class HttpApi:
         def so_far(index: int) -> dict:
             return running_usage(prompt, counts[index])
 
+        calls = [reply.tools.stream() for _ in range(n)] if reply.tools else None
         try:
             async with aclosing(events):
                 if reply.chat:
@@ -180,7 +187,13 @@ class HttpApi:
                 while True:
                     if isinstance(item, Finish):
                         finishes[index] = item
-                        yield reply.chunk(None, finish=item, index=index, so_far=so_far(index))
+                        called = False
+                        if calls is not None:  # what the choice's tool stream held back
+                            for delta in calls[index].end():
+                                yield reply.chunk(None, index=index, delta=delta)
+                            called = calls[index].called
+                        usage = so_far(index)
+                        yield reply.chunk(None, item, index=index, so_far=usage, called=called)
                         if len(finishes) == n:
                             break
                     else:
@@ -189,7 +202,16 @@ class HttpApi:
                         at = offsets[index]
                         logprobs = self._logprobs(reply, item.token_ids, item.logprobs, at)
                         usage = so_far(index)
-                        yield reply.chunk(item.text, logprobs=logprobs, index=index, so_far=usage)
+                        if calls is None:
+                            yield reply.chunk(
+                                item.text, logprobs=logprobs, index=index, so_far=usage
+                            )
+                        else:  # tool calls' deltas: the logprobs go with the first of them
+                            for delta in calls[index].feed(item.text):
+                                yield reply.chunk(
+                                    None, logprobs=logprobs, index=index, so_far=usage, delta=delta
+                                )
+                                logprobs = None
                         offsets[index] += len(item.text)
                     index, item = await anext(events)
                 if reply.include_usage:

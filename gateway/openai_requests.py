@@ -13,7 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gateway.choices import U64_MAX, choice_inputs, choices_problem
 from gateway.core import GenerateInput
 from gateway.http_errors import ApiError
-from gateway.structured import StructuredFields
+from gateway.structured import StructuredFields, checked
+from gateway.tools import ToolPlan, ToolsProblem
+from gateway.tools import tool_plan as plan_of
 from llmserve.runtime.request_checks import MAX_LOGPROBS
 
 U32_MAX = 2**32 - 1
@@ -210,6 +212,10 @@ class Sampling(StructuredFields, Body):
         """One request per choice (gateway.choices)."""
         return choice_inputs(job, self.n)
 
+    def tool_plan(self) -> ToolPlan | None:
+        """How the request uses tools (chat completions only: gateway/tools.py)."""
+        return None
+
     def sampling(self, max_tokens: int | None) -> dict[str, Any]:
         """The GenerateInput fields of the sampling settings."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -247,8 +253,17 @@ class ChatCompletionRequest(Sampling):
     chat_template: Any = None
     chat_template_kwargs: Any = None
     documents: Any = None
+    tools: Any = None  # checked by gateway/tools.py
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # a forced answer is one call; auto may hold more
 
     not_yet: ClassVar[dict[str, tuple[Any, ...]]] = NOT_YET | CHAT_NOT_YET
+
+    def tool_plan(self) -> ToolPlan | None:
+        try:
+            return plan_of(self.tools, self.tool_choice)
+        except ToolsProblem as err:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(err), param=err.param) from None
 
     def top_logprobs_asked(self) -> int | None:
         if not self.logprobs:
@@ -266,7 +281,25 @@ class ChatCompletionRequest(Sampling):
         turns = [m.turn(i) for i, m in enumerate(self.messages)]
         limit = self.max_completion_tokens
         limit = self.max_tokens if limit is None else limit
-        return GenerateInput(messages=turns, **self.sampling(limit))
+        fields = self.sampling(limit)
+        plan = self.tool_plan()
+        if plan is not None and plan.forced:
+            if fields["grammar"] is not None:
+                message = "tool_choice forces a call: leave response_format and the like out"
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param="tool_choice")
+            fields["grammar"] = checked(plan.grammar(), "tools")
+        if plan is not None and not plan.forced:
+            turns = _with_system(turns, plan.system_prompt() or "")
+        return GenerateInput(messages=turns, **fields)
+
+
+def _with_system(turns: list[Turn], text: str) -> list[Turn]:
+    """`text` at the end of the first system (or developer) turn, else a system turn first."""
+    if turns and turns[0].role in ("system", "developer"):
+        first = turns[0]
+        joined = f"{first.content}\n\n{text}" if first.content else text
+        return [first._replace(content=joined), *turns[1:]]
+    return [Turn("system", text), *turns]
 
 
 class CompletionRequest(Sampling):

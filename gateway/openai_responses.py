@@ -11,14 +11,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.core import Finish
+from gateway.tools import ToolPlan
 from llmserve.v1 import common_pb2
 
 FINISH_REASONS = {common_pb2.FINISH_REASON_LENGTH: "length"}  # anything else that ends: "stop"
 DONE = b"data: [DONE]\n\n"
 
 
-def finish_reason(finish: Finish) -> str:
-    return FINISH_REASONS.get(finish.reason, "stop")
+def finish_reason(finish: Finish, called: bool = False) -> str:
+    """`tool_calls` when the answer called tools (and was not cut short)."""
+    reason = FINISH_REASONS.get(finish.reason, "stop")
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def running_usage(prompt: int, completion: int) -> dict[str, int]:
@@ -97,6 +100,7 @@ class Reply:
     model: str
     include_usage: bool = False  # streams: a last chunk with the usage, `usage: null` before
     continuous_usage: bool = False  # streams with include_usage: each chunk's usage so far
+    tools: ToolPlan | None = None  # chat answers parsed for tool calls (gateway/tools.py)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -116,11 +120,16 @@ class Reply:
         choices = []
         for index, (text, finish, logprobs) in enumerate(results):
             choice: dict = {"index": index}
+            called = False
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"] = message = {"role": "assistant", "content": text}
+                if self.tools is not None:
+                    message["content"], calls = self.tools.calls(text)
+                    if calls:
+                        message["tool_calls"], called = calls, True
             else:
                 choice["text"] = text
-            choice |= {"logprobs": logprobs, "finish_reason": finish_reason(finish)}
+            choice |= {"logprobs": logprobs, "finish_reason": finish_reason(finish, called)}
             choices.append(choice)
         total = usage_of([finish for _, finish, _ in results])
         return self._head(chunk=False) | {"choices": choices, "usage": total}
@@ -133,18 +142,24 @@ class Reply:
         logprobs: dict | None = None,
         index: int = 0,
         so_far: dict | None = None,
+        delta: dict | None = None,
+        called: bool = False,
     ) -> bytes:
         """A streamed chunk of choice `index`: text (None: only the role, or only the finish
-        reason); `so_far`: its usage (continuous_usage), else null."""
+        reason) or a chat `delta` as given (tool calls); `so_far`: its usage (continuous_usage),
+        else null; `called`: the choice called tools (its finish reason is `tool_calls`)."""
         choice: dict = {"index": index}
         if self.chat:
-            delta: dict = {"role": "assistant"} if role else {}
+            delta = dict(delta or {})
+            if role:
+                delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
-        choice |= {"logprobs": logprobs, "finish_reason": finish and finish_reason(finish)}
+        reason = finish and finish_reason(finish, called)
+        choice |= {"logprobs": logprobs, "finish_reason": reason}
         body = self._head(chunk=True) | {"choices": [choice]}
         if self.include_usage:
             body["usage"] = so_far if self.continuous_usage else None

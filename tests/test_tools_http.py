@@ -1,0 +1,185 @@
+"""Tools through real processes (the tiny model's random weights: with tool_choice required or
+a named function, the grammar alone makes each call valid), with the real `openai` SDK
+(whole and streamed), LangChain's `bind_tools` and `with_structured_output(...,
+method="function_calling")`; auto's prompt and answer; malformed tools are 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, ConfigDict, Field
+
+from tests.stacks import free_run, running_stack, tiny_settings
+
+pytestmark = pytest.mark.usefixtures("hang_guard")
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+ADD_PARAMS = {
+    "type": "object",
+    "properties": {  # bounded: a random model closes a number only when it must
+        "a": {"type": "integer", "minimum": -999, "maximum": 999},
+        "b": {"type": "integer", "minimum": -999, "maximum": 999},
+    },
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS}},
+    {"type": "function", "function": {"name": "add", "parameters": ADD_PARAMS}},
+]
+PARAMS = {"get_weather": WEATHER_PARAMS, "add": ADD_PARAMS}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Weather(Strict):
+    """The weather to look up."""
+
+    city: str = Field(max_length=12)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    settings = tiny_settings(max_running=8, default_max_tokens=200)
+    ports = free_run(1, [settings.gateway_port, settings.scheduler_port, settings.worker_base_port])
+    with running_stack(replace(settings, http_port=ports), tmp_path_factory.mktemp("tools")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def sdk(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.settings.http_url, api_key="-", max_retries=0, timeout=120)
+
+
+def _valid(name: str, arguments: str) -> None:
+    jsonschema.validate(json.loads(arguments), PARAMS[name])
+
+
+def test_required_and_named_calls_are_valid_20_of_20_each(sdk) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, seed in (("required", 0), (named, 1)):
+        reply = sdk.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=choice,
+            n=10,
+            seed=seed,
+            temperature=1.0,
+            max_tokens=200,
+        )
+        reply2 = sdk.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=choice,
+            n=10,
+            seed=seed + 10,
+            temperature=1.0,
+            max_tokens=200,
+        )
+        choices = reply.choices + reply2.choices
+        assert len(choices) == 20
+        for c in choices:
+            assert c.finish_reason == "tool_calls", c.message.content
+            assert c.message.content is None
+            (call,) = c.message.tool_calls
+            assert call.id.startswith("call_") and call.type == "function"
+            if choice == named:
+                assert call.function.name == "get_weather"
+            _valid(call.function.name, call.function.arguments)
+
+
+def test_streamed_calls_come_as_openai_streams_them(sdk) -> None:
+    for seed in range(3):
+        stream = sdk.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            seed=seed,
+            temperature=1.0,
+            max_tokens=200,
+            stream=True,
+        )
+        chunks = [c for c in stream if c.choices]
+        deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices[0].delta.tool_calls]
+        head = deltas[0][0]
+        assert head.index == 0 and head.id.startswith("call_") and head.type == "function"
+        assert head.function.arguments == "" and head.function.name in PARAMS
+        rest = [d[0] for d in deltas[1:]]
+        assert len(rest) > 1  # the arguments in fragments, as they come
+        assert all(d.index == 0 and d.id is None and d.function.name is None for d in rest)
+        _valid(head.function.name, "".join(d.function.arguments for d in rest))
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert not any(c.choices[0].delta.content for c in chunks)
+
+
+def test_auto_describes_the_tools_and_answers_text_or_calls(stack, sdk) -> None:
+    import httpx
+
+    url = stack.settings.http_url.removesuffix("/v1")
+    described = httpx.post(f"{url}/tokenize", json={"messages": ASK}).json()["count"]
+    reply = sdk.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, seed=0, temperature=1.0, max_tokens=30
+    )
+    # the tools' description is in the prompt: it is longer than the bare messages
+    assert reply.usage.prompt_tokens > described + 50
+    choice = reply.choices[0]
+    # a random model writes no call: a normal answer (the parser is pinned by test_tools_parse)
+    assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
+    none = sdk.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice="none", seed=0, max_tokens=5
+    )
+    assert none.usage.prompt_tokens == described  # none: the tools are not described
+
+
+def test_malformed_tools_are_a_400_naming_the_field(sdk) -> None:
+    cases = [
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+        ),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ]
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            sdk.chat.completions.create(model="tiny", messages=ASK, max_tokens=5, extra_body=extra)
+        assert caught.value.body["param"] == param, caught.value.body
+
+
+def test_langchain_bind_tools_and_function_calling(stack) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(
+        base_url=stack.settings.http_url,
+        api_key="-",
+        model="tiny",
+        temperature=1.0,
+        max_tokens=200,
+        seed=5,
+        max_retries=0,
+    )
+    message = llm.bind_tools([Weather], tool_choice="Weather").invoke("Weather in Oslo?")
+    (call,) = message.tool_calls
+    assert call["name"] == "Weather" and call["id"].startswith("call_")
+    Weather.model_validate(call["args"])
+    weather = llm.with_structured_output(Weather, method="function_calling").invoke("Oslo?")
+    assert isinstance(weather, Weather)
