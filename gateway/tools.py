@@ -111,7 +111,7 @@ class ToolPlan:
         return parse_calls(text, {f.name for f in self.functions})
 
     def stream(self) -> CallStream:
-        return ForcedStream() if self.forced else AutoStream(self)
+        return ForcedStream() if self.forced else AutoStream(plan=self)
 
 
 def forced_call(text: str) -> dict[str, Any] | None:

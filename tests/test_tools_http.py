@@ -183,3 +183,26 @@ def test_langchain_bind_tools_and_function_calling(stack) -> None:
     Weather.model_validate(call["args"])
     weather = llm.with_structured_output(Weather, method="function_calling").invoke("Oslo?")
     assert isinstance(weather, Weather)
+
+
+def test_an_auto_answer_holding_a_call_is_parsed_whole_and_streamed(sdk) -> None:
+    """The model's answer made a Hermes call by a choice grammar: auto parses it."""
+    written = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    asked = dict(
+        model="tiny",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="auto",
+        max_tokens=100,
+        extra_body={"structured_outputs": {"choice": [written]}},
+    )
+    choice = sdk.chat.completions.create(**asked).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1, "b": 2}
+    chunks = [c for c in sdk.chat.completions.create(**asked, stream=True) if c.choices]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices[0].delta.tool_calls]
+    assert content == "Sure." and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert calls[0].id.startswith("call_") and calls[0].function.name == "add"
+    assert json.loads("".join(c.function.arguments for c in calls)) == {"a": 1, "b": 2}

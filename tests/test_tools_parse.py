@@ -111,3 +111,15 @@ def test_malformed_tools_name_their_field(tools, choice, param) -> None:
     with pytest.raises(ToolsProblem) as caught:
         tool_plan(tools, choice)
     assert caught.value.param == param
+
+
+def test_an_auto_stream_sends_content_then_each_call() -> None:
+    plan = tool_plan([WEATHER, ADD], "auto")
+    assert plan is not None
+    stream = plan.stream()
+    assert stream.feed('Sure.\n<tool_call>\n{"name": "add", ') == []
+    assert stream.feed('"arguments": {"a": 1}}\n</tool_call>') == []
+    content, head, arguments = stream.end()
+    assert content == {"content": "Sure."} and stream.called
+    assert head["tool_calls"][0]["function"] == {"name": "add", "arguments": ""}
+    assert arguments["tool_calls"][0] == {"index": 0, "function": {"arguments": '{"a": 1}'}}
