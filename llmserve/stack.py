@@ -36,7 +36,7 @@ class StackSettings(CoreConfig):
     )
     dtype: Literal["bf16", "fp32"] = setting("bf16", help_of(WK, "dtype"))
     quantization: Literal["none", "int8", "int4", "auto"] = setting(
-        "none", help_of(WK, "quantization")
+        "auto", help_of(WK, "quantization")
     )
     device: str = setting("auto", "each worker's device: " + help_of(WK, "device"))
     workers: int = setting(1, "worker processes, each with its own KV pool")

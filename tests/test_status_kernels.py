@@ -32,7 +32,7 @@ def test_status_text_prints_each_workers_kernels() -> None:
 @pytest.mark.slow
 @pytest.mark.usefixtures("hang_guard")
 def test_the_scheduler_reports_what_its_worker_picked(tmp_path) -> None:
-    settings = tiny_settings()
+    settings = tiny_settings(quantization="none")
     with running_stack(settings, tmp_path / "logs") as stack:
 
         def reported() -> list[str]:

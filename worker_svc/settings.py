@@ -25,10 +25,11 @@ class WorkerSettings:
     )
     dtype: Literal["bf16", "fp32"] = setting("bf16", "the weights' and KV's dtype")
     quantization: Literal["none", "int8", "int4", "auto"] = setting(
-        "none",
+        "auto",
         "how the layers' matrices run (CPU only; embedding and lm_head stay --dtype): none "
         "(--dtype values, a GGUF dequantized), int8 (per row), int4 (groups of 32), auto (a "
-        "GGUF's Q4_0/Q4_1/Q4_K matrices as int4, the rest as --dtype; none off the CPU)",
+        "GGUF's Q4_0/Q4_1/Q4_K matrices as int4 for matmuls of up to --quantized-max-rows "
+        "rows and as their --dtype values above, the rest as --dtype; none off the CPU)",
     )
     quantized_max_rows: int = setting(
         0,
