@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from llmserve.v1 import common_pb2
@@ -33,6 +33,7 @@ SYSTEM_FORMAT = (
     "<tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{{"name": <function-name>, "arguments": <args-dict>}}\n</tool_call>'
 )
+CALL_TAG = "<tool_call>"
 CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 # a forced call as its grammar writes it (no free whitespace): the head before the arguments
 FORCED_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_-]+)", "arguments": ')
@@ -216,20 +217,46 @@ class ForcedStream(CallStream):
 
 @dataclass(slots=True)
 class AutoStream(CallStream):
-    """An auto answer is held until it ends, then parsed: its content, then each call (its
-    head, then its arguments whole)."""
+    """An auto answer's text is streamed as content until a `<tool_call>` begins (or until
+    what may be its beginning, and trailing whitespace, are held back; an answer that starts
+    with `{`, perhaps a bare JSON call, is held whole); at the end the answer is parsed
+    (`parse_calls`) and the rest of its content and each call (its head, then its arguments
+    whole) are sent."""
 
     plan: ToolPlan | None = None
-    text: list[str] = field(default_factory=list)
+    sent: str = ""  # the content sent so far
+    unsent: str = ""
+    holding: bool = False  # a call may have begun: nothing more is sent before the end
 
     def feed(self, text: str) -> list[dict[str, Any]]:
-        self.text.append(text)
-        return []
+        self.unsent += text
+        if self.holding:
+            return []
+        if not self.sent and self.unsent.lstrip().startswith("{"):
+            self.holding = True
+            return []
+        at = self.unsent.find(CALL_TAG)
+        if at >= 0:
+            self.holding = True
+            ready = self.unsent[:at].rstrip()
+        else:
+            ready = _before_a_tag(self.unsent).rstrip()
+        if not self.sent:
+            ready = ready.lstrip()  # as the parsed content is, when it holds calls
+        if not ready:
+            return []
+        self.sent += ready
+        self.unsent = self.unsent[self.unsent.index(ready) + len(ready) :]
+        return [{"content": ready}]
 
     def end(self) -> list[dict[str, Any]]:
         assert self.plan is not None
-        content, calls = self.plan.calls("".join(self.text))
-        out: list[dict[str, Any]] = [{"content": content}] if content else []
+        content, calls = self.plan.calls(self.sent + self.unsent)
+        if not calls:  # a normal answer: what was held back, as it came
+            rest = self.unsent if self.sent else self.unsent.lstrip()
+        else:
+            rest = content[len(self.sent) :] if content else ""
+        out: list[dict[str, Any]] = [{"content": rest}] if rest else []
         for index, call in enumerate(calls):
             function = call["function"]
             head = {"index": index} | tool_call(function["name"], "", call["id"])
@@ -238,6 +265,14 @@ class AutoStream(CallStream):
             out.append({"tool_calls": [arguments]})
         self.called = bool(calls)
         return out
+
+
+def _before_a_tag(text: str) -> str:
+    """`text` less a last part that may begin `<tool_call>`."""
+    for size in range(min(len(CALL_TAG) - 1, len(text)), 0, -1):
+        if CALL_TAG.startswith(text[-size:]):
+            return text[:-size]
+    return text
 
 
 # ---- the request's fields -------------------------------------------------------------------

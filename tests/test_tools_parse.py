@@ -113,13 +113,30 @@ def test_malformed_tools_name_their_field(tools, choice, param) -> None:
     assert caught.value.param == param
 
 
-def test_an_auto_stream_sends_content_then_each_call() -> None:
+def test_an_auto_stream_sends_content_as_it_comes_then_each_call() -> None:
     plan = tool_plan([WEATHER, ADD], "auto")
     assert plan is not None
     stream = plan.stream()
-    assert stream.feed('Sure.\n<tool_call>\n{"name": "add", ') == []
+    assert stream.feed("Sure") == [{"content": "Sure"}]
+    assert stream.feed(". <tool") == [{"content": "."}]  # maybe a call's tag: held back
+    assert stream.feed('_call>\n{"name": "add", ') == []
     assert stream.feed('"arguments": {"a": 1}}\n</tool_call>') == []
-    content, head, arguments = stream.end()
-    assert content == {"content": "Sure."} and stream.called
+    head, arguments = stream.end()
+    assert stream.called
     assert head["tool_calls"][0]["function"] == {"name": "add", "arguments": ""}
     assert arguments["tool_calls"][0] == {"index": 0, "function": {"arguments": '{"a": 1}'}}
+
+
+def test_an_auto_stream_without_a_call_is_its_text() -> None:
+    plan = tool_plan([WEATHER], "auto")
+    assert plan is not None
+    stream = plan.stream()
+    pieces = ["Hello", " <b>", "old</b> ", "<tool", "s> end "]
+    sent = [d["content"] for p in pieces for d in stream.feed(p)]
+    assert sent and "".join(sent) != "".join(pieces)  # something was held back
+    sent += [d["content"] for d in stream.end()]
+    assert "".join(sent) == "".join(pieces) and not stream.called
+    held = plan.stream()
+    assert held.feed('{"name": "get_weather", "arguments": {"city": "Rome"}}') == []
+    (head, arguments) = held.end()
+    assert json.loads(arguments["tool_calls"][0]["function"]["arguments"]) == {"city": "Rome"}
