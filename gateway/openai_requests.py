@@ -287,6 +287,8 @@ class ChatCompletionRequest(Sampling):
             if fields["grammar"] is not None:
                 message = "tool_choice forces a call: leave response_format and the like out"
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param="tool_choice")
+            for function in plan.functions:
+                checked(function.parameters_grammar(), f"{function.at}.function.parameters")
             fields["grammar"] = checked(plan.grammar(), "tools")
         if plan is not None and not plan.forced:
             turns = _with_system(turns, plan.system_prompt() or "")

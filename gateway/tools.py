@@ -52,6 +52,11 @@ class Function:
     name: str
     description: str
     parameters: dict[str, Any]
+    at: str = "tools"  # where the request holds it: tools[i]
+
+    def parameters_grammar(self) -> common_pb2.Grammar:
+        """Its parameters' schema as a grammar (checked alone to name the tool at fault)."""
+        return Grammar(kind=Grammar.JSON_SCHEMA, spec=json.dumps(self.parameters))
 
     def described(self) -> dict[str, Any]:
         body: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
@@ -354,4 +359,4 @@ def _function(tool: Any, at: str) -> Function:
     if not isinstance(parameters, dict):
         message = f"{at}.function.parameters must be a JSON Schema object"
         raise ToolsProblem(message, f"{at}.function.parameters")
-    return Function(name, description, parameters)
+    return Function(name, description, parameters, at)

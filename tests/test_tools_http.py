@@ -42,6 +42,7 @@ TOOLS = [
     {"type": "function", "function": {"name": "add", "parameters": ADD_PARAMS}},
 ]
 PARAMS = {"get_weather": WEATHER_PARAMS, "add": ADD_PARAMS}
+BAD = {"type": "object", "properties": {"a": {"type": "nonsense"}}}  # not a schema llguidance takes
 
 
 class Strict(BaseModel):
@@ -159,6 +160,16 @@ def test_malformed_tools_are_a_400_naming_the_field(sdk) -> None:
             "tool_choice.function.name",
         ),
         ({"tools": [{"type": "function"}]}, "tools[0].function"),
+        (
+            {
+                "tools": [
+                    TOOLS[0],
+                    {"type": "function", "function": {"name": "f", "parameters": BAD}},
+                ],
+                "tool_choice": "required",
+            },
+            "tools[1].function.parameters",
+        ),
     ]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as caught:
