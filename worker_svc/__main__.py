@@ -118,7 +118,14 @@ def make_runner(settings: WorkerSettings):
     runner.kernel_plan = plan_kernels(
         runner, cpu, settings.dtype, quantization, settings.quantized_max_rows
     )
-    logging.getLogger("worker").info("kernels: %s", runner.kernel_plan.summary())
+    log = logging.getLogger("worker")
+    log.info("kernels: %s", runner.kernel_plan.summary())
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu.bf16_native:
+        log.warning(
+            "this CPU (%s) has no bf16 dot products: bf16 matmuls are converted; --dtype fp32 "
+            "may be faster",
+            cpu.tier,
+        )
     if not settings.num_blocks:
         positions = pool_positions(config, weights, dtype, device, settings, runner, used_before)
         runner.resize_pool(positions // settings.block_size)
