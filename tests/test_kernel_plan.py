@@ -44,3 +44,24 @@ def test_describe_reports_a_plain_worker_unsplit():
 def test_a_simulated_worker_reports_no_kernels():
     _, info = describe(model="sim")
     assert info.cpu == "" and info.kernels == "" and info.quantized_max_rows == 0
+
+
+def test_a_measured_threshold_is_the_last_size_the_quantized_path_still_wins(monkeypatch):
+    """The rule, with the timings given (not timed here): sizes are tried in order and the
+    first where the dense form is faster ends the search."""
+    from worker_svc import kernel_plan
+
+    dense_wins_from = {1: 16, 2: 1, 3: 10**6}  # case -> the first rows at which dense is faster
+    for case, first in dense_wins_from.items():
+        tried = []
+
+        def fake(linears, rows, reps, first=first, tried=tried):
+            tried.append(rows)
+            return (2.0, 1.0) if rows >= first else (1.0, 2.0)  # (quantized s, dense s)
+
+        monkeypatch.setattr(kernel_plan, "time_both", fake)
+        rows, timings = kernel_plan.measure_max_rows([object()], budget_s=60)
+        wins = [r for r in kernel_plan.CANDIDATE_ROWS if r < first]
+        assert rows == (wins[-1] if wins else 0), case
+        assert tried == [r for r in kernel_plan.CANDIDATE_ROWS if r <= first], case
+        assert [t[0] for t in timings] == tried

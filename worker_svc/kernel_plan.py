@@ -42,7 +42,7 @@ class KernelPlan:
         """Which path serves which rows, in words."""
         if self.device != "cpu":
             return f"{self.dtype} torch on {self.device}"
-        dense = f"{self.dtype} {DENSE_PATHS[self.cpu]}"
+        dense = f"bf16 {DENSE_PATHS[self.cpu]}" if self.dtype == "bf16" else f"{self.dtype} MKL"
         if self.quantization in ("int8", "int4"):
             return f"{self.quantization} kernel at every size"
         if self.quantized_max_rows:
@@ -50,7 +50,7 @@ class KernelPlan:
                 f"int4 kernel up to {self.quantized_max_rows} rows ({self.rows_from}), "
                 f"{dense} above"
             )
-        return dense if self.dtype == "bf16" else f"{self.dtype} MKL"
+        return dense
 
     def fields(self) -> dict:
         """The WorkerInfo (Describe) fields that report it."""
