@@ -4,12 +4,19 @@ values, and the threads."""
 
 from __future__ import annotations
 
-import pytest
+from dataclasses import replace
 
+import pytest
+import torch
+
+from worker_svc import kernel_plan
 from worker_svc.__main__ import make_runner
-from worker_svc.cpu_features import host_features
+from worker_svc.cpu_features import QUANTIZED_MAX_ROWS, host_features, parse_cpuinfo
 from worker_svc.kernel_plan import DENSE_PATHS as DENSE
-from worker_svc.kernel_plan import dual_linears
+from worker_svc.kernel_plan import dual_linears, plan_kernels, quantized_linears
+from worker_svc.loader import load_model
+from worker_svc.quant import fuse_matrices, int4_codes
+from worker_svc.runner import ModelRunner
 from worker_svc.service import WorkerService
 from worker_svc.settings import WorkerSettings
 
@@ -24,13 +31,15 @@ def describe(**fields):
 def test_describe_reports_where_auto_switches_paths(asked):
     runner, info = describe(model="smollm2", quantization="auto", quantized_max_rows=asked)
     cpu = host_features()
-    rows = asked or cpu.quantized_max_rows
+    rows = asked or cpu.quantized_max_rows or 0  # 0: this CPU's table says int4 at every size
+    quantized = quantized_linears(runner.model.linears)
+    assert len(quantized) == 4 * runner.config.num_layers  # every layer matrix: Q4_1 in the file
     split = dual_linears(runner.model.linears)
-    assert len(split) == 4 * runner.config.num_layers  # every layer matrix: Q4_1 in the file
-    assert {lin.max_rows for lin in split} == {rows}
+    assert {lin.max_rows for lin in split} == ({rows} if rows else set())
     assert info.quantization == "auto" and info.quantized_max_rows == rows
     assert info.cpu == cpu.tier and info.cpu_flags == cpu.flag_text()
-    assert f"quantization auto: int4 kernel up to {rows} rows" in info.kernels
+    path = f"int4 kernel up to {rows} rows" if rows else "int4 kernel at every size"
+    assert f"quantization auto: {path}" in info.kernels
     assert info.threads >= 1
 
 
@@ -49,8 +58,6 @@ def test_a_simulated_worker_reports_no_kernels():
 def test_a_measured_threshold_is_the_last_size_the_quantized_path_still_wins(monkeypatch):
     """The rule, with the timings given (not timed here): sizes are tried in order and the
     first where the dense form is faster ends the search."""
-    from worker_svc import kernel_plan
-
     dense_wins_from = {1: 16, 2: 1, 3: 10**6}  # case -> the first rows at which dense is faster
     for case, first in dense_wins_from.items():
         tried = []
@@ -65,3 +72,48 @@ def test_a_measured_threshold_is_the_last_size_the_quantized_path_still_wins(mon
         assert rows == (wins[-1] if wins else 0), case
         assert tried == [r for r in kernel_plan.CANDIDATE_ROWS if r <= first], case
         assert [t[0] for t in timings] == tried
+
+
+def tiny_auto_runner():
+    """The tiny model with its layer matrices as 4-bit codes run as auto (both forms)."""
+    config, plain = load_model("tiny", torch.bfloat16)
+
+    def auto(m):
+        return fuse_matrices([int4_codes(m.float())], "auto", torch.bfloat16)
+
+    layers = [
+        replace(lw, qkv=auto(lw.qkv), o=auto(lw.o), gate_up=auto(lw.gate_up), down=auto(lw.down))
+        for lw in plain.layers
+    ]
+    return ModelRunner(config, replace(plain, layers=layers), 8, 16, torch.bfloat16)
+
+
+def cpu_of(tier_flags: str):
+    return parse_cpuinfo(f"processor\t: 0\nflags\t\t: {tier_flags}\n\n")
+
+
+AVX2_CPU, ZEN4_CPU = "fma avx avx2", "avx2 avx512f avx512_vnni avx512_bf16"
+
+
+def test_without_bf16_dot_products_auto_runs_int4_at_every_size_and_keeps_no_copy():
+    runner = tiny_auto_runner()
+    plan = plan_kernels(runner, cpu_of(AVX2_CPU), "bf16", "auto")
+    linears = quantized_linears(runner.model.linears)
+    assert len(linears) == 4 * runner.config.num_layers
+    assert all(lin.dense is None for lin in linears)  # the bf16 copies let go
+    assert plan.quantized_max_rows == 0 and plan.fields()["quantized_max_rows"] == 0
+    assert plan.summary().endswith("quantization auto: int4 kernel at every size (cpu table)")
+
+
+def test_asked_rows_split_even_where_the_table_would_not():
+    runner = tiny_auto_runner()
+    plan_kernels(runner, cpu_of(AVX2_CPU), "bf16", "auto")  # dropped the copies
+    plan = plan_kernels(runner, cpu_of(AVX2_CPU), "bf16", "auto", asked_rows=3)
+    linears = quantized_linears(runner.model.linears)
+    assert all(lin.dense is not None and lin.max_rows == 3 for lin in linears)
+    assert "int4 kernel up to 3 rows (--quantized-max-rows), bf16 oneDNN AVX2 above" in (
+        plan.summary()
+    )
+    split = plan_kernels(runner, cpu_of(ZEN4_CPU), "bf16", "auto")
+    rows = QUANTIZED_MAX_ROWS["avx512_bf16"]
+    assert split.quantized_max_rows == rows and {lin.max_rows for lin in linears} == {rows}

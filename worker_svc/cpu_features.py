@@ -17,18 +17,22 @@ from pathlib import Path
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 TIERS = ("amx", "avx512_bf16", "avx512_vnni", "avx512", "avx2", "baseline")
 
-# Rows (tokens of one matmul) up to which a quantized layer runs its int4 / int8 kernel (reads
-# 0.6 / 1 byte per weight: wins while the step is bound by memory bandwidth); above, its bf16
-# form (oneDNN, compute-bound). Measured on avx512_bf16 (2 threads, SmolLM2-135M: auto against
-# none at batch 1 .. 64, docs/benchmarks.md "Quantized weights"); the others are estimated from
-# it: AMX's bf16 tiles win at fewer rows, bf16 without native dot products at more.
-QUANTIZED_MAX_ROWS = {
+# Rows (tokens of one matmul) up to which a 4-bit layer under --quantization auto runs the int4
+# kernel (0.625 bytes read per weight: wins while the step is bound by memory bandwidth); above,
+# its bf16 values (oneDNN, compute-bound). None: the int4 kernel at every size (no bf16 dot
+# products: oneDNN's bf16 loses at every size), no bf16 copy kept. Measured with SmolLM2-135M at
+# 2 threads (docs/benchmarks.md "Quantized weights"): avx512_bf16 on an AMD EPYC; avx512_vnni
+# and avx2 on the same host with oneDNN and ATen capped (ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI /
+# AVX2, ATEN_CPU_CAPABILITY=avx512 / avx2): int4 1.5-2.4x bf16 at every size. amx is estimated
+# (AMX's bf16 tiles win at fewer rows than avx512_bf16's dot products); avx512 is avx512_vnni's
+# case (VNNI is int8 only) and baseline avx2's.
+QUANTIZED_MAX_ROWS: dict[str, int | None] = {
     "amx": 4,
     "avx512_bf16": 8,
-    "avx512_vnni": 16,
-    "avx512": 16,
-    "avx2": 16,
-    "baseline": 16,
+    "avx512_vnni": None,
+    "avx512": None,
+    "avx2": None,
+    "baseline": None,
 }
 
 
@@ -57,7 +61,7 @@ class CpuFeatures:
         return self.tier in ("amx", "avx512_bf16")
 
     @property
-    def quantized_max_rows(self) -> int:
+    def quantized_max_rows(self) -> int | None:
         return QUANTIZED_MAX_ROWS[self.tier]
 
     def flag_text(self) -> str:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from worker_svc.cpu_features import CpuFeatures, pick_threads, usable_cpus
-from worker_svc.linear import QuantizedLinear
-from worker_svc.quant import dense_dtype
+from worker_svc.linear import QuantizedLinear, give_dense, packing_available
+from worker_svc.quant import Int4Weight, dense_dtype
 
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # measure_max_rows' candidates
 DENSE_PATHS = {
@@ -33,8 +33,9 @@ class KernelPlan:
     torch_capability: str  # torch.backends.cpu.get_cpu_capability(): AVX512, AVX2, DEFAULT
     dtype: str
     quantization: str
-    quantized_max_rows: int  # auto: the quantized kernel up to this many rows; 0 = not split
-    rows_from: str  # where quantized_max_rows came from: "cpu table", "measured", "--flag"
+    kernel: str  # the layers' quantized kernel: int4, int8, or "" (none quantized)
+    quantized_max_rows: int  # the quantized kernel up to this many rows, dense above; 0 = one path
+    rows_from: str  # why: "cpu table", "measured", "--quantized-max-rows"
     threads: int
     device: str = "cpu"
 
@@ -43,14 +44,12 @@ class KernelPlan:
         if self.device != "cpu":
             return f"{self.dtype} torch on {self.device}"
         dense = f"bf16 {DENSE_PATHS[self.cpu]}" if self.dtype == "bf16" else f"{self.dtype} MKL"
-        if self.quantization in ("int8", "int4"):
-            return f"{self.quantization} kernel at every size"
-        if self.quantized_max_rows:
-            return (
-                f"int4 kernel up to {self.quantized_max_rows} rows ({self.rows_from}), "
-                f"{dense} above"
-            )
-        return dense
+        if not self.kernel:
+            return dense
+        why = f" ({self.rows_from})" if self.rows_from else ""
+        if not self.quantized_max_rows:
+            return f"{self.kernel} kernel at every size{why}"
+        return f"{self.kernel} kernel up to {self.quantized_max_rows} rows{why}, {dense} above"
 
     def fields(self) -> dict:
         """The WorkerInfo (Describe) fields that report it."""
@@ -73,26 +72,51 @@ class KernelPlan:
 def plan_kernels(
     runner, cpu: CpuFeatures, dtype: str, quantization: str, asked_rows: int = 0
 ) -> KernelPlan:
-    """The plan of a built runner: auto's split linears get their row threshold (asked_rows
-    when > 0; measured at start when -1; else the CPU's table figure)."""
-    linears = dual_linears(runner.model.linears)
-    rows, source = cpu.quantized_max_rows, "cpu table"
-    if asked_rows > 0:
-        rows, source = asked_rows, "--quantized-max-rows"
-    elif asked_rows < 0 and linears:
-        rows, source = measure_max_rows(linears)[0], "measured"
-    set_max_rows(linears, rows)
+    """The plan of a built runner; auto's 4-bit linears get their split (split_rows)."""
+    model = runner.model
+    quantized = quantized_linears(model.linears)
+    splittable = [lin for lin in quantized if lin.weight.keep_dense]
+    rows, source = split_rows(splittable, cpu, asked_rows, packing_available(model.dtype))
     return KernelPlan(
         cpu=cpu.tier,
         cpu_flags=cpu.flag_text(),
         torch_capability=torch.backends.cpu.get_cpu_capability(),
         dtype=dtype,
         quantization=quantization,
-        quantized_max_rows=rows if linears else 0,
+        kernel=kernel_name(quantized[0]) if quantized else "",
+        quantized_max_rows=rows,
         rows_from=source,
         threads=torch.get_num_threads(),
         device=str(runner.device),
     )
+
+
+def split_rows(
+    splittable: list[QuantizedLinear], cpu: CpuFeatures, asked_rows: int, pack: bool
+) -> tuple[int, str]:
+    """The rows up to which the quantized kernel runs (0: at every size, no dense copy kept):
+    asked_rows when > 0, measured when -1, else the CPU's table figure. Returns it and why."""
+    if not splittable:
+        return 0, ""
+    if asked_rows > 0:
+        rows, source = asked_rows, "--quantized-max-rows"
+    elif asked_rows < 0:
+        for lin in splittable:
+            give_dense(lin, pack)
+        rows, source = measure_max_rows(splittable)[0], "measured"
+    else:
+        rows, source = cpu.quantized_max_rows or 0, "cpu table"
+    for lin in splittable:
+        if rows:
+            give_dense(lin, pack)
+            lin.max_rows = rows
+        else:
+            lin.dense = None  # one path: the dense copy's memory back
+    return rows, source
+
+
+def kernel_name(lin: QuantizedLinear) -> str:
+    return "int4" if isinstance(lin.weight, Int4Weight) else "int8"
 
 
 def describe_fields(runner) -> dict:
@@ -101,19 +125,19 @@ def describe_fields(runner) -> dict:
     return plan.fields() if plan is not None else {}
 
 
-def dual_linears(linears: Iterable) -> list[QuantizedLinear]:
-    """The model's quantized linears that keep a dense form too (--quantization auto)."""
+def quantized_linears(linears: Iterable) -> list[QuantizedLinear]:
+    """The model's layer matrices run by a quantized kernel."""
     out = []
     for layer in linears:
         for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            if isinstance(lin, QuantizedLinear) and lin.dense is not None:
+            if isinstance(lin, QuantizedLinear):
                 out.append(lin)
     return out
 
 
-def set_max_rows(linears: list[QuantizedLinear], rows: int) -> None:
-    for lin in linears:
-        lin.max_rows = rows
+def dual_linears(linears: Iterable) -> list[QuantizedLinear]:
+    """Those that keep a dense form too (--quantization auto, split by rows)."""
+    return [lin for lin in quantized_linears(linears) if lin.dense is not None]
 
 
 def threads_for(cpu: CpuFeatures, asked: int) -> int:

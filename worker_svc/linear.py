@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_svc.cpu_features import host_features
-from worker_svc.quant import QuantizedWeight, dense_values, is_quantized
+from worker_svc.quant import Int4Weight, QuantizedWeight, dense_values, is_quantized
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -101,13 +101,27 @@ def make_linear(
     max_rows: int | None = None,
 ) -> Linear | QuantizedLinear:
     """max_rows: for a weight kept also dense, the rows up to which the quantized kernel runs
-    (None: this CPU's figure, worker_svc.cpu_features.QUANTIZED_MAX_ROWS)."""
+    (None: this CPU's figure, worker_svc.cpu_features.QUANTIZED_MAX_ROWS; where that is None,
+    the quantized kernel at every size and no dense copy)."""
     if is_quantized(weight):
-        if not weight.keep_dense:
-            return QuantizedLinear(weight, bias)
         rows = host_features().quantized_max_rows if max_rows is None else max_rows
+        if not weight.keep_dense or rows is None:
+            drop_handover(weight)
+            return QuantizedLinear(weight, bias)
         return dual_linear(weight, pack, bias, rows)
     return Linear(weight, pack, bias)
+
+
+def drop_handover(weight: QuantizedWeight) -> None:
+    """The load's dense values, not kept: not held by the weight either."""
+    if isinstance(weight, Int4Weight):
+        weight.handover.clear()
+
+
+def give_dense(lin: QuantizedLinear, pack: bool) -> None:
+    """A dense form for a quantized linear whose weight allows one (auto), if it lacks it."""
+    if lin.dense is None and lin.weight.keep_dense:
+        lin.dense = Linear(dense_values(lin.weight), pack, lin.bias, keep_weight=False)
 
 
 def dense_bytes(linear: object) -> int:

@@ -25,11 +25,11 @@ from worker_svc.weights import Weights, matrices
 
 
 def cpu_line() -> str:
-    cpu = host_features()
+    cpu, rows = host_features(), host_features().quantized_max_rows
+    split = f"up to {rows} rows" if rows else "at every size"
     return (
         f"cpu {cpu.model or '?'}: {cpu.tier} ({cpu.flag_text()}; torch "
-        f"{torch.backends.cpu.get_cpu_capability()}); auto's int4 kernel up to "
-        f"{cpu.quantized_max_rows} rows"
+        f"{torch.backends.cpu.get_cpu_capability()}); auto's int4 kernel {split}"
     )
 
 
