@@ -13,8 +13,12 @@ from functools import lru_cache
 from typing import Any
 
 import grpc
-import llguidance
 from pydantic import BaseModel
+
+try:
+    import llguidance
+except ImportError:  # e.g. the GPU machine's own packages (the GPU check): grammars refused
+    llguidance = None
 
 from llmserve.v1 import common_pb2
 
@@ -48,6 +52,8 @@ def grammar_text(kind: int, spec: str) -> str:
 @lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
 def grammar_problem(kind: int, spec: str) -> str | None:
     """Why the grammar cannot be compiled, or None: compiled once per (kind, spec)."""
+    if llguidance is None:
+        return "structured output needs the llguidance package, which is not installed here"
     if kind == Grammar.CHOICE:
         problem = _choice_problem(spec)
         if problem:

@@ -20,9 +20,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
-import llguidance
 import numpy as np
 import torch
+
+try:
+    import llguidance
+except ImportError:  # e.g. the GPU machine's own packages (the GPU check): grammars refused
+    llguidance = None
 
 from llmserve.v1 import common_pb2
 
@@ -34,8 +38,13 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 _CONTROL = 3  # llama.cpp's token type of a special (control) token
 
 
+NO_ENGINE = "structured output needs the llguidance package, which this worker does not have"
+
+
 def grammar_text(grammar: common_pb2.Grammar) -> str:
     """The llguidance grammar of a Grammar message. Raises ValueError on a malformed spec."""
+    if llguidance is None:
+        raise ValueError(NO_ENGINE)
     kind, spec = grammar.kind, grammar.spec
     if kind == common_pb2.Grammar.JSON_SCHEMA:
         return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
@@ -112,6 +121,8 @@ def gguf_vocab(path: Path, eos: int) -> ByteVocab:
 def model_tokenizer(source: str, vocab_size: int, eos_ids: Sequence[int]) -> llguidance.LLTokenizer:
     """The llguidance tokenizer of the worker's --model: tiny, sim and smollm2 share SmolLM2's
     vocabulary (the default GGUF); else the GGUF file or the HF directory's tokenizer.json."""
+    if llguidance is None:
+        raise RuntimeError(NO_ENGINE)
     eos = list(eos_ids) or [0]
     path = Path(source).expanduser()
     if path.is_dir():
