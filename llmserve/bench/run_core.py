@@ -52,8 +52,13 @@ def _tree_of(rev: str, tmp: str) -> None:
         capture_output=True,
     ).stdout
     subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-    (Path(tmp) / "llmserve" / "__init__.py").touch()
-    (Path(tmp) / "llmserve" / "bench" / "__init__.py").touch()
+    # `rev`'s files first; the rest of llmserve (the runtime its core imports) from this tree
+    here = Path(__file__).resolve().parent
+    for package, real in (
+        (Path(tmp) / "llmserve", here.parent),
+        (Path(tmp) / "llmserve" / "bench", here),
+    ):
+        (package / "__init__.py").write_text(f"__path__.append({str(real)!r})\n")
 
 
 def prefix_baseline(rev: str) -> list[float] | None:
@@ -125,14 +130,7 @@ def baseline_costs(rev: str, grid: list[tuple[int, int, int]]) -> list[list[floa
     """The grid measured with the core of an earlier revision (a git archive of it, run in a
     subprocess of this Python): [schedule µs, postprocess µs] per row."""
     with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(
-            ["git", "archive", rev, "scheduler_svc", "llmserve/bench/core_cost.py"],
-            check=True,
-            capture_output=True,
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        (Path(tmp) / "llmserve" / "__init__.py").touch()
-        (Path(tmp) / "llmserve" / "bench" / "__init__.py").touch()
+        _tree_of(rev, tmp)
         out = subprocess.run(
             [sys.executable, "-c", BASELINE_SCRIPT, tmp, json.dumps(grid)],
             check=True,
