@@ -20,10 +20,10 @@ from typing import Protocol
 
 import grpc
 
-from gateway.admission import AdmissionQueue
 from gateway.auth import cache_salt, tenant_of
 from gateway.context_fit import completion_budget, completion_overflow, prompt_overflow
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.queue_limits import QueueLimits
 from gateway.settings import GatewaySettings
 from gateway.stops import StopMatcher
 from gateway.structured import grpc_grammar_problem
@@ -136,7 +136,7 @@ class GatewayCore:
         self.scheduler_hung: str | None = None  # set while the scheduler answers nothing
         self.held: set = set()  # the scheduler calls of the requests in flight
         self.tenant = tenant_of(settings.api_key())  # its clients' share of the prefix cache
-        self.queue = AdmissionQueue(settings.max_queued_requests, settings.max_queued_tokens)
+        self.queue = QueueLimits(settings.max_queued_requests, settings.max_queued_tokens)
         self.pool = ThreadPoolExecutor(settings.tokenize_threads, thread_name_prefix="tokenize")
         self.observer = None  # metrics hook, set by the metrics module
         self.on_tokens = None  # metrics hook: (tally, count, now) before the tally counts them

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_svc.config import StallReason
+from scheduler_svc.reasons import StallReason
 
 REASONS = {r.value: r.description for r in StallReason}
 

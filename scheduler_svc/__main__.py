@@ -16,7 +16,7 @@ from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.settings import ENV_PREFIX, SchedulerSettings
-from scheduler_svc.workers import WorkerClient
+from scheduler_svc.worker_client import WorkerClient
 
 JOIN_GRACE_S = 3.0  # once a listed worker answers, the others get this long to answer too
 

@@ -1,4 +1,4 @@
-"""The batching core: one `plan()` per model execution of a worker, as in the seed's Figure 2.
+"""The batching core: one `schedule()` per model execution of a worker, as in the seed's Figure 2.
 
 1. clean up finished requests (free their KV)                       -> `_reap`
 2. prepare the running requests' next work (grow KV; preempt if paged KV runs out)
@@ -26,15 +26,9 @@ from collections.abc import Callable, Iterable
 
 from llmserve.runtime.request_checks import context_problem
 from scheduler_svc.blocks import block_keys, blocks_for, common_blocks
-from scheduler_svc.config import (
-    BatchMode,
-    CoreConfig,
-    KvPolicy,
-    RefusalReason,
-    StallReason,
-    WorkerSpec,
-)
+from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.output import Event, Refused, Snapshot, StepTokens
+from scheduler_svc.reasons import RefusalReason, StallReason
 from scheduler_svc.sequence import NO_HANDLE, Finish, SeqStatus, Sequence
 from scheduler_svc.step import Step, Work
 from scheduler_svc.worker_state import WorkerState
@@ -160,16 +154,16 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def plan(self, index: int) -> Step:
+    def schedule(self, index: int) -> Step:
         """The next execution of one worker (its own step loop calls this)."""
-        return self.plan_workers([index])[0]
+        return self.schedule_workers([index])[0]
 
-    def schedule(self) -> list[Step]:
+    def schedule_all(self) -> list[Step]:
         """One execution on every live worker at once (lock-step: tests and the simulator)."""
         healthy = [ws.index for ws in self.workers if ws.healthy]
-        return [s for s in self.plan_workers(healthy) if s.has_work or s.released]
+        return [s for s in self.schedule_workers(healthy) if s.has_work or s.released]
 
-    def plan_workers(self, indices: list[int]) -> list[Step]:
+    def schedule_workers(self, indices: list[int]) -> list[Step]:
         steps: dict[int, Step] = {}
         budget = sys.maxsize if self.static else self.config.token_budget
         for index in indices:
@@ -177,7 +171,7 @@ class Scheduler:
             ws.pool.fresh.clear()  # the steps that write them have been sent
             self._reap(ws)
             if not ws.running:
-                ws.closed = False
+                ws.batch_closed = False
             step = steps[index] = Step(index, budget)
             if ws.healthy:
                 self._prepare_running(ws, step)
@@ -185,7 +179,7 @@ class Scheduler:
         for index, step in steps.items():
             ws = self.workers[index]
             if self.static and step.has_work:  # the batch has started: nothing joins it now
-                ws.closed = True
+                ws.batch_closed = True
             step.released, ws.released = ws.released, []
             if step.has_work:  # an execution; release-only and empty steps are not
                 ws.steps += 1
@@ -449,7 +443,7 @@ class Scheduler:
 
     def _worker_full(self, ws: WorkerState) -> StallReason | None:
         """The limits of a worker that no request can pass now, whatever its tokens."""
-        if self.static and ws.closed and ws.running:
+        if self.static and ws.batch_closed and ws.running:
             return StallReason.STATIC_BATCH
         if len(ws.running) >= self.config.max_running:
             return StallReason.MAX_RUNNING

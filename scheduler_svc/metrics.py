@@ -25,9 +25,9 @@ from llmserve.runtime.metrics_http import (
     TOKEN_COUNT_BUCKETS,
     serve_metrics,
 )
-from scheduler_svc.config import RefusalReason, StallReason
 from scheduler_svc.core import Scheduler
 from scheduler_svc.output import Snapshot
+from scheduler_svc.reasons import RefusalReason, StallReason
 from scheduler_svc.step import Step
 
 if TYPE_CHECKING:

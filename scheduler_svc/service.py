@@ -15,10 +15,10 @@ import grpc
 
 from llmserve.runtime.protocol import ACCEPTED_KEY
 from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
-from scheduler_svc.config import RefusalReason
 from scheduler_svc.core import Scheduler
 from scheduler_svc.invariants import ENV_VAR, check_invariants, check_step
 from scheduler_svc.output import Refused
+from scheduler_svc.reasons import RefusalReason
 from scheduler_svc.relay import EventRelay
 from scheduler_svc.run_clock import RunClock
 from scheduler_svc.sequence import SeqStatus, Sequence
@@ -26,8 +26,8 @@ from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.step import Step
 from scheduler_svc.step_times import StepTimes
 from scheduler_svc.submit_checks import submit_problem
+from scheduler_svc.worker_client import WorkerClient
 from scheduler_svc.worker_loop import WorkerLoop
-from scheduler_svc.workers import WorkerClient
 
 log = logging.getLogger("scheduler")
 FORGET_AFTER_S = 30.0  # a registered worker unreachable this long leaves the stack

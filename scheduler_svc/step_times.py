@@ -10,7 +10,7 @@ class StepTimes:
     executed_steps: int = 0
     step_seconds: float = 0.0  # each step's share of its worker's wall time (plan .. complete)
     forward_seconds: float = 0.0  # the worker's forward pass
-    core_seconds: float = 0.0  # plan() + complete()
+    core_seconds: float = 0.0  # schedule() + complete()
 
     def add(self, step: float, forward: float, complete: float) -> None:
         self.executed_steps += 1

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from scheduler_svc.messages import step_message
 from scheduler_svc.output import StepLogprobs
 from scheduler_svc.step import Step
-from scheduler_svc.workers import StepStream, WorkerClient, WorkerLost
+from scheduler_svc.worker_client import StepStream, WorkerClient, WorkerLost
 
 if TYPE_CHECKING:
     from scheduler_svc.service import SchedulerService
@@ -82,7 +82,7 @@ class WorkerLoop:
             if len(inflight) < self.depth:
                 self.wake.clear()  # before planning: a Submit from now on wakes it again
                 started = time.perf_counter()
-                step = self.core.plan(self.index)
+                step = self.core.schedule(self.index)
                 self.service.times.core_seconds += time.perf_counter() - started
                 self.service.after_plan(step)
                 if step.has_work or step.released:

@@ -23,7 +23,7 @@ class WorkerState:
         self.healthy = True
         self.draining = False  # stopping: finishes what it runs, takes nothing new
         self.gone = False  # left the stack; its index stays taken
-        self.closed = False  # static mode: the batch has started (a step planned for it)
+        self.batch_closed = False  # static mode: the batch has started (a step planned for it)
         self.steps = 0
         self.stalls: Counter[str] = Counter()
         self.prompt_tokens = 0  # tokens needing KV at admissions here
@@ -46,7 +46,7 @@ class WorkerState:
         self.pool = BlockPool(self.spec.num_blocks, self.spec.block_size)
         self.released.clear()
         self.prefilling.clear()
-        self.closed = False
+        self.batch_closed = False
 
     def reserved_unused(self) -> int:
         """Blocks held by running requests beyond what their planned KV needs."""

@@ -75,7 +75,7 @@ GROUPS = {
                 f"scheduler_svc.core.xǁSchedulerǁ{name}__mutmut_*"
                 for name in (
                     "_hit _keys _cache _distrust _place _why_not _start _reap _preempt _admit "
-                    "_chunk _plan_chunk plan_workers"
+                    "_chunk _plan_chunk schedule_workers"
                 ).split()
             ),
             "scheduler_svc.worker_state.xǁWorkerStateǁreset_pool__mutmut_*",

@@ -26,7 +26,7 @@ class InProcessWorker:
         """Plan (and 'send') one step if there is room in flight, else complete the oldest.
         Returns whether anything happened."""
         if len(self.inflight) < self.depth:
-            step = self.core.plan(self.index)
+            step = self.core.schedule(self.index)
             invariants.check_invariants(self.core)
             invariants.check_step(self.core, step)
             if step.has_work or step.released:

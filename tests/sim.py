@@ -29,7 +29,7 @@ def sample(step: Step) -> list[int]:
 def step(core: Scheduler) -> list[Step]:
     """One execution on every worker: schedule, 'run the model', post-process. Returns what ran.
     Each planned step is checked: its work is its worker's own (scheduler_svc/invariants.py)."""
-    steps = core.schedule()
+    steps = core.schedule_all()
     for s in steps:
         invariants.check_step(core, s)
     for s in steps:
@@ -55,7 +55,7 @@ class Overlapped:
 
     def step(self) -> Step:
         """Plan and send the next step, then complete the one before it. Returns the new one."""
-        planned = self.core.plan(self.worker)
+        planned = self.core.schedule(self.worker)
         invariants.check_step(self.core, planned)
         if self.inflight is not None:
             self.core.complete(self.inflight, sample(self.inflight))

@@ -71,7 +71,7 @@ def test_cancel_frees_kv_at_the_next_step() -> None:
     step(core)
     assert core.snapshot().workers[0].free < 64
     assert core.abort("a") and core.abort("b")
-    core.schedule()
+    core.schedule_all()
     kv = core.snapshot().workers[0]
     assert (kv.written, kv.reserved_unwritten, kv.free) == (0, 0, 64)
     finishes = [e.finish for e in core.take_events() if e.finish]

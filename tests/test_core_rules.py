@@ -219,7 +219,7 @@ def decoding(n: int = 3) -> tuple[Scheduler, list]:
 
 def test_a_request_the_worker_cannot_run_fails_alone_and_the_rest_of_the_step_stands() -> None:
     core, (a, b, c) = decoding()
-    planned = core.plan(0)
+    planned = core.schedule(0)
     core.fail_items(planned, {b.handle: "token 99999 is outside the vocabulary"}, "w0")
     assert planned.decodes == [a, c] and planned.decode_handles == [a.handle, c.handle]
     core.complete(planned, [11, 13])
@@ -239,7 +239,7 @@ def test_a_chunk_the_worker_cannot_run_fails_alone() -> None:
     a, b = seq("a", 4, 10), seq("b", 6, 10)
     core.add(a)
     core.add(b)
-    planned = core.plan(0)
+    planned = core.schedule(0)
     core.fail_items(planned, {a.handle: "bad"}, "w0")
     assert [w.seq for w in planned.chunks] == [b]
     core.complete(planned, [21])
@@ -248,7 +248,7 @@ def test_a_chunk_the_worker_cannot_run_fails_alone() -> None:
 
 def test_a_request_finished_since_the_step_was_planned_is_not_failed_again() -> None:
     core, (a, b, c) = decoding()
-    planned = core.plan(0)
+    planned = core.schedule(0)
     handle = b.handle
     core.abort("b")
     core.fail_items(planned, {handle: "bad"}, "w0")
@@ -258,7 +258,7 @@ def test_a_request_finished_since_the_step_was_planned_is_not_failed_again() -> 
 
 def test_a_step_the_model_failed_fails_its_requests_but_not_one_that_moved_since() -> None:
     core, (a, b, c) = decoding()
-    planned = core.plan(0)
+    planned = core.schedule(0)
     core.abort("c")  # finished since: keeps its own finish
     failed = core.fail_step(planned, "the model failed on this request's batch")
     assert failed == ["a", "b"]
@@ -346,7 +346,7 @@ def test_a_removed_worker_no_longer_counts_as_live() -> None:
 def test_of_two_equal_workers_the_one_planning_now_takes_the_head(planning) -> None:
     core = Scheduler(CoreConfig(), [WorkerSpec("w0", 50, 1, 4096), WorkerSpec("w1", 50, 1, 4096)])
     core.add(seq("a", 5, 5))
-    assert core.plan(planning).ran() == {"a": 5}
+    assert core.schedule(planning).ran() == {"a": 5}
     assert core.take_wakes() == set()
 
 
@@ -498,13 +498,13 @@ def test_each_request_stops_on_its_own_end_tokens_in_a_shared_decode_step() -> N
     b = seq("b", 3, 10, eos_ids=frozenset({9}))
     core.add(a)
     core.add(b)
-    planned = core.schedule()[0]
+    planned = core.schedule_all()[0]
     core.complete(planned, [5, 5])  # the prefill samples one token each
-    planned = core.schedule()[0]
+    planned = core.schedule_all()[0]
     assert planned.decodes == [a, b]
     core.complete(planned, [7, 8])
     assert (a.finish, a.output_ids) == (Finish.STOP, [5, 7]) and not b.is_finished
-    planned = core.schedule()[0]
+    planned = core.schedule_all()[0]
     core.complete(planned, [9])
     assert (b.finish, b.output_ids) == (Finish.STOP, [5, 8, 9])
 
@@ -515,7 +515,7 @@ def test_an_end_token_sampled_by_the_prefill_ends_the_request_at_once() -> None:
     ignoring = seq("i", 3, 10, eos_ids=frozenset({7}), ignore_eos=True)
     core.add(r)
     core.add(ignoring)
-    core.complete(core.schedule()[0], [7, 7])
+    core.complete(core.schedule_all()[0], [7, 7])
     assert (r.finish, r.output_ids) == (Finish.STOP, [7])
     assert not ignoring.is_finished and ignoring.output_ids == [7]
     assert finishes(core) == {"r": (Finish.STOP, "")}
@@ -523,14 +523,14 @@ def test_an_end_token_sampled_by_the_prefill_ends_the_request_at_once() -> None:
 
 def test_a_worker_answering_with_the_wrong_number_of_tokens_is_an_error() -> None:
     core, _ = decoding()
-    planned = core.plan(0)
+    planned = core.schedule(0)
     with pytest.raises(ValueError):
         core.complete(planned, [1, 2, 3, 4])
 
 
 def test_a_request_finished_between_plan_and_complete_drops_its_token_alone() -> None:
     core, (a, b, c) = decoding()
-    planned = core.plan(0)
+    planned = core.schedule(0)
     core.abort("b")
     core.complete(planned, [11, 12, 13])
     assert (a.output_ids[-1], c.output_ids[-1], b.output_ids[-1]) == (11, 13, b.output_ids[0])
@@ -662,7 +662,7 @@ def test_a_request_no_worker_can_ever_hold_any_more_fails_saying_so() -> None:
 
 def test_a_step_failure_that_arrives_after_its_worker_failed_fails_nothing_that_moved() -> None:
     core, seqs = decoding()
-    planned = core.plan(0)
+    planned = core.schedule(0)
     core.fail_worker(0)  # its requests wait for another worker now
     assert core.fail_step(planned, "the model failed") == []
     assert not any(s.is_finished for s in seqs) and waiting(core) == ["a", "b", "c"]

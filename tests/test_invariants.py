@@ -16,7 +16,7 @@ from scheduler_svc.invariants import InvariantError, check_invariants, check_ste
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.step import Step, Work
-from scheduler_svc.workers import WorkerLost
+from scheduler_svc.worker_client import WorkerLost
 from tests.inproc import InProcessClient
 from tests.sim import seq, step
 
@@ -69,7 +69,7 @@ def stale_handle(core: Scheduler, planned: Step) -> None:
 def another_workers_request(core: Scheduler, planned: Step) -> None:
     other = Scheduler(CoreConfig(), [SPEC])
     other.add(seq("x", 3, 3))
-    [foreign] = other.schedule()
+    [foreign] = other.schedule_all()
     planned.chunks.append(foreign.chunks[0])  # runs on another core's worker
 
 
@@ -111,7 +111,7 @@ def over_budget(core: Scheduler, planned: Step) -> None:
 )
 def test_a_step_with_work_that_is_not_its_workers_own_is_caught(corrupt) -> None:
     core = busy_core()
-    planned = core.plan(0)
+    planned = core.schedule(0)
     check_step(core, planned)  # as planned: sound
     assert len(planned.decodes) == 3
     corrupt(core, planned)
@@ -155,7 +155,7 @@ def test_a_broken_step_loop_exits_the_scheduler_loudly(how, monkeypatch, caplog)
         if how == "invariant":
             service.core.workers[0].pool.free.append(0)  # block 0 free twice
         else:
-            monkeypatch.setattr(service.core, "plan", lambda index: 1 / 0)
+            monkeypatch.setattr(service.core, "schedule", lambda index: 1 / 0)
 
     with caplog.at_level(logging.CRITICAL, logger="scheduler"):
         run_service_until_exit(break_it, exits)

@@ -15,9 +15,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from gateway.metrics import GatewayMetrics
 from gateway.service import Tally
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2
-from scheduler_svc.config import CoreConfig, KvPolicy, StallReason, WorkerSpec
+from scheduler_svc.config import CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.reasons import StallReason
 from tests.sim import seq, step
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.work import WorkItem, phase_of, shape_of
@@ -50,7 +51,7 @@ def figure4_metrics() -> tuple[SchedulerMetrics, Scheduler]:
     metrics = SchedulerMetrics()
     service = SimpleNamespace(core=core, on_step=None, on_join=None)
     metrics.attach(service)
-    [planned] = core.schedule()
+    [planned] = core.schedule_all()
     service.on_step(0, planned, 0.02)
     core.complete(planned, [7])
     return metrics, core

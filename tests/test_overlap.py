@@ -9,8 +9,9 @@ import random
 
 import pytest
 
-from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, StallReason, WorkerSpec
+from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.core import Scheduler
+from scheduler_svc.reasons import StallReason
 from scheduler_svc.sequence import Finish
 from tests.inproc import run_all
 from tests.sim import Overlapped, check_invariants, seq
@@ -64,7 +65,7 @@ def test_overlap_a_finished_request_computes_at_most_one_token_it_never_emits() 
     decodes = {"A": 0, "B": 0}
     inflight = None
     for _ in range(8):
-        planned = core.plan(0)
+        planned = core.schedule(0)
         check_invariants(core)
         for s in planned.decodes:
             decodes[s.request_id] += 1

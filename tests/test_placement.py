@@ -93,9 +93,9 @@ def test_a_head_placed_on_another_worker_wakes_that_worker_and_stops_this_one() 
     core = Scheduler(CoreConfig(), [WorkerSpec("w0", 40, 1, 4096), WorkerSpec("w1", 80, 1, 4096)])
     core.add(seq("a", 5, 5))
     core.add(seq("b", 5, 5))
-    assert core.plan(0).ran() == {}
+    assert core.schedule(0).ran() == {}
     assert core.take_wakes() == {1}
-    assert core.plan(1).ran() == {"a": 5, "b": 5}
+    assert core.schedule(1).ran() == {"a": 5, "b": 5}
 
 
 def test_a_removed_worker_requeues_its_requests_and_leaves_the_snapshot() -> None:
@@ -118,7 +118,7 @@ def test_step_messages_carry_only_changes_not_contexts() -> None:
         core.add(seq(f"r{i}", 200, 1000))
     sizes = []
     for _ in range(40):
-        s = core.schedule()[0]
+        s = core.schedule_all()[0]
         sizes.append(step_message(core.steps, s).ByteSize())
         core.complete(s, [5] * s.num_sampled)
     assert sizes[0] > 32 * 200  # the prompts go once

@@ -9,8 +9,9 @@ import random
 import pytest
 
 from scheduler_svc.blocks import BlockPool, block_keys
-from scheduler_svc.config import CoreConfig, KvPolicy, StallReason, WorkerSpec
+from scheduler_svc.config import CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.core import Scheduler
+from scheduler_svc.reasons import StallReason
 from scheduler_svc.sequence import Finish, Sequence
 from tests.sim import Overlapped, check_invariants, fake_token, step
 
@@ -42,7 +43,7 @@ def run(core: Scheduler, limit: int = 500) -> dict[str, list[int]]:
 
 def first_chunk(core: Scheduler, rid: str):
     """Plan one step; the chunk of `rid` in it."""
-    [planned] = core.schedule()
+    [planned] = core.schedule_all()
     check_invariants(core)
     [work] = [w for w in planned.chunks if w.seq.request_id == rid]
     return planned, work
@@ -261,7 +262,7 @@ def test_blocks_a_chunk_fills_are_readable_only_from_the_next_step() -> None:
     core = core_of(token_budget=64)
     core.add(req("A", PROMPT, 5))
     core.add(req("B", PROMPT[:16] + [1], 5))
-    [planned] = core.schedule()
+    [planned] = core.schedule_all()
     assert not planned.shares and [w.start for w in planned.chunks] == [0, 0]
     core.complete(planned, [fake_token(w.seq.tokens) for w in planned.chunks])
     core.add(req("C", PROMPT[:16] + [2], 5))
@@ -275,9 +276,9 @@ def test_a_failed_chunk_is_not_cached_and_a_request_that_read_it_starts_over() -
     core = core_of(token_budget=64)
     core.add(req("A", PROMPT, 5))
     driver = Overlapped(core)
-    first = core.plan(0)
+    first = core.schedule(0)
     core.add(req("C", PROMPT[:16] + [2], 5))
-    second = core.plan(0)
+    second = core.schedule(0)
     assert [w.start for w in second.chunks if w.seq.request_id == "C"] == [16]
     core.fail_items(first, {first.chunks[0].handle: "boom"}, "w")
     check_invariants(core)

@@ -69,7 +69,7 @@ class FailingDriver:
         self.failures = 0
 
     def tick(self) -> None:
-        step = self.core.plan(0)
+        step = self.core.schedule(0)
         check_invariants(self.core)
         self.inflight.append((step, self.truth.writes(step)))
         if len(self.inflight) == 2:
@@ -101,10 +101,10 @@ def test_a_request_admitted_onto_a_failed_chunk_caches_nothing_it_filled_over_it
     starts from what B recomputed, never from the block it filled over the failure."""
     core = core_of(token_budget=16)
     core.add(req("X", PROMPT[:9], 3))
-    first = core.plan(0)
+    first = core.schedule(0)
     b = req("B", PROMPT[:8] + [1, 2, 3, 4, 5], 3)
     core.add(b)
-    second = core.plan(0)
+    second = core.schedule(0)
     pool = core.workers[0].pool
     [(_, shared)] = second.shares
     filled = pool.table("B")[2]
@@ -132,13 +132,13 @@ def test_distrust_is_transitive_through_blocks_other_requests_filled() -> None:
     queue, and nothing any of them cached stays."""
     core = core_of(token_budget=16)
     core.add(req("X", PROMPT[:9], 3))
-    steps = [core.plan(0)]
+    steps = [core.schedule(0)]
     b = req("B", PROMPT[:8] + [1, 2, 3, 4, 5], 3)
     core.add(b)
-    steps.append(core.plan(0))
+    steps.append(core.schedule(0))
     d = req("D", b.prompt_ids[:12] + [7, 7, 7, 7, 7], 3)
     core.add(d)
-    steps.append(core.plan(0))
+    steps.append(core.schedule(0))
     pool = core.workers[0].pool
     assert [s.seq.request_id for s in steps[2].chunks] == ["D"]
     assert steps[2].shares[0][1] == pool.table("B")[:3]  # X's two blocks and B's own
@@ -152,17 +152,17 @@ def test_distrust_is_transitive_through_blocks_other_requests_filled() -> None:
 def test_a_reader_cancelled_before_the_failure_is_known_caches_nothing_when_it_leaves() -> None:
     core = core_of(token_budget=16)
     core.add(req("X", PROMPT[:9], 3))
-    first = core.plan(0)
+    first = core.schedule(0)
     b = req("B", PROMPT[:8] + [1, 2, 3, 4, 5], 3)
     core.add(b)
-    second = core.plan(0)
+    second = core.schedule(0)
     core.abort("B")
     core.fail_items(first, {first.chunks[0].handle: "boom"}, "w")
     check_invariants(core)
     assert b.finish is Finish.CANCELLED and b not in core.waiting
     core.complete(first, [])
     core.complete(second, sample(second))
-    core.plan(0)  # B leaves its worker
+    core.schedule(0)  # B leaves its worker
     check_invariants(core)
     assert core.workers[0].pool.cached == {}
 

@@ -49,8 +49,8 @@ def test_a_failed_chunk_takes_the_blocks_of_its_later_chunks_out_of_the_cache_to
     known to have failed: the second was computed over the first's KV, so neither may stay."""
     core = core_of(token_budget=8)
     core.add(req("A", PROMPT, 5))  # 20 tokens: chunks of 8
-    first = core.plan(0)
-    second = core.plan(0)
+    first = core.schedule(0)
+    second = core.schedule(0)
     assert [(w.start, w.num_tokens) for w in second.chunks] == [(8, 8)]
     assert len(core.workers[0].pool.cached) == 4  # A's first four blocks
     core.fail_items(first, {first.chunks[0].handle: "boom"}, "w")
@@ -144,12 +144,12 @@ def test_a_chunk_that_fails_after_its_request_left_leaves_nothing_cached(how) ->
     blocks cached from its failed chunk still leave the cache."""
     core = core_of(token_budget=8)
     core.add(req("A", PROMPT, 5))
-    first = core.plan(0)  # A's positions 0..7: blocks 0 and 1 cached
+    first = core.schedule(0)  # A's positions 0..7: blocks 0 and 1 cached
     if how == "cancel":
         core.abort("A")
     else:
         core._preempt(core.workers[0], core.seqs["A"])
-    core.plan(0)  # a cancelled A is reaped; a preempted A is placed again
+    core.schedule(0)  # a cancelled A is reaped; a preempted A is placed again
     assert core.workers[0].pool.cached
     core.fail_items(first, {first.chunks[0].handle: "boom"}, "w")
     check_invariants(core)

@@ -66,7 +66,7 @@ class Steady:
         self.core.add(Sequence(str(n), SHARED + own, 4, arrival=1.0))
 
     def step(self) -> None:
-        for step in self.core.schedule():
+        for step in self.core.schedule_all():
             self.core.complete(step, [7] * step.num_sampled)
         for event in self.core.take_raw_events():
             if type(event) is Event and event.finish is not None:
@@ -142,12 +142,12 @@ def test_a_prompt_that_repeats_a_recent_ones_prefix_reuses_its_keys_unhashed(
     document = [7000 + i % 501 for i in range(100 * BS)]  # 100 blocks, shared
     first = Sequence("a", document + [1] * BS, 2, arrival=1.0)
     core.add(first)
-    for step in core.schedule():
+    for step in core.schedule_all():
         core.complete(step, [7] * step.num_sampled)
     counts.take()
     second = Sequence("b", document + [2] * (3 * BS), 2, arrival=1.0, cache_salt=b"")
     core.add(second)
-    core.schedule()
+    core.schedule_all()
     hashes, _ = counts.take()
     assert hashes <= 1 + 3 + 1  # its first block, its own three, the last one's lookup
     assert second.block_keys == block_keys(second.prompt_ids, BS, [], len(second.block_keys))
@@ -155,5 +155,5 @@ def test_a_prompt_that_repeats_a_recent_ones_prefix_reuses_its_keys_unhashed(
     # another salt shares nothing: every block hashed anew
     third = Sequence("c", document + [2] * (3 * BS), 2, arrival=1.0, cache_salt=b"tenant")
     core.add(third)
-    core.schedule()
+    core.schedule_all()
     assert counts.take()[0] >= 100

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 
 from llmserve.status_text import REASONS
-from scheduler_svc.config import RefusalReason, StallReason
+from scheduler_svc.reasons import RefusalReason, StallReason
 from scheduler_svc.service import REFUSED_CODE
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,8 +13,8 @@ from scheduler_svc.config import WorkerSpec
 from scheduler_svc.run_clock import STALL_AFTER_S, RunClock
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.settings import SchedulerSettings
+from scheduler_svc.worker_client import WorkerLost
 from scheduler_svc.worker_loop import WorkerLoop
-from scheduler_svc.workers import WorkerLost
 from tests.inproc import InProcessClient
 
 SPEC = WorkerSpec("w0", 64, 4, 256)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, StallReason, WorkerSpec
+from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.core import Scheduler
+from scheduler_svc.reasons import StallReason
 from tests.sim import check_invariants, ran, seq, step
 
 

@@ -120,7 +120,7 @@ def test_the_core_fails_only_the_requests_the_worker_could_not_run() -> None:
     a, b, c = seq("a", 3, 4), seq("b", 3, 4), seq("c", 3, 4)
     for r in (a, b, c):
         core.add(r)
-    step = core.plan(0)
+    step = core.schedule(0)
     result, _, _ = Session(SimRunner(sim_config(64), 16, 4, 0.0), 16).run(step_message(1, step))
     failed = {b.handle: "token id 99999 is outside the vocabulary"}
     tokens = [t for t in result.tokens][:2]  # as if b's row were missing
@@ -128,6 +128,6 @@ def test_the_core_fails_only_the_requests_the_worker_could_not_run() -> None:
     core.complete(step, tokens)
     assert b.finish is Finish.ERROR and "w0 could not run" in b.error and "vocabulary" in b.error
     assert len(a.output_ids) == len(c.output_ids) == 1 and not b.output_ids
-    core.plan(0)  # b leaves and frees its KV at the next step
+    core.schedule(0)  # b leaves and frees its KV at the next step
     check_invariants(core)
     assert core.workers[0].pool.allocated("b") == 0

@@ -17,6 +17,13 @@ PROMPT = 32
 FOREVER = 10**9
 
 
+def schedule_all(core: Scheduler) -> list:
+    """One lock-step execution on every worker, by this revision's name or an older one's
+    (`bench core` runs these scenarios against another revision's core as its baseline)."""
+    lockstep = getattr(core, "schedule_all", None)
+    return lockstep() if lockstep is not None else core.schedule()
+
+
 @dataclass(frozen=True, slots=True)
 class CoreCost:
     running: int
@@ -50,7 +57,7 @@ class SteadyState:
 
     def _step(self) -> tuple[float, float]:
         t0 = time.perf_counter()
-        steps = self.core.schedule()
+        steps = schedule_all(self.core)
         t1 = time.perf_counter()
         for step in steps:
             self.core.complete(step, [7] * step.num_sampled)
@@ -139,7 +146,7 @@ class PrefixSteady:
     def step(self) -> tuple[float, float]:
         core = self.core
         t0 = time.perf_counter()
-        steps = core.schedule()
+        steps = schedule_all(core)
         t1 = time.perf_counter()
         for step in steps:
             core.complete(step, [7] * step.num_sampled)

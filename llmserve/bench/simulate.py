@@ -147,7 +147,7 @@ class Simulation:
 
     def _step(self) -> list[str]:
         t = time.perf_counter()
-        batches = self.core.schedule()
+        batches = self.core.schedule_all()
         planned = time.perf_counter() - t
         self.core_s += planned
         self._events()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-class AdmissionQueue:
+class QueueLimits:
     """The gateway's queue limits: requests and prompt tokens not yet admitted to a batch."""
 
     def __init__(self, max_requests: int, max_tokens: int) -> None:
