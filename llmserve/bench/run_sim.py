@@ -18,11 +18,10 @@ from llmserve.bench.policy import parse_policies
 from llmserve.bench.report import Report, print_table
 from llmserve.bench.simulate import SimSettings, Simulation
 from llmserve.bench.sweep_plot import write_sweep_plot
+from llmserve.bench.workload_args import build_workload
 
 
 def run_sim(args: argparse.Namespace, command: str) -> int:
-    from llmserve.bench.cli import build_workload
-
     cost = CostModel.load(args.cost_model or DEFAULT_COST_MODEL)
     settings = _settings(args)
     policies = parse_policies(args.policies, args.prefix_caching)
@@ -264,8 +263,6 @@ def args_from_json(text: str) -> argparse.Namespace:
 
 def core_figures(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Each load and policy of `args` simulated again (no report): the core's time per step."""
-    from llmserve.bench.cli import build_workload
-
     cost = CostModel.load(args.cost_model or DEFAULT_COST_MODEL)
     settings = _settings(args)
     out = []
