@@ -82,6 +82,11 @@ def to_flags(settings: Any, cls: type | None = None) -> list[str]:
     return out
 
 
+def parse_field(cls: type, name: str, text: str) -> Any:
+    """Field `name` of `cls` from text, as a flag or an environment variable reads it."""
+    return _parse(typing.get_type_hints(cls)[name], text)
+
+
 def _parse(kind: Any, text: str) -> Any:
     """A field's value from an environment variable's text."""
     if kind is bool:

@@ -1,0 +1,76 @@
+"""Changes of the core's settings at run time: `key=value` texts read into a new CoreConfig.
+
+Every CoreConfig field is a live setting (the core's settings are defined once there); a name
+takes `_` or `-`. A change is all or nothing: a bad key or value names the field, and no field
+changes."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable
+from typing import Any
+
+from llmserve.runtime.flags import parse_field
+from scheduler_svc.config import CoreConfig
+
+NAMES = tuple(f.name for f in dataclasses.fields(CoreConfig))
+
+
+class SettingError(ValueError):
+    """A change names an unknown setting or gives a value the setting does not take."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"{name}: {message}")
+        self.name = name
+
+
+def shown(value: Any) -> str:
+    """A value as `llmserve get` prints it and `llmserve set` takes it back."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value.value if isinstance(value, enum.Enum) else value)
+
+
+def current(config: CoreConfig) -> dict[str, str]:
+    """Every live setting and its value, in field order."""
+    return {name: shown(getattr(config, name)) for name in NAMES}
+
+
+def parse_pairs(pairs: Iterable[str]) -> dict[str, str]:
+    """`key=value` texts (as the CLI takes them) as a mapping; the last of a key wins."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise SettingError(pair or "?", "expected key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def apply(config: CoreConfig, changes: dict[str, str]) -> CoreConfig:
+    """`config` with `changes` (name -> text) applied; SettingError naming the first bad field,
+    and `config` itself is never touched (it is frozen; the caller keeps it on error)."""
+    values: dict[str, Any] = {}
+    for key, text in changes.items():
+        name = key.replace("-", "_")
+        if name not in NAMES:
+            raise SettingError(key, f"not a live setting (one of {', '.join(NAMES)})")
+        try:
+            values[name] = parse_field(CoreConfig, name, text)
+            dataclasses.replace(config, **{name: values[name]})  # the field's own checks
+        except ValueError as err:
+            raise SettingError(name, str(err)) from None
+    try:
+        return dataclasses.replace(config, **values)
+    except ValueError as err:  # a rule across fields
+        raise SettingError(", ".join(values), str(err)) from None
+
+
+def changed(old: CoreConfig, new: CoreConfig) -> dict[str, tuple[str, str]]:
+    """name -> (old, new) of each setting that differs."""
+    return {
+        name: (shown(getattr(old, name)), shown(getattr(new, name)))
+        for name in NAMES
+        if getattr(old, name) != getattr(new, name)
+    }

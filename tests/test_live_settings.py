@@ -1,0 +1,61 @@
+"""Live settings: key=value texts read into a new core config, all or nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy
+from scheduler_svc.live_settings import NAMES, SettingError, apply, changed, current, parse_pairs
+
+
+def test_every_core_setting_is_live() -> None:
+    for name in ("policy", "mode", "token_budget", "max_running", "chunked_prefill"):
+        assert name in NAMES
+    assert "prefix_caching" in NAMES
+
+
+def test_a_change_gives_a_new_config_with_typed_values() -> None:
+    old = CoreConfig(policy=KvPolicy.RESERVE)
+    new = apply(
+        old,
+        parse_pairs(["policy=paged", "token-budget=64", "chunked_prefill=off", "mode=static"]),
+    )
+    assert new.policy is KvPolicy.PAGED and new.mode is BatchMode.STATIC
+    assert (new.token_budget, new.chunked_prefill) == (64, False)
+    assert old.policy is KvPolicy.RESERVE  # the old one stands
+    assert changed(old, new) == {
+        "token_budget": ("256", "64"),
+        "policy": ("reserve", "paged"),
+        "mode": ("continuous", "static"),
+        "chunked_prefill": ("true", "false"),
+    }
+
+
+@pytest.mark.parametrize(
+    ("pairs", "field"),
+    [
+        (["token_budget=0"], "token_budget"),
+        (["token_budget=lots"], "token_budget"),
+        (["max_running=-1"], "max_running"),
+        (["policy=greedy"], "policy"),
+        (["prefix_caching=maybe"], "prefix_caching"),
+        (["colour=blue"], "colour"),
+        (["policy=paged", "mode=sometimes"], "mode"),
+    ],
+)
+def test_a_bad_value_names_its_field(pairs: list[str], field: str) -> None:
+    with pytest.raises(SettingError) as err:
+        apply(CoreConfig(), parse_pairs(pairs))
+    assert err.value.name == field and field in str(err.value)
+
+
+def test_a_pair_without_equals_is_refused() -> None:
+    with pytest.raises(SettingError, match="key=value"):
+        parse_pairs(["policy"])
+
+
+def test_current_lists_every_setting_as_set_takes_it_back() -> None:
+    config = CoreConfig(token_budget=8, policy=KvPolicy.RESERVE, chunked_prefill=False)
+    values = current(config)
+    assert list(values) == list(NAMES)
+    assert apply(CoreConfig(), values) == config
