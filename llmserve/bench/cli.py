@@ -7,6 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from llmserve.bench.goodput import SLO_FORMAT, slo_arg
 from llmserve.bench.trace import DEFAULT_TRACE
 
 
@@ -86,6 +87,7 @@ def add_bench_parser(sub) -> None:
     )
     serve.add_argument("--poll", type=float, default=0.25, help="Status poll period, seconds")
     serve.add_argument("--timeout", type=float, default=None, help="per-request deadline, s")
+    _slo_flag(serve)
     _out_flags(serve, "serve")
     serve.set_defaults(func=_cmd_serve)
 
@@ -133,6 +135,7 @@ def add_bench_parser(sub) -> None:
         help="also simulate every load and policy with the scheduler core of this git "
         "revision, and print the core's real µs per step side by side (e.g. bc5c0ff)",
     )
+    _slo_flag(sim)
     _out_flags(sim, "sim")
     sim.set_defaults(func=_cmd_sim)
 
@@ -286,6 +289,18 @@ def _workload_flags(
         default="",
         help="on, off, or on,off (each policy twice, same arrivals, side by side with ratios); "
         "default: the stack's default (on under paged)",
+    )
+
+
+def _slo_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--slo",
+        type=slo_arg,
+        default=None,
+        metavar="ttft=S,tpot=S",
+        help=f"latency targets: {SLO_FORMAT}; the report gives the goodput, the requests per "
+        "second that meet both (TTFT, and time per output token after the first averaged "
+        "over the request: DistServe's definition)",
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from llmserve.bench.goodput import Slo
 from llmserve.bench.records import RunResult
 from llmserve.bench.stats import summarize
 
@@ -50,13 +51,14 @@ class Report:
     extra: dict[str, Any] = field(default_factory=dict)  # ratios, sweeps, notes
     started: float = field(default_factory=time.time)
     machine_start: dict[str, Any] = field(default_factory=machine)
+    slo: Slo | None = None  # given: every run's goodput against it
 
     def add(self, result: RunResult) -> dict[str, Any]:
         self.results.append(result)
-        return summarize(result)
+        return summarize(result, self.slo)
 
     def summaries(self) -> list[dict[str, Any]]:
-        return [summarize(r) for r in self.results]
+        return [summarize(r, self.slo) for r in self.results]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -141,6 +143,12 @@ def table(title: str, summaries: list[dict[str, Any]], reference: str | None = N
             f"× {reference}",
             lambda s: f"{s['throughput']['output_tokens_per_s'] / base:.2f}×" if base else "-",
         )
+    slo = next((s["goodput"] for s in summaries if "goodput" in s), None)
+    if slo:
+        row(
+            f"goodput req/s ({Slo(slo['ttft_s'], slo['tpot_s']).label})",
+            lambda s: _goodput(s.get("goodput")),
+        )
     row("TTFT p50/p90/p99", lambda s: fmt_pct(s["ttft_s"]))
     if any("ttft_later_turns_s" in s for s in summaries):
         row("TTFT turn 1 p50/p90/p99", lambda s: fmt_pct(s.get("ttft_first_turn_s")))
@@ -181,6 +189,10 @@ def table(title: str, summaries: list[dict[str, Any]], reference: str | None = N
         ),
     )
     return t
+
+
+def _goodput(g: dict[str, Any] | None) -> str:
+    return "-" if g is None else f"{g['goodput_rps']:.2f} ({g['share']:.0%})"
 
 
 def _computed(p: dict[str, Any]) -> str:

@@ -39,7 +39,9 @@ def stack_settings(args: argparse.Namespace, workload: Workload) -> StackSetting
 def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int:
     check_with_tokenizer()
     progress = not args.no_progress
-    report = Report(f"llmserve bench serve: {workload.name}", workload.describe(), command)
+    report = Report(
+        f"llmserve bench serve: {workload.name}", workload.describe(), command, slo=args.slo
+    )
     if args.backend == "openai":
         if not args.base_url:
             raise SystemExit("--backend openai needs --base-url URL (one or more)")

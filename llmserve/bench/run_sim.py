@@ -13,6 +13,7 @@ from typing import Any
 
 from llmserve.bench.caching import caching_pairs, print_caching
 from llmserve.bench.cost_model import DEFAULT_COST_MODEL, CostModel
+from llmserve.bench.goodput import Slo
 from llmserve.bench.plots import write_plots
 from llmserve.bench.policy import parse_policies
 from llmserve.bench.report import Report, print_table
@@ -39,6 +40,7 @@ def run_sim(args: argparse.Namespace, command: str) -> int:
             f"{workload.name}",
             described,
             command,
+            slo=args.slo,
         )
         for policy in policies:
             result = Simulation(settings, policy, cost).run(workload, not args.no_progress)
@@ -100,6 +102,9 @@ def _row(load: float, s: dict[str, Any], counters: dict[str, Any]) -> dict[str, 
         "ttft_p50_s": s["ttft_s"]["p50"],
         "ttft_p99_s": s["ttft_s"]["p99"],
         "itl_p50_s": (s["itl_s"] or {}).get("p50"),
+        "itl_p99_s": (s["itl_s"] or {}).get("p99"),
+        "goodput_rps": s.get("goodput_rps"),
+        "slo_met_share": (s.get("goodput") or {}).get("share"),
         "e2e_p99_s": s["e2e_s"]["p99"],
         "queue_p99_s": (s["queue_s"] or {}).get("p99"),
         "preemptions": s["preemptions"],
@@ -246,19 +251,22 @@ CORE_KEYS = ("core_us_per_step", "core_us_median", "core_us_median_full")
 def args_to_json(args: argparse.Namespace) -> str:
     """The command's arguments for a child process (JSON, never pickle): paths tagged, the
     subcommand's handler (a function) left out."""
-    tagged = {
-        k: ["path", str(v)] if isinstance(v, Path) else ["value", v]
-        for k, v in vars(args).items()
-        if not callable(v)
-    }
+    tagged = {k: _tag(v) for k, v in vars(args).items() if not callable(v)}
     return json.dumps(tagged)
 
 
+def _tag(v: Any) -> list[Any]:
+    if isinstance(v, Path):
+        return ["path", str(v)]
+    if isinstance(v, Slo):
+        return ["slo", [v.ttft_s, v.tpot_s]]
+    return ["value", v]
+
+
 def args_from_json(text: str) -> argparse.Namespace:
+    untag = {"path": Path, "slo": lambda v: Slo(*v), "value": lambda v: v}
     tagged = json.loads(text)
-    return argparse.Namespace(
-        **{k: Path(v) if kind == "path" else v for k, (kind, v) in tagged.items()}
-    )
+    return argparse.Namespace(**{k: untag[kind](v) for k, (kind, v) in tagged.items()})
 
 
 def core_figures(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from llmserve.bench.goodput import Slo, goodput
 from llmserve.bench.records import RequestRecord, RunResult
 
 QUANTILES = {"p50": 50, "p90": 90, "p99": 99}
@@ -19,7 +20,8 @@ def percentiles(values: list[float] | np.ndarray) -> dict[str, float] | None:
     return out | {"mean": float(arr.mean()), "max": float(arr.max())}
 
 
-def summarize(result: RunResult) -> dict[str, Any]:
+def summarize(result: RunResult, slo: Slo | None = None) -> dict[str, Any]:
+    """`slo`: also the goodput (`goodput_rps`: requests meeting it per second of the run)."""
     records = result.records
     ok = [r for r in records if r.ok]
     out_tokens = sum(r.completion_tokens for r in ok)
@@ -55,6 +57,9 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "prefix": prefix_summary(result.counters, in_tokens),
         "config": result.config,
     }
+    if slo is not None:
+        summary["goodput"] = met = goodput(records, slo, duration)
+        summary["goodput_rps"] = met["goodput_rps"]
     if any(r.turn >= 0 for r in records):
         timed = [r for r in ok if r.ttft_s is not None]
         summary["ttft_first_turn_s"] = percentiles([r.ttft_s for r in timed if r.turn == 0])
