@@ -1,0 +1,206 @@
+"""The online step-time model of one worker: the shared linear cost (`step_cost`) refitted after
+every step from the worker's own forward times.
+
+- **Fit**: weighted least squares over every step seen, each weighted by 1/measured² (relative
+  error: a 20 ms decode fits as well as a 2 s prefill) and by a forgetting factor (a step
+  `k` steps old counts `FORGET**k`: about the last 100 steps matter), with every coefficient
+  kept >= 0 (a feature whose fit is negative is dropped and the rest refitted, as the offline
+  fit does), so the model stays monotone in every feature whatever it is fed.
+- **Prior**: a cost model (a calibration file, `--cost-model`; else `BUILTIN_PRIOR`) enters the
+  fit as pseudo-steps over a grid of shapes worth `PRIOR_WEIGHT` real step. It is the model
+  until the first step is seen, and it keeps the fit defined in the directions the steps do not
+  vary (a decode-only load never separates tokens from sampled rows); real steps outweigh it
+  within a few dozen steps.
+- **Conservative before data**: `BUILTIN_PRIOR` is the committed SmolLM2-135M bf16 calibration
+  (one CPU thread on a 2-core host) times two. It over-predicts for that model on any host at
+  least half as fast, so a time budget admits less, not more, until the worker's own steps
+  arrive; a slower worker corrects it within its first steps.
+- **Error**: before a step is fitted, its prediction is compared with its measurement; p50/p90
+  of |predicted - measured| / measured over the last `ERROR_WINDOW` steps.
+
+Pure: no grpc, no torch, no numpy (5 unknowns: the normal equations are solved directly).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scheduler_svc.step_cost import BatchShape, CostModel
+
+FORGET = 0.99  # per step: an observation's weight after k more steps is FORGET**k
+PRIOR_WEIGHT = 1.0  # the prior's pseudo-steps together weigh as much as one real step
+ERROR_WINDOW = 256  # the recent steps the prediction error is measured over
+BUILTIN_PRIOR = CostModel(
+    fixed=0.036,
+    per_token=0.0025,
+    per_sampled=0.0,
+    per_kv_read=2.8e-6,
+    per_attention=2.3e-6,
+    meta={"source": "built-in: 2x SmolLM2-135M bf16, one CPU thread (over-predicts)"},
+)
+StepPredictor = Callable[[int, BatchShape], float]  # (worker index, shape) -> seconds
+
+
+def prior_shapes() -> list[BatchShape]:
+    """Where the prior is laid down: decodes at several batch sizes and contexts, prompt chunks
+    of several lengths and starts, and a mixed step (the calibration grid's kinds)."""
+    shapes = [BatchShape.of([(c, 1, True)] * b) for b in (1, 8, 64) for c in (64, 1024, 8192)]
+    shapes += [BatchShape.of([(s, n, True)]) for n in (16, 256, 2048) for s in (0, 4096)]
+    shapes += [BatchShape.of([(512, 1, True)] * 16 + [(0, 256, False)])]
+    return shapes
+
+
+@dataclass(frozen=True, slots=True)
+class PredictionError:
+    """|predicted - measured| / measured over the recent steps."""
+
+    p50: float
+    p90: float
+    steps: int  # how many steps the figures are over
+
+
+class OnlineStepModel:
+    def __init__(self, prior: CostModel = BUILTIN_PRIOR, forget: float = FORGET) -> None:
+        if not 0 < forget <= 1:
+            raise ValueError(f"forget must be in (0, 1], got {forget}")
+        self.prior = prior
+        self.forget = forget
+        self.observed = 0  # steps fitted
+        self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
+        n = len(prior.coefficients())
+        self._prior_a, self._prior_b = _zeros(n), [0.0] * n
+        shapes = [s for s in prior_shapes() if prior.predict(s) > 0]
+        for shape in shapes:
+            _accumulate(self._prior_a, self._prior_b, shape, prior.predict(shape),
+                        PRIOR_WEIGHT / len(shapes))  # fmt: skip
+        self._a, self._b = _zeros(n), [0.0] * n
+        self._coef = prior.coefficients()
+        self._stale = False
+
+    def predict(self, shape: BatchShape) -> float:
+        """Seconds of an execution of this shape on this worker (0 for an empty one)."""
+        if not shape.tokens:
+            return 0.0
+        if self._stale:
+            self._refit()
+        c = self._coef
+        return (c[0] + c[1] * shape.tokens + c[2] * shape.sampled + c[3] * shape.kv_read
+                + c[4] * shape.attention)  # fmt: skip
+
+    def observe(self, shape: BatchShape, seconds: float) -> None:
+        """A step of this shape took `seconds` on the worker: score the prediction, then fit."""
+        if not shape.tokens or seconds <= 0:
+            return  # nothing ran, or nothing was measured: no information
+        self.errors.append(abs(self.predict(shape) - seconds) / seconds)
+        g = self.forget
+        for row in self._a:
+            row[:] = [g * v for v in row]
+        self._b = [g * v for v in self._b]
+        _accumulate(self._a, self._b, shape, seconds, 1.0)
+        self.observed += 1
+        self._stale = True
+
+    def error(self) -> PredictionError | None:
+        """The recent prediction error; None before any step was seen."""
+        if not self.errors:
+            return None
+        ranked = sorted(self.errors)
+        return PredictionError(_rank(ranked, 0.5), _rank(ranked, 0.9), len(ranked))
+
+    def model(self) -> CostModel:
+        """The coefficients as they stand."""
+        if self._stale:
+            self._refit()
+        return CostModel(*self._coef, meta={"observed": self.observed})
+
+    def _refit(self) -> None:
+        n = len(self._coef)
+        a = [[self._a[i][j] + self._prior_a[i][j] for j in range(n)] for i in range(n)]
+        b = [self._b[i] + self._prior_b[i] for i in range(n)]
+        self._coef = _nonnegative_solve(a, b)
+        self._stale = False
+
+
+class StepModels:
+    """One online model per worker (by core index), made from one prior as workers appear;
+    `predict` is the core's StepPredictor."""
+
+    def __init__(self, prior: CostModel = BUILTIN_PRIOR) -> None:
+        self.prior = prior
+        self.models: dict[int, OnlineStepModel] = {}
+
+    def of(self, worker: int) -> OnlineStepModel:
+        model = self.models.get(worker)
+        if model is None:
+            model = self.models[worker] = OnlineStepModel(self.prior)
+        return model
+
+    def predict(self, worker: int, shape: BatchShape) -> float:
+        return self.of(worker).predict(shape)
+
+    def observe(self, worker: int, shape: BatchShape, seconds: float) -> None:
+        self.of(worker).observe(shape, seconds)
+
+
+def _zeros(n: int) -> list[list[float]]:
+    return [[0.0] * n for _ in range(n)]
+
+
+def _accumulate(a: list[list[float]], b: list[float], shape: BatchShape, y: float, w: float):
+    """Add one weighted row (relative error: weight w / y²) to the normal equations."""
+    x = shape.vector()
+    w /= y * y
+    for i, xi in enumerate(x):
+        wxi = w * xi
+        b[i] += wxi * y
+        row = a[i]
+        for j, xj in enumerate(x):
+            row[j] += wxi * xj
+
+
+def _nonnegative_solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """min |Xc - y|² with c >= 0 from the normal equations (a = XᵀX, b = Xᵀy): solve, drop the
+    most negative coefficient, solve again on the rest, until none is negative."""
+    active = list(range(len(b)))
+    while active:
+        sub = _solve([[a[i][j] for j in active] for i in active], [b[i] for i in active])
+        worst = min(range(len(sub)), key=sub.__getitem__)
+        if sub[worst] >= 0:
+            break
+        active.pop(worst)
+    coef = [0.0] * len(b)
+    for i, v in zip(active, sub, strict=True):
+        coef[i] = v
+    return coef
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting, on the system scaled by its diagonal (the
+    features span ten orders of magnitude); a singular direction gets 0."""
+    n = len(b)
+    d = [a[i][i] ** 0.5 if a[i][i] > 0 else 1.0 for i in range(n)]
+    m = [[a[i][j] / (d[i] * d[j]) for j in range(n)] + [b[i] / d[i]] for i in range(n)]
+    for i in range(n):
+        m[i][i] += 1e-12
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        if abs(m[col][col]) < 1e-15:
+            continue
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            if f:
+                m[r] = [v - f * p for v, p in zip(m[r], m[col], strict=True)]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        if abs(m[i][i]) < 1e-15:
+            continue
+        x[i] = (m[i][n] - sum(m[i][j] * x[j] for j in range(i + 1, n))) / m[i][i]
+    return [x[i] / d[i] for i in range(n)]
+
+
+def _rank(ranked: list[float], q: float) -> float:
+    """The q-quantile of sorted values (nearest rank)."""
+    return ranked[min(len(ranked) - 1, int(q * len(ranked)))]
