@@ -33,12 +33,20 @@ class CoreConfig:
         "reuse the KV blocks of prompt prefixes computed before (paged only: reserve sets aside "
         "whole requests, so it leaves it off)",
     )
+    step_time_budget_ms: float = setting(
+        0.0,
+        "the longest a worker's step may be predicted to take (its online step-time model): "
+        "decodes always run, admissions and prompt chunks join only while the prediction stays "
+        "within it, a chunk is cut to fit; the token budget stays the cap; 0 = off",
+    )
 
     def __post_init__(self) -> None:
         if self.token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
         if self.max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        if self.step_time_budget_ms < 0:
+            raise ValueError(f"step_time_budget_ms must be >= 0, got {self.step_time_budget_ms}")
         object.__setattr__(self, "policy", KvPolicy(self.policy))
         object.__setattr__(self, "mode", BatchMode(self.mode))
 

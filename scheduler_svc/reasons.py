@@ -11,6 +11,7 @@ class StallReason(StrEnum):
     """Why the head of the queue is not admitted in a step."""
 
     TOKEN_BUDGET = "token_budget"
+    TIME_BUDGET = "time_budget"
     MAX_RUNNING = "max_running"
     KV_CAPACITY = "kv_capacity"
     KV_RESERVED = "kv_reserved"
@@ -23,6 +24,7 @@ class StallReason(StrEnum):
 
 STALL_TEXT = {
     StallReason.TOKEN_BUDGET: "the execution-token budget is used up this step",
+    StallReason.TIME_BUDGET: "the step's predicted time has reached the step-time budget",
     StallReason.MAX_RUNNING: "the running-request limit is reached",
     StallReason.KV_CAPACITY: "the KV data itself would not fit",
     StallReason.KV_RESERVED: "the data would fit, but reservations hold the space",

@@ -46,6 +46,11 @@ class SchedulerSettings(CoreConfig):
     metrics_host: str = setting("", METRICS_HOST_HELP)
     drain_timeout: float = setting(60.0, "on SIGTERM: seconds for the requests in flight to finish")
     internal_token_file: str = setting("", INTERNAL_TOKEN_HELP)
+    cost_model: str = setting(
+        "",
+        "a calibration file (llmserve bench calibrate) that seeds every worker's step-time "
+        'model; "" = a built-in prior that over-predicts (the models learn from the first steps)',
+    )
 
     def __post_init__(self) -> None:
         for entry in self.entries:
