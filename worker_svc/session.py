@@ -123,6 +123,10 @@ class Session:
         items = self.items
         for handle in step.released:
             self.release(handle)
+        for trim in step.trims:
+            why = self.trim(trim.handle, trim.keep)
+            if why:
+                failed.setdefault(trim.handle, why)
         for added in step.added:
             cached = list(added.cached_token_ids)
             why = sampling_problem(added.sampling, self.vocab_size)
@@ -296,6 +300,25 @@ class Session:
                     item.sampling.grammar.advance(token)
                 sampled.append((token, item.logprobs))
         return sampled
+
+    def trim(self, handle: int, keep: int) -> str | None:
+        """Drop the blocks from `keep` on from a request's table: they were reserved and never
+        written. Why not, if any."""
+        item = self.items.get(handle)
+        if item is None:
+            return "unknown handle"
+        table = item.block_table
+        if keep > len(table) or keep * self.block_size < item.start_position:
+            return f"a trim to {keep} blocks would drop written positions or blocks it lacks"
+        for block in table[keep:]:
+            holders = self.holders.get(block, set())
+            holders.discard(handle)
+            if not holders:
+                self.holders.pop(block, None)
+            if self.writer.get(block) == handle:
+                del self.writer[block]
+        del table[keep:]
+        return None
 
     def release(self, handle: int) -> None:
         item = self.items.pop(handle, None)
