@@ -84,3 +84,20 @@ def test_a_simulated_report_writes_json_and_plots(tmp_path, trace_slice) -> None
     pngs = [f for f in files if f.suffix == ".png"]
     assert {p.name for p in pngs} >= {"t-throughput.png", "t-latency.png", "t-kv.png"}
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
+
+
+def test_each_simulated_worker_runs_at_its_own_speed_without_waiting_for_the_other() -> None:
+    two = SimSettings(workers=2, kv_capacity=4096, token_budget=64, worker_speeds=(1.0, 2.0))
+    flat = CostModel(fixed=0.01)  # every step 10 ms at speed 1
+    result = Simulation(two, Policy.parse("continuous+paged"), flat).run(
+        fixed(2, 16, 10, concurrency=2), progress=False
+    )
+    # one request per worker: its prompt step then 9 decodes, 10 steps of 10 ms or of 5 ms
+    assert sorted(r.e2e_s for r in result.records) == pytest.approx([0.05, 0.1])
+    assert sorted(r.token_gaps[0] for r in result.records) == pytest.approx([0.005, 0.01])
+
+
+@pytest.mark.parametrize("speeds", [(1.0,), (1.0, 0.0)])
+def test_worker_speeds_are_one_positive_figure_per_worker(speeds) -> None:
+    with pytest.raises(ValueError, match="worker speeds"):
+        SimSettings(workers=2, worker_speeds=speeds)

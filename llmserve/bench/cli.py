@@ -112,6 +112,13 @@ def add_bench_parser(sub) -> None:
         help="the cost model's times divided by this (hardware faster than this CPU)",
     )
     sim.add_argument("--sim-workers", type=int, default=4)
+    sim.add_argument(
+        "--sim-worker-speeds",
+        default="",
+        metavar="S,S,...",
+        help="each simulated worker's speed, times --speedup (e.g. 1,1,0.5,0.5: two of them "
+        "half as fast); one per --sim-workers; default: all 1",
+    )
     sim.add_argument("--kv-capacity", type=int, default=500_000, help="positions per worker")
     sim.add_argument("--token-budget", type=int, default=8192)
     sim.add_argument("--max-running", type=int, default=256)

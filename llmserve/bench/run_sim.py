@@ -342,6 +342,13 @@ def _us(v: float | None) -> str:
 
 
 def _settings(args: argparse.Namespace) -> SimSettings:
+    try:
+        return _read_settings(args)
+    except ValueError as e:
+        raise SystemExit(f"llmserve bench sim: {e}") from None
+
+
+def _read_settings(args: argparse.Namespace) -> SimSettings:
     return SimSettings(
         workers=args.sim_workers,
         kv_capacity=args.kv_capacity,
@@ -351,4 +358,5 @@ def _settings(args: argparse.Namespace) -> SimSettings:
         max_context=args.max_context,
         speedup=args.speedup,
         step_overhead_s=args.step_overhead,
+        worker_speeds=tuple(float(v) for v in args.sim_worker_speeds.split(",") if v),
     )

@@ -1,12 +1,14 @@
 """A simulated cluster: the real scheduler core, workers whose execution time comes from the cost
 model, and a virtual clock. No model, no gRPC: it replays an hour of trace in minutes.
 
-Each step mirrors the scheduler service: one `schedule()` for all workers, the workers execute in
-parallel (the step takes as long as the slowest), then `postprocess()`. A request's output ends at
-its length: with max_tokens = length (exact), by the length limit; with a larger max_tokens, the
-simulated worker samples end-of-sequence there, as a model would. A request that follows another
-(a conversation's next turn) arrives its think time after that one finished, its prompt built from
-that one's prompt and generated ids.
+Each worker runs its own step loop, as in the scheduler service: when it is idle it asks the core
+for its next step (`schedule(index)`), executes it for as long as the cost model says (divided by
+the speedup and by the worker's own speed: workers may differ), then hands the sampled tokens back
+(`complete`). Workers overlap in time; the clock jumps to the next step's end or arrival. A
+request's output ends at its length: with max_tokens = length (exact), by the length limit; with a
+larger max_tokens, the simulated worker samples end-of-sequence there, as a model would. A request
+that follows another (a conversation's next turn) arrives its think time after that one finished,
+its prompt built from that one's prompt and generated ids.
 """
 
 from __future__ import annotations
@@ -49,6 +51,16 @@ class SimSettings:
     speedup: float = 1.0  # the cost model's times are divided by this
     step_overhead_s: float = 0.0  # added to every step (scheduling + RPC), virtual seconds
     status_every_s: float = 1.0  # virtual seconds between Status samples
+    worker_speeds: tuple[float, ...] = ()  # per worker, x the speedup (2: twice as fast); () all 1
+
+    def __post_init__(self) -> None:
+        if self.worker_speeds and len(self.worker_speeds) != self.workers:
+            raise ValueError(f"{len(self.worker_speeds)} worker speeds for {self.workers} workers")
+        if any(not v > 0 for v in self.worker_speeds):
+            raise ValueError(f"worker speeds must be > 0, got {self.worker_speeds}")
+
+    def speed(self, index: int) -> float:
+        return self.speedup * (self.worker_speeds[index] if self.worker_speeds else 1.0)
 
     def core(self, policy: Policy) -> CoreConfig:
         caching = {} if policy.prefix_caching is None else {"prefix_caching": policy.prefix_caching}
@@ -70,12 +82,23 @@ class SimSettings:
         ]
 
 
+@dataclass(frozen=True, slots=True)
+class Inflight:
+    """A step a simulated worker is executing."""
+
+    end: float  # virtual seconds
+    step: Step
+    planned_s: float  # real seconds the core took to plan it
+
+
 class Simulation:
     def __init__(self, settings: SimSettings, policy: Policy, cost: CostModel) -> None:
         self.settings = settings
         self.policy = policy
         self.cost = cost.scaled(settings.speedup) if settings.speedup != 1 else cost
+        self.costs = [cost.scaled(settings.speed(i)) for i in range(settings.workers)]
         self.now = 0.0
+        self.inflight: dict[int, Inflight] = {}  # the steps executing, by worker
         self.core = Scheduler(settings.core(policy), settings.specs(), clock=lambda: self.now)
         self.records: dict[str, RequestRecord] = {}
         self.last_token: dict[str, float] = {}
@@ -114,70 +137,96 @@ class Simulation:
             mininterval=0.5,
         )
         next_sample = 0.0
-        while self.arrivals or later or self._has_work():
+        while True:
             while self.arrivals and self.arrivals[0][0] <= self.now:
                 due, _, spec = heapq.heappop(self.arrivals)
                 self._arrive(spec, due)
+            self._send_next(self._complete_due(), workload.closed, later, bar)
             if self.now >= next_sample:
                 self._sample()
                 next_sample = self.now + self.settings.status_every_s
-            if not self._has_work():
-                if not self.arrivals:
-                    break
-                self.now = max(self.now, self.arrivals[0][0])
-                continue
-            finished = self._step()
-            bar.update(len(finished))
-            if finished:
-                bar.set_postfix(virtual_s=f"{self.now:.0f}", refresh=False)
-            for rid in finished:
-                follower = self.followers.get(int(rid))
-                if follower is not None:
-                    self._due(self.now + follower.think_s, follower)
-                elif workload.closed and later:
-                    self._due(self.now, later.popleft())
+            self._send_next(self._start_idle(), workload.closed, later, bar)
+            upcoming = [run.end for run in self.inflight.values()]
+            if self.arrivals:
+                upcoming.append(self.arrivals[0][0])
+            if not upcoming:
+                break
+            self.now = max(self.now, min(upcoming))
+        if self.core.waiting:
+            raise RuntimeError(
+                f"nothing can run: head of queue waits for "
+                f"{self.core.head_reason}; raise the KV capacity or budget"
+            )
         self._sample()
         bar.close()
         return self._result(workload, time.perf_counter() - started)
+
+    def _send_next(
+        self, finished: list[str], closed: bool, later: deque[RequestSpec], bar: tqdm
+    ) -> None:
+        """What `finished` lets go: each one's next turn, else (closed loop) the next request."""
+        bar.update(len(finished))
+        if finished:
+            bar.set_postfix(virtual_s=f"{self.now:.0f}", refresh=False)
+        for rid in finished:
+            follower = self.followers.get(int(rid))
+            if follower is not None:
+                self._due(self.now + follower.think_s, follower)
+            elif closed and later:
+                self._due(self.now, later.popleft())
 
     def _due(self, at: float, spec: RequestSpec) -> None:
         heapq.heappush(self.arrivals, (at, spec.index, spec))
 
     # ---- one step ------------------------------------------------------------------------
 
-    def _step(self) -> list[str]:
+    def _start_idle(self) -> list[str]:
+        """Every idle worker plans its next step; a worker the queue's head was placed on while
+        it was not planning is woken and plans again (the service's wakes). The requests that
+        finished meanwhile (refused at admission)."""
+        workers = self.core.workers
+        idle = [ws.index for ws in workers if ws.healthy and ws.index not in self.inflight]
+        for _ in range(len(workers) + 1):
+            for index in idle:
+                self._start(index)
+            woken = self.core.take_wakes()
+            idle = [i for i in idle if i in woken and i not in self.inflight]
+            if not idle:
+                break
+        return self._events()
+
+    def _start(self, index: int) -> None:
         t = time.perf_counter()
-        batches = self.core.schedule_all()
+        step = self.core.schedule(index)
         planned = time.perf_counter() - t
         self.core_s += planned
-        self._events()
-        if not any(b.has_work for b in batches):
-            if not self.core.waiting or any(ws.running for ws in self.core.workers):
-                return self._events()  # only finished requests left their workers
-            raise RuntimeError(
-                f"nothing can run: head of queue waits for "
-                f"{self.core.head_reason}; raise the KV capacity or budget"
-            )
-        self.prefill_computed += sum(w.num_tokens for b in batches for w in b.chunks)
-        seconds = max(self._seconds(b) for b in batches) + self.settings.step_overhead_s
-        self.now += seconds
+        if not step.has_work:
+            return
+        self.prefill_computed += sum(w.num_tokens for w in step.chunks)
+        seconds = self._seconds(step) + self.settings.step_overhead_s
+        self.inflight[index] = Inflight(self.now + seconds, step, planned)
         self.busy_s += seconds
         self.steps += 1
-        tokens = [[self._token(s) for s in b.sampled_seqs()] for b in batches]
-        t = time.perf_counter()
-        for batch, sampled in zip(batches, tokens, strict=True):
-            self.core.complete(batch, sampled)
-        completed = time.perf_counter() - t
-        self.core_s += completed
-        running = sum(b.num_requests for b in batches)
-        self.core_steps.append((planned + completed, running))
+
+    def _complete_due(self) -> list[str]:
+        """The steps that end by now hand their tokens back; the requests that finished."""
+        done = sorted(i for i, run in self.inflight.items() if run.end <= self.now)
+        for index in done:
+            run = self.inflight.pop(index)
+            tokens = [self._token(s) for s in run.step.sampled_seqs()]
+            t = time.perf_counter()
+            self.core.complete(run.step, tokens)
+            completed = time.perf_counter() - t
+            self.core_s += completed
+            self.core_steps.append((run.planned_s + completed, run.step.num_requests))
         return self._events()
 
     def core_figures(self) -> dict[str, float | None]:
-        """The core's real time per step, in µs: the mean, the median, and the median of the
-        steps that ran at least 90% of the running limit of all workers (None if none did)."""
+        """The core's real time per worker step (planning and completing it), in µs: the
+        mean, the median, and the median of the steps that ran at least 90% of the running
+        limit (None if none did)."""
         times = [t for t, _ in self.core_steps]
-        full = 0.9 * self.settings.max_running * self.settings.workers
+        full = 0.9 * self.settings.max_running
         busy = [t for t, running in self.core_steps if running >= full]
         return {
             "core_us_per_step": 1e6 * self.core_s / max(1, self.steps),
@@ -189,7 +238,7 @@ class Simulation:
     def _seconds(self, batch: Step) -> float:
         work = [(w.start, w.num_tokens, w.sample) for w in batch.chunks]
         work += [(s.num_computed - 1, 1, True) for s in batch.decodes]
-        return self.cost.seconds(BatchShape.of(work))
+        return self.costs[batch.worker].seconds(BatchShape.of(work))
 
     def _token(self, seq: Sequence) -> int:
         ends = len(seq.output_ids) + 1 >= self.target[seq.request_id]
@@ -265,9 +314,6 @@ class Simulation:
                 self.last_token.pop(ev.request_id, None)
                 finished.append(ev.request_id)
         return finished
-
-    def _has_work(self) -> bool:
-        return bool(self.core.waiting) or any(ws.running for ws in self.core.workers)
 
     def _sample(self) -> None:
         self.samples.append(sample_of(self.core.snapshot(), self.now))
