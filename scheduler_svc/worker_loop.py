@@ -1,7 +1,10 @@
 """The step loop of one worker: plan its next step, send it, complete the one before.
 
 With overlap, step N+1 is planned and sent while N runs, so the worker finds its next batch
-waiting; without, each step is planned once the one before has completed (the seed's order)."""
+waiting; without, each step is planned once the one before has completed (the seed's order).
+
+The loop is handed the core, the scheduler's settings and a `LoopHost` (the service): what it
+reports to and reads from whoever runs it. It never imports the service."""
 
 from __future__ import annotations
 
@@ -10,42 +13,75 @@ import contextlib
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
+from scheduler_svc.core import Scheduler
 from scheduler_svc.messages import step_message
 from scheduler_svc.output import StepLogprobs
+from scheduler_svc.run_clock import RunClock
+from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.step import Step
+from scheduler_svc.step_times import StepTimes
 from scheduler_svc.worker_client import StepStream, WorkerClient, WorkerLost
-
-if TYPE_CHECKING:
-    from scheduler_svc.service import SchedulerService
 
 log = logging.getLogger("scheduler")
 IDLE_POLL_S = 0.05  # an idle loop looks at the queue at least this often
 
 
+class LoopHost(Protocol):
+    """What a step loop needs from whoever runs it."""
+
+    clock: RunClock  # the scheduler's own running time: how late a worker's answer is
+    times: StepTimes  # where the steps' time went, summed over the loops
+    on_step: Callable[[int, Step, float], None] | None  # (index, step, forward seconds)
+
+    def after_plan(self, step: Step) -> None:
+        """A step was planned: check it, wake the loops it names, pass on its outputs."""
+
+    def check(self) -> None:
+        """A step was completed: check the core's invariants (where asked to)."""
+
+    def dispatch(self, events: list) -> None:
+        """The core's outputs, to the request streams."""
+
+    def worker_lost(self, index: int, err: BaseException) -> None:
+        """The loop ended: its worker failed or left."""
+
+    def died(self, task: asyncio.Task) -> None:
+        """The loop's task is done: a crash stops the scheduler."""
+
+
 class WorkerLoop:
-    def __init__(self, service: SchedulerService, index: int, client: WorkerClient) -> None:
-        self.service = service
-        self.core = service.core
+    def __init__(
+        self,
+        core: Scheduler,
+        settings: SchedulerSettings,
+        host: LoopHost,
+        index: int,
+        client: WorkerClient,
+    ) -> None:
+        self.core = core
+        self.settings = settings
+        self.host = host
         self.index = index
         self.client = client
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
-        self.depth = 2 if service.settings.overlap else 1  # steps in flight at most
+        self.depth = 2 if settings.overlap else 1  # steps in flight at most
         self.last_result = 0.0
         self.events: list = []  # the last completed step's, handed over after the next send
         self.slowest = 0.0  # the longest a step of this worker has taken (wall seconds)
-        self.failure: str | None = None  # why the service failed this loop from outside
+        self.failure: str | None = None  # why the supervisor failed this loop from outside
 
     def start(self) -> None:
         self.task = asyncio.create_task(self.run(), name=f"worker-loop-{self.index}")
-        self.task.add_done_callback(self.service.died)
+        self.task.add_done_callback(self.host.died)
 
     def hang_bound(self) -> float:
         """How long a step's answer may take before the worker counts as hung:
         max(--hang-floor, --hang-factor x its slowest step so far), at most --execute-timeout."""
-        s = self.service.settings
+        s = self.settings
         return min(s.execute_timeout, max(s.hang_floor, s.hang_factor * self.slowest))
 
     def fail(self, reason: str) -> None:
@@ -55,7 +91,7 @@ class WorkerLoop:
             self.task.cancel()
 
     async def run(self) -> None:
-        """Drive the worker until it fails or leaves; the service decides what comes next."""
+        """Drive the worker until it fails or leaves; the host decides what comes next."""
         stream = self.client.open()
         try:
             await self.drive(stream)
@@ -63,17 +99,17 @@ class WorkerLoop:
             lost = err
         except asyncio.CancelledError:
             if self.failure is None:
-                raise  # the service is stopping
+                raise  # the scheduler is stopping
             asyncio.current_task().uncancel()
             lost = WorkerLost(self.failure)
         finally:
             stream.cancel()
         self.hand_over()  # tokens already recorded reach their streams before any requeue
-        self.service.worker_lost(self.index, lost)
+        self.host.worker_lost(self.index, lost)
 
     def hand_over(self) -> None:
         events, self.events = self.events, []
-        self.service.dispatch(events)
+        self.host.dispatch(events)
 
     async def drive(self, stream: StepStream) -> None:
         inflight: deque[tuple[Step, float, float]] = deque()  # step, sent (perf, running)
@@ -83,13 +119,13 @@ class WorkerLoop:
                 self.wake.clear()  # before planning: a Submit from now on wakes it again
                 started = time.perf_counter()
                 step = self.core.schedule(self.index)
-                self.service.times.core_seconds += time.perf_counter() - started
-                self.service.after_plan(step)
+                self.host.times.core_seconds += time.perf_counter() - started
+                self.host.after_plan(step)
                 if step.has_work or step.released:
                     msg = step_message(self.core.steps, step)
                     self.client.step_bytes += msg.ByteSize()
                     await stream.send(msg)
-                    inflight.append((step, started, self.service.clock.now()))
+                    inflight.append((step, started, self.host.clock.now()))
                     self.hand_over()
                     if step.has_work and len(inflight) < self.depth:
                         continue  # overlap: plan the next step now, then wait for this one
@@ -106,12 +142,12 @@ class WorkerLoop:
 
     async def answer(self, stream: StepStream, sent: float):
         """The oldest step's result. The worker is hung (WorkerLost) only when the answer is
-        late by the scheduler's own running time (`sent` on service.clock): a scheduler that
+        late by the scheduler's own running time (`sent` on host.clock): a scheduler that
         was stopped or blocked does not blame its workers. A late worker is then asked its
         health: one that does not answer is failed at once; one that answers gets one more
         hang bound (the answer may be on its way), then fails all the same (a stuck kernel
         keeps health answering)."""
-        clock = self.service.clock
+        clock = self.host.clock
         due, chances = sent + self.hang_bound(), 1
         while True:
             result = await stream.receive(max(0.0, due - clock.now()))
@@ -137,7 +173,7 @@ class WorkerLoop:
             raise WorkerLost(f"no answer to a step in {late:.1f} s; its health {health}")
 
     def complete(self, step: Step, result, sent: float) -> list:
-        service, client = self.service, self.client
+        host, client = self.host, self.client
         started = time.perf_counter()
         name = self.core.workers[self.index].spec.name
         if result.failed:
@@ -156,16 +192,16 @@ class WorkerLoop:
         else:
             self.core.complete(step, list(result.tokens))
         now = time.perf_counter()
-        service.check()
+        host.check()
         client.last_forward = result.forward_seconds
         client.forward_seconds += result.forward_seconds
         client.idle_seconds += result.idle_seconds
         self.slowest = max(self.slowest, now - sent)
         if step.has_work:
             slot = now - max(sent, self.last_result)  # this step's share of the wall time
-            service.times.add(slot, result.forward_seconds, now - started)
-            if service.on_step is not None:
-                service.on_step(self.index, step, result.forward_seconds)
+            host.times.add(slot, result.forward_seconds, now - started)
+            if host.on_step is not None:
+                host.on_step(self.index, step, result.forward_seconds)
         self.last_result = now
         events = self.core.take_raw_events()
         if owners:

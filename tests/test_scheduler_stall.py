@@ -99,11 +99,11 @@ def loop_and_clock(client: Health) -> tuple[WorkerLoop, Wall]:
     service = SchedulerService(SchedulerSettings(hang_floor=HANG_FLOOR), [client])
     wall = Wall()
     service.clock = RunClock(wall)
-    return WorkerLoop(service, 0, client), wall
+    return WorkerLoop(service.core, service.settings, service, 0, client), wall
 
 
 def answer(loop: WorkerLoop, stream: ScriptedStream):
-    return asyncio.run(loop.answer(stream, loop.service.clock.now()))
+    return asyncio.run(loop.answer(stream, loop.host.clock.now()))
 
 
 def test_an_answer_read_after_the_scheduler_was_stopped_is_not_late() -> None:
@@ -111,7 +111,7 @@ def test_an_answer_read_after_the_scheduler_was_stopped_is_not_late() -> None:
     the wall clock it is 8 hang bounds late; by the scheduler's running time it is not."""
     client = Health(answers=True)
     loop, wall = loop_and_clock(client)
-    stream = ScriptedStream(wall, loop.service.clock, wall.t + 8.2, (wall.t + 0.1, wall.t + 8.1))
+    stream = ScriptedStream(wall, loop.host.clock, wall.t + 8.2, (wall.t + 0.1, wall.t + 8.1))
     assert answer(loop, stream) is not None
     assert client.checks == 0  # it was never even suspected
 
@@ -120,7 +120,7 @@ def test_a_worker_whose_health_does_not_answer_either_is_failed_after_one_bound(
     client = Health(answers=False)
     loop, wall = loop_and_clock(client)
     started = wall.t
-    stream = ScriptedStream(wall, loop.service.clock, None)
+    stream = ScriptedStream(wall, loop.host.clock, None)
     with pytest.raises(WorkerLost, match="its health does not answer"):
         answer(loop, stream)
     assert wall.t - started == pytest.approx(HANG_FLOOR)
@@ -134,7 +134,7 @@ def test_a_silent_step_of_a_worker_whose_health_answers_fails_after_a_second_bou
     loop, wall = loop_and_clock(client)
     started = wall.t
     with pytest.raises(WorkerLost, match="its health answers"):
-        answer(loop, ScriptedStream(wall, loop.service.clock, None))
+        answer(loop, ScriptedStream(wall, loop.host.clock, None))
     assert wall.t - started == pytest.approx(2 * HANG_FLOOR)
     assert client.checks == 2
 
@@ -142,6 +142,6 @@ def test_a_silent_step_of_a_worker_whose_health_answers_fails_after_a_second_bou
 def test_an_answer_within_the_second_bound_is_taken() -> None:
     client = Health(answers=True)
     loop, wall = loop_and_clock(client)
-    stream = ScriptedStream(wall, loop.service.clock, wall.t + 1.5 * HANG_FLOOR)
+    stream = ScriptedStream(wall, loop.host.clock, wall.t + 1.5 * HANG_FLOOR)
     assert answer(loop, stream) is not None
     assert client.checks == 1
