@@ -57,6 +57,7 @@ class StackSettings(CoreConfig):
     default_max_tokens: int = setting(128, help_of(GW, "default_max_tokens"))
     overlap: bool = setting(True, help_of(SC, "overlap"))
     stream_interval_ms: float = setting(0.0, help_of(SC, "stream_interval_ms"))
+    cost_model: str = setting("", help_of(SC, "cost_model"))
     sim_step_ms: float = setting(5.0, help_of(WK, "sim_step_ms").rstrip(" ."))
     discover: str = setting("", "more worker entries for the scheduler, e.g. dns:NAME:PORT")
     discovery_interval: float = setting(5.0, help_of(SC, "discovery_interval"))
@@ -131,6 +132,7 @@ class Stack:
             "--overlap" if s.overlap else "--no-overlap",
             "--stream-interval-ms",
             str(s.stream_interval_ms),
+            *(["--cost-model", os.path.abspath(s.cost_model)] if s.cost_model else []),
             "--metrics-port",
             str(s.metrics_port(1)),
             *s.token_flags,
