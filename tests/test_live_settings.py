@@ -11,7 +11,8 @@ from scheduler_svc.live_settings import NAMES, SettingError, apply, changed, cur
 def test_every_core_setting_is_live() -> None:
     for name in ("policy", "mode", "token_budget", "max_running", "chunked_prefill"):
         assert name in NAMES
-    assert "prefix_caching" in NAMES
+    assert "prefix_caching" in NAMES and "step_time_budget_ms" in NAMES
+    assert apply(CoreConfig(), {"step-time-budget-ms": "12.5"}).step_time_budget_ms == 12.5
 
 
 def test_a_change_gives_a_new_config_with_typed_values() -> None:
@@ -37,6 +38,7 @@ def test_a_change_gives_a_new_config_with_typed_values() -> None:
         (["token_budget=0"], "token_budget"),
         (["token_budget=lots"], "token_budget"),
         (["max_running=-1"], "max_running"),
+        (["step_time_budget_ms=-3"], "step_time_budget_ms"),
         (["policy=greedy"], "policy"),
         (["prefix_caching=maybe"], "prefix_caching"),
         (["colour=blue"], "colour"),
