@@ -10,7 +10,7 @@ the worker's previous step still runs (overlap): a request then decodes the toke
 sampled in that step, which the core learns one step late (`Sequence.num_inflight`).
 
 Prefix caching (paged only): a request admitted to a worker starts from the longest run of full
-blocks of its tokens that the worker's pool already holds (`BlockPool.match`), shared by
+blocks of its tokens that the worker's pool already holds (`KvManager.hit`), shared by
 reference, and computes only the rest. A block is cached when a chunk completes it (readable from
 the next step on) and, for generated tokens, when its request leaves. `reserve` keeps it off:
 reserving the maximum length per request is the contiguous allocation of servers before paging,
@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
 from llmserve.runtime.request_checks import context_problem
-from scheduler_svc.blocks import block_keys, blocks_for, common_blocks
+from scheduler_svc.blocks import blocks_for
 from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, WorkerSpec
+from scheduler_svc.kv import FailedWork, KeyMemo
 from scheduler_svc.output import Event, Refused, Snapshot, StepTokens
 from scheduler_svc.reasons import RefusalReason, StallReason
 from scheduler_svc.sequence import NO_HANDLE, Finish, SeqStatus, Sequence
@@ -34,8 +35,6 @@ from scheduler_svc.step import Step, Work
 from scheduler_svc.worker_state import WorkerState
 
 RUNNING, FINISHED = SeqStatus.RUNNING, SeqStatus.FINISHED
-HIT_BATCH = 32  # blocks hashed at a time past a request's known keys to look up its cache hit
-KEY_MEMO = 64  # recent requests, by first block key, whose prompt keys a new request may reuse
 
 
 class Scheduler:
@@ -46,6 +45,11 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.chunked = config.chunked_prefill
+        self.reserve = config.policy is KvPolicy.RESERVE
+        self.static = config.mode is BatchMode.STATIC
+        self.caching = config.prefix_caching and not self.reserve
+        self.key_memo = KeyMemo()  # shared by the workers' KV managers
         self.workers: list[WorkerState] = []
         for spec in workers:
             self.add_worker(spec)
@@ -61,19 +65,13 @@ class Scheduler:
         self.outbox: list[Event | tuple[str, int] | StepTokens] = []  # tuple: (request, token)
         self.wakes: set[int] = set()  # workers that should plan: the head waits for them
         self.stop_ids: frozenset[int] = frozenset()  # every request's stop tokens, together
-        self.chunked = config.chunked_prefill
-        self.reserve = config.policy is KvPolicy.RESERVE
-        self.static = config.mode is BatchMode.STATIC
-        self.caching = config.prefix_caching and not self.reserve
-        # (first block key, block size) -> the latest request whose keys start so (`_reuse_keys`)
-        self.key_memo: OrderedDict[tuple[bytes, int], Sequence] = OrderedDict()
 
     # ---- workers in and out --------------------------------------------------------------
 
     def add_worker(self, spec: WorkerSpec) -> int:
         """A worker joins: it takes admissions from its first step."""
         index = len(self.workers)
-        self.workers.append(WorkerState(spec, index))
+        self.workers.append(WorkerState(spec, index, self.caching, self.key_memo))
         return index
 
     def remove_worker(self, index: int) -> None:
@@ -168,7 +166,7 @@ class Scheduler:
         budget = sys.maxsize if self.static else self.config.token_budget
         for index in indices:
             ws = self.workers[index]
-            ws.pool.fresh.clear()  # the steps that write them have been sent
+            ws.kv.sent()  # the steps that write what they cached have been sent
             self._reap(ws)
             if not ws.running:
                 ws.batch_closed = False
@@ -316,9 +314,8 @@ class Scheduler:
         step.chunks.append(work)
         seq.num_computed = start + n
         if self.caching:
-            bs = ws.spec.block_size
-            work.blocks = ws.pool.tables[seq.request_id][start // bs : blocks_for(start + n, bs)]
-            self._cache(ws, seq, start, start + n)
+            work.blocks = ws.kv.blocks(seq, start, start + n)
+            ws.kv.commit(seq, start, start + n)
         if sample:
             seq.known += 1
             ws.prefilling.discard(seq)
@@ -326,20 +323,15 @@ class Scheduler:
             ws.prefilling.add(seq)
 
     def _make_room(self, ws: WorkerState, seq: Sequence, positions: int, step: Step) -> bool:
-        pool = ws.pool
-        while not pool.can_grow(seq.request_id, positions):
+        """Blocks for `seq` to hold `positions`, preempting the newest running requests until
+        they fit; False if `seq` itself was preempted."""
+        while (new := ws.kv.allocate(seq, positions)) is None:
             victim = ws.running[-1]
             self._preempt(ws, victim)
             if victim is seq:
                 return False
-        self._grow(ws, seq, positions, step)
-        return True
-
-    def _grow(self, ws: WorkerState, seq: Sequence, positions: int, step: Step) -> None:
-        pool = ws.pool
-        new = pool.grow(seq.request_id, positions)
-        seq.held = len(pool.tables[seq.request_id]) * pool.block_size
         step.grants.append((seq.handle, new))
+        return True
 
     def _admit(self, steps: dict[int, Step]) -> None:
         self.head_reason = None
@@ -386,7 +378,7 @@ class Scheduler:
             full = self._worker_full(candidates[0])
             if full is not None:
                 return candidates[0], full, []
-        hits = {ws.index: self._hit(ws, seq) for ws in candidates}
+        hits = {ws.index: ws.kv.hit(seq) for ws in candidates}
         if len(candidates) > 1:
             candidates.sort(
                 key=lambda w: (
@@ -427,19 +419,10 @@ class Scheduler:
         full = self._worker_full(ws)
         if full is not None:
             return full
-        bs = ws.spec.block_size
-        start = len(hit) * bs
+        start = len(hit) * ws.spec.block_size
         end = start + self._chunk(seq, self._full_budget(), start)
-        now = blocks_for(end, bs) - len(hit) + ws.pool.evictable_in(hit)
-        need = now
-        if self.reserve:
-            need = blocks_for(seq.max_length(ws.spec.max_context), bs)
-        free = ws.pool.num_free
-        if need <= free:
-            return None
-        if now <= free + ws.reserved_unused():
-            return StallReason.KV_RESERVED
-        return StallReason.KV_CAPACITY
+        reserve = seq.max_length(ws.spec.max_context) if self.reserve else None
+        return ws.kv.why_not_admit(hit, end, reserve, ws.running)
 
     def _worker_full(self, ws: WorkerState) -> StallReason | None:
         """The limits of a worker that no request can pass now, whatever its tokens."""
@@ -456,13 +439,15 @@ class Scheduler:
         seq.max_out = seq.stop_at - len(seq.prompt_ids)
         seq.suspect = False  # what it computes from here is computed anew
         if hit:
-            ws.pool.share(seq.request_id, hit)
+            ws.kv.share(seq, hit)
             step.shares.append((seq.handle, hit))
             seq.num_computed = len(hit) * ws.spec.block_size
         seq.cached_to = seq.num_computed  # shared blocks are cached; its own, not yet
         ws.prompt_tokens += seq.known
         ws.hit_tokens += seq.num_computed
-        self._grow(ws, seq, seq.stop_at if self.reserve else seq.num_computed + n, step)
+        new = ws.kv.allocate(seq, seq.stop_at if self.reserve else seq.num_computed + n)
+        assert new is not None, "admitted without room"  # `_why_not` found it
+        step.grants.append((seq.handle, new))
         step.added.append(seq)
         ws.running.append(seq)
         self.admitted += 1
@@ -481,145 +466,40 @@ class Scheduler:
 
     # ---- the prefix cache ----------------------------------------------------------------
 
-    def _hit(self, ws: WorkerState, seq: Sequence) -> list[int]:
-        """The cached blocks `seq` would start from on `ws`; at least its last known token is
-        always computed, for the logits that sample the next one."""
-        if not self.caching:
-            return []
-        bs, match = ws.spec.block_size, ws.pool.match
-        upto = (seq.known - 1) // bs
-        keys = self._keys(seq, 0, bs)
-        if not keys and upto > 1:
-            self._reuse_keys(seq, bs, upto)
-        if not ws.pool.cached:  # nothing cached yet: nothing to look up
-            return []
-        hit: list[int] = []
-        while True:  # hash only as far as the cache matches (then the chunks hash the rest)
-            known = min(len(keys), upto)
-            found = match(keys[len(hit) : known])
-            hit += found
-            if len(hit) < known or known == upto:
-                return hit
-            self._keys(seq, min(upto, max(2 * known, known + HIT_BATCH)), bs)
-
-    def _reuse_keys(self, seq: Sequence, bs: int, upto: int) -> None:
-        """A request about to look up its hit: where its prompt's first blocks equal, token for
-        token, those of the latest request whose first key is its own (same first block, same
-        salt), take that one's keys instead of hashing them (keys are a function of the salt
-        and the tokens: equal tokens, equal keys). Comparing ids costs far less than hashing
-        them, and a long cached prefix (a document, a conversation's history) is what most
-        admissions of a Mooncake-shaped load look up."""
-        keys = self._keys(seq, 1, bs)
-        memo, at = self.key_memo, (keys[0], bs)
-        other = memo.get(at)
-        memo[at] = seq
-        memo.move_to_end(at)
-        if len(memo) > KEY_MEMO:
-            memo.popitem(last=False)
-        if other is None or other is seq or other.key_block_size != bs:
-            return
-        theirs = other.block_keys
-        limit = min(upto, len(theirs), len(seq.prompt_ids) // bs, len(other.prompt_ids) // bs)
-        same = common_blocks(seq.prompt_ids, other.prompt_ids, bs, limit)
-        keys += theirs[1:same]
-
-    @staticmethod
-    def _keys(seq: Sequence, upto: int, bs: int) -> list[bytes]:
-        """The keys of `seq`'s first `upto` full blocks (kept on it, extended as needed; only
-        the tokens of the blocks still to hash are read)."""
-        if seq.key_block_size != bs:
-            seq.block_keys, seq.key_block_size = [], bs
-        keys = seq.block_keys
-        if len(keys) < upto:
-            prompt, salt = seq.prompt_ids, seq.cache_salt
-            if upto * bs <= len(prompt):
-                block_keys(prompt, bs, keys, upto, salt)
-            else:
-                at = len(keys) * bs
-                tail = prompt[at:] + seq.output_ids[max(0, at - len(prompt)) :]
-                block_keys(tail, bs, keys, upto, salt, offset=at)
-        return keys
-
-    def _cache_rest(self, ws: WorkerState, seq: Sequence) -> None:
-        """`seq` leaves its worker: cache the full blocks its chunks have not (those its
-        decodes filled), as far as its tokens are known."""
-        self._cache(ws, seq, seq.cached_to, min(seq.num_computed, seq.num_tokens))
-
-    def _cache(self, ws: WorkerState, seq: Sequence, start: int, end: int) -> None:
-        """Positions start..end of `seq` are (or will be, by its steps sent) written: cache the
-        full blocks among them, under its tokens' keys."""
-        bs = ws.spec.block_size
-        first, last = start // bs, end // bs
-        if last <= first or seq.suspect:
-            return
-        keys = self._keys(seq, last, bs)
-        pool = ws.pool
-        table = pool.tables[seq.request_id]
-        pool.cache_all(table[first:last], keys[first:last])
-        seq.cached_to = max(seq.cached_to, last * bs)
-
     def _distrust(self, step: Step, handles: set[int]) -> None:
         """These items of a step failed: the KV they wrote, and everything computed over it
-        since (with overlap, later steps were planned over it), is not to be trusted. Their
-        requests cache nothing more (a cancelled or preempted one included, its handle changed
-        since); the blocks they wrote, their later blocks, and those cached under their keys
-        from the failed positions on leave the cache; and so, transitively, does every block a
-        request filled over a distrusted one: such a request goes back to the queue (admitted
-        with overlap before the failure was known), or, if it has finished since, caches
-        nothing when it leaves."""
+        since (with overlap, later steps were planned over it), is not to be trusted
+        (`KvManager.distrust`). A request that filled a block over a distrusted one goes back
+        to the queue (admitted with overlap before the failure was known), or, if it has
+        finished since, caches nothing when it leaves."""
         if not self.caching:
             return
         ws = self.workers[step.worker]
-        bad = self._failed_blocks(ws, step, handles)
-        if not bad:
-            return
-        tainted = self._spread_distrust(ws, bad, handles)
-        ws.pool.uncache([b for b in bad if b in ws.pool.key_of])
-        for seq in tainted:
+        failed = [
+            self._failed_work(ws, w.seq, w.handle, w.start, w.blocks)
+            for w in step.chunks
+            if w.handle in handles
+        ]
+        failed += [  # a decode writes past the prompt
+            self._failed_work(ws, seq, h, len(seq.prompt_ids), [])
+            for seq, h in zip(step.decodes, step.decode_handles, strict=True)
+            if h in handles
+        ]
+        others = [s for s in ws.running if s.handle not in handles]
+        for seq in ws.kv.distrust(failed, others):
             if seq.is_finished:
                 seq.suspect = True
             else:
                 self._preempt(ws, seq, cache=False)
 
-    def _failed_blocks(self, ws: WorkerState, step: Step, handles: set[int]) -> set[int]:
-        """The blocks the failed items of `step` wrote or their requests computed over them."""
-        pool, bs = ws.pool, ws.spec.block_size
-        bad: set[int] = set()
-        items = [(w.seq, w.handle, w.start, w.blocks) for w in step.chunks]
-        decodes = zip(step.decodes, step.decode_handles, strict=True)
-        items += [(seq, h, len(seq.prompt_ids), []) for seq, h in decodes]  # writes past it
-        for seq, handle, start, written in items:
-            if handle not in handles:
-                continue
-            seq.suspect = True
-            bad.update(written)
-            if seq.handle == handle or (seq.is_finished and seq.worker == ws.index):
-                bad.update(pool.table(seq.request_id)[start // bs :])
-            if seq.key_block_size == bs:
-                keys = seq.block_keys[start // bs :]
-                bad.update(b for b in map(pool.cached.get, keys) if b is not None)
-        return bad
-
     @staticmethod
-    def _spread_distrust(ws: WorkerState, bad: set[int], handles: set[int]) -> list[Sequence]:
-        """The other requests on `ws` whose tables hold a distrusted block, in admission order:
-        their blocks from that one on join `bad`, until no more request is reached."""
-        pool = ws.pool
-        tainted: dict[Sequence, None] = {}
-        others = [s for s in ws.running if s.handle not in handles]
-        grew = True
-        while grew:
-            grew = False
-            for seq in others:
-                if seq in tainted:
-                    continue
-                table = pool.table(seq.request_id)
-                first = next((i for i, b in enumerate(table) if b in bad), None)
-                if first is not None:
-                    bad.update(table[first:])
-                    tainted[seq] = None
-                    grew = True
-        return [s for s in ws.running if s in tainted][::-1]  # newest first: FCFS kept
+    def _failed_work(
+        ws: WorkerState, seq: Sequence, handle: int, start: int, blocks: list[int]
+    ) -> FailedWork:
+        """The request's table on `ws` is the one this work wrote into while it runs there
+        under the same handle, or has finished there (its table not freed yet)."""
+        owns = seq.handle == handle or (seq.is_finished and seq.worker == ws.index)
+        return FailedWork(seq, start, blocks, owns)
 
     # ---- helpers -------------------------------------------------------------------------
 
@@ -658,9 +538,7 @@ class Scheduler:
         """Free `seq`'s KV and put it back at the front of the queue, to be recomputed."""
         ws.running.remove(seq)
         ws.prefilling.discard(seq)
-        if self.caching and cache:  # its recompute (or another request) may find these again
-            self._cache_rest(ws, seq)
-        ws.pool.release(seq.request_id)
+        ws.kv.free(seq, keep_cache=cache)  # its recompute (or another request) may find these
         ws.released.append(seq.handle)
         seq.status, seq.worker, seq.handle = SeqStatus.WAITING, None, NO_HANDLE
         seq.num_computed = seq.held = 0
@@ -675,9 +553,7 @@ class Scheduler:
             return
         for seq, handle in ws.done:
             ws.prefilling.discard(seq)
-            if self.caching and seq.finish is not Finish.ERROR:  # an error's KV is suspect
-                self._cache_rest(ws, seq)
-            ws.pool.release(seq.request_id)
+            ws.kv.free(seq, keep_cache=seq.finish is not Finish.ERROR)  # an error's is suspect
             ws.released.append(handle)
             if self.seqs.get(seq.request_id) is seq:
                 del self.seqs[seq.request_id]
@@ -720,7 +596,7 @@ class Scheduler:
             waiting=len(self.waiting),
             waiting_tokens=self.waiting_tokens,
             running=sum(len(ws.running) for ws in self.workers),
-            workers=[ws.kv() for ws in self.workers if not ws.gone],
+            workers=[ws.report() for ws in self.workers if not ws.gone],
             stalls=dict(self.stalls),
             head_wait_reason=self.head_reason.value if self.head_reason and self.waiting else "",
             steps=self.steps,

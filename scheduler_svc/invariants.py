@@ -33,8 +33,8 @@ def check_invariants(core: Scheduler) -> None:
     """Raise InvariantError naming the first broken invariant."""
     running_ids: set[str] = set()
     for index, ws in enumerate(core.workers):
-        name, pool, bs = ws.spec.name, ws.pool, ws.spec.block_size
-        kv = ws.kv()
+        name, pool, bs = ws.spec.name, ws.kv.pool, ws.spec.block_size
+        kv = ws.report()
         _require(
             kv.free + kv.written + kv.reserved_unwritten == kv.capacity,
             f"{name}: free {kv.free} + written {kv.written} + reserved {kv.reserved_unwritten} "
@@ -130,7 +130,7 @@ def check_step(core: Scheduler, step: Step) -> None:
     """Raise InvariantError if `step`, just planned, hands a worker work that is not its own.
     Cheap: a dict of the worker's running requests, then O(1) per item and grant."""
     ws = core.workers[step.worker]
-    name, pool, bs = ws.spec.name, ws.pool, ws.spec.block_size
+    name, pool, bs = ws.spec.name, ws.kv.pool, ws.spec.block_size
     by_handle = {s.handle: s for s in ws.running if s.status is SeqStatus.RUNNING}
     items = [(w.seq, w.handle, w.start + w.num_tokens) for w in step.chunks]
     decodes = zip(step.decodes, step.decode_handles, strict=True)

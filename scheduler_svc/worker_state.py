@@ -1,20 +1,23 @@
-"""What the core keeps per worker: its pool's ownership, its running requests, its counters."""
+"""What the core keeps per worker: its KV manager, its running requests, its counters."""
 
 from __future__ import annotations
 
 from collections import Counter
 
-from scheduler_svc.blocks import BlockPool, blocks_for
 from scheduler_svc.config import WorkerSpec
+from scheduler_svc.kv import KeyMemo, KvManager
 from scheduler_svc.output import WorkerKv
 from scheduler_svc.sequence import Sequence
 
 
 class WorkerState:
-    def __init__(self, spec: WorkerSpec, index: int) -> None:
+    def __init__(
+        self, spec: WorkerSpec, index: int, caching: bool = False, memo: KeyMemo | None = None
+    ) -> None:
         self.index = index
         self.spec = spec
-        self.pool = BlockPool(spec.num_blocks, spec.block_size)
+        self.caching, self.memo = caching, memo
+        self.kv = KvManager(spec.num_blocks, spec.block_size, caching, memo)
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.prefilling: set[Sequence] = set()  # running, with prompt (chunks) still to compute
         self.done: list[tuple[Sequence, int]] = []  # finished while running: leave next step
@@ -37,46 +40,36 @@ class WorkerState:
 
     @property
     def free_positions(self) -> int:
-        return self.pool.num_free * self.spec.block_size
+        return self.kv.free_positions
 
     def reset_pool(self, spec: WorkerSpec | None = None) -> None:
         """A fresh view of the pool (a replacement worker may bring another size)."""
         self.spec = spec or self.spec
-        self.lost_evictions += self.pool.evictions
-        self.pool = BlockPool(self.spec.num_blocks, self.spec.block_size)
+        self.lost_evictions += self.kv.pool.evictions
+        self.kv = KvManager(self.spec.num_blocks, self.spec.block_size, self.caching, self.memo)
         self.released.clear()
         self.prefilling.clear()
         self.batch_closed = False
 
-    def reserved_unused(self) -> int:
-        """Blocks held by running requests beyond what their planned KV needs."""
-        bs = self.spec.block_size
-        return sum(
-            self.pool.allocated(s.request_id) - blocks_for(s.num_computed, bs) for s in self.running
-        )
-
-    def kv(self) -> WorkerKv:
-        """Positions as the pool holds them: a block shared by several requests counts once
-        (shared blocks are full and written; only each request's own tail is unwritten)."""
-        bs, pool = self.spec.block_size, self.pool
-        allocated = (pool.num_blocks - pool.num_free) * bs
-        unwritten = sum(pool.allocated(s.request_id) * bs - s.num_computed for s in self.running)
+    def report(self) -> WorkerKv:
+        """Positions as the pool holds them, and this worker's counters."""
+        usage = self.kv.usage(self.running)
         return WorkerKv(
             name=self.spec.name,
             capacity=self.spec.capacity,
-            written=allocated - unwritten,
-            reserved_unwritten=unwritten,
-            free=pool.num_free * bs,
+            written=usage.written,
+            reserved_unwritten=usage.unwritten,
+            free=usage.free,
             running=len(self.running),
             healthy=self.healthy,
             draining=self.draining,
-            block_size=bs,
+            block_size=self.spec.block_size,
             max_context=self.spec.max_context,
             steps=self.steps,
             stalls=dict(self.stalls),
-            cached_blocks=len(pool.key_of),
-            evictable_blocks=len(pool.evictable),
-            evictions=self.lost_evictions + pool.evictions,
+            cached_blocks=usage.cached_blocks,
+            evictable_blocks=usage.evictable_blocks,
+            evictions=self.lost_evictions + usage.evictions,
             prompt_tokens=self.prompt_tokens,
             hit_tokens=self.hit_tokens,
         )

@@ -58,28 +58,40 @@ CORE_TESTS = (
     "tests/test_bench_core_cost.py",
     "tests/test_prefix_core.py",
     "tests/test_prefix_rules.py",
+    "tests/test_kv.py",
 )
 GROUPS = {
     "core": Group(
-        ("scheduler_svc/core.py", "scheduler_svc/blocks.py", "scheduler_svc/worker_state.py"),
+        (
+            "scheduler_svc/core.py",
+            "scheduler_svc/kv.py",
+            "scheduler_svc/blocks.py",
+            "scheduler_svc/worker_state.py",
+        ),
         CORE_TESTS,
     ),
     # the prefix cache alone: a quick run after changing it
     "prefix": Group(
-        ("scheduler_svc/blocks.py", "scheduler_svc/core.py", "scheduler_svc/worker_state.py"),
+        (
+            "scheduler_svc/blocks.py",
+            "scheduler_svc/kv.py",
+            "scheduler_svc/core.py",
+            "scheduler_svc/worker_state.py",
+        ),
         CORE_TESTS,
         part_of="core",
         functions=(
             "scheduler_svc.blocks.*",
+            "scheduler_svc.kv.*",
             *(
                 f"scheduler_svc.core.xǁSchedulerǁ{name}__mutmut_*"
                 for name in (
-                    "_hit _keys _cache _distrust _place _why_not _start _reap _preempt _admit "
-                    "_chunk _plan_chunk schedule_workers"
+                    "_distrust _failed_work _place _why_not _start _reap _preempt _admit "
+                    "_chunk _plan_chunk _make_room schedule_workers"
                 ).split()
             ),
             "scheduler_svc.worker_state.xǁWorkerStateǁreset_pool__mutmut_*",
-            "scheduler_svc.worker_state.xǁWorkerStateǁkv__mutmut_*",
+            "scheduler_svc.worker_state.xǁWorkerStateǁreport__mutmut_*",
         ),
     ),
     "sampling": Group(

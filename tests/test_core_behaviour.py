@@ -142,7 +142,7 @@ def test_random_workloads_keep_invariants_and_finish_everything(policy, mode) ->
         outs = run_to_end(core)
         assert all(len(o) > 0 for o in outs.values())
         for ws in core.workers:
-            assert ws.pool.num_free == ws.spec.num_blocks and not ws.running
+            assert ws.kv.pool.num_free == ws.spec.num_blocks and not ws.running
 
 
 def test_static_batch_forms_whole_then_admits_nothing_until_it_drains() -> None:

@@ -151,7 +151,7 @@ def test_a_request_submitted_past_the_context_stops_at_the_context(policy, overl
         else:
             step(core)
         check_invariants(core)
-        assert core.workers[0].pool.allocated("r") <= 4  # 16 positions of 4
+        assert core.workers[0].kv.pool.allocated("r") <= 4  # 16 positions of 4
     driver.flush()
     assert r.finish is Finish.LENGTH and len(r.output_ids) == 6
     assert finishes(core) == {"r": (Finish.LENGTH, "")}
@@ -231,7 +231,7 @@ def test_a_request_the_worker_cannot_run_fails_alone_and_the_rest_of_the_step_st
         )
     }
     step(core)
-    assert "b" not in core.seqs and core.workers[0].pool.allocated("b") == 0
+    assert "b" not in core.seqs and core.workers[0].kv.pool.allocated("b") == 0
 
 
 def test_a_chunk_the_worker_cannot_run_fails_alone() -> None:
@@ -360,7 +360,7 @@ def test_a_restored_worker_takes_requests_again_with_its_new_pool() -> None:
     step(core)
     kv = core.snapshot().workers[0]
     assert (kv.capacity, kv.block_size, kv.running, kv.healthy) == (80, 4, 1, True)
-    assert core.workers[0].pool.allocated("a") == 2  # 6 positions in blocks of 4
+    assert core.workers[0].kv.pool.allocated("a") == 2  # 6 positions in blocks of 4
 
 
 # ---- refusals: the reason and the message a client gets --------------------------------------
@@ -676,5 +676,5 @@ def test_a_request_cancelled_mid_prefill_leaves_no_trace_on_its_worker() -> None
     step(core)
     check_invariants(core)
     ws = core.workers[0]
-    assert (ws.running, ws.prefilling, ws.pool.num_free) == ([], set(), 100)
+    assert (ws.running, ws.prefilling, ws.kv.pool.num_free) == ([], set(), 100)
     assert core.snapshot().oldest_wait == 0.0  # nothing waits

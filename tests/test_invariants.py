@@ -35,17 +35,17 @@ def busy_core() -> Scheduler:
 
 
 def steal_block(core: Scheduler) -> None:
-    pool = core.workers[0].pool
+    pool = core.workers[0].kv.pool
     pool.tables["a"].append(pool.tables["b"][0])  # owned twice
 
 
 def free_owned(core: Scheduler) -> None:
-    pool = core.workers[0].pool
+    pool = core.workers[0].kv.pool
     pool.free.append(pool.tables["a"][0])
 
 
 def drop_kv(core: Scheduler) -> None:
-    pool = core.workers[0].pool
+    pool = core.workers[0].kv.pool
     pool.free.append(pool.tables["a"].pop())  # a's tokens lose their KV
 
 
@@ -80,12 +80,12 @@ def twice(core: Scheduler, planned: Step) -> None:
 
 def short_table(core: Scheduler, planned: Step) -> None:
     rid = planned.decodes[0].request_id
-    core.workers[0].pool.tables[rid].pop()  # its last position has no block
+    core.workers[0].kv.pool.tables[rid].pop()  # its last position has no block
 
 
 def misplaced_grant(core: Scheduler, planned: Step) -> None:
     a = planned.decodes[0]
-    planned.grants.append((a.handle, [core.workers[0].pool.tables[a.request_id][0]]))
+    planned.grants.append((a.handle, [core.workers[0].kv.pool.tables[a.request_id][0]]))
 
 
 def granted_to_nobody(core: Scheduler, planned: Step) -> None:
@@ -123,7 +123,7 @@ def test_a_request_left_prefilling_after_it_stopped_running_is_caught() -> None:
     core = busy_core()
     gone = core.workers[0].running.pop()
     core.workers[0].prefilling.add(gone)
-    core.workers[0].pool.release(gone.request_id)
+    core.workers[0].kv.pool.release(gone.request_id)
     with pytest.raises(InvariantError, match="prefilling, but not running"):
         check_invariants(core)
 
@@ -153,7 +153,7 @@ def test_a_broken_step_loop_exits_the_scheduler_loudly(how, monkeypatch, caplog)
 
     def break_it(service: SchedulerService) -> None:
         if how == "invariant":
-            service.core.workers[0].pool.free.append(0)  # block 0 free twice
+            service.core.workers[0].kv.pool.free.append(0)  # block 0 free twice
         else:
             monkeypatch.setattr(service.core, "schedule", lambda index: 1 / 0)
 

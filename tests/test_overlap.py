@@ -103,7 +103,7 @@ def test_same_outputs_with_and_without_overlap_preemptions_included(policy, mode
             core.add(s)
         run_all(core, overlap)
         results.append({s.request_id: (s.finish, list(s.output_ids)) for s in seqs})
-        assert all(ws.pool.num_free == ws.spec.num_blocks for ws in core.workers)
+        assert all(ws.kv.pool.num_free == ws.spec.num_blocks for ws in core.workers)
         if capacity == 14 and policy is KvPolicy.PAGED:
             assert core.preemptions > 0
     assert all(r == results[0] for r in results)

@@ -134,7 +134,7 @@ def test_workers_of_different_block_sizes_and_contexts_serve_a_mixed_load() -> N
         core.add(s)
     run_all(core, overlap=True)
     assert all(s.is_finished and s.output_ids for s in seqs)
-    assert all(ws.pool.num_free == ws.spec.num_blocks for ws in core.workers)
+    assert all(ws.kv.pool.num_free == ws.spec.num_blocks for ws in core.workers)
 
 
 def test_refused_when_no_single_worker_holds_it_though_two_together_would() -> None:

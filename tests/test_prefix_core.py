@@ -62,7 +62,7 @@ def test_a_request_that_starts_like_a_finished_one_computes_only_the_rest() -> N
     assert planned.num_tokens == 3  # the token budget is charged 3, not 19
     [(handle, shared)] = planned.shares
     assert handle == work.handle and len(shared) == 4
-    assert core.workers[0].pool.table("B")[:4] == shared
+    assert core.workers[0].kv.pool.table("B")[:4] == shared
     kv = core.snapshot().workers[0]
     assert (kv.prompt_tokens, kv.hit_tokens) == (20 + 19, 16)
 
@@ -121,7 +121,7 @@ def test_blocks_shared_by_running_requests_are_never_evicted_or_reused() -> None
     step(core)
     core.add(req("B", PROMPT[:16] + [1, 2], 8))
     step(core)
-    pool = core.workers[0].pool
+    pool = core.workers[0].kv.pool
     shared = pool.table("B")[:4]
     keys = {pool.key_of[b] for b in shared}
     assert shared == pool.table("A")[:4] and all(pool.refs[b] == 2 for b in shared)
@@ -179,7 +179,7 @@ def test_cancelling_a_request_that_shares_blocks_frees_only_its_own_references()
     step(core)
     core.add(req("B", PROMPT[:16] + [1, 2], 30))
     step(core)
-    pool = core.workers[0].pool
+    pool = core.workers[0].kv.pool
     shared, own = pool.table("B")[:4], pool.table("B")[4:]
     core.abort("B")
     step(core)
@@ -194,7 +194,7 @@ def test_a_preempted_request_that_shares_blocks_frees_only_its_own_and_finds_the
     step(core)
     core.add(req("B", PROMPT[:16] + [1, 2, 3], 24))  # with A, more than the pool
     step(core)
-    pool = core.workers[0].pool
+    pool = core.workers[0].kv.pool
     shared = pool.table("A")[:4]
     for _ in range(40):
         step(core)
@@ -285,7 +285,7 @@ def test_a_failed_chunk_is_not_cached_and_a_request_that_read_it_starts_over() -
     assert [(e.request_id, e.finish) for e in core.take_events() if e.finish] == [
         ("A", Finish.ERROR)
     ]
-    assert core.workers[0].pool.cached == {}
+    assert core.workers[0].kv.pool.cached == {}
     c = core.seqs["C"]
     assert c.preemptions == 1 and [s.request_id for s in core.waiting] == ["C"]
     core.complete(first, [])

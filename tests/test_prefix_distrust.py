@@ -34,7 +34,7 @@ class KvTruth:
 
     def writes(self, step: Step) -> list[Write]:
         """What a step just planned writes: read its tables now, before anything changes them."""
-        pool = self.core.workers[self.worker].pool
+        pool = self.core.workers[self.worker].kv.pool
         out = [
             (w.seq, w.handle, list(pool.table(w.seq.request_id)), w.start, w.start + w.num_tokens)
             for w in step.chunks
@@ -105,7 +105,7 @@ def test_a_request_admitted_onto_a_failed_chunk_caches_nothing_it_filled_over_it
     b = req("B", PROMPT[:8] + [1, 2, 3, 4, 5], 3)
     core.add(b)
     second = core.schedule(0)
-    pool = core.workers[0].pool
+    pool = core.workers[0].kv.pool
     [(_, shared)] = second.shares
     filled = pool.table("B")[2]
     assert shared == pool.table("X")[:2] and pool.key_of[filled] == b.block_keys[2]
@@ -139,7 +139,7 @@ def test_distrust_is_transitive_through_blocks_other_requests_filled() -> None:
     d = req("D", b.prompt_ids[:12] + [7, 7, 7, 7, 7], 3)
     core.add(d)
     steps.append(core.schedule(0))
-    pool = core.workers[0].pool
+    pool = core.workers[0].kv.pool
     assert [s.seq.request_id for s in steps[2].chunks] == ["D"]
     assert steps[2].shares[0][1] == pool.table("B")[:3]  # X's two blocks and B's own
     d_own = pool.table("D")[3]
@@ -164,7 +164,7 @@ def test_a_reader_cancelled_before_the_failure_is_known_caches_nothing_when_it_l
     core.complete(second, sample(second))
     core.schedule(0)  # B leaves its worker
     check_invariants(core)
-    assert core.workers[0].pool.cached == {}
+    assert core.workers[0].kv.pool.cached == {}
 
 
 def test_a_key_cached_again_in_another_block_replaces_the_old_one() -> None:

@@ -52,10 +52,10 @@ def test_a_failed_chunk_takes_the_blocks_of_its_later_chunks_out_of_the_cache_to
     first = core.schedule(0)
     second = core.schedule(0)
     assert [(w.start, w.num_tokens) for w in second.chunks] == [(8, 8)]
-    assert len(core.workers[0].pool.cached) == 4  # A's first four blocks
+    assert len(core.workers[0].kv.pool.cached) == 4  # A's first four blocks
     core.fail_items(first, {first.chunks[0].handle: "boom"}, "w")
     check_invariants(core)
-    assert core.workers[0].pool.cached == {}
+    assert core.workers[0].kv.pool.cached == {}
 
 
 def test_a_resent_conversation_finds_the_blocks_of_the_answer_too() -> None:
@@ -78,7 +78,7 @@ def test_a_request_that_failed_leaves_nothing_in_the_cache_its_decodes_filled() 
     core.abort("A", Finish.ERROR, "boom")
     step(core)
     check_invariants(core)
-    assert len(core.workers[0].pool.cached) == 2  # the prompt's blocks, cached by its chunk
+    assert len(core.workers[0].kv.pool.cached) == 2  # the prompt's blocks, cached by its chunk
 
 
 def test_a_preempted_request_keeps_the_blocks_its_decodes_filled_cached() -> None:
@@ -89,7 +89,7 @@ def test_a_preempted_request_keeps_the_blocks_its_decodes_filled_cached() -> Non
     step(core)
     b = req("B", PROMPT[4:8], 24)
     core.add(b)
-    pool = core.workers[0].pool
+    pool = core.workers[0].kv.pool
     for _ in range(60):
         table, computed = list(pool.table("B")), b.num_computed
         step(core)
@@ -130,10 +130,10 @@ def test_evictions_are_counted_across_the_pools_a_worker_had() -> None:
     core = core_of()
     ws = core.workers[0]
     for evictions in (3, 2):
-        ws.pool.evictions = evictions
+        ws.kv.pool.evictions = evictions
         core.fail_worker(0)
         core.restore_worker(0)
-    ws.pool.evictions = 1
+    ws.kv.pool.evictions = 1
     assert core.snapshot().workers[0].evictions == 6
 
 
@@ -150,7 +150,7 @@ def test_a_chunk_that_fails_after_its_request_left_leaves_nothing_cached(how) ->
     else:
         core._preempt(core.workers[0], core.seqs["A"])
     core.schedule(0)  # a cancelled A is reaped; a preempted A is placed again
-    assert core.workers[0].pool.cached
+    assert core.workers[0].kv.pool.cached
     core.fail_items(first, {first.chunks[0].handle: "boom"}, "w")
     check_invariants(core)
-    assert core.workers[0].pool.match(block_keys(PROMPT, BS, [], 2)) == []
+    assert core.workers[0].kv.pool.match(block_keys(PROMPT, BS, [], 2)) == []

@@ -13,7 +13,8 @@ import pytest
 import scheduler_svc.blocks as blocks_module
 from scheduler_svc.blocks import BlockPool, block_keys, common_blocks
 from scheduler_svc.config import CoreConfig, WorkerSpec
-from scheduler_svc.core import HIT_BATCH, Scheduler
+from scheduler_svc.core import Scheduler
+from scheduler_svc.kv import HIT_BATCH
 from scheduler_svc.output import Event
 from scheduler_svc.sequence import Sequence
 

@@ -130,4 +130,4 @@ def test_the_core_fails_only_the_requests_the_worker_could_not_run() -> None:
     assert len(a.output_ids) == len(c.output_ids) == 1 and not b.output_ids
     core.schedule(0)  # b leaves and frees its KV at the next step
     check_invariants(core)
-    assert core.workers[0].pool.allocated("b") == 0
+    assert core.workers[0].kv.pool.allocated("b") == 0

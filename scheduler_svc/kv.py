@@ -1,0 +1,274 @@
+"""One worker's KV as the scheduler asks about it, in terms of requests (vLLM v1's
+KVCacheManager is the model): the cached blocks a request can start from, the blocks it needs,
+allocate (new blocks, or None), commit what a step wrote to the prefix cache, free (keeping or
+dropping its cache), distrust what a failed step wrote. The block pool (blocks.py) and the
+prefix keys stay behind it: the core never touches a block table, and this never sees the core
+or its per-worker state.
+
+A request's keys (`Sequence.block_keys`, for `key_block_size`) are per-request data that only
+this module reads or writes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from scheduler_svc.blocks import BlockPool, block_keys, blocks_for, common_blocks
+from scheduler_svc.reasons import StallReason
+from scheduler_svc.sequence import Sequence
+
+HIT_BATCH = 32  # blocks hashed at a time past a request's known keys to look up its cache hit
+KEY_MEMO = 64  # recent requests, by first block key, whose prompt keys a new request may reuse
+
+
+@dataclass(frozen=True, slots=True)
+class KvUsage:
+    """Positions as the pool holds them: a block shared by several requests counts once."""
+
+    written: int
+    unwritten: int  # allocated to running requests, not written yet
+    free: int
+    cached_blocks: int
+    evictable_blocks: int
+    evictions: int
+
+
+@dataclass(frozen=True, slots=True)
+class FailedWork:
+    """Work of a failed step: its request, the first position it wrote, the blocks it wrote,
+    and whether the request's table on this worker is still the one that work wrote into."""
+
+    seq: Sequence
+    start: int
+    blocks: list[int]
+    owns_table: bool
+
+
+def keys_of(seq: Sequence, upto: int, bs: int) -> list[bytes]:
+    """The keys of `seq`'s first `upto` full blocks (kept on it, extended as needed; only the
+    tokens of the blocks still to hash are read)."""
+    if seq.key_block_size != bs:
+        seq.block_keys, seq.key_block_size = [], bs
+    keys = seq.block_keys
+    if len(keys) < upto:
+        prompt, salt = seq.prompt_ids, seq.cache_salt
+        if upto * bs <= len(prompt):
+            block_keys(prompt, bs, keys, upto, salt)
+        else:
+            at = len(keys) * bs
+            tail = prompt[at:] + seq.output_ids[max(0, at - len(prompt)) :]
+            block_keys(tail, bs, keys, upto, salt, offset=at)
+    return keys
+
+
+class KeyMemo:
+    """The latest requests, by (first block key, block size), whose keys a new request whose
+    first blocks equal theirs may take instead of hashing them. Shared by every worker's
+    manager: keys do not depend on the worker."""
+
+    def __init__(self, size: int = KEY_MEMO) -> None:
+        self.size = size
+        self.latest: OrderedDict[tuple[bytes, int], Sequence] = OrderedDict()
+
+    def reuse(self, seq: Sequence, bs: int, upto: int) -> None:
+        """A request about to look up its hit: where its prompt's first blocks equal, token for
+        token, those of the latest request whose first key is its own (same first block, same
+        salt), take that one's keys instead of hashing them (keys are a function of the salt
+        and the tokens: equal tokens, equal keys). Comparing ids costs far less than hashing
+        them, and a long cached prefix (a document, a conversation's history) is what most
+        admissions of a Mooncake-shaped load look up."""
+        keys = keys_of(seq, 1, bs)
+        memo, at = self.latest, (keys[0], bs)
+        other = memo.get(at)
+        memo[at] = seq
+        memo.move_to_end(at)
+        if len(memo) > self.size:
+            memo.popitem(last=False)
+        if other is None or other is seq or other.key_block_size != bs:
+            return
+        theirs = other.block_keys
+        limit = min(upto, len(theirs), len(seq.prompt_ids) // bs, len(other.prompt_ids) // bs)
+        same = common_blocks(seq.prompt_ids, other.prompt_ids, bs, limit)
+        keys += theirs[1:same]
+
+
+class KvManager:
+    """One worker's blocks and prefix cache. With `caching` off, nothing is looked up, cached
+    or distrusted: only allocation."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, caching: bool, memo: KeyMemo | None = None
+    ) -> None:
+        self.pool = BlockPool(num_blocks, block_size)
+        self.block_size = block_size
+        self.caching = caching
+        self.memo = memo if memo is not None else KeyMemo()
+
+    # ---- what is free ----------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def free_positions(self) -> int:
+        return self.pool.num_free * self.block_size
+
+    def sent(self) -> None:
+        """The steps planned so far are sent: what they cached is readable from now on."""
+        self.pool.fresh.clear()
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def hit(self, seq: Sequence) -> list[int]:
+        """The cached blocks `seq` would start from here; at least its last known token is
+        always computed, for the logits that sample the next one."""
+        if not self.caching:
+            return []
+        bs, match = self.block_size, self.pool.match
+        upto = (seq.known - 1) // bs
+        keys = keys_of(seq, 0, bs)
+        if not keys and upto > 1:
+            self.memo.reuse(seq, bs, upto)
+        if not self.pool.cached:  # nothing cached yet: nothing to look up
+            return []
+        hit: list[int] = []
+        while True:  # hash only as far as the cache matches (then the chunks hash the rest)
+            known = min(len(keys), upto)
+            found = match(keys[len(hit) : known])
+            hit += found
+            if len(hit) < known or known == upto:
+                return hit
+            keys_of(seq, min(upto, max(2 * known, known + HIT_BATCH)), bs)
+
+    def why_not_admit(
+        self, hit: list[int], end: int, reserve: int | None, running: list[Sequence]
+    ) -> StallReason | None:
+        """Can a request starting from `hit` cached blocks hold `end` positions now (and
+        `reserve` positions from the start, when not None)? It needs blocks for the rest only,
+        plus the cached ones that nobody holds (sharing takes them out of the evictable,
+        counted-free ones).
+        KV_RESERVED: it would fit but for blocks the `running` hold beyond their written KV."""
+        now = blocks_for(end, self.block_size) - len(hit) + self.pool.evictable_in(hit)
+        need = now if reserve is None else blocks_for(reserve, self.block_size)
+        free = self.pool.num_free
+        if need <= free:
+            return None
+        if now <= free + self.reserved_unused(running):
+            return StallReason.KV_RESERVED
+        return StallReason.KV_CAPACITY
+
+    def share(self, seq: Sequence, hit: list[int]) -> None:
+        """`seq`, placed here, starts its table with these cached blocks."""
+        self.pool.share(seq.request_id, hit)
+
+    # ---- allocation ------------------------------------------------------------------------
+
+    def allocate(self, seq: Sequence, positions: int) -> list[int] | None:
+        """The new blocks that let `seq` hold `positions` positions (none if it does), or None
+        if the pool has not enough free ones. `seq.held` follows."""
+        pool = self.pool
+        if not pool.can_grow(seq.request_id, positions):
+            return None
+        new = pool.grow(seq.request_id, positions)
+        seq.held = len(pool.tables[seq.request_id]) * self.block_size
+        return new
+
+    def blocks(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """The blocks positions start..end of `seq` are written into."""
+        bs = self.block_size
+        return self.pool.tables[seq.request_id][start // bs : blocks_for(end, bs)]
+
+    def free(self, seq: Sequence, keep_cache: bool = True) -> None:
+        """`seq` leaves this worker. With `keep_cache`, the full blocks its steps wrote and
+        its chunks did not cache (those its decodes filled) are cached first, as far as its
+        tokens are known."""
+        if self.caching and keep_cache:
+            self.commit(seq, seq.cached_to, min(seq.num_computed, seq.num_tokens))
+        self.pool.release(seq.request_id)
+
+    def reserved_unused(self, running: list[Sequence]) -> int:
+        """Blocks held by `running` beyond what their planned KV needs."""
+        bs, allocated = self.block_size, self.pool.allocated
+        return sum(allocated(s.request_id) - blocks_for(s.num_computed, bs) for s in running)
+
+    def usage(self, running: list[Sequence]) -> KvUsage:
+        """Shared blocks are full and written; only each request's own tail is unwritten."""
+        bs, pool = self.block_size, self.pool
+        allocated = (pool.num_blocks - pool.num_free) * bs
+        unwritten = sum(pool.allocated(s.request_id) * bs - s.num_computed for s in running)
+        return KvUsage(
+            written=allocated - unwritten,
+            unwritten=unwritten,
+            free=pool.num_free * bs,
+            cached_blocks=len(pool.key_of),
+            evictable_blocks=len(pool.evictable),
+            evictions=pool.evictions,
+        )
+
+    # ---- the prefix cache ------------------------------------------------------------------
+
+    def commit(self, seq: Sequence, start: int, end: int) -> None:
+        """Positions start..end of `seq` are (or will be, by its steps sent) written: cache the
+        full blocks among them, under its tokens' keys."""
+        bs = self.block_size
+        first, last = start // bs, end // bs
+        if last <= first or seq.suspect:
+            return
+        keys = keys_of(seq, last, bs)
+        pool = self.pool
+        table = pool.tables[seq.request_id]
+        pool.cache_all(table[first:last], keys[first:last])
+        seq.cached_to = max(seq.cached_to, last * bs)
+
+    def distrust(self, failed: list[FailedWork], others: list[Sequence]) -> list[Sequence]:
+        """This work failed: the KV it wrote, and everything computed over it since, is not to
+        be trusted. Its requests cache nothing more; the blocks it wrote, their requests' later
+        blocks, and those cached under their keys from the failed positions on leave the cache;
+        and so, transitively, does every block one of `others` (in admission order) filled over
+        a distrusted one. Returns those others, newest first: the caller recomputes them (or,
+        if finished, marks them suspect)."""
+        if not self.caching:
+            return []
+        bad = self._failed_blocks(failed)
+        if not bad:
+            return []
+        tainted = self._spread(bad, others)
+        key_of = self.pool.key_of
+        self.pool.uncache([b for b in bad if b in key_of])
+        return tainted
+
+    def _failed_blocks(self, failed: list[FailedWork]) -> set[int]:
+        """The blocks the failed work wrote or its requests computed over them."""
+        pool, bs = self.pool, self.block_size
+        bad: set[int] = set()
+        for work in failed:
+            seq, start = work.seq, work.start
+            seq.suspect = True
+            bad.update(work.blocks)
+            if work.owns_table:
+                bad.update(pool.table(seq.request_id)[start // bs :])
+            if seq.key_block_size == bs:
+                keys = seq.block_keys[start // bs :]
+                bad.update(b for b in map(pool.cached.get, keys) if b is not None)
+        return bad
+
+    def _spread(self, bad: set[int], others: list[Sequence]) -> list[Sequence]:
+        """The requests of `others` whose tables hold a distrusted block: their blocks from that
+        one on join `bad`, until no more request is reached. Newest first."""
+        pool = self.pool
+        tainted: dict[Sequence, None] = {}
+        grew = True
+        while grew:
+            grew = False
+            for seq in others:
+                if seq in tainted:
+                    continue
+                table = pool.table(seq.request_id)
+                first = next((i for i, b in enumerate(table) if b in bad), None)
+                if first is not None:
+                    bad.update(table[first:])
+                    tainted[seq] = None
+                    grew = True
+        return [s for s in others if s in tainted][::-1]
