@@ -14,6 +14,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from scheduler_svc.core import Scheduler
@@ -27,6 +28,15 @@ from scheduler_svc.worker_client import StepStream, WorkerClient, WorkerLost
 
 log = logging.getLogger("scheduler")
 IDLE_POLL_S = 0.05  # an idle loop looks at the queue at least this often
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """A step sent to the worker, not completed yet."""
+
+    step: Step
+    started: float  # perf_counter when its planning began
+    running: float  # the host clock when it was sent (how late its answer is)
 
 
 class LoopHost(Protocol):
@@ -112,33 +122,55 @@ class WorkerLoop:
         self.host.dispatch(events)
 
     async def drive(self, stream: StepStream) -> None:
-        inflight: deque[tuple[Step, float, float]] = deque()  # step, sent (perf, running)
+        """Launch the next step while fewer than `depth` are in flight, then complete the
+        oldest. With overlap (depth 2) step N+1 is planned and sent before N's answer is
+        awaited, as mini-sglang's overlap_loop; without (depth 1) each step completes before
+        the next is planned. A step that only releases KV is sent, never overlapped."""
+        inflight: deque[InFlight] = deque()
         ws = self.core.workers[self.index]
         while ws.healthy:
             if len(inflight) < self.depth:
-                self.wake.clear()  # before planning: a Submit from now on wakes it again
                 started = time.perf_counter()
-                step = self.core.schedule(self.index)
-                self.host.times.core_seconds += time.perf_counter() - started
-                self.host.after_plan(step)
+                step = self.plan()
                 if step.has_work or step.released:
-                    msg = step_message(self.core.steps, step)
-                    self.client.step_bytes += msg.ByteSize()
-                    await stream.send(msg)
-                    inflight.append((step, started, self.host.clock.now()))
-                    self.hand_over()
+                    await self.launch(stream, step, started, inflight)
                     if step.has_work and len(inflight) < self.depth:
                         continue  # overlap: plan the next step now, then wait for this one
                 elif not inflight:
-                    self.hand_over()
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(IDLE_POLL_S):  # never swallows a cancel
-                            await self.wake.wait()
-                    stream.check()
+                    await self.idle(stream)
                     continue
-            result = await self.answer(stream, inflight[0][2])
-            step, sent, _ = inflight.popleft()
-            self.events += self.complete(step, result, sent)
+            await self.complete_oldest(stream, inflight)
+
+    def plan(self) -> Step:
+        self.wake.clear()  # before planning: a Submit from now on wakes it again
+        started = time.perf_counter()
+        step = self.core.schedule(self.index)
+        self.host.times.core_seconds += time.perf_counter() - started
+        self.host.after_plan(step)
+        return step
+
+    async def launch(
+        self, stream: StepStream, step: Step, started: float, inflight: deque[InFlight]
+    ) -> None:
+        """Send a planned step; the last completed step's outputs go out once it is sent."""
+        msg = step_message(self.core.steps, step)
+        self.client.step_bytes += msg.ByteSize()
+        await stream.send(msg)
+        inflight.append(InFlight(step, started, self.host.clock.now()))
+        self.hand_over()
+
+    async def idle(self, stream: StepStream) -> None:
+        """Nothing to run: wait for a wake (a Submit, a finish elsewhere) or IDLE_POLL_S."""
+        self.hand_over()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(IDLE_POLL_S):  # never swallows a cancel
+                await self.wake.wait()
+        stream.check()
+
+    async def complete_oldest(self, stream: StepStream, inflight: deque[InFlight]) -> None:
+        result = await self.answer(stream, inflight[0].running)
+        done = inflight.popleft()
+        self.events += self.complete(done.step, result, done.started)
 
     async def answer(self, stream: StepStream, sent: float):
         """The oldest step's result. The worker is hung (WorkerLost) only when the answer is
