@@ -23,6 +23,7 @@ import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from llmserve.runtime.request_checks import context_problem
 from scheduler_svc.blocks import blocks_for
@@ -35,6 +36,22 @@ from scheduler_svc.step import Step, Work
 from scheduler_svc.worker_state import WorkerState
 
 RUNNING, FINISHED = SeqStatus.RUNNING, SeqStatus.FINISHED
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """The head of the queue goes to `worker`, starting from the cached blocks `hit`."""
+
+    worker: WorkerState
+    hit: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """The head of the queue waits: `reason`, on its best worker."""
+
+    worker: WorkerState
+    reason: StallReason
 
 
 class Scheduler:
@@ -239,15 +256,14 @@ class Scheduler:
         failed = []
         for seq in list(self.waiting):
             if not self._candidates(seq, live=True):
-                down = bool(self._candidates(seq, live=False))
-                reason = StallReason.KV_CAPACITY if down else None
-                self.abort(seq.request_id, Finish.ERROR, self._no_worker_message(reason))
+                self.abort(seq.request_id, Finish.ERROR, self._no_worker_message(seq))
                 failed.append(seq.request_id)
         return failed
 
-    def _no_worker_message(self, down: StallReason | None) -> str:
+    def _no_worker_message(self, seq: Sequence) -> str:
+        """Why no live worker can hold `seq`: none can at all, or only those down."""
         live = sum(ws.live for ws in self.workers)
-        if down is not None:
+        if self._candidates(seq, live=False):
             return (
                 f"no live worker can hold this request (the workers that could are failed or "
                 f"draining; {live} live); retry"
@@ -338,46 +354,45 @@ class Scheduler:
         waiting = self.waiting
         while waiting:
             seq = waiting[0]
-            ws, reason, hit = self._place(seq, steps)
-            if ws is None:  # no live worker can ever hold it: it fails now, never waits
-                self.abort(seq.request_id, Finish.ERROR, self._no_worker_message(reason))
+            place = self._place(seq, steps)
+            if place is None:  # no live worker can ever hold it: it fails now, never waits
+                self.abort(seq.request_id, Finish.ERROR, self._no_worker_message(seq))
                 continue
+            if type(place) is Stall:
+                return self._stall(place.worker, place.reason)
+            ws, hit = place.worker, place.hit
             step = steps.get(ws.index)
-            if reason is None and step is None:
+            if step is None:
                 self.wakes.add(ws.index)  # its place is on a worker not planning now
                 return
-            start = len(hit) * ws.spec.block_size
-            n = self._chunk(seq, step.budget, start) if step is not None else 0
-            if reason is None and n == 0:
-                reason = StallReason.TOKEN_BUDGET
-            if reason is not None:
-                self.head_reason = reason
-                self.stalls[reason] += 1
-                ws.stalls[reason] += 1
-                return
+            n = self._chunk(seq, step.budget, len(hit) * ws.spec.block_size)
+            if n == 0:
+                return self._stall(ws, StallReason.TOKEN_BUDGET)
             waiting.popleft()
             self.waiting_tokens -= seq.known
             self._start(ws, seq, step, n, hit)
 
-    def _place(
-        self, seq: Sequence, steps: dict[int, Step]
-    ) -> tuple[WorkerState | None, StallReason | None, list[int]]:
+    def _stall(self, ws: WorkerState, reason: StallReason) -> None:
+        """The head of the queue waits, for `reason` on `ws` (its best worker)."""
+        self.head_reason = reason
+        self.stalls[reason] += 1
+        ws.stalls[reason] += 1
+
+    def _place(self, seq: Sequence, steps: dict[int, Step]) -> Placement | Stall | None:
         """The worker for the head of the queue and the cached blocks it would reuse there:
         among the live workers that can ever hold it, the best one whose running limit and KV
         allow it now. Best = the most free KV positions plus positions found in its prefix
         cache: a cached position is one the request need not take from the pool nor compute,
         so a long cached history outweighs a little more free KV, while a short shared system
-        prompt does not pull every request onto one worker. Otherwise the best one, its reason
-        and no blocks; (None, None, []) if no worker can hold it at all; (None, reason, []) if
-        only workers that are down could."""
+        prompt does not pull every request onto one worker. Otherwise it stalls on the best
+        one, for that one's reason; None if no live worker can ever hold it."""
         candidates = self._candidates(seq, live=True)
         if not candidates:
-            down = self._candidates(seq, live=False)
-            return None, (StallReason.KV_CAPACITY if down else None), []
+            return None
         if len(candidates) == 1:  # a full worker needs no cache hit (and no key) to refuse
             full = self._worker_full(candidates[0])
             if full is not None:
-                return candidates[0], full, []
+                return Stall(candidates[0], full)
         hits = {ws.index: ws.kv.hit(seq) for ws in candidates}
         if len(candidates) > 1:
             candidates.sort(
@@ -391,9 +406,10 @@ class Scheduler:
         for ws in candidates:
             reason = self._why_not(ws, seq, hits[ws.index])
             if reason is None:
-                return ws, None, hits[ws.index]
+                return Placement(ws, hits[ws.index])
             first = first or reason
-        return candidates[0], first, []
+        assert first is not None
+        return Stall(candidates[0], first)
 
     def _candidates(self, seq: Sequence, live: bool) -> list[WorkerState]:
         """Workers whose context and pool can ever hold `seq`; those that hold all of prompt +
