@@ -7,8 +7,11 @@ import shlex
 import sys
 from pathlib import Path
 
+from llmserve.bench.budget_sweep import positive_list
 from llmserve.bench.goodput import SLO_FORMAT, slo_arg
 from llmserve.bench.trace import DEFAULT_TRACE
+from llmserve.runtime.flags import help_of
+from scheduler_svc.config import CoreConfig
 
 
 def add_bench_parser(sub) -> None:
@@ -121,6 +124,28 @@ def add_bench_parser(sub) -> None:
     )
     sim.add_argument("--kv-capacity", type=int, default=500_000, help="positions per worker")
     sim.add_argument("--token-budget", type=int, default=8192)
+    sim.add_argument(
+        "--step-time-budget-ms",
+        type=float,
+        default=0.0,
+        help=help_of(CoreConfig, "step_time_budget_ms")
+        + " (the simulated scheduler's online model learns from the simulated step times)",
+    )
+    sim.add_argument(
+        "--sweep-token-budgets",
+        type=positive_list(int),
+        default=None,
+        metavar="N,N,...",
+        help="sweep mode: one run per token budget (and per --sweep-time-budgets-ms), the same "
+        "arrivals, at each load and policy; one table, goodput against --slo",
+    )
+    sim.add_argument(
+        "--sweep-time-budgets-ms",
+        type=positive_list(float),
+        default=None,
+        metavar="T,T,...",
+        help="sweep mode: one run per step-time budget, each under the cap --token-budget",
+    )
     sim.add_argument("--max-running", type=int, default=256)
     sim.add_argument("--max-context", type=int, default=32768)
     sim.add_argument("--block-size", type=int, default=16)
@@ -329,6 +354,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
+    if args.sweep_token_budgets or args.sweep_time_budgets_ms:
+        from llmserve.bench.run_budget_sweep import run_budget_sweep
+
+        return run_budget_sweep(args, _command())
     from llmserve.bench.run_sim import run_sim
 
     return run_sim(args, _command())

@@ -24,7 +24,7 @@ from llmserve.bench.workload_args import build_workload
 
 def run_sim(args: argparse.Namespace, command: str) -> int:
     cost = CostModel.load(args.cost_model or DEFAULT_COST_MODEL)
-    settings = _settings(args)
+    settings = sim_settings(args)
     policies = parse_policies(args.policies, args.prefix_caching)
     rows: list[dict[str, Any]] = []
     for load in [float(x) for x in args.loads.split(",")]:
@@ -45,7 +45,7 @@ def run_sim(args: argparse.Namespace, command: str) -> int:
         for policy in policies:
             result = Simulation(settings, policy, cost).run(workload, not args.no_progress)
             summary = report.add(result)
-            rows.append(_row(load, summary, result.counters))
+            rows.append(sim_row(load, summary, result.counters))
             print(
                 f"load ×{load:g} {policy.label}: {summary['ok']}/{summary['requests']} ok, "
                 f"{summary['throughput']['output_tokens_per_s']:.0f} output tokens/s, "
@@ -91,7 +91,7 @@ def run_sim(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
-def _row(load: float, s: dict[str, Any], counters: dict[str, Any]) -> dict[str, Any]:
+def sim_row(load: float, s: dict[str, Any], counters: dict[str, Any]) -> dict[str, Any]:
     return {
         "load": load,
         "policy": s["label"],
@@ -272,7 +272,7 @@ def args_from_json(text: str) -> argparse.Namespace:
 def core_figures(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Each load and policy of `args` simulated again (no report): the core's time per step."""
     cost = CostModel.load(args.cost_model or DEFAULT_COST_MODEL)
-    settings = _settings(args)
+    settings = sim_settings(args)
     out = []
     for load in [float(x) for x in args.loads.split(",")]:
         workload = build_workload(args, time_scale=args.time_scale / load)
@@ -341,7 +341,7 @@ def _us(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f}"
 
 
-def _settings(args: argparse.Namespace) -> SimSettings:
+def sim_settings(args: argparse.Namespace) -> SimSettings:
     try:
         return _read_settings(args)
     except ValueError as e:
@@ -354,6 +354,7 @@ def _read_settings(args: argparse.Namespace) -> SimSettings:
         kv_capacity=args.kv_capacity,
         block_size=args.block_size,
         token_budget=args.token_budget,
+        step_time_budget_ms=args.step_time_budget_ms,
         max_running=args.max_running,
         max_context=args.max_context,
         speedup=args.speedup,

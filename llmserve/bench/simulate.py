@@ -45,6 +45,7 @@ class SimSettings:
     kv_capacity: int = 500_000  # positions per worker
     block_size: int = 16
     token_budget: int = 8192  # per worker per step
+    step_time_budget_ms: float = 0.0  # the core's time budget per worker step (0: off)
     max_running: int = 256  # per worker
     max_context: int = 32768
     chunked_prefill: bool = True
@@ -63,14 +64,16 @@ class SimSettings:
         return self.speedup * (self.worker_speeds[index] if self.worker_speeds else 1.0)
 
     def core(self, policy: Policy) -> CoreConfig:
-        caching = {} if policy.prefix_caching is None else {"prefix_caching": policy.prefix_caching}
+        extra = {} if policy.prefix_caching is None else {"prefix_caching": policy.prefix_caching}
+        if self.step_time_budget_ms:  # (a baseline revision's core may not know it)
+            extra["step_time_budget_ms"] = self.step_time_budget_ms
         return CoreConfig(
             token_budget=self.token_budget,
             max_running=self.max_running,
             policy=policy.kv,
             mode=policy.mode,
             chunked_prefill=self.chunked_prefill,
-            **caching,
+            **extra,
         )
 
     def specs(self) -> list[WorkerSpec]:

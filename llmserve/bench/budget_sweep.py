@@ -1,0 +1,93 @@
+"""The budget sweep of `bench sim`: fixed token budgets against step-time budgets on the same
+arrivals, and which of each kind did best (by goodput)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """What limits a worker's step: a token count alone, or a predicted time under a token cap."""
+
+    token_budget: int
+    time_budget_ms: float = 0.0  # 0: the token budget alone
+
+    @property
+    def kind(self) -> str:
+        return "time" if self.time_budget_ms else "tokens"
+
+    @property
+    def label(self) -> str:
+        if self.time_budget_ms:
+            return f"time {self.time_budget_ms:g} ms"
+        return f"tokens {self.token_budget}"
+
+
+def budgets(token_budgets: list[int], time_budgets_ms: list[float], cap: int) -> list[Budget]:
+    """The token budgets, then the time budgets (each under the token budget `cap`)."""
+    return [Budget(n) for n in token_budgets] + [Budget(cap, t) for t in time_budgets_ms]
+
+
+def positive_list(kind: Callable[[str], float]) -> Callable[[str], list]:
+    """An argparse type: comma-separated numbers of `kind` (int or float), each > 0."""
+
+    def parse(text: str) -> list:
+        try:
+            values = [kind(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a comma-separated list of {kind.__name__}s"
+            ) from None
+        if not values or any(not v > 0 for v in values):
+            raise argparse.ArgumentTypeError(f"{text!r}: give one or more values, each > 0")
+        return values
+
+    return parse
+
+
+def best(rows: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
+    """The row of this budget kind with the highest goodput (then the most output tokens/s)."""
+    of_kind = [r for r in rows if r["kind"] == kind]
+    return max(
+        of_kind,
+        key=lambda r: (r["goodput_rps"] or 0.0, r["output_tokens_per_s"]),
+        default=None,
+    )
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per load and policy: the best token budget, the best time budget, the ratio of their
+    goodputs, and the best time budget's p99 inter-token time over its budget."""
+    out = []
+    for load, policy in dict.fromkeys((r["load"], r["policy"]) for r in rows):
+        group = [r for r in rows if r["load"] == load and r["policy"] == policy]
+        tokens, timed = best(group, "tokens"), best(group, "time")
+        out.append(
+            {
+                "load": load,
+                "policy": policy,
+                "best_token_budget": tokens and tokens["budget"],
+                "best_token_goodput_rps": tokens and tokens["goodput_rps"],
+                "best_time_budget": timed and timed["budget"],
+                "best_time_goodput_rps": timed and timed["goodput_rps"],
+                "goodput_ratio": _ratio(timed, tokens),
+                "itl_p99_over_budget": _itl_over_budget(timed),
+            }
+        )
+    return out
+
+
+def _ratio(timed: dict[str, Any] | None, tokens: dict[str, Any] | None) -> float | None:
+    if not timed or not tokens or timed["goodput_rps"] is None or not tokens["goodput_rps"]:
+        return None
+    return timed["goodput_rps"] / tokens["goodput_rps"]
+
+
+def _itl_over_budget(timed: dict[str, Any] | None) -> float | None:
+    if not timed or timed["itl_p99_s"] is None:
+        return None
+    return 1000 * timed["itl_p99_s"] / timed["time_budget_ms"]
