@@ -10,6 +10,7 @@ passed) cancels the scheduler's call, which frees the request's KV at the next s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -114,6 +115,23 @@ class QueueFull(GenerationError):
 
     def __init__(self, message: str) -> None:
         super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
+@dataclass(slots=True)
+class _Flight:
+    """One request while a scheduler holds it, across resubmissions."""
+
+    submit: scheduler_pb2.SubmitRequest  # resume_token_ids: what a resubmission resumes after
+    call: grpc.aio.UnaryStreamCall  # the scheduler's Submit call now
+    tally: Tally
+    queued: bool = True  # counted by the queue limits until the scheduler admits it
+    finish: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    error: str = ""
+    streamed: list[int] = field(default_factory=list)  # every token received
+
+    @property
+    def rid(self) -> str:
+        return self.submit.request_id
 
 
 class GatewayCore:
@@ -280,69 +298,19 @@ class GatewayCore:
         if invalid is not None:
             raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, invalid)
         self.queue.enter(len(prompt_ids))
-        queued = True
-        call = self._submit(submit, time_remaining)
+        flight = _Flight(submit, self._submit(submit, time_remaining), tally)
         detok = IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=job.skip_special_tokens, prompt_ids=prompt_ids
         )
         stops = StopMatcher(list(params.stop), include_stop=job.include_stop)
-        finish = common_pb2.FINISH_REASON_UNSPECIFIED
-        error = ""
-        streamed: list[int] = []  # every token received: a resubmission resumes after them
-        resume_by: float | None = None  # resubmitting: the scheduler must be back by then
         try:
-            while True:
-                try:
-                    async for event in call:
-                        if event.admitted and queued:
-                            self.queue.leave(len(prompt_ids))
-                            queued = False
-                            tally.queue_time = event.queue_time_s
-                            tally.cached_tokens = event.cached_tokens
-                        if event.token_ids:
-                            now = time.monotonic()
-                            if self.on_tokens is not None:
-                                self.on_tokens(tally, len(event.token_ids), now)
-                            tally.first_token_at = tally.first_token_at or now
-                            tally.last_token_at = now
-                            tally.completion_tokens += len(event.token_ids)
-                            streamed += event.token_ids
-                            text, hit = stops.push(detok.push(list(event.token_ids)))
-                            ids, lps = list(event.token_ids), list(event.logprobs)
-                            yield Delta(text, ids, lps, tally.prompt_tokens)
-                            if hit:
-                                finish = common_pb2.FINISH_REASON_STOP
-                                call.cancel()
-                                break
-                        if event.finish_reason:
-                            finish, error, tally.preemptions = (
-                                event.finish_reason,
-                                event.error,
-                                event.preemptions,
-                            )
-                    break
-                except grpc.aio.AioRpcError as err:
-                    if not await _scheduler_lost(call, err, resume_by is not None):
-                        raise
-                    finish = _known_end(streamed, max_tokens, job.stop_token_ids)
-                    if finish:  # only its end was lost: resubmitted, it would run on
-                        break
-                    now = time.monotonic()
-                    if resume_by is None or await _accepted(call):
-                        resume_by = now + self.settings.resubmit_timeout
-                        why = err.code().name
-                        log.warning("request %s: scheduler lost (%s); resubmitting", rid, why)
-                    elif now > resume_by:
-                        raise
-                    else:
-                        await asyncio.sleep(RESUBMIT_PERIOD_S)
-                    tally.resubmits += 1
-                    del submit.resume_token_ids[:]
-                    submit.resume_token_ids.extend(streamed)
-                    self.held.discard(call)
-                    call = self._submit(submit, time_remaining)
-            if finish == common_pb2.FINISH_REASON_ERROR:
-                raise GenerationError(grpc.StatusCode.UNAVAILABLE, error or "generation failed")
+            deltas = self._resubmitting(flight, detok, stops, time_remaining)
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    yield delta
+            if flight.finish == common_pb2.FINISH_REASON_ERROR:
+                error = flight.error or "generation failed"
+                raise GenerationError(grpc.StatusCode.UNAVAILABLE, error)
             if not stops.stopped:
                 tail, _ = stops.push(detok.flush())
                 tail += stops.flush()
@@ -351,26 +319,98 @@ class GatewayCore:
         except asyncio.CancelledError:
             if self._given_up():
                 raise GenerationError(grpc.StatusCode.UNAVAILABLE, self.scheduler_hung) from None
-            finish = common_pb2.FINISH_REASON_CANCELLED  # the client left, or its deadline passed
+            flight.finish = common_pb2.FINISH_REASON_CANCELLED  # the client left, or its deadline
             raise
         except GeneratorExit:  # the client left
-            finish = common_pb2.FINISH_REASON_CANCELLED
+            flight.finish = common_pb2.FINISH_REASON_CANCELLED
             raise
         except grpc.aio.AioRpcError as err:
             if err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:  # the client's own deadline
-                finish = common_pb2.FINISH_REASON_CANCELLED
+                flight.finish = common_pb2.FINISH_REASON_CANCELLED
             details = err.details() or "the scheduler failed"
             if err.code() is grpc.StatusCode.UNAVAILABLE:  # e.g. "Socket closed": say where
                 details = f"the scheduler is unavailable or has no worker ({details}); retry"
             raise GenerationError(err.code(), details) from None
         finally:
-            if queued:
+            if flight.queued:
                 self.queue.leave(len(prompt_ids))
-            call.cancel()
-            self.held.discard(call)
+            flight.call.cancel()
+            self.held.discard(flight.call)
             if self.observer is not None:
-                self.observer(finish, tally)
-        yield Finish(rid, finish, tally.usage(), error, tally.cached_tokens)
+                self.observer(flight.finish, tally)
+        yield Finish(rid, flight.finish, tally.usage(), flight.error, tally.cached_tokens)
+
+    async def _resubmitting(
+        self,
+        flight: _Flight,
+        detok: IncrementalDetokenizer,
+        stops: StopMatcher,
+        time_remaining: Callable[[], float | None],
+    ) -> AsyncIterator[Delta]:
+        """The request's deltas. A scheduler lost while it held the request (or while its
+        resubmission waits) gets it again, resuming after the tokens streamed, until it is
+        back within --resubmit-timeout; a request whose tokens say it has ended is not sent."""
+        resume_by: float | None = None  # resubmitting: the scheduler must be back by then
+        while True:
+            try:
+                async with contextlib.aclosing(self._stream(flight, detok, stops)) as deltas:
+                    async for delta in deltas:
+                        yield delta
+                return
+            except grpc.aio.AioRpcError as err:
+                if not await _scheduler_lost(flight.call, err, resume_by is not None):
+                    raise
+                wire = flight.submit.sampling
+                flight.finish = _known_end(flight.streamed, wire.max_tokens, wire.stop_token_ids)
+                if flight.finish:  # only its end was lost: resubmitted, it would run on
+                    return
+                now = time.monotonic()
+                if resume_by is None or await _accepted(flight.call):
+                    resume_by = now + self.settings.resubmit_timeout
+                    why = err.code().name
+                    log.warning("request %s: scheduler lost (%s); resubmitting", flight.rid, why)
+                elif now > resume_by:
+                    raise
+                else:
+                    await asyncio.sleep(RESUBMIT_PERIOD_S)
+            self._resubmit(flight, time_remaining)
+
+    def _resubmit(self, flight: _Flight, time_remaining: Callable[[], float | None]) -> None:
+        flight.tally.resubmits += 1
+        del flight.submit.resume_token_ids[:]
+        flight.submit.resume_token_ids.extend(flight.streamed)
+        self.held.discard(flight.call)
+        flight.call = self._submit(flight.submit, time_remaining)
+
+    async def _stream(
+        self, flight: _Flight, detok: IncrementalDetokenizer, stops: StopMatcher
+    ) -> AsyncIterator[Delta]:
+        """The deltas of one Submit call, until the request finishes or a stop string ends it."""
+        tally = flight.tally
+        async for event in flight.call:
+            if event.admitted and flight.queued:
+                self.queue.leave(tally.prompt_tokens)
+                flight.queued = False
+                tally.queue_time = event.queue_time_s
+                tally.cached_tokens = event.cached_tokens
+            if event.token_ids:
+                now = time.monotonic()
+                if self.on_tokens is not None:
+                    self.on_tokens(tally, len(event.token_ids), now)
+                tally.first_token_at = tally.first_token_at or now
+                tally.last_token_at = now
+                tally.completion_tokens += len(event.token_ids)
+                flight.streamed += event.token_ids
+                text, hit = stops.push(detok.push(list(event.token_ids)))
+                ids, lps = list(event.token_ids), list(event.logprobs)
+                yield Delta(text, ids, lps, tally.prompt_tokens)
+                if hit:
+                    flight.finish = common_pb2.FINISH_REASON_STOP
+                    flight.call.cancel()
+                    return
+            if event.finish_reason:
+                flight.finish, flight.error = event.finish_reason, event.error
+                tally.preemptions = event.preemptions
 
     def _submit(self, submit: scheduler_pb2.SubmitRequest, time_remaining):
         call = self.scheduler.Submit(submit, timeout=time_remaining())
