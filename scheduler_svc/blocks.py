@@ -186,6 +186,18 @@ class BlockPool:
         for block in reversed(cached):
             evictable[block] = None
 
+    def shrink(self, request_id: str, keep: int) -> int:
+        """Drop the request's blocks from `keep` on (unwritten, so never cached): they become
+        free. Returns how many it dropped."""
+        table = self.tables.get(request_id, [])
+        dropped = table[keep:]
+        del table[keep:]
+        for block in dropped:
+            self.refs[block] -= 1
+            if not self.refs[block]:
+                self.free.append(block)
+        return len(dropped)
+
     def table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])
 

@@ -23,12 +23,13 @@ import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from llmserve.runtime.request_checks import context_problem
 from scheduler_svc.blocks import blocks_for
 from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.kv import FailedWork, KeyMemo
+from scheduler_svc.live_settings import stranded
 from scheduler_svc.output import Event, Refused, Snapshot, StepTokens
 from scheduler_svc.reasons import RefusalReason, StallReason
 from scheduler_svc.sequence import NO_HANDLE, Finish, SeqStatus, Sequence
@@ -82,6 +83,7 @@ class Scheduler:
         self.outbox: list[Event | tuple[str, int] | StepTokens] = []  # tuple: (request, token)
         self.wakes: set[int] = set()  # workers that should plan: the head waits for them
         self.stop_ids: frozenset[int] = frozenset()  # every request's stop tokens, together
+        self.setting_changes: Counter[str] = Counter()  # live changes applied, by setting
 
     # ---- workers in and out --------------------------------------------------------------
 
@@ -118,6 +120,33 @@ class Scheduler:
     def drain_worker(self, index: int) -> None:
         """The worker is stopping: its running requests finish there; nothing new joins it."""
         self.workers[index].draining = True
+
+    # ---- settings changed live -----------------------------------------------------------
+
+    def reconfigure(self, config: CoreConfig) -> None:
+        """New settings, followed from each worker's next plan. reserve -> paged releases the
+        reservations' unwritten blocks at once (the worker's next step trims those tables);
+        paged -> reserve lets the running requests grow as paged ones until they finish and
+        admits a reservation only beside the blocks they may still take, so none is
+        oversubscribed. ValueError, and nothing changes, if a request could then never run."""
+        problem = stranded(config, self.seqs.values())
+        if problem:
+            raise ValueError(problem)
+        release = self.reserve and config.policy is KvPolicy.PAGED
+        for f in fields(CoreConfig):
+            if getattr(config, f.name) != getattr(self.config, f.name):
+                self.setting_changes[f.name] += 1
+        self.config, self.chunked = config, config.chunked_prefill
+        self.reserve = config.policy is KvPolicy.RESERVE
+        self.static = config.mode is BatchMode.STATIC
+        self.caching = config.prefix_caching and not self.reserve
+        for ws in self.workers:
+            ws.caching = self.caching
+            ws.kv.set_caching(self.caching)
+            for seq in ws.running if release else ():
+                keep = ws.kv.trim(seq)
+                if keep is not None:
+                    ws.trims.append((seq.handle, keep))
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -196,6 +225,7 @@ class Scheduler:
             if self.static and step.has_work:  # the batch has started: nothing joins it now
                 ws.batch_closed = True
             step.released, ws.released = ws.released, []
+            step.trims, ws.trims = ws.trims, []
             if step.has_work:  # an execution; release-only and empty steps are not
                 ws.steps += 1
                 self.steps += 1

@@ -153,6 +153,8 @@ class KvManager:
         now = blocks_for(end, self.block_size) - len(hit) + self.pool.evictable_in(hit)
         need = now if reserve is None else blocks_for(reserve, self.block_size)
         free = self.pool.num_free
+        if reserve is not None:  # a reservation fits beside what the running may still take
+            need += self.owed(running)
         if need <= free:
             return None
         if now <= free + self.reserved_unused(running):
@@ -187,6 +189,29 @@ class KvManager:
         if self.caching and keep_cache:
             self.commit(seq, seq.cached_to, min(seq.num_computed, seq.num_tokens))
         self.pool.release(seq.request_id)
+
+    def owed(self, running: list[Sequence]) -> int:
+        """Blocks `running` requests may still take to reach their most positions: none for
+        those reserved whole, some for those admitted under paged and still growing (the
+        policy changed to reserve since)."""
+        bs, allocated = self.block_size, self.pool.allocated
+        return sum(max(0, blocks_for(s.stop_at, bs) - allocated(s.request_id)) for s in running)
+
+    def trim(self, seq: Sequence) -> int | None:
+        """Release `seq`'s blocks beyond those its planned KV needs (reserved, unwritten): the
+        blocks it keeps, or None if it held none beyond them. `seq.held` follows."""
+        keep = blocks_for(seq.num_computed, self.block_size)
+        if not self.pool.shrink(seq.request_id, keep):
+            return None
+        seq.held = keep * self.block_size
+        return keep
+
+    def set_caching(self, on: bool) -> None:
+        """Prefix caching turned on or off; off forgets every cached block (nothing then checks
+        what a failed step wrote into them, so none may be found later)."""
+        if self.caching and not on:
+            self.pool.uncache(list(self.pool.cached.values()))
+        self.caching = on
 
     def reserved_unused(self, running: list[Sequence]) -> int:
         """Blocks held by `running` beyond what their planned KV needs."""

@@ -12,7 +12,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from llmserve.runtime.flags import parse_field
-from scheduler_svc.config import CoreConfig
+from scheduler_svc.config import BatchMode, CoreConfig
+from scheduler_svc.sequence import Sequence
 
 NAMES = tuple(f.name for f in dataclasses.fields(CoreConfig))
 
@@ -65,6 +66,22 @@ def apply(config: CoreConfig, changes: dict[str, str]) -> CoreConfig:
         return dataclasses.replace(config, **values)
     except ValueError as err:  # a rule across fields
         raise SettingError(", ".join(values), str(err)) from None
+
+
+def stranded(config: CoreConfig, seqs: Iterable[Sequence]) -> str | None:
+    """Why `config` would leave one of `seqs` unable to ever run: a prompt beyond the token
+    budget without chunked prefill, once it (re)starts from the beginning (waiting, or running
+    and preempted later, before its first token); None if none."""
+    if config.chunked_prefill or config.mode is BatchMode.STATIC:
+        return None
+    unsampled = (s for s in seqs if not s.output_ids and not s.is_finished)
+    longest = max((len(s.prompt_ids) for s in unsampled), default=0)
+    if longest <= config.token_budget:
+        return None
+    return (
+        f"token_budget / chunked_prefill: a waiting prompt of {longest} tokens would exceed the "
+        f"token budget of {config.token_budget} without chunked prefill and never run"
+    )
 
 
 def changed(old: CoreConfig, new: CoreConfig) -> dict[str, tuple[str, str]]:

@@ -22,6 +22,8 @@ def step_message(number: int, step: Step) -> worker_pb2.Step:
     for handle, blocks in step.shares:
         if blocks:
             msg.shared.add(handle=handle, blocks=blocks)
+    for handle, keep in step.trims:
+        msg.trims.add(handle=handle, keep=keep)
     for handle, blocks in step.grants:
         if blocks:
             msg.grants.add(handle=handle, blocks=blocks)

@@ -48,6 +48,8 @@ class Step:
     # as the start of its table (before its grants); its first chunk starts after them
     shares: list[tuple[int, list[int]]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)  # handles freed since the last step
+    # (handle, blocks kept): reserved, unwritten blocks dropped from the end of its table
+    trims: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def has_work(self) -> bool:

@@ -22,6 +22,7 @@ class WorkerState:
         self.prefilling: set[Sequence] = set()  # running, with prompt (chunks) still to compute
         self.done: list[tuple[Sequence, int]] = []  # finished while running: leave next step
         self.released: list[int] = []  # handles freed since the last step sent
+        self.trims: list[tuple[int, int]] = []  # (handle, blocks kept) since the last step sent
         self.next_handle = 0
         self.healthy = True
         self.draining = False  # stopping: finishes what it runs, takes nothing new
@@ -48,6 +49,7 @@ class WorkerState:
         self.lost_evictions += self.kv.pool.evictions
         self.kv = KvManager(self.spec.num_blocks, self.spec.block_size, self.caching, self.memo)
         self.released.clear()
+        self.trims.clear()
         self.prefilling.clear()
         self.batch_closed = False
 

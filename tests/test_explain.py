@@ -1,0 +1,78 @@
+"""What would admit the head of the queue, on the seed's Figure 4 numbers (token budget 8, KV
+capacity 24, B reserves 6 + 14 = 20 positions, C's prompt is 6 tokens)."""
+
+from __future__ import annotations
+
+from scheduler_svc.config import CoreConfig, KvPolicy, WorkerSpec
+from scheduler_svc.core import Scheduler
+from scheduler_svc.explain import Finisher, Holder, explain
+from tests.sim import check_invariants, ran, seq, step
+
+
+def figure4(policy: KvPolicy = KvPolicy.RESERVE, **cfg) -> Scheduler:
+    """B holds KV for 6 positions and is in decode; C (6 prompt tokens) waits."""
+    config = CoreConfig(**({"token_budget": 8, "policy": policy} | cfg))
+    core = Scheduler(config, [WorkerSpec("w0", 24, 1, 4096)], clock=lambda: 10.0)
+    core.add(seq("B", 6, max_tokens=14, arrival=1.0))
+    step(core)
+    core.add(seq("C", 6, max_tokens=6, arrival=4.0))
+    return core
+
+
+def test_nobody_waiting_has_no_explanation() -> None:
+    core = figure4()
+    step(core)
+    core.abort("C")
+    assert explain(core) is None
+
+
+def test_figure4_reserve_c_needs_its_reservation_and_b_holds_14_unwritten() -> None:
+    why = explain(figure4())
+    assert (why.request_id, why.reason, why.worker, why.wait_seconds) == ("C", "kv_reserved", "w0", 6.0)
+    assert (why.tokens, why.budget_left) == (6, 7)  # B's decode takes 1 of the 8
+    assert (why.positions, why.blocks) == (12, 12)  # reserve: prompt 6 + max_tokens 6
+    assert (why.running, why.max_running) == (1, 32)
+    [room] = why.workers
+    assert (room.free, room.written, room.reserved_unwritten) == (4, 6, 14)
+    assert room.holders == [Holder("B", 14)]
+
+
+def test_figure4_reserve_counterfactuals_paged_admits_no_budget_or_limit_does_b_finishing_does() -> None:
+    why = explain(figure4())
+    assert (why.policy, why.other_policy, why.admitted_under_other_policy) == ("reserve", "paged", True)
+    assert why.token_budget is None and why.running_limit is None  # KV is what holds it
+    assert why.after == Finisher("B", 13)  # 14 tokens, 1 generated
+
+
+def test_figure4_paged_the_head_is_admitted_and_reserve_would_not() -> None:
+    why = explain(figure4(KvPolicy.PAGED))
+    assert why.reason == "" and why.positions == 6 and why.blocks == 6
+    assert why.admitted_under_other_policy is False
+    assert why.token_budget == 2  # 1 for B's decode, 1 for a first chunk of C
+    assert why.running_limit == 2
+
+
+def test_token_budget_the_smallest_that_admits_without_chunking() -> None:
+    why = explain(figure4(KvPolicy.PAGED, token_budget=6, chunked_prefill=False))
+    assert (why.reason, why.budget_left, why.tokens) == ("token_budget", 5, 6)
+    assert why.token_budget == 7  # B's decode and C's whole prompt
+    assert why.after == Finisher("B", 13)
+
+
+def test_running_limit_the_smallest_that_admits() -> None:
+    why = explain(figure4(KvPolicy.PAGED, max_running=1))
+    assert (why.reason, why.running, why.max_running) == ("max_running", 1, 1)
+    assert why.running_limit == 2
+    assert why.token_budget is None  # no budget passes the running limit
+    assert why.admitted_under_other_policy is False
+    assert why.after == Finisher("B", 13)
+
+
+def test_explaining_changes_nothing_in_the_core() -> None:
+    core, twin = figure4(), figure4()
+    explain(core)
+    check_invariants(core)
+    assert core.snapshot() == twin.snapshot()
+    for _ in range(16):
+        assert ran(step(core)) == ran(step(twin))
+    assert core.snapshot() == twin.snapshot()
