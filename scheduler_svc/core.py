@@ -24,6 +24,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
+from functools import partial
 
 from llmserve.runtime.request_checks import context_problem
 from scheduler_svc.blocks import blocks_for
@@ -34,6 +35,9 @@ from scheduler_svc.output import Event, Refused, Snapshot, StepTokens
 from scheduler_svc.reasons import RefusalReason, StallReason
 from scheduler_svc.sequence import NO_HANDLE, Finish, SeqStatus, Sequence
 from scheduler_svc.step import Step, Work
+from scheduler_svc.step_cost import BatchShape, step_shape
+from scheduler_svc.step_model import BUILTIN_PRIOR, StepPredictor
+from scheduler_svc.time_budget import StepTimer
 from scheduler_svc.worker_state import WorkerState
 
 RUNNING, FINISHED = SeqStatus.RUNNING, SeqStatus.FINISHED
@@ -61,8 +65,13 @@ class Scheduler:
         config: CoreConfig,
         workers: Iterable[WorkerSpec] = (),
         clock: Callable[[], float] = time.monotonic,
+        predict: StepPredictor | None = None,
     ) -> None:
+        """`predict`: (worker index, step shape) -> seconds, each worker's step-time model, for
+        --step-time-budget-ms (without one, a fixed prior that over-predicts)."""
         self.config = config
+        self.predict = predict or _prior
+        self.time_full: set[int] = set()  # workers whose last step left no time for the head
         self.chunked = config.chunked_prefill
         self.reserve = config.policy is KvPolicy.RESERVE
         self.static = config.mode is BatchMode.STATIC
@@ -210,6 +219,7 @@ class Scheduler:
     def schedule_workers(self, indices: list[int]) -> list[Step]:
         steps: dict[int, Step] = {}
         budget = sys.maxsize if self.static else self.config.token_budget
+        limit = 0.0 if self.static else self.config.step_time_budget_ms / 1e3
         for index in indices:
             ws = self.workers[index]
             ws.kv.sent()  # the steps that write what they cached have been sent
@@ -217,9 +227,15 @@ class Scheduler:
             if not ws.running:
                 ws.batch_closed = False
             step = steps[index] = Step(index, budget)
+            if limit:
+                step.timer = StepTimer(partial(self.predict, index), limit)
             if ws.healthy:
                 self._prepare_running(ws, step)
         self._admit(steps)
+        if limit:
+            self._note_time_left(steps)
+        else:
+            self.time_full.clear()
         for index, step in steps.items():
             ws = self.workers[index]
             if self.static and step.has_work:  # the batch has started: nothing joins it now
@@ -332,10 +348,18 @@ class Scheduler:
             add_decode(seq)
             add_handle(seq.handle)
         step.budget -= len(decodes)
+        if step.timer is not None:  # decodes always run, whatever their predicted time
+            step.timer.add_decodes(sum(s.num_computed for s in decodes), len(decodes))
 
     def _prepare_within_budget(self, ws: WorkerState, step: Step) -> None:
         """A request decodes when the worker holds its next token (its last work sampled);
-        otherwise its next tokens are prompt (or recompute) tokens, sent as a chunk."""
+        otherwise its next tokens are prompt (or recompute) tokens, sent as a chunk. Under a
+        step-time budget the decodes are counted first (they always run) and a chunk is cut to
+        the time left, the first one of the step to at least one token."""
+        timer = step.timer
+        if timer is not None:
+            ahead = [s for s in ws.running if s not in ws.prefilling and s.known < s.stop_at]
+            timer.add_decodes(sum(s.num_computed + 1 for s in ahead), len(ahead))
         for seq in ws.running:
             computed, known = seq.num_computed, seq.known
             if known >= seq.stop_at or step.budget == 0:
@@ -349,15 +373,21 @@ class Scheduler:
                 step.budget -= 1
                 continue
             n = self._chunk(seq, step.budget)
+            if n and timer is not None:
+                n = timer.cut(computed, n, computed + n == known, least=int(not step.chunks))
             if n and (computed + n <= seq.held or self._make_room(ws, seq, computed + n, step)):
                 step.budget -= n
                 self._plan_chunk(ws, step, seq, n)
+        if timer is not None:
+            timer.shape = step_shape(step)  # what the step holds (a decode may have been cut)
 
     def _plan_chunk(self, ws: WorkerState, step: Step, seq: Sequence, n: int) -> None:
         start = seq.num_computed
         sample = start + n == seq.known
         work = Work(seq, seq.handle, start, n, sample)
         step.chunks.append(work)
+        if step.timer is not None:
+            step.timer.add(start, n, sample)
         seq.num_computed = start + n
         if self.caching:
             work.blocks = ws.kv.blocks(seq, start, start + n)
@@ -395,12 +425,45 @@ class Scheduler:
             if step is None:
                 self.wakes.add(ws.index)  # its place is on a worker not planning now
                 return
-            n = self._chunk(seq, step.budget, len(hit) * ws.spec.block_size)
+            start = len(hit) * ws.spec.block_size
+            n = self._chunk(seq, step.budget, start)
             if n == 0:
                 return self._stall(ws, StallReason.TOKEN_BUDGET)
+            if step.timer is not None:
+                n = self._cut_to_time(seq, step, start, n)
+                if n == 0:
+                    return self._stall(ws, StallReason.TIME_BUDGET)
             waiting.popleft()
             self.waiting_tokens -= seq.known
             self._start(ws, seq, step, n, hit)
+
+    def _cut_to_time(self, seq: Sequence, step: Step, start: int, n: int) -> int:
+        """Of the head's `n` tokens from `start`, those that fit the step's time left; in a step
+        with nothing else, at least one (its whole prompt, without chunking)."""
+        assert step.timer is not None
+        return step.timer.cut(
+            start, n, start + n == seq.known, least=int(not step.has_work),
+            whole=not self._divisible(seq),
+        )  # fmt: skip
+
+    def _note_time_left(self, steps: dict[int, Step]) -> None:
+        """Remember which of the planned workers have no time left for another token: while
+        their loops run that step, the head goes to a worker that has (`_out_of_time`)."""
+        for index, step in steps.items():
+            if step.timer is not None and step.has_work and not step.timer.cut(0, 1, False):
+                self.time_full.add(index)
+            else:
+                self.time_full.discard(index)
+
+    def _out_of_time(self, ws: WorkerState, steps: dict[int, Step]) -> StallReason | None:
+        """TIME_BUDGET when `ws`'s step (being planned, or its last) has no time left for the
+        head; an empty step always has (it must make progress)."""
+        step = steps.get(ws.index)
+        if step is None:
+            return StallReason.TIME_BUDGET if ws.index in self.time_full else None
+        if step.timer is None or not step.has_work or step.timer.cut(0, 1, False):
+            return None
+        return StallReason.TIME_BUDGET
 
     def _stall(self, ws: WorkerState, reason: StallReason) -> None:
         """The head of the queue waits, for `reason` on `ws` (its best worker)."""
@@ -434,7 +497,7 @@ class Scheduler:
             )
         first: StallReason | None = None
         for ws in candidates:
-            reason = self._why_not(ws, seq, hits[ws.index])
+            reason = self._why_not(ws, seq, hits[ws.index]) or self._out_of_time(ws, steps)
             if reason is None:
                 return Placement(ws, hits[ws.index])
             first = first or reason
@@ -557,9 +620,13 @@ class Scheduler:
         """Tokens `seq` can process within `budget`: 1 in decode, a prompt (chunk) in prefill;
         a request being admitted with `start` positions cached computes from there."""
         pending = seq.known - max(seq.num_computed, start)
-        if self.chunked or seq.num_computed or seq.output_ids:
+        if self._divisible(seq):
             return min(pending, budget)
         return pending if pending <= budget else 0
+
+    def _divisible(self, seq: Sequence) -> bool:
+        """Its pending tokens may be split across steps: chunked prefill, or a recompute."""
+        return bool(self.chunked or seq.num_computed or seq.output_ids)
 
     def _sampled(self, seq: Sequence, token: int) -> None:
         self.generated += 1
@@ -653,3 +720,8 @@ class Scheduler:
             # FCFS: the head arrived first (preempted requests return to the front)
             oldest_wait=now - self.waiting[0].arrival if self.waiting else 0.0,
         )
+
+
+def _prior(worker: int, shape: BatchShape) -> float:
+    """The step time of a worker without a model of its own: the built-in prior."""
+    return BUILTIN_PRIOR.predict(shape)

@@ -4,8 +4,12 @@ the batch and the token budget left while it is being formed."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from scheduler_svc.sequence import Sequence
+
+if TYPE_CHECKING:
+    from scheduler_svc.time_budget import StepTimer
 
 
 @dataclass(slots=True)
@@ -48,6 +52,7 @@ class Step:
     # as the start of its table (before its grants); its first chunk starts after them
     shares: list[tuple[int, list[int]]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)  # handles freed since the last step
+    timer: StepTimer | None = None  # its predicted time, under --step-time-budget-ms
     # (handle, blocks kept): reserved, unwritten blocks dropped from the end of its table
     trims: list[tuple[int, int]] = field(default_factory=list)
 
