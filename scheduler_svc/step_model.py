@@ -69,6 +69,7 @@ class OnlineStepModel:
         self.forget = forget
         self.observed = 0  # steps fitted
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
+        self.last = (0.0, 0.0)  # the last step seen: (predicted, measured) seconds
         n = len(prior.coefficients())
         self._prior_a, self._prior_b = _zeros(n), [0.0] * n
         shapes = [s for s in prior_shapes() if prior.predict(s) > 0]
@@ -93,7 +94,9 @@ class OnlineStepModel:
         """A step of this shape took `seconds` on the worker: score the prediction, then fit."""
         if not shape.tokens or seconds <= 0:
             return  # nothing ran, or nothing was measured: no information
-        self.errors.append(abs(self.predict(shape) - seconds) / seconds)
+        predicted = self.predict(shape)
+        self.errors.append(abs(predicted - seconds) / seconds)
+        self.last = (predicted, seconds)
         g = self.forget
         for row in self._a:
             row[:] = [g * v for v in row]
