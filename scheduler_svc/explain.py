@@ -114,8 +114,9 @@ def explain_copy(base: Scheduler, now: float) -> Explanation:
 
 
 def copy_of(core: Scheduler) -> Scheduler:
-    """A deep copy sharing what the planning never changes (sampling messages, the clock)."""
-    memo: dict[int, object] = {id(core.clock): core.clock}
+    """A deep copy sharing what the planning only reads (sampling messages, the clock, the
+    step-time predictor: a bound method would copy its owner)."""
+    memo: dict[int, object] = {id(core.clock): core.clock, id(core.predict): core.predict}
     for seq in core.seqs.values():
         memo[id(seq.sampling)] = seq.sampling
     return copy.deepcopy(core, memo)
