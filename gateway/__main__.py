@@ -9,6 +9,7 @@ import logging
 
 import grpc
 
+from gateway.admin import GatewayAdmin
 from gateway.auth import ApiKeyInterceptor
 from gateway.core import GatewayCore
 from gateway.inflate import SERVER_OPTIONS
@@ -25,6 +26,7 @@ from gateway.served_model import (
 from gateway.service import GatewayService
 from gateway.settings import ENV_PREFIX, GatewaySettings
 from gateway.tokenizer_files import load_tokenizer
+from llmserve.runtime.admin_auth import AdminKeyInterceptor, admin_key
 from llmserve.runtime.auth import internal_token
 from llmserve.runtime.flags import add_flags, from_args
 from llmserve.runtime.health import check_health
@@ -150,15 +152,20 @@ async def serve(settings: GatewaySettings) -> None:
     log.info("settings: %s", dataclasses.asdict(settings))  # the key itself is never logged
     api_key = settings.api_key()
     token = internal_token(settings.internal_token_file)
+    key = admin_key(settings.admin_key_file)
     metrics = GatewayMetrics() if settings.metrics_port else None
     interceptors = (metrics.interceptors() if metrics else []) + (  # metrics see refusals too
         [ApiKeyInterceptor(api_key)] if api_key else []
     )
+    interceptors.append(AdminKeyInterceptor(key))  # the Admin service, forwarded
     interceptors.append(MalformedRequestInterceptor(settings.max_request_bytes))  # innermost
     server = Server(
         settings.host,
         settings.port,
-        [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
+        [
+            gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
+            scheduler_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+        ],
         interceptors=interceptors,
         tls=settings.tls,
         max_message_bytes=settings.max_request_bytes,
@@ -170,8 +177,9 @@ async def serve(settings: GatewaySettings) -> None:
 
         http_socket = bind(settings.host, settings.http_port)
     log.info(
-        "API key %s; TLS %s; internal token %s",
+        "API key %s; admin key %s; TLS %s; internal token %s",
         "required" if api_key else "off",
+        "required" if key else "off (the Admin service refuses every call)",
         "on" if settings.tls else "off",
         "sent to the scheduler" if token else "off",
     )
@@ -193,6 +201,8 @@ async def serve(settings: GatewaySettings) -> None:
     log.info("model %s (--model %s): %d tokens", name, source, tokenizer.vocab_size)
     core = GatewayCore(settings, tokenizer, stub, status.max_context, status.model, name)
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayService(core), server.server)
+    admin = GatewayAdmin(scheduler_pb2_grpc.AdminStub(channel))
+    scheduler_pb2_grpc.add_AdminServicer_to_server(admin, server.server)
     if metrics:
         metrics.attach(core)
         where = metrics_host(settings.host, settings.metrics_host)

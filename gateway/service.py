@@ -10,6 +10,7 @@ from contextlib import aclosing
 
 import grpc
 
+from gateway.admin import forwarded_metadata
 from gateway.choices import choice_inputs, choices_problem, merged
 from gateway.core import Delta, Finish, GatewayCore, GenerateInput, GenerationError
 from gateway.usage import Tally
@@ -99,7 +100,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         call carries the stack's internal token) gets them all."""
         try:
             timeout = context.time_remaining() or STATUS_TIMEOUT_S
-            reply = await self.core.scheduler.Status(request, timeout=timeout)
+            metadata = forwarded_metadata(context) if request.explain else ()  # its admin key
+            reply = await self.core.scheduler.Status(request, timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError as err:
             await context.abort(err.code(), f"the scheduler's status: {err.details()}")
         if self.operator_token is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from llmserve.runtime.admin_auth import ADMIN_KEY_HELP
 from llmserve.runtime.auth import INTERNAL_TOKEN_HELP, read_secret_file
 from llmserve.runtime.flags import setting
 from llmserve.runtime.metrics_http import METRICS_HOST_HELP
@@ -46,6 +47,7 @@ class GatewaySettings:
         "unreadable file stops the gateway at start",
     )
     internal_token_file: str = setting("", INTERNAL_TOKEN_HELP)
+    admin_key_file: str = setting("", ADMIN_KEY_HELP)
     tls_cert: str = setting("", "PEM certificate chain; with --tls-key turns TLS on")
     tls_key: str = setting("", "PEM private key")
     max_request_bytes: int = setting(

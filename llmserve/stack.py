@@ -62,6 +62,7 @@ class StackSettings(CoreConfig):
     discover: str = setting("", "more worker entries for the scheduler, e.g. dns:NAME:PORT")
     discovery_interval: float = setting(5.0, help_of(SC, "discovery_interval"))
     internal_token_file: str = setting("", help_of(SC, "internal_token_file"))
+    admin_key_file: str = setting("", help_of(SC, "admin_key_file"))
     scheduler_flags: str = setting("", 'more flags for the scheduler, e.g. "--hang-floor 2"')
 
     @property
@@ -102,6 +103,12 @@ class StackSettings(CoreConfig):
         path = self.internal_token_file
         return ["--internal-token-file", os.path.abspath(path)] if path else []
 
+    @property
+    def admin_flags(self) -> list[str]:
+        """The admin key flag of the gateway and the scheduler, absolute."""
+        path = self.admin_key_file
+        return ["--admin-key-file", os.path.abspath(path)] if path else []
+
 
 @dataclass
 class Stack:
@@ -136,6 +143,7 @@ class Stack:
             "--metrics-port",
             str(s.metrics_port(1)),
             *s.token_flags,
+            *s.admin_flags,
             *shlex.split(s.scheduler_flags),
         ]
         cmds["gateway"] = [
@@ -158,6 +166,7 @@ class Stack:
             # told (it reads the tokenizer and chat template there), and checks they serve it
             *([] if s.model in PACKAGED else ["--model", s.model_source]),
             *s.token_flags,
+            *s.admin_flags,
         ]
         return cmds | self.joined
 

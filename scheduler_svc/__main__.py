@@ -8,6 +8,7 @@ import dataclasses
 
 import grpc
 
+from llmserve.runtime.admin_auth import AdminKeyInterceptor, admin_key
 from llmserve.runtime.auth import internal_token
 from llmserve.runtime.flags import add_flags, from_args
 from llmserve.runtime.metrics_http import metrics_host
@@ -18,6 +19,7 @@ from scheduler_svc.service import SchedulerService
 from scheduler_svc.settings import ENV_PREFIX, SchedulerSettings
 from scheduler_svc.worker_client import WorkerClient
 
+SERVICES = ("Scheduler", "Admin")
 JOIN_GRACE_S = 3.0  # once a listed worker answers, the others get this long to answer too
 
 
@@ -72,10 +74,14 @@ async def serve(settings: SchedulerSettings) -> None:
     log.info("settings: %s", dataclasses.asdict(settings))
     token = internal_token(settings.internal_token_file)
     log.info("internal token %s", "required and sent to the workers" if token else "off")
+    key = admin_key(settings.admin_key_file)
+    log.info("admin key %s", "required" if key else "off: the Admin service refuses every call")
+    log.info("live settings start from the flags (changes made at run time are not kept)")
     server = Server(
         settings.host,
         settings.port,
-        [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name],
+        [scheduler_pb2.DESCRIPTOR.services_by_name[name].full_name for name in SERVICES],
+        interceptors=[AdminKeyInterceptor(key)],
         token=token,
     )
     clients, absent = await connect(settings, token)
@@ -83,8 +89,9 @@ async def serve(settings: SchedulerSettings) -> None:
         log.info("worker %s: %s", c.target, str(c.info).replace("\n", " "))
     for c in absent:
         log.warning("worker %s does not answer: serving without it until it does", c.target)
-    service = SchedulerService(settings, clients, token, absent)
+    service = SchedulerService(settings, clients, token, absent, admin_key=key)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server.server)
+    scheduler_pb2_grpc.add_AdminServicer_to_server(service.admin, server.server)
 
     async def ready() -> None:
         service.start()

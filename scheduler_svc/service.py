@@ -14,6 +14,7 @@ import grpc
 
 from llmserve.runtime.protocol import ACCEPTED_KEY
 from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from scheduler_svc.admin import AdminService
 from scheduler_svc.core import Scheduler
 from scheduler_svc.invariants import ENV_VAR, check_invariants, check_step
 from scheduler_svc.output import Refused
@@ -65,10 +66,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         clients: list[WorkerClient],
         token: str = "",
         absent: list[WorkerClient] | None = None,
+        admin_key: str = "",
     ) -> None:
         self.settings = settings
         self.loops: list[WorkerLoop | None] = []
         self.core = Scheduler(settings.core())
+        self.admin = AdminService(self.core, self.wake_all, admin_key)  # live settings
         self.streams: dict[str, asyncio.Queue[scheduler_pb2.TokenEvent]] = {}
         self.times = StepTimes()
         self.clock = RunClock()  # the scheduler's own running time: how late a worker is
@@ -233,6 +236,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 out.idle_seconds = client.idle_seconds
                 out.step_bytes = client.step_bytes
                 out.kernels = client.info.kernels  # the worker's pick for its host
+        if request.explain:  # the head's explanation, with the admin key only
+            await self.admin.explain_into(reply, context)
         return reply
 
     # ---- wiring: the worker set, the step loops (this service is their LoopHost) ----------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from llmserve.runtime.admin_auth import ADMIN_KEY_HELP
 from llmserve.runtime.auth import INTERNAL_TOKEN_HELP
 from llmserve.runtime.flags import setting
 from llmserve.runtime.metrics_http import METRICS_HOST_HELP
@@ -46,6 +47,7 @@ class SchedulerSettings(CoreConfig):
     metrics_host: str = setting("", METRICS_HOST_HELP)
     drain_timeout: float = setting(60.0, "on SIGTERM: seconds for the requests in flight to finish")
     internal_token_file: str = setting("", INTERNAL_TOKEN_HELP)
+    admin_key_file: str = setting("", ADMIN_KEY_HELP)
     cost_model: str = setting(
         "",
         "a calibration file (llmserve bench calibrate) that seeds every worker's step-time "

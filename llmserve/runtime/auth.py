@@ -100,15 +100,19 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         return refused(handler, self.refusal)
 
 
-def refused(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that answers UNAUTHENTICATED (the request is
-    never parsed)."""
+def refused(
+    handler: grpc.RpcMethodHandler,
+    message: str,
+    code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED,
+) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that answers `code` (the request is never
+    parsed)."""
 
     async def unary(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
 
     async def stream(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
         yield  # pragma: no cover - makes this an async generator
 
     make = {
