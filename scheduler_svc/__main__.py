@@ -40,7 +40,7 @@ async def connect(
     """The workers of --workers: (those that answer, those that do not). It waits up to
     `timeout` for one to answer, then JOIN_GRACE_S at most for the rest: the scheduler serves
     with the workers that answer (a restarted one must not wait for a worker that is down),
-    and the others join when they answer (SchedulerService.join_absent)."""
+    and the others join when they answer (Supervisor.join_absent)."""
     clients = [WorkerClient(t, token=token) for t in settings.worker_targets]
     loop = asyncio.get_running_loop()
     deadline, grace_end = loop.time() + timeout, None
