@@ -31,7 +31,7 @@ from scheduler_svc.blocks import blocks_for
 from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.kv import FailedWork, KeyMemo
 from scheduler_svc.live_settings import stranded
-from scheduler_svc.output import Event, Refused, Snapshot, StepTokens
+from scheduler_svc.output import Event, Outputs, Refused, Snapshot, StepTokens
 from scheduler_svc.reasons import RefusalReason, StallReason
 from scheduler_svc.sequence import NO_HANDLE, Finish, SeqStatus, Sequence
 from scheduler_svc.step import Step, Work
@@ -89,7 +89,6 @@ class Scheduler:
         self.head_reason: StallReason | None = None
         self.steps = self.admitted = self.finished = self.preemptions = 0
         self.generated = 0  # tokens sampled and kept
-        self.outbox: list[Event | tuple[str, int] | StepTokens] = []  # tuple: (request, token)
         self.wakes: set[int] = set()  # workers that should plan: the head waits for them
         self.stop_ids: frozenset[int] = frozenset()  # every request's stop tokens, together
         self.setting_changes: Counter[str] = Counter()  # live changes applied, by setting
@@ -171,35 +170,21 @@ class Scheduler:
         self.waiting.append(seq)
         self.waiting_tokens += seq.num_pending
 
-    def abort(self, request_id: str, finish: Finish = Finish.CANCELLED, error: str = "") -> bool:
-        """Finish a request now; a running one frees its KV at its worker's next step."""
+    def abort(
+        self, request_id: str, finish: Finish = Finish.CANCELLED, error: str = ""
+    ) -> list[Event]:
+        """Finish a request now; a running one frees its KV at its worker's next step. Returns
+        its finish (none if it is unknown or finished already)."""
         seq = self.seqs.get(request_id)
         if seq is None or seq.is_finished:
-            return False
+            return []
         if seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
             self.waiting_tokens -= seq.num_pending
-        self._finish(seq, finish, error)
+        event = self._finish(seq, finish, error)
         if seq.worker is None:
             del self.seqs[request_id]
-        return True
-
-    def take_events(self) -> list[Event]:
-        events: list[Event] = []
-        for e in self.take_raw_events():
-            if type(e) is tuple:
-                events.append(Event(e[0], token_id=e[1]))
-            elif type(e) is StepTokens:
-                events += (Event(rid, token_id=token) for rid, token in e)
-            else:
-                events.append(e)
-        return events
-
-    def take_raw_events(self) -> list[Event | tuple[str, int] | StepTokens]:
-        """Events in order; a token is a plain (request id, token) tuple, a decode step's
-        tokens one StepTokens (cheaper)."""
-        events, self.outbox = self.outbox, []
-        return events
+        return [event]
 
     def take_wakes(self) -> set[int]:
         wakes, self.wakes = self.wakes, set()
@@ -214,9 +199,13 @@ class Scheduler:
     def schedule_all(self) -> list[Step]:
         """One execution on every live worker at once (lock-step: tests and the simulator)."""
         healthy = [ws.index for ws in self.workers if ws.healthy]
-        return [s for s in self.schedule_workers(healthy) if s.has_work or s.released]
+        steps = self.schedule_workers(healthy)
+        return [s for s in steps if s.has_work or s.released or s.failed]
 
     def schedule_workers(self, indices: list[int]) -> list[Step]:
+        """The next execution of each of these workers, planned together (one FCFS pass over
+        the queue). What the planning did comes with the steps: each step's admissions, and
+        on the first step the requests failed because no live worker can ever hold them."""
         steps: dict[int, Step] = {}
         budget = sys.maxsize if self.static else self.config.token_budget
         limit = 0.0 if self.static else self.config.step_time_budget_ms / 1e3
@@ -231,7 +220,10 @@ class Scheduler:
                 step.timer = StepTimer(partial(self.predict, index), limit)
             if ws.healthy:
                 self._prepare_running(ws, step)
-        self._admit(steps)
+        failed: list[Event] = []
+        self._admit(steps, failed)
+        if failed:
+            next(iter(steps.values())).failed = failed
         if limit:
             self._note_time_left(steps)
         else:
@@ -247,33 +239,38 @@ class Scheduler:
                 self.steps += 1
         return list(steps.values())
 
-    def complete(self, step: Step, tokens: list[int]) -> None:
+    def complete(self, step: Step, tokens: list[int]) -> Outputs:
         """Record what an execution sampled: `tokens` in the step's order (sampling chunks,
         then decodes). A request preempted, moved or finished since the step was planned has
-        another handle (or none): its token is dropped, never emitted."""
-        i = 0
-        for work in step.chunks:
-            if work.sample:
-                seq, i = work.seq, i + 1
-                if seq.handle == work.handle:
-                    self._sampled(seq, tokens[i - 1])
-        if i:
-            tokens = tokens[i:]
-        emitted = StepTokens(step.decodes, tokens)
-        self.outbox.append(emitted)
+        another handle (or none): its token is dropped, never emitted. Returns the tokens
+        kept and the requests that finished."""
+        sampling = [w for w in step.chunks if w.sample] if step.chunks else None
+        decodes = step.decodes
+        seqs = [w.seq for w in sampling] + decodes if sampling else decodes
+        emitted = StepTokens(seqs, tokens)
+        outputs = Outputs(emitted)
+        finishes = outputs.finishes
         self.generated += len(tokens)
+        if sampling:
+            for work, token in zip(sampling, tokens, strict=False):
+                if work.seq.handle == work.handle:
+                    self._sampled(work.seq, token, finishes)
+                else:
+                    self._drop(emitted, work.seq)
+            tokens = tokens[len(sampling) :]
         # the usual step has no stop token at all: one isdisjoint instead of a lookup per token
         check_stops = not self.stop_ids.isdisjoint(tokens)
-        for seq, handle, token in zip(step.decodes, step.decode_handles, tokens, strict=True):
+        for seq, handle, token in zip(decodes, step.decode_handles, tokens, strict=True):
             if seq.handle != handle:
                 self._drop(emitted, seq)
                 continue
             out = seq.output_ids
             out.append(token)
             if check_stops and token in seq.stop_ids:
-                self._finish(seq, Finish.STOP)
+                finishes.append(self._finish(seq, Finish.STOP))
             elif len(out) >= seq.max_out:
-                self._finish(seq, Finish.LENGTH)
+                finishes.append(self._finish(seq, Finish.LENGTH))
+        return outputs
 
     def _drop(self, emitted: StepTokens, seq: Sequence) -> None:
         self.generated -= 1
@@ -281,29 +278,32 @@ class Scheduler:
             emitted.dropped = set()
         emitted.dropped.add(seq)
 
-    def fail_items(self, step: Step, failed: dict[int, str], where: str) -> None:
+    def fail_items(self, step: Step, failed: dict[int, str], where: str) -> list[Event]:
         """The worker could not run these requests (by handle): each fails alone, the rest of
-        the step stands. Their work leaves the step, so `complete` gets the others' tokens."""
+        the step stands. Their work leaves the step, so `complete` gets the others' tokens.
+        Returns their finishes."""
         self._distrust(step, set(failed))
+        finishes = []
         for seq in self.workers[step.worker].running:
             if seq.handle in failed and not seq.is_finished:
                 error = f"worker {where} could not run this request: {failed[seq.handle]}"
-                self._finish(seq, Finish.ERROR, error)
+                finishes.append(self._finish(seq, Finish.ERROR, error))
         step.chunks = [w for w in step.chunks if w.handle not in failed]
         kept = [
             p for p in zip(step.decodes, step.decode_handles, strict=True) if p[1] not in failed
         ]
         step.decodes = [seq for seq, _ in kept]
         step.decode_handles = [handle for _, handle in kept]
+        return finishes
 
-    def fail_unplaceable(self) -> list[str]:
+    def fail_unplaceable(self) -> list[Event]:
         """After the live workers changed: fail every waiting request that none of them can ever
-        hold (when none is live, every waiting request). No step loop may be left to see it."""
+        hold (when none is live, every waiting request). No step loop may be left to see it.
+        Returns their finishes."""
         failed = []
         for seq in list(self.waiting):
             if not self._candidates(seq, live=True):
-                self.abort(seq.request_id, Finish.ERROR, self._no_worker_message(seq))
-                failed.append(seq.request_id)
+                failed += self.abort(seq.request_id, Finish.ERROR, self._no_worker_message(seq))
         return failed
 
     def _no_worker_message(self, seq: Sequence) -> str:
@@ -316,17 +316,16 @@ class Scheduler:
             )
         return f"no worker can hold this request ({live} live); retry"
 
-    def fail_step(self, step: Step, error: str) -> list[str]:
+    def fail_step(self, step: Step, error: str) -> list[Event]:
         """The worker answered that this execution raised: fail its requests (re-queueing them
-        would carry a request that breaks the model to every worker)."""
+        would carry a request that breaks the model to every worker). Returns their finishes."""
         failed = []
         self._distrust(step, {w.handle for w in step.chunks} | set(step.decode_handles))
         for seq, handle in [(w.seq, w.handle) for w in step.chunks] + list(
             zip(step.decodes, step.decode_handles, strict=True)
         ):
             if seq.handle == handle and not seq.is_finished:
-                self._finish(seq, Finish.ERROR, error)
-                failed.append(seq.request_id)
+                failed.append(self._finish(seq, Finish.ERROR, error))
         return failed
 
     # ---- step parts ----------------------------------------------------------------------
@@ -409,14 +408,16 @@ class Scheduler:
         step.grants.append((seq.handle, new))
         return True
 
-    def _admit(self, steps: dict[int, Step]) -> None:
+    def _admit(self, steps: dict[int, Step], failed: list[Event]) -> None:
+        """Admit from the queue's head, in order, until it must wait. A request that no live
+        worker can ever hold fails (its finish into `failed`), never waits."""
         self.head_reason = None
         waiting = self.waiting
         while waiting:
             seq = waiting[0]
             place = self._place(seq, steps)
-            if place is None:  # no live worker can ever hold it: it fails now, never waits
-                self.abort(seq.request_id, Finish.ERROR, self._no_worker_message(seq))
+            if place is None:
+                failed += self.abort(seq.request_id, Finish.ERROR, self._no_worker_message(seq))
                 continue
             if type(place) is Stall:
                 return self._stall(place.worker, place.reason)
@@ -562,7 +563,7 @@ class Scheduler:
         self.admitted += 1
         if seq.admitted_at is None:
             seq.admitted_at = self.clock()
-            self.outbox.append(
+            step.admissions.append(
                 Event(
                     seq.request_id,
                     admitted=True,
@@ -628,24 +629,21 @@ class Scheduler:
         """Its pending tokens may be split across steps: chunked prefill, or a recompute."""
         return bool(self.chunked or seq.num_computed or seq.output_ids)
 
-    def _sampled(self, seq: Sequence, token: int) -> None:
-        self.generated += 1
+    def _sampled(self, seq: Sequence, token: int, finishes: list[Event]) -> None:
+        """A chunk's sampled token (its prompt is computed): stop tokens are checked always."""
         seq.output_ids.append(token)
-        self.outbox.append((seq.request_id, token))
         if token in seq.stop_ids:
-            self._finish(seq, Finish.STOP)
+            finishes.append(self._finish(seq, Finish.STOP))
         elif len(seq.output_ids) >= seq.max_out:
-            self._finish(seq, Finish.LENGTH)
+            finishes.append(self._finish(seq, Finish.LENGTH))
 
-    def _finish(self, seq: Sequence, finish: Finish, error: str = "") -> None:
+    def _finish(self, seq: Sequence, finish: Finish, error: str = "") -> Event:
         seq.status, seq.finish, seq.error = FINISHED, finish, error
         self.finished += 1
-        self.outbox.append(
-            Event(seq.request_id, finish=finish, error=error, preemptions=seq.preemptions)
-        )
         if seq.worker is not None and seq.handle != NO_HANDLE:
             self.workers[seq.worker].done.append((seq, seq.handle))
             seq.handle, seq.stop_at = NO_HANDLE, 0
+        return Event(seq.request_id, finish=finish, error=error, preemptions=seq.preemptions)
 
     def _preempt(self, ws: WorkerState, seq: Sequence, cache: bool = True) -> None:
         """Free `seq`'s KV and put it back at the front of the queue, to be recomputed."""

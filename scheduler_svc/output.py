@@ -1,4 +1,5 @@
-"""What the core hands out besides steps: per-request events, snapshots, refusals."""
+"""What the core hands out besides steps: what its calls did (Outputs: tokens, admissions,
+finishes), snapshots, refusals."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ class Event:
 
 @dataclass(slots=True)
 class StepTokens:
-    """The tokens a step's decodes produced, as one event (one per token costs the step loop
-    a tuple each): request i got tokens[i], except the requests in `dropped` (moved, finished
+    """The tokens a step sampled, as one value (one event per token costs the step loop an
+    object each): request i got tokens[i], except the requests in `dropped` (moved, finished
     or preempted since the step was planned)."""
 
     seqs: list[Sequence]
@@ -34,6 +35,28 @@ class StepTokens:
         for seq, token in zip(self.seqs, self.tokens, strict=True):
             if dropped is None or seq not in dropped:
                 yield seq.request_id, token
+
+
+@dataclass(slots=True)
+class Outputs:
+    """What one call into the core did, returned to its caller (nothing is posted to a queue
+    drained elsewhere): the tokens a step sampled, the requests admitted, those finished."""
+
+    tokens: StepTokens | None = None
+    admissions: list[Event] = field(default_factory=list)
+    finishes: list[Event] = field(default_factory=list)
+
+    def parts(self) -> list[Event | StepTokens]:
+        """What `EventRelay.dispatch` takes: the admissions, the tokens, the finishes (the
+        relay merges a request's news into one message, so a finish never overtakes a
+        token of the same call)."""
+        tokens = [self.tokens] if self.tokens is not None else []
+        return [*self.admissions, *tokens, *self.finishes]
+
+    def events(self) -> list[Event]:
+        """One Event per admission, token and finish, in that order (tests, the simulator)."""
+        tokens = [Event(rid, token_id=token) for rid, token in self.tokens or ()]
+        return [*self.admissions, *tokens, *self.finishes]
 
 
 @dataclass(slots=True)

@@ -167,10 +167,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return self.workers.vocab_size()
 
     async def Cancel(self, request, context):
-        found = self.core.abort(request.request_id)
-        self.dispatch(self.core.take_raw_events())
+        finishes = self.core.abort(request.request_id)
+        self.dispatch(finishes)
         self.wake_all()
-        return scheduler_pb2.CancelReply(found=found)
+        return scheduler_pb2.CancelReply(found=bool(finishes))
 
     async def Status(self, request, context):
         snap = self.core.snapshot()
@@ -286,8 +286,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             loop = self.loops[index]
             if loop is not None:
                 loop.wake.set()
-        if self.core.outbox:  # admissions, and requests no worker can hold
-            self.dispatch(self.core.take_raw_events())
+        if step.admissions or step.failed:  # and requests no worker can hold
+            self.dispatch(step.admissions + step.failed)
 
     def wake_all(self) -> None:
         self.workers.wake_all()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from scheduler_svc.output import Event
 from scheduler_svc.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -52,6 +53,10 @@ class Step:
     # as the start of its table (before its grants); its first chunk starts after them
     shares: list[tuple[int, list[int]]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)  # handles freed since the last step
+    # what planning it did besides the batch: first admissions (queue time, cached tokens), and
+    # the finishes of requests it failed because no live worker can ever hold them
+    admissions: list[Event] = field(default_factory=list)
+    failed: list[Event] = field(default_factory=list)
     timer: StepTimer | None = None  # its predicted time, under --step-time-budget-ms
     # (handle, blocks kept): reserved, unwritten blocks dropped from the end of its table
     trims: list[tuple[int, int]] = field(default_factory=list)

@@ -107,8 +107,7 @@ class Supervisor:
     def workers_changed(self) -> None:
         """The live workers changed: what none of them can hold fails now (no loop may be left
         to notice); the rest may have a new place."""
-        self.core.fail_unplaceable()
-        self.dispatch(self.core.take_raw_events())
+        self.dispatch(self.core.fail_unplaceable())
         self.wake_all()
 
     def vocab_size(self) -> int:

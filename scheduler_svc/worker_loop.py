@@ -208,21 +208,22 @@ class WorkerLoop:
         host, client = self.host, self.client
         started = time.perf_counter()
         name = self.core.workers[self.index].spec.name
+        events: list = []  # what the core returns: finishes, then the step's tokens and finishes
         if result.failed:
             for handle, why in result.failed.items():
                 log.warning("worker %s could not run request handle %d: %s", name, handle, why)
-            self.core.fail_items(step, dict(result.failed), name)
+            events += self.core.fail_items(step, dict(result.failed), name)
         # whose logprobs the tokens carry: read before `complete` moves or finishes requests
         owners = StepLogprobs.owners(step) if result.logprobs and not result.error else []
         if result.error:
             log.error(
                 "worker %s failed a step of %d requests: %s", name, step.num_requests, result.error
             )
-            self.core.fail_step(
+            events += self.core.fail_step(
                 step, f"the model failed on this request's batch on {name} (see its log)"
             )
         else:
-            self.core.complete(step, list(result.tokens))
+            events += self.core.complete(step, list(result.tokens)).parts()
         now = time.perf_counter()
         host.check()
         client.last_forward = result.forward_seconds
@@ -235,7 +236,6 @@ class WorkerLoop:
             if host.on_step is not None:
                 host.on_step(self.index, step, result.forward_seconds)
         self.last_result = now
-        events = self.core.take_raw_events()
         if owners:
             pairs = zip(owners, result.logprobs, strict=True)
             events.append(StepLogprobs([(rid, lp) for rid, lp in pairs if rid is not None]))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from scheduler_svc import invariants
 from scheduler_svc.core import Scheduler
+from scheduler_svc.output import Event, Outputs
 from scheduler_svc.sequence import Sequence
 from scheduler_svc.step import Step
 
@@ -71,3 +74,54 @@ class Overlapped:
 def check_invariants(core: Scheduler) -> None:
     """The service's own checks (also run by the scheduler under LLMSERVE_CHECK_INVARIANTS=1)."""
     invariants.check_invariants(core)
+
+
+def events_of(result: object) -> list[Event]:
+    """The events in what a core call returned: Outputs, finishes, or planned steps."""
+    if isinstance(result, Outputs):
+        return result.events()
+    if isinstance(result, Step):
+        return result.failed + result.admissions
+    if isinstance(result, list):
+        return [e for item in result for e in events_of(item)]
+    return [result] if isinstance(result, Event) else []
+
+
+def _recorded(name: str) -> Callable:
+    def call(self: Recording, *args, **kwargs):
+        self.depth += 1
+        try:
+            result = getattr(Scheduler, name)(self, *args, **kwargs)
+        finally:
+            self.depth -= 1
+        if not self.depth:  # a call from outside, not one the core makes of itself
+            self.log += events_of(result)
+        return result
+
+    call.__name__ = name
+    return call
+
+
+class Recording(Scheduler):
+    """The core, keeping in order the events its calls return, for a test to take."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.log: list[Event] = []
+        self.depth = 0
+
+    schedule_workers = _recorded("schedule_workers")
+    complete = _recorded("complete")
+    abort = _recorded("abort")
+    fail_items = _recorded("fail_items")
+    fail_step = _recorded("fail_step")
+    fail_unplaceable = _recorded("fail_unplaceable")
+
+    def take_events(self) -> list[Event]:
+        log, self.log = self.log, []
+        return log
+
+
+def ids(events: list[Event]) -> list[str]:
+    """The request ids of these events, in order."""
+    return [e.request_id for e in events]

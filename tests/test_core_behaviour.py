@@ -10,7 +10,7 @@ from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.output import Refused
 from scheduler_svc.sequence import Finish, Sequence
-from tests.sim import check_invariants, ran, seq, step
+from tests.sim import Recording, check_invariants, ran, seq, step
 
 
 def run_to_end(
@@ -38,8 +38,8 @@ def test_preemption_loses_nothing_outputs_identical() -> None:
     """The fake model's output does not depend on who was preempted, so the outputs alone cannot
     tell a wrong victim: the oldest running request (r0, which fits alone) is never one, and the
     preemptions the events report are the core's."""
-    roomy = Scheduler(CoreConfig(token_budget=16, max_running=8), [WorkerSpec("w", 1000, 4, 4096)])
-    tight = Scheduler(CoreConfig(token_budget=16, max_running=8), [WorkerSpec("w", 14, 4, 4096)])
+    roomy = Recording(CoreConfig(token_budget=16, max_running=8), [WorkerSpec("w", 1000, 4, 4096)])
+    tight = Recording(CoreConfig(token_budget=16, max_running=8), [WorkerSpec("w", 14, 4, 4096)])
     expected = run_to_end(roomy, workload(roomy))
     seqs = workload(tight)
     got = run_to_end(tight, seqs)
@@ -53,8 +53,8 @@ def test_preemption_loses_nothing_outputs_identical() -> None:
 
 
 def test_chunked_prefill_gives_the_same_output_as_one_shot() -> None:
-    chunked = Scheduler(CoreConfig(token_budget=5), [WorkerSpec("w", 500, 2, 4096)])
-    oneshot = Scheduler(CoreConfig(token_budget=64), [WorkerSpec("w", 500, 2, 4096)])
+    chunked = Recording(CoreConfig(token_budget=5), [WorkerSpec("w", 500, 2, 4096)])
+    oneshot = Recording(CoreConfig(token_budget=64), [WorkerSpec("w", 500, 2, 4096)])
     requests = {}
     for name, core in (("chunked", chunked), ("oneshot", oneshot)):
         requests[name] = [seq("long", 23, 6), seq("short", 3, 9)]
@@ -65,7 +65,7 @@ def test_chunked_prefill_gives_the_same_output_as_one_shot() -> None:
 
 
 def test_cancel_frees_kv_at_the_next_step() -> None:
-    core = Scheduler(CoreConfig(), [WorkerSpec("w", 16, 4, 4096)])  # 64 positions
+    core = Recording(CoreConfig(), [WorkerSpec("w", 16, 4, 4096)])  # 64 positions
     core.add(seq("a", 10, 50))
     core.add(seq("b", 10, 50))
     step(core)
@@ -79,7 +79,7 @@ def test_cancel_frees_kv_at_the_next_step() -> None:
 
 
 def test_cancel_while_waiting_removes_it_from_the_queue() -> None:
-    core = Scheduler(CoreConfig(max_running=1), [WorkerSpec("w", 64, 4, 4096)])
+    core = Recording(CoreConfig(max_running=1), [WorkerSpec("w", 64, 4, 4096)])
     core.add(seq("a", 4, 50))
     core.add(seq("b", 4, 50))
     step(core)
@@ -92,7 +92,7 @@ def test_cancel_while_waiting_removes_it_from_the_queue() -> None:
     [(100, 1, "context"), (30, 40, "kv_capacity")],
 )
 def test_a_request_that_can_never_run_is_refused_at_once(prompt, max_tokens, reason) -> None:
-    core = Scheduler(CoreConfig(), [WorkerSpec("w", 16, 4, 100)])  # 64 positions, context 100
+    core = Recording(CoreConfig(), [WorkerSpec("w", 16, 4, 100)])  # 64 positions, context 100
     with pytest.raises(Refused) as err:
         core.add(seq("x", prompt, max_tokens))
     assert err.value.reason == reason and str(err.value)
@@ -100,14 +100,14 @@ def test_a_request_that_can_never_run_is_refused_at_once(prompt, max_tokens, rea
 
 
 def test_duplicate_request_id_is_refused() -> None:
-    core = Scheduler(CoreConfig(), [WorkerSpec("w", 16, 4, 100)])
+    core = Recording(CoreConfig(), [WorkerSpec("w", 16, 4, 100)])
     core.add(seq("x", 3, 3))
     with pytest.raises(Refused, match="already in flight"):
         core.add(seq("x", 3, 3))
 
 
 def test_requests_go_to_the_worker_with_the_most_free_kv() -> None:
-    core = Scheduler(CoreConfig(), [WorkerSpec("w0", 40, 1, 4096), WorkerSpec("w1", 40, 1, 4096)])
+    core = Recording(CoreConfig(), [WorkerSpec("w0", 40, 1, 4096), WorkerSpec("w1", 40, 1, 4096)])
     core.add(seq("a", 20, 5))
     step(core)
     core.add(seq("b", 5, 5))
@@ -120,7 +120,7 @@ def test_requests_go_to_the_worker_with_the_most_free_kv() -> None:
 
 def test_failed_worker_requeues_its_requests_and_outputs_match() -> None:
     specs = [WorkerSpec("w0", 200, 4, 4096), WorkerSpec("w1", 200, 4, 4096)]
-    steady, failing = Scheduler(CoreConfig(), specs), Scheduler(CoreConfig(), specs)
+    steady, failing = Recording(CoreConfig(), specs), Recording(CoreConfig(), specs)
     steady_seqs, failing_seqs = (workload(core, n=6, seed=3) for core in (steady, failing))
     for _ in range(4):
         step(failing)
@@ -134,7 +134,7 @@ def test_failed_worker_requeues_its_requests_and_outputs_match() -> None:
 def test_random_workloads_keep_invariants_and_finish_everything(policy, mode) -> None:
     for trial in range(5):
         cfg = CoreConfig(token_budget=12, max_running=5, policy=policy, mode=mode)
-        core = Scheduler(cfg, [WorkerSpec("w0", 20, 2, 64), WorkerSpec("w1", 12, 3, 64)])
+        core = Recording(cfg, [WorkerSpec("w0", 20, 2, 64), WorkerSpec("w1", 12, 3, 64)])
         rng = random.Random(trial)
         for i in range(15):
             p, m = rng.randint(1, 12), rng.randint(1, 12)
@@ -147,7 +147,7 @@ def test_random_workloads_keep_invariants_and_finish_everything(policy, mode) ->
 
 def test_static_batch_forms_whole_then_admits_nothing_until_it_drains() -> None:
     cfg = CoreConfig(token_budget=8, max_running=4, mode=BatchMode.STATIC)
-    core = Scheduler(cfg, [WorkerSpec("w", 200, 1, 4096)])
+    core = Recording(cfg, [WorkerSpec("w", 200, 1, 4096)])
     for i in range(4):
         core.add(seq(f"s{i}", 6, max_tokens=3 + i))
     assert ran(step(core)) == {f"s{i}": 6 for i in range(4)}  # one prefill of 24 tokens

@@ -10,7 +10,7 @@ from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.output import Refused
 from scheduler_svc.sequence import Finish
-from tests.sim import Overlapped, check_invariants, ran, seq, step
+from tests.sim import Overlapped, Recording, check_invariants, ids, ran, seq, step
 
 
 def waiting(core: Scheduler) -> list[str]:
@@ -34,7 +34,7 @@ class Clock:
 
 def test_a_head_short_of_kv_is_not_overtaken_by_a_request_that_fits() -> None:
     """Paged KV: A holds 9 of 30 blocks and grows; C needs 23 now, D needs 1 and would fit."""
-    core = Scheduler(CoreConfig(token_budget=64), [WorkerSpec("w", 30, 1, 4096)])
+    core = Recording(CoreConfig(token_budget=64), [WorkerSpec("w", 30, 1, 4096)])
     core.add(seq("A", 8, max_tokens=20))
     step(core)
     core.add(seq("C", 23, max_tokens=2))
@@ -49,7 +49,7 @@ def test_a_head_short_of_kv_is_not_overtaken_by_a_request_that_fits() -> None:
 def test_a_head_over_the_token_budget_is_not_overtaken_without_chunked_prefill() -> None:
     """A's decode leaves 9 of the 10 tokens: C's prompt of 10 waits whole, D's 2 would fit."""
     config = CoreConfig(token_budget=10, chunked_prefill=False)
-    core = Scheduler(config, [WorkerSpec("w", 100, 1, 4096)])
+    core = Recording(config, [WorkerSpec("w", 100, 1, 4096)])
     core.add(seq("A", 3, max_tokens=4))
     step(core)
     core.add(seq("C", 10, max_tokens=2))
@@ -63,7 +63,7 @@ def test_a_head_over_the_token_budget_is_not_overtaken_without_chunked_prefill()
 
 
 def test_a_chunked_head_takes_what_the_budget_leaves_and_the_rest_waits() -> None:
-    core = Scheduler(CoreConfig(token_budget=10), [WorkerSpec("w", 100, 1, 4096)])
+    core = Recording(CoreConfig(token_budget=10), [WorkerSpec("w", 100, 1, 4096)])
     core.add(seq("A", 3, max_tokens=9))
     step(core)
     core.add(seq("C", 30, max_tokens=2))
@@ -80,7 +80,7 @@ def test_the_newest_running_request_is_preempted_and_waits_at_the_front() -> Non
     """Three run and the pool runs out as they grow: the one admitted last goes back, ahead of a
     request that was already waiting, and is admitted again before it; the oldest is never
     preempted, and every output is whole."""
-    core = Scheduler(CoreConfig(token_budget=64, max_running=3), [WorkerSpec("w", 12, 2, 4096)])
+    core = Recording(CoreConfig(token_budget=64, max_running=3), [WorkerSpec("w", 12, 2, 4096)])
     seqs = {rid: seq(rid, 4, 10) for rid in ("old", "mid", "new", "late")}
     for rid in ("old", "mid", "new"):
         core.add(seqs[rid])
@@ -101,7 +101,7 @@ def test_the_newest_running_request_is_preempted_and_waits_at_the_front() -> Non
 
 
 def test_a_failed_worker_requeues_its_requests_oldest_first_ahead_of_the_queue() -> None:
-    core = Scheduler(CoreConfig(max_running=3), [WorkerSpec("w0", 200, 4, 4096)])
+    core = Recording(CoreConfig(max_running=3), [WorkerSpec("w0", 200, 4, 4096)])
     for rid in ("a", "b", "c", "d"):
         core.add(seq(rid, 4, 20))
     step(core)
@@ -117,7 +117,7 @@ def test_a_failed_worker_requeues_its_requests_oldest_first_ahead_of_the_queue()
 
 def test_a_preempted_request_keeps_its_arrival_and_is_admitted_once_in_the_events() -> None:
     clock = Clock(10.0)
-    core = Scheduler(CoreConfig(max_running=2), [WorkerSpec("w0", 200, 4, 4096)], clock=clock)
+    core = Recording(CoreConfig(max_running=2), [WorkerSpec("w0", 200, 4, 4096)], clock=clock)
     core.add(seq("a", 4, 20))
     clock.now = 12.5
     step(core)
@@ -141,7 +141,7 @@ def test_a_preempted_request_keeps_its_arrival_and_is_admitted_once_in_the_event
 def test_a_request_submitted_past_the_context_stops_at_the_context(policy, overlap) -> None:
     """prompt 10 + max_tokens 20 on a context of 16 (the gateway refuses it, the core takes it):
     exactly 6 tokens, LENGTH, and never more KV than the context."""
-    core = Scheduler(CoreConfig(policy=policy), [WorkerSpec("w", 64, 4, 16)])
+    core = Recording(CoreConfig(policy=policy), [WorkerSpec("w", 64, 4, 16)])
     r = seq("r", 10, 20)
     core.add(r)
     driver = Overlapped(core)
@@ -159,7 +159,7 @@ def test_a_request_submitted_past_the_context_stops_at_the_context(policy, overl
 
 
 def test_a_prompt_one_short_of_the_context_gets_one_token() -> None:
-    core = Scheduler(CoreConfig(), [WorkerSpec("w", 64, 4, 16)])
+    core = Recording(CoreConfig(), [WorkerSpec("w", 64, 4, 16)])
     r = seq("r", 15, 5)
     core.add(r)
     step(core)
@@ -172,7 +172,7 @@ def test_a_prompt_one_short_of_the_context_gets_one_token() -> None:
 def test_a_stall_counts_the_reason_of_the_worker_with_the_most_free_kv() -> None:
     """w0 has the most free KV but its running limit is reached; w1 lacks the KV: the head
     waits for w0's limit, and the stall is counted there, once per step."""
-    core = Scheduler(
+    core = Recording(
         CoreConfig(max_running=2), [WorkerSpec("w0", 100, 1, 4096), WorkerSpec("w1", 60, 1, 4096)]
     )
     for rid, prompt, max_tokens in (("a", 5, 50), ("b", 5, 50), ("c", 45, 10)):
@@ -190,7 +190,7 @@ def test_a_stall_counts_the_reason_of_the_worker_with_the_most_free_kv() -> None
 
 def test_a_stall_on_the_roomier_worker_counts_kv_there() -> None:
     """The other way round: w1 has the most free KV but not enough for the head, w0 its limit."""
-    core = Scheduler(
+    core = Recording(
         CoreConfig(max_running=1), [WorkerSpec("w0", 100, 1, 4096), WorkerSpec("w1", 60, 1, 4096)]
     )
     core.add(seq("a", 95, 5))  # w0: 5 free positions, its one running slot taken
@@ -208,7 +208,7 @@ def test_a_stall_on_the_roomier_worker_counts_kv_there() -> None:
 
 
 def decoding(n: int = 3) -> tuple[Scheduler, list]:
-    core = Scheduler(CoreConfig(), [WorkerSpec("w0", 100, 4, 4096)])
+    core = Recording(CoreConfig(), [WorkerSpec("w0", 100, 4, 4096)])
     seqs = [seq(rid, 4, 10) for rid in "abc"[:n]]
     for s in seqs:
         core.add(s)
@@ -235,7 +235,7 @@ def test_a_request_the_worker_cannot_run_fails_alone_and_the_rest_of_the_step_st
 
 
 def test_a_chunk_the_worker_cannot_run_fails_alone() -> None:
-    core = Scheduler(CoreConfig(), [WorkerSpec("w0", 100, 4, 4096)])
+    core = Recording(CoreConfig(), [WorkerSpec("w0", 100, 4, 4096)])
     a, b = seq("a", 4, 10), seq("b", 6, 10)
     core.add(a)
     core.add(b)
@@ -261,7 +261,7 @@ def test_a_step_the_model_failed_fails_its_requests_but_not_one_that_moved_since
     planned = core.schedule(0)
     core.abort("c")  # finished since: keeps its own finish
     failed = core.fail_step(planned, "the model failed on this request's batch")
-    assert failed == ["a", "b"]
+    assert ids(failed) == ["a", "b"]
     assert finishes(core) == {
         "a": (Finish.ERROR, "the model failed on this request's batch"),
         "b": (Finish.ERROR, "the model failed on this request's batch"),
@@ -270,19 +270,19 @@ def test_a_step_the_model_failed_fails_its_requests_but_not_one_that_moved_since
 
 
 def test_after_a_worker_leaves_only_the_requests_no_live_worker_holds_fail() -> None:
-    core = Scheduler(
+    core = Recording(
         CoreConfig(), [WorkerSpec("long", 200, 1, 4096), WorkerSpec("short", 200, 1, 64)]
     )
     for rid, prompt in (("p1", 100), ("s1", 10), ("p2", 80)):
         core.add(seq(rid, prompt, 5))
     core.drain_worker(0)
-    assert core.fail_unplaceable() == ["p1", "p2"]
+    assert ids(core.fail_unplaceable()) == ["p1", "p2"]
     assert waiting(core) == ["s1"]
     errors = finishes(core)
     assert set(errors) == {"p1", "p2"}
     assert all(f is Finish.ERROR and "failed or draining; 1 live" in e for f, e in errors.values())
     core.fail_worker(1)
-    assert core.fail_unplaceable() == ["s1"]
+    assert ids(core.fail_unplaceable()) == ["s1"]
     assert finishes(core)["s1"] == (
         Finish.ERROR,
         "no live worker can hold this request (the workers that could are failed or "
@@ -294,7 +294,7 @@ def test_after_a_worker_leaves_only_the_requests_no_live_worker_holds_fail() -> 
 
 
 def test_a_request_that_needs_the_whole_pool_is_accepted_and_runs_to_the_end() -> None:
-    core = Scheduler(CoreConfig(), [WorkerSpec("w", 10, 1, 4096)])
+    core = Recording(CoreConfig(), [WorkerSpec("w", 10, 1, 4096)])
     r = seq("r", 5, 5)  # 10 positions of 10
     core.add(r)
     for _ in range(8):
@@ -303,7 +303,7 @@ def test_a_request_that_needs_the_whole_pool_is_accepted_and_runs_to_the_end() -
 
 
 def test_a_worker_too_small_for_a_request_does_not_hide_the_next_one() -> None:
-    core = Scheduler(
+    core = Recording(
         CoreConfig(), [WorkerSpec("small", 10, 1, 4096), WorkerSpec("big", 9, 8, 4096)]
     )
     core.add(seq("r", 30, 5))  # 35 positions: only "big" (72) holds it
@@ -314,7 +314,7 @@ def test_a_worker_too_small_for_a_request_does_not_hide_the_next_one() -> None:
 def test_a_context_that_holds_the_request_exactly_is_not_a_short_one() -> None:
     """prompt 10 + max_tokens 10 = 20 = w0's context: w0 holds all of it and has the most free
     KV, so it takes the request (a worker that would cut it short is the last resort)."""
-    core = Scheduler(CoreConfig(), [WorkerSpec("w0", 200, 1, 20), WorkerSpec("w1", 100, 1, 4096)])
+    core = Recording(CoreConfig(), [WorkerSpec("w0", 200, 1, 20), WorkerSpec("w1", 100, 1, 4096)])
     core.add(seq("r", 10, 10))
     step(core)
     assert [s.request_id for s in core.workers[0].running] == ["r"]
@@ -323,7 +323,7 @@ def test_a_context_that_holds_the_request_exactly_is_not_a_short_one() -> None:
 def test_a_request_requeued_with_a_workers_whole_context_is_not_placed_there() -> None:
     """r made 6 tokens on w0 (16 known); w0 fails: w1's context of 16 leaves it no room to
     generate, so no live worker can hold it and it fails rather than wait for ever on w1."""
-    core = Scheduler(CoreConfig(), [WorkerSpec("w0", 200, 1, 4096), WorkerSpec("w1", 100, 1, 16)])
+    core = Recording(CoreConfig(), [WorkerSpec("w0", 200, 1, 4096), WorkerSpec("w1", 100, 1, 16)])
     r = seq("r", 10, 30)
     core.add(r)
     for _ in range(6):
@@ -335,7 +335,7 @@ def test_a_request_requeued_with_a_workers_whole_context_is_not_placed_there() -
 
 
 def test_a_removed_worker_no_longer_counts_as_live() -> None:
-    core = Scheduler(CoreConfig(), [WorkerSpec("long", 200, 1, 4096), WorkerSpec("s", 200, 1, 64)])
+    core = Recording(CoreConfig(), [WorkerSpec("long", 200, 1, 4096), WorkerSpec("s", 200, 1, 64)])
     core.remove_worker(0)
     with pytest.raises(Refused, match="context of 64 tokens"):
         core.add(seq("r", 100, 5))
@@ -344,14 +344,14 @@ def test_a_removed_worker_no_longer_counts_as_live() -> None:
 
 @pytest.mark.parametrize("planning", [0, 1])
 def test_of_two_equal_workers_the_one_planning_now_takes_the_head(planning) -> None:
-    core = Scheduler(CoreConfig(), [WorkerSpec("w0", 50, 1, 4096), WorkerSpec("w1", 50, 1, 4096)])
+    core = Recording(CoreConfig(), [WorkerSpec("w0", 50, 1, 4096), WorkerSpec("w1", 50, 1, 4096)])
     core.add(seq("a", 5, 5))
     assert core.schedule(planning).ran() == {"a": 5}
     assert core.take_wakes() == set()
 
 
 def test_a_restored_worker_takes_requests_again_with_its_new_pool() -> None:
-    core = Scheduler(CoreConfig(), [WorkerSpec("w0", 50, 1, 4096)])
+    core = Recording(CoreConfig(), [WorkerSpec("w0", 50, 1, 4096)])
     core.fail_worker(0)
     with pytest.raises(Refused, match="no live worker"):
         core.add(seq("a", 5, 5))
@@ -398,7 +398,7 @@ def test_a_restored_worker_takes_requests_again_with_its_new_pool() -> None:
 def test_a_request_that_can_never_run_is_refused_with_what_to_change(
     config, prompt, max_tokens, reason, message
 ) -> None:
-    core = Scheduler(config, [WorkerSpec("w", 12, 4, 64)])  # 48 positions, context 64
+    core = Recording(config, [WorkerSpec("w", 12, 4, 64)])  # 48 positions, context 64
     for _ in range(2):
         with pytest.raises(Refused) as err:
             core.add(seq("x", prompt, max_tokens))
@@ -407,7 +407,7 @@ def test_a_request_that_can_never_run_is_refused_with_what_to_change(
 
 
 def test_without_a_live_worker_every_request_is_refused() -> None:
-    core = Scheduler(CoreConfig(), [WorkerSpec("w", 12, 4, 64)])
+    core = Recording(CoreConfig(), [WorkerSpec("w", 12, 4, 64)])
     core.drain_worker(0)
     with pytest.raises(Refused) as err:
         core.add(seq("x", 3, 3))
@@ -418,7 +418,7 @@ def test_without_a_live_worker_every_request_is_refused() -> None:
 
 
 def test_a_duplicate_request_id_is_refused_while_in_flight_and_welcome_after() -> None:
-    core = Scheduler(CoreConfig(), [WorkerSpec("w", 100, 4, 4096)])
+    core = Recording(CoreConfig(), [WorkerSpec("w", 100, 4, 4096)])
     first = seq("x", 3, 1)
     core.add(first)
     with pytest.raises(Refused) as err:
@@ -436,7 +436,7 @@ def test_a_duplicate_request_id_is_refused_while_in_flight_and_welcome_after() -
 
 def test_static_batching_prefills_a_prompt_past_the_token_budget_in_one_execution() -> None:
     config = CoreConfig(token_budget=8, chunked_prefill=False, mode=BatchMode.STATIC)
-    core = Scheduler(config, [WorkerSpec("w", 100, 1, 4096)])
+    core = Recording(config, [WorkerSpec("w", 100, 1, 4096)])
     core.add(seq("long", 20, 2))
     assert ran(step(core)) == {"long": 20}
 
@@ -445,7 +445,7 @@ def test_static_batching_prefills_a_prompt_past_the_token_budget_in_one_executio
 
 
 def test_paged_kv_allocates_no_position_ahead_of_need() -> None:
-    core = Scheduler(CoreConfig(token_budget=8), [WorkerSpec("w", 200, 1, 4096)])
+    core = Recording(CoreConfig(token_budget=8), [WorkerSpec("w", 200, 1, 4096)])
     for rid, prompt in (("a", 5), ("b", 13), ("c", 2)):
         core.add(seq(rid, prompt, 9))
     for _ in range(12):
@@ -458,7 +458,7 @@ def test_paged_kv_allocates_no_position_ahead_of_need() -> None:
 def test_a_head_whose_first_chunk_fits_is_admitted_though_its_prompt_does_not_yet() -> None:
     """A holds 11 of 24 positions; B's prompt of 16 does not fit the 13 free, a first chunk of
     12 (the budget) does: B starts now, beside A's decode, with the 11 tokens left."""
-    core = Scheduler(CoreConfig(token_budget=12), [WorkerSpec("w", 24, 1, 4096)])
+    core = Recording(CoreConfig(token_budget=12), [WorkerSpec("w", 24, 1, 4096)])
     core.add(seq("A", 10, 4))
     step(core)
     core.add(seq("B", 16, 2))
@@ -466,7 +466,7 @@ def test_a_head_whose_first_chunk_fits_is_admitted_though_its_prompt_does_not_ye
 
 
 def test_a_head_that_needs_exactly_the_free_kv_is_admitted() -> None:
-    core = Scheduler(CoreConfig(token_budget=64), [WorkerSpec("w", 20, 1, 4096)])
+    core = Recording(CoreConfig(token_budget=64), [WorkerSpec("w", 20, 1, 4096)])
     core.add(seq("A", 10, 5))
     step(core)  # A: 10 written, 11 after its next decode
     core.add(seq("B", 9, 1))  # 9 = 20 - 11
@@ -477,7 +477,7 @@ def test_a_head_that_needs_exactly_the_free_kv_is_admitted() -> None:
 def test_reserve_tells_kv_held_by_reservations_from_kv_that_is_not_there(prompt, reason) -> None:
     """B reserves 20 of 24 positions and has written 7: 4 are free, 13 reserved but unwritten.
     C's prompt of 17 would fit beside B's data (kv_reserved), one of 18 would not (kv_capacity)."""
-    core = Scheduler(
+    core = Recording(
         CoreConfig(policy=KvPolicy.RESERVE, token_budget=64), [WorkerSpec("w", 24, 1, 4096)]
     )
     core.add(seq("B", 6, max_tokens=14))
@@ -493,7 +493,7 @@ def test_reserve_tells_kv_held_by_reservations_from_kv_that_is_not_there(prompt,
 def test_each_request_stops_on_its_own_end_tokens_in_a_shared_decode_step() -> None:
     """a ends on 7, b on 9 (added last): a decode step's tokens are checked against every
     request's end tokens, not only the last one added."""
-    core = Scheduler(CoreConfig(), [WorkerSpec("w", 100, 1, 4096)])
+    core = Recording(CoreConfig(), [WorkerSpec("w", 100, 1, 4096)])
     a = seq("a", 3, 10, eos_ids=frozenset({7}))
     b = seq("b", 3, 10, eos_ids=frozenset({9}))
     core.add(a)
@@ -510,7 +510,7 @@ def test_each_request_stops_on_its_own_end_tokens_in_a_shared_decode_step() -> N
 
 
 def test_an_end_token_sampled_by_the_prefill_ends_the_request_at_once() -> None:
-    core = Scheduler(CoreConfig(), [WorkerSpec("w", 100, 1, 4096)])
+    core = Recording(CoreConfig(), [WorkerSpec("w", 100, 1, 4096)])
     r = seq("r", 3, 10, eos_ids=frozenset({7}))
     ignoring = seq("i", 3, 10, eos_ids=frozenset({7}), ignore_eos=True)
     core.add(r)
@@ -540,7 +540,7 @@ def test_a_request_finished_between_plan_and_complete_drops_its_token_alone() ->
 
 
 def test_decodes_and_a_chunk_share_the_budget_to_the_last_token() -> None:
-    core = Scheduler(CoreConfig(token_budget=3), [WorkerSpec("w", 100, 1, 4096)])
+    core = Recording(CoreConfig(token_budget=3), [WorkerSpec("w", 100, 1, 4096)])
     for rid, prompt in (("a", 1), ("b", 1), ("c", 10)):
         core.add(seq(rid, prompt, 9))
     assert ran(step(core)) == {"a": 1, "b": 1, "c": 1}
@@ -552,7 +552,7 @@ def test_decodes_and_a_chunk_share_the_budget_to_the_last_token() -> None:
 def test_with_overlap_a_request_decodes_exactly_once_per_token_it_still_needs(budget) -> None:
     """max_tokens is known in advance: a request whose last token is in flight gets no more
     decodes, while c's long prompt prefills beside them (budget 3) as when it is in at once."""
-    core = Scheduler(CoreConfig(token_budget=budget), [WorkerSpec("w", 100, 1, 4096)])
+    core = Recording(CoreConfig(token_budget=budget), [WorkerSpec("w", 100, 1, 4096)])
     seqs = [seq(rid, p, n) for rid, p, n in (("a", 1, 3), ("b", 1, 5), ("c", 7, 4))]
     for s in seqs:
         core.add(s)
@@ -575,7 +575,7 @@ def test_without_chunked_prefill_a_requeued_request_recomputes_past_the_budget()
     """Prompt 8, budget 10, no chunking: after 4 tokens its worker fails; its 12 known tokens
     exceed the budget but are recomputed in chunks (only prompts must fit whole)."""
     config = CoreConfig(token_budget=10, chunked_prefill=False)
-    core = Scheduler(config, [WorkerSpec("w", 100, 1, 4096)])
+    core = Recording(config, [WorkerSpec("w", 100, 1, 4096)])
     r = seq("r", 8, 10)
     core.add(r)
     for _ in range(4):
@@ -593,7 +593,7 @@ def test_without_chunked_prefill_a_requeued_request_recomputes_past_the_budget()
 
 def test_the_snapshot_counts_what_happened() -> None:
     clock = Clock(10.0)
-    core = Scheduler(
+    core = Recording(
         CoreConfig(token_budget=64, max_running=2),
         [WorkerSpec("w0", 12, 2, 4096), WorkerSpec("w1", 10, 2, 4096)],
         clock=clock,
@@ -638,7 +638,7 @@ def test_the_snapshot_counts_what_happened() -> None:
 
 
 def test_a_request_cancelled_while_waiting_leaves_the_queue_and_its_tokens() -> None:
-    core = Scheduler(CoreConfig(max_running=1), [WorkerSpec("w", 64, 4, 4096)])
+    core = Recording(CoreConfig(max_running=1), [WorkerSpec("w", 64, 4, 4096)])
     for rid, prompt in (("a", 4), ("b", 6), ("c", 3)):
         core.add(seq(rid, prompt, 50))
     step(core)
@@ -649,12 +649,12 @@ def test_a_request_cancelled_while_waiting_leaves_the_queue_and_its_tokens() -> 
 
 
 def test_a_request_no_worker_can_ever_hold_any_more_fails_saying_so() -> None:
-    core = Scheduler(
+    core = Recording(
         CoreConfig(), [WorkerSpec("long", 200, 1, 4096), WorkerSpec("short", 200, 1, 64)]
     )
     core.add(seq("r", 100, 5))
     core.remove_worker(0)  # gone for good: not a worker that may come back
-    assert core.fail_unplaceable() == ["r"]
+    assert ids(core.fail_unplaceable()) == ["r"]
     assert finishes(core) == {
         "r": (Finish.ERROR, "no worker can hold this request (1 live); retry")
     }
@@ -669,7 +669,7 @@ def test_a_step_failure_that_arrives_after_its_worker_failed_fails_nothing_that_
 
 
 def test_a_request_cancelled_mid_prefill_leaves_no_trace_on_its_worker() -> None:
-    core = Scheduler(CoreConfig(token_budget=5), [WorkerSpec("w", 100, 1, 4096)])
+    core = Recording(CoreConfig(token_budget=5), [WorkerSpec("w", 100, 1, 4096)])
     core.add(seq("long", 20, 5))
     assert ran(step(core)) == {"long": 5}
     core.abort("long")

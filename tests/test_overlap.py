@@ -14,11 +14,11 @@ from scheduler_svc.core import Scheduler
 from scheduler_svc.reasons import StallReason
 from scheduler_svc.sequence import Finish
 from tests.inproc import run_all
-from tests.sim import Overlapped, check_invariants, seq
+from tests.sim import Overlapped, Recording, check_invariants, seq
 
 
 def make(capacity: int = 24, **cfg) -> Scheduler:
-    return Scheduler(CoreConfig(**cfg), [WorkerSpec("w0", capacity, 1, 4096)])
+    return Recording(CoreConfig(**cfg), [WorkerSpec("w0", capacity, 1, 4096)])
 
 
 def first_step_of(driver: Overlapped, rid: str, limit: int = 10) -> int:
@@ -96,7 +96,7 @@ def test_same_outputs_with_and_without_overlap_preemptions_included(policy, mode
     for overlap, capacity in ((False, 400), (True, 400), (False, 14), (True, 14)):
         cfg = CoreConfig(token_budget=7, max_running=4, policy=policy, mode=mode)
         specs = [WorkerSpec("w0", capacity, 2, 64), WorkerSpec("w1", capacity, 3, 64)]
-        core = Scheduler(cfg, specs)
+        core = Recording(cfg, specs)
         rng = random.Random(2)
         seqs = [seq(f"r{i}", rng.randint(1, 12), rng.randint(1, 12)) for i in range(25)]
         for s in seqs:

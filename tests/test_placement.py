@@ -7,7 +7,7 @@ from scheduler_svc.config import CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.messages import step_message
 from tests.inproc import run_all
-from tests.sim import check_invariants, ran, seq, step
+from tests.sim import check_invariants, ids, ran, seq, step
 
 
 def placed(core: Scheduler) -> dict[str, str]:
@@ -178,7 +178,7 @@ def test_a_request_only_a_draining_worker_could_hold_fails_when_the_drain_starts
     r = seq("r", 100, 5)
     core.add(r)
     core.drain_worker(0)
-    assert core.fail_unplaceable() == ["r"]
+    assert ids(core.fail_unplaceable()) == ["r"]
     assert r.finish is Finish.ERROR and not core.waiting and "r" not in core.seqs
 
 
@@ -189,7 +189,7 @@ def test_fail_unplaceable_keeps_what_a_live_worker_can_hold() -> None:
     core.add(seq("long-prompt", 100, 5))
     core.add(seq("short-prompt", 10, 5))
     core.fail_worker(0)
-    assert core.fail_unplaceable() == ["long-prompt"]
+    assert ids(core.fail_unplaceable()) == ["long-prompt"]
     assert [s.request_id for s in core.waiting] == ["short-prompt"]
 
 

@@ -13,14 +13,14 @@ from scheduler_svc.config import CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.reasons import StallReason
 from scheduler_svc.sequence import Finish, Sequence
-from tests.sim import Overlapped, check_invariants, fake_token, step
+from tests.sim import Overlapped, Recording, check_invariants, fake_token, step
 
 BS = 4
 
 
 def core_of(blocks: int = 64, caching: bool = True, **cfg) -> Scheduler:
     config = CoreConfig(prefix_caching=caching, **cfg)
-    return Scheduler(config, [WorkerSpec("w", blocks, BS, 4096)])
+    return Recording(config, [WorkerSpec("w", blocks, BS, 4096)])
 
 
 def req(rid: str, prompt: list[int], max_tokens: int = 3) -> Sequence:
@@ -214,7 +214,7 @@ def test_a_preempted_request_that_shares_blocks_frees_only_its_own_and_finds_the
 def test_evictable_cached_blocks_count_as_free_for_admission() -> None:
     """The seed's pool of 24 positions: A's 20-token prompt and output finish and stay cached,
     yet a new 20-token request is admitted at once: evictable blocks are free."""
-    core = Scheduler(CoreConfig(token_budget=32), [WorkerSpec("w", 6, BS, 4096)])
+    core = Recording(CoreConfig(token_budget=32), [WorkerSpec("w", 6, BS, 4096)])
     core.add(req("A", PROMPT, 2))
     run(core)
     kv = core.snapshot().workers[0]
@@ -231,7 +231,7 @@ def test_a_hit_shrinks_the_blocks_a_request_needs_so_it_is_admitted_where_it_wou
     the block past the shared prefix, and it runs."""
     reasons = {}
     for caching in (False, True):
-        core = Scheduler(
+        core = Recording(
             CoreConfig(token_budget=32, prefix_caching=caching), [WorkerSpec("w", 6, BS, 4096)]
         )
         core.add(req("B", PROMPT[:16] + [1], 6))
@@ -300,7 +300,7 @@ def test_placement_weighs_cached_positions_against_free_ones() -> None:
     B, which resends A's 80 tokens, goes to w0 (212 free + 80 cached > 256 free on w1); D,
     which shares only A's first block, goes to w1 (212 + 4 < 256)."""
     specs = [WorkerSpec("w0", 64, BS, 4096), WorkerSpec("w1", 64, BS, 4096)]
-    core = Scheduler(CoreConfig(token_budget=256), specs)
+    core = Recording(CoreConfig(token_budget=256), specs)
     a = list(range(100, 180))
     core.add(req("A", a, 1))
     run(core)
@@ -319,7 +319,7 @@ def test_placement_weighs_cached_positions_against_free_ones() -> None:
 def test_randomized_shared_prefixes_keep_every_invariant(overlap: bool) -> None:
     rng = random.Random(11)
     prefixes = [[rng.randrange(3, 900) for _ in range(rng.randrange(4, 30))] for _ in range(4)]
-    core = Scheduler(
+    core = Recording(
         CoreConfig(token_budget=rng.choice([8, 16, 32]), max_running=5),
         [WorkerSpec("w0", 20, BS, 64), WorkerSpec("w1", 14, 2, 64)],
     )

@@ -8,9 +8,8 @@ import pytest
 
 from scheduler_svc.blocks import BlockPool, block_keys
 from scheduler_svc.config import CoreConfig, WorkerSpec
-from scheduler_svc.core import Scheduler
 from scheduler_svc.sequence import Finish
-from tests.sim import check_invariants, step
+from tests.sim import Recording, check_invariants, step
 from tests.test_prefix_core import BS, PROMPT, core_of, first_chunk, req, run
 
 
@@ -110,7 +109,7 @@ def test_keys_follow_the_block_size_of_the_pool_they_are_used_in() -> None:
     they must use keys for blocks of 2, so that C, which shares only A's first 8 tokens, finds
     A's first 4 blocks; and A, moved back to w0 when w1 fails, finds B's blocks again."""
     specs = [WorkerSpec("w0", 16, 4, 4096), WorkerSpec("w1", 200, 2, 4096)]
-    core = Scheduler(CoreConfig(token_budget=64), specs)
+    core = Recording(CoreConfig(token_budget=64), specs)
     core.drain_worker(1)
     core.add(req("B", PROMPT[:16] + [1], 1))
     run(core)

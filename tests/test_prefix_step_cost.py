@@ -15,7 +15,6 @@ from scheduler_svc.blocks import BlockPool, block_keys, common_blocks
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.kv import HIT_BATCH
-from scheduler_svc.output import Event
 from scheduler_svc.sequence import Sequence
 
 BS = 16
@@ -67,11 +66,11 @@ class Steady:
         self.core.add(Sequence(str(n), SHARED + own, 4, arrival=1.0))
 
     def step(self) -> None:
+        finished = 0
         for step in self.core.schedule_all():
-            self.core.complete(step, [7] * step.num_sampled)
-        for event in self.core.take_raw_events():
-            if type(event) is Event and event.finish is not None:
-                self.add()
+            finished += len(self.core.complete(step, [7] * step.num_sampled).finishes)
+        for _ in range(finished):
+            self.add()
 
     def run(self, counts: Counts, warm: int, steps: int) -> list[tuple[int, int, int]]:
         """Per step: (hash calls, cache lookups, requests admitted)."""
