@@ -1,4 +1,4 @@
-"""The `llmserve` command: up, generate, status, demo, bench."""
+"""The `llmserve` command: up, generate, status, get, set, demo, bench."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ import grpc
 
 from llmserve import client
 from llmserve.prometheus import DASHBOARD, Prometheus, start_for_stack
+from llmserve.runtime.admin_auth import admin_key
 from llmserve.runtime.flags import add_flags, from_args
 from llmserve.stack import Stack, StackSettings
 from llmserve.status_text import format_status
+from scheduler_svc.live_settings import NAMES, SettingError, parse_pairs
 
 
 def _interrupt(signum, frame) -> None:
@@ -124,10 +126,38 @@ def _print_text(text: str) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    with client.Client(args.target, api_key=args.api_key, tls_ca=args.tls_ca) as llm:
-        s = llm.status()
+    with admin_client(args) as llm:
+        s = llm.status(explain=args.explain)
     print(json.dumps(s, indent=2) if args.json else format_status(s))
     return 0
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    with admin_client(args) as llm:
+        values = llm.get_settings()
+    text = "\n".join(f"{k}={v}" for k, v in values.items())
+    print(json.dumps(values, indent=2) if args.json else text)
+    return 0
+
+
+def cmd_set(args: argparse.Namespace) -> int:
+    try:
+        changes = parse_pairs(args.changes)
+    except SettingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    with admin_client(args) as llm:
+        changed = llm.set_settings(changes)
+    for name, (old, new) in changed.items():
+        print(f"{name}: {old} -> {new}")
+    if not changed:
+        print("nothing changed (every value was already so)")
+    return 0
+
+
+def admin_client(args: argparse.Namespace) -> client.Client:
+    key = admin_key(args.admin_key_file) if args.admin_key_file else ""
+    return client.Client(args.target, api_key=args.api_key, tls_ca=args.tls_ca, admin_key=key)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -173,7 +203,24 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="the scheduler's snapshot and stalls, via the gateway")
     add_gateway_flags(st)
     st.add_argument("--json", action="store_true", help="print the snapshot as JSON")
+    st.add_argument(
+        "--explain",
+        action="store_true",
+        help="also what would admit the head of the queue (needs --admin-key-file)",
+    )
     st.set_defaults(func=cmd_status)
+
+    get = sub.add_parser("get", help="the scheduler's live settings (needs the admin key)")
+    add_gateway_flags(get)
+    get.add_argument("--json", action="store_true", help="print them as JSON")
+    get.set_defaults(func=cmd_get)
+
+    put = sub.add_parser(
+        "set", help="change live settings, all or nothing: key=value ... (needs the admin key)"
+    )
+    add_gateway_flags(put)
+    put.add_argument("changes", nargs="+", metavar="key=value", help=f"one of {', '.join(NAMES)}")
+    put.set_defaults(func=cmd_set)
 
     demo = sub.add_parser("demo", help="the whole stack, a real workload, both KV policies")
     demo.add_argument("--log-dir", default="results/demo-logs")
@@ -194,6 +241,12 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
         help="sent as `authorization: Bearer KEY` (default: $LLMSERVE_API_KEY)",
     )
     parser.add_argument("--tls-ca", default="", help="CA certificate (PEM) to reach a TLS gateway")
+    parser.add_argument(
+        "--admin-key-file",
+        default=os.environ.get("LLMSERVE_ADMIN_KEY_FILE", ""),
+        help="a file holding the admin key, for set, get and status --explain "
+        "(default: $LLMSERVE_ADMIN_KEY_FILE)",
+    )
 
 
 class OneLineParser(argparse.ArgumentParser):

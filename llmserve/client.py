@@ -1,5 +1,7 @@
 """Clients of the public Gateway API, used by the CLI: `Client` and `AsyncClient` (generate,
 stream, status), and the functions beneath them (make_request, stream, status, channel).
+With the admin key, `Client` also reads and changes the live settings (get_settings,
+set_settings) and explains the head of the queue (explain, status(explain=True)).
 
     from llmserve import Client
 
@@ -15,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from llmserve.runtime.admin_auth import admin_metadata
 from llmserve.runtime.auth import token_metadata
 from llmserve.runtime.server import CHANNEL_OPTIONS
 from llmserve.v1 import (
@@ -25,6 +28,7 @@ from llmserve.v1 import (
     scheduler_pb2_grpc,
 )
 
+ADMIN_TIMEOUT_S = 30.0  # an explanation plans copies of the core a few dozen times
 FINISH_NAMES = {
     common_pb2.FINISH_REASON_UNSPECIFIED: "unspecified",
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -177,8 +181,11 @@ def status_dict(reply: scheduler_pb2.StatusReply) -> dict:
         "hit_tokens",
         "evictions",
         "cache_figures_withheld",
+        "step_time_budget_ms",
+        "explanation_withheld",
     ]
     out = {k: getattr(reply, k) for k in keys}
+    out["explanation"] = explanation_dict(reply.explanation)
     out["stalls"] = dict(reply.stalls)
     out["refused"] = dict(reply.refused)
     out["workers"] = [
@@ -204,8 +211,34 @@ def status_dict(reply: scheduler_pb2.StatusReply) -> dict:
             "prompt_tokens": w.prompt_tokens,
             "hit_tokens": w.hit_tokens,
             "kernels": w.kernels,
+            "step_time_error_p50": w.step_time_error_p50,
+            "step_time_error_p90": w.step_time_error_p90,
+            "step_time_error_steps": w.step_time_error_steps,
+            "last_predicted_seconds": w.last_predicted_seconds,
+            "last_forward_seconds": w.last_forward_seconds,
         }
         for w in reply.workers
+    ]
+    return out
+
+
+def explanation_dict(e: scheduler_pb2.HeadExplanation) -> dict | None:
+    """The head's explanation as plain data; None when nobody waits (or none was asked)."""
+    if not e.request_id:
+        return None
+    out: dict[str, Any] = {
+        f.name: getattr(e, f.name) for f in e.DESCRIPTOR.fields if f.name != "workers"
+    }
+    out["workers"] = [
+        {
+            "name": w.name,
+            "free": w.free,
+            "written": w.written,
+            "reserved_unwritten": w.reserved_unwritten,
+            "running": w.running,
+            "holders": [(h.request_id, h.unwritten) for h in w.holders],
+        }
+        for w in e.workers
     ]
     return out
 
@@ -247,10 +280,13 @@ class _Connection:
         api_key: str = "",
         tls_ca: str = "",
         timeout: float | None = None,
+        admin_key: str = "",
     ) -> None:
         self._channel = channel(target, tls_ca, aio=self.AIO)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self._admin = scheduler_pb2_grpc.AdminStub(self._channel)
         self._metadata = _key_metadata(api_key)
+        self._admin_metadata = [*(self._metadata or ()), *admin_metadata(admin_key)]
         self.timeout = timeout
 
 
@@ -283,12 +319,39 @@ class Client(_Connection):
             if message.HasField("delta"):
                 yield message.delta.text
 
-    def status(self) -> dict:
-        """The scheduler's snapshot (status_dict), through the gateway."""
+    def status(self, explain: bool = False) -> dict:
+        """The scheduler's snapshot (status_dict), through the gateway; with `explain` (and
+        the admin key) the head's explanation too."""
         reply = self._stub.Status(
-            scheduler_pb2.StatusRequest(), timeout=self.timeout or 5.0, metadata=self._metadata
+            scheduler_pb2.StatusRequest(explain=explain),
+            timeout=self.timeout or (ADMIN_TIMEOUT_S if explain else 5.0),
+            metadata=self._admin_metadata if explain else self._metadata,
         )
         return status_dict(reply)
+
+    def get_settings(self) -> dict[str, str]:
+        """Every live setting and its value (the admin key's)."""
+        reply = self._admin.GetSettings(scheduler_pb2.GetSettingsRequest(), **self._admin_call(5.0))
+        return {s.name: s.value for s in reply.settings}
+
+    def set_settings(self, changes: dict[str, str]) -> dict[str, tuple[str, str]]:
+        """Change live settings, all or nothing (INVALID_ARGUMENT naming a bad one): name ->
+        (old, new) of those that changed."""
+        request = scheduler_pb2.SetSettingsRequest(
+            changes=[scheduler_pb2.Setting(name=k, value=str(v)) for k, v in changes.items()]
+        )
+        reply = self._admin.SetSettings(request, **self._admin_call(5.0))
+        return {c.name: (c.old_value, c.new_value) for c in reply.changed}
+
+    def explain(self) -> dict | None:
+        """What would admit the head of the queue (explanation_dict); None if nobody waits."""
+        reply = self._admin.Explain(
+            scheduler_pb2.ExplainRequest(), **self._admin_call(ADMIN_TIMEOUT_S)
+        )
+        return explanation_dict(reply)
+
+    def _admin_call(self, timeout: float) -> dict[str, Any]:
+        return {"timeout": self.timeout or timeout, "metadata": self._admin_metadata}
 
     def close(self) -> None:
         self._channel.close()

@@ -52,6 +52,8 @@ def format_status(s: dict) -> str:
         f"admission stalls by reason (steps): {stalls}",
         f"refused at submit: {refused}",
     ]
+    if s.get("explanation") or s.get("explanation_withheld"):
+        lines.append(explanation_text(s))
     return "\n".join(lines)
 
 
@@ -66,6 +68,46 @@ CACHE_WITHHELD = (
     "prefix cache: on (its figures are for the operator: ask with the internal token, or read "
     "the scheduler's /metrics)"
 )
+
+
+def explanation_text(s: dict) -> str:
+    """`llmserve status --explain`: what the head needs, who holds the room, what would admit
+    it (each answer is the core's own, planned on a copy of it)."""
+    e = s.get("explanation")
+    if e is None:
+        return (
+            "explain: withheld (it names other clients' requests): ask with --admin-key-file"
+            if s.get("explanation_withheld")
+            else "explain: nothing waits"
+        )
+    reason = e["reason"]
+    budget = "no token budget (static)" if e["budget_left"] < 0 else f"{e['budget_left']} left"
+    lines = [
+        f"explain: head {e['request_id']} waits {e['wait_s']:.2f} s: "
+        + (f"{reason} ({REASONS.get(reason, '')})" if reason else "admitted at the next step"),
+        f"  needs: {e['tokens']} prompt tokens ({budget} of the token budget), "
+        f"{e['positions']} KV positions ({e['blocks']} blocks) on {e['worker']}, "
+        f"a running slot ({e['running']} of {e['max_running']} running)",
+    ]
+    for w in e["workers"]:
+        held = ", ".join(f"{rid} {n}" for rid, n in w["holders"])
+        lines.append(
+            f"  {w['name']}: free {w['free']}  written {w['written']}  reserved-unwritten "
+            f"{w['reserved_unwritten']}  running {w['running']}"
+            + (f"; reserved and unwritten by {held}" if held else "")
+        )
+    lines.append("  would admit it: " + "; ".join(counterfactuals(e)))
+    return "\n".join(lines)
+
+
+def counterfactuals(e: dict) -> list[str]:
+    after = e["after_request_id"]
+    return [
+        f"{e['other_policy']}: {'yes, now' if e['admitted_under_other_policy'] else 'no'}",
+        f"token budget {e['token_budget']}" if e["token_budget"] else "no token budget alone",
+        f"running limit {e['running_limit']}" if e["running_limit"] else "no running limit alone",
+        f"{after} finishing (within {e['after_steps']} steps)" if after else "no single finish",
+    ]
 
 
 def prefix_cache_line(s: dict) -> str:
