@@ -26,9 +26,13 @@ def choice_inputs(job: GenerateInput, n: int | None) -> list[GenerateInput]:
     """One request per choice; seeded ones get seed, seed + 1, ...: reproducible, distinct."""
     if (n or 1) == 1:
         return [job]
-    if job.seed is None:
+    seed = job.sampling.seed
+    if seed is None:
         return [job] * n
-    return [replace(job, seed=(job.seed + i) % (U64_MAX + 1)) for i in range(n)]
+    return [
+        replace(job, sampling=replace(job.sampling, seed=(seed + i) % (U64_MAX + 1)))
+        for i in range(n)
+    ]
 
 
 async def merged(

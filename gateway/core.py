@@ -14,9 +14,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import grpc
@@ -33,7 +33,9 @@ from gateway.trim import trim_after
 from gateway.usage import Tally
 from gateway.validation import InputLimits, ValidatedParams, validate
 from llmserve.runtime.protocol import ACCEPTED_KEY
-from llmserve.runtime.request_checks import context_problem, sampling_problem
+from llmserve.runtime.request_checks import context_problem
+from llmserve.runtime.sampling import SamplingParams
+from llmserve.runtime.sampling_wire import to_wire
 from llmserve.v1 import common_pb2, scheduler_pb2
 
 log = logging.getLogger("gateway")
@@ -49,28 +51,13 @@ class ChatTurn(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class GenerateInput:
-    """What a client asks for, as sent (unset = None): `validate` checks it and fills defaults.
-    Messages are converted only after their count and size are checked."""
+    """What a client asks for, as sent: `validate` checks it and fills defaults. Messages are
+    converted only after their count and size are checked."""
 
     prompt: str | None = None
     messages: Sequence[ChatTurn] | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: Sequence[str] = ()
-    ignore_eos: bool = False
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float | None = None
-    stop_token_ids: Sequence[int] = ()
-    min_tokens: int = 0
-    logit_bias: Mapping[int, float] | None = None
-    logprobs: int | None = None  # top alternatives with each token's logprob; None: no logprobs
+    sampling: SamplingParams = SamplingParams()  # as sent, not checked (max_tokens None: unset)
     cache_salt: str = ""  # only requests of equal salt (and API key) share cached KV blocks
-    grammar: common_pb2.Grammar | None = None  # structured output (gateway/structured.py)
     # The HTTP API's (vLLM's) rules: prompt + max_tokens must fit the context (else
     # ContextLengthExceeded), max_tokens unset is the rest of it (gateway/context_fit.py)
     fit_context: bool = False
@@ -180,8 +167,8 @@ class GatewayCore:
 
     def _validate_and_tokenize(self, job: GenerateInput) -> tuple[ValidatedParams, list[int]]:
         params = self._validate(job)
-        if job.grammar is not None:  # compiled once per grammar (cached)
-            problem = grpc_grammar_problem(job.grammar)
+        if job.sampling.grammar is not None:  # compiled once per grammar (cached)
+            problem = grpc_grammar_problem(job.sampling.grammar)
             if problem:
                 raise ValueError(problem)
         return params, self._tokenize(params, job.messages)
@@ -190,17 +177,15 @@ class GatewayCore:
         messages = None
         if job.messages is not None:
             messages = [(m.role, m.content) for m in job.messages]
-        max_tokens = job.max_tokens
+        sampling = job.sampling
+        max_tokens = sampling.max_tokens
         if job.fit_context and isinstance(max_tokens, int) and max_tokens > self.max_context:
-            max_tokens = None  # refused once the prompt is counted, in vLLM's words (_check_fit)
+            # refused once the prompt is counted, in vLLM's words (_check_fit)
+            sampling = replace(sampling, max_tokens=None)
         return validate(
             prompt=job.prompt,
             messages=messages,
-            max_tokens=max_tokens,
-            temperature=job.temperature,
-            top_p=job.top_p,
-            top_k=job.top_k,
-            stop=list(job.stop),
+            sampling=sampling,
             max_context=self.max_context,
             default_max_tokens=self.settings.default_max_tokens,
         )
@@ -236,8 +221,8 @@ class GatewayCore:
         too_long = prompt_overflow(prompt_tokens, self.max_context)
         if too_long:
             raise ContextLengthExceeded(too_long, prompt_param)
-        if job.max_tokens is not None:
-            too_long = completion_overflow(prompt_tokens, job.max_tokens, self.max_context)
+        if job.sampling.max_tokens is not None:
+            too_long = completion_overflow(prompt_tokens, job.sampling.max_tokens, self.max_context)
             if too_long:
                 raise ContextLengthExceeded(too_long, "max_tokens")
 
@@ -269,40 +254,26 @@ class GatewayCore:
             raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, invalid, param)
         self._check_admission(prompt_ids, job)
         tally.prompt_tokens = len(prompt_ids)
-        max_tokens = params.max_tokens
+        sampling = params.sampling
         if job.fit_context:
-            max_tokens = completion_budget(len(prompt_ids), job.max_tokens, self.max_context)
+            asked = job.sampling.max_tokens
+            budget = completion_budget(len(prompt_ids), asked, self.max_context)
+            sampling = replace(sampling, max_tokens=budget)
+        invalid = sampling.problem()  # min_tokens within the max_tokens now resolved
+        if invalid is not None:
+            raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, str(invalid), invalid.param)
         submit = scheduler_pb2.SubmitRequest(
             request_id=rid,
             prompt_token_ids=prompt_ids,
-            sampling=common_pb2.SamplingParams(
-                max_tokens=max_tokens,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k,
-                ignore_eos=job.ignore_eos,
-                seed=job.seed,
-                min_p=job.min_p,
-                presence_penalty=job.presence_penalty,
-                frequency_penalty=job.frequency_penalty,
-                repetition_penalty=job.repetition_penalty,
-                stop_token_ids=job.stop_token_ids,
-                min_tokens=job.min_tokens,
-                logit_bias=job.logit_bias,
-                logprobs=job.logprobs,
-                grammar=job.grammar,
-            ),
+            sampling=to_wire(sampling),
             cache_salt=cache_salt(self.tenant, job.cache_salt),
         )
-        invalid = sampling_problem(submit.sampling)
-        if invalid is not None:
-            raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, invalid)
         self.queue.enter(len(prompt_ids))
         flight = _Flight(submit, self._submit(submit, time_remaining), tally)
         detok = IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=job.skip_special_tokens, prompt_ids=prompt_ids
         )
-        stops = StopMatcher(list(params.stop), include_stop=job.include_stop)
+        stops = StopMatcher(list(sampling.stop), include_stop=job.include_stop)
         try:
             deltas = self._resubmitting(flight, detok, stops, time_remaining)
             async with contextlib.aclosing(deltas):

@@ -5,6 +5,7 @@ the same for HTTP and gRPC; what is checked here is what JSON can say and protob
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, ClassVar, NamedTuple
 
 import grpc
@@ -16,7 +17,8 @@ from gateway.http_errors import ApiError
 from gateway.structured import StructuredFields, checked
 from gateway.tools import ToolPlan, ToolsProblem
 from gateway.tools import tool_plan as plan_of
-from llmserve.runtime.request_checks import MAX_LOGPROBS
+from llmserve.runtime.sampling import MAX_LOGPROBS, SamplingParams
+from llmserve.runtime.sampling_wire import grammar_of
 
 U32_MAX = 2**32 - 1
 TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union members
@@ -155,7 +157,7 @@ class Sampling(StructuredFields, Body):
     ignore_eos: bool = False  # an extension, as in vLLM
     cache_salt: str | None = None  # vLLM's: only requests of equal salt share cached KV blocks
 
-    # ranges are checked with the gRPC API's (llmserve/runtime/request_checks.py)
+    # ranges are checked with the gRPC API's (llmserve/runtime/sampling.py)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # an extension, as in vLLM
@@ -216,10 +218,12 @@ class Sampling(StructuredFields, Body):
         """How the request uses tools (chat completions only: gateway/tools.py)."""
         return None
 
-    def sampling(self, max_tokens: int | None) -> dict[str, Any]:
-        """The GenerateInput fields of the sampling settings."""
+    def params(self, max_tokens: int | None) -> SamplingParams:
+        """The sampling settings as sent, OpenAI's (and vLLM's) names mapped to SamplingParams'
+        (the one mapping; unset: its default). Checked by the gateway's validation, as gRPC's."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        return dict(
+        grammar = self.grammar()  # response_format, structured_outputs, guided_*
+        sent = dict(
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -227,16 +231,23 @@ class Sampling(StructuredFields, Body):
             seed=self.seed,
             stop=stop,
             ignore_eos=self.ignore_eos,
-            min_p=self.min_p or 0.0,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             stop_token_ids=_token_ids(self.stop_token_ids or [], "stop_token_ids"),
-            min_tokens=self.min_tokens or 0,
+            min_tokens=self.min_tokens,
             logit_bias=_logit_bias(self.logit_bias or {}),
             logprobs=self.top_logprobs_asked(),
+            grammar=None if grammar is None else grammar_of(grammar),
+        )
+        return SamplingParams(**{k: v for k, v in sent.items() if v is not None})
+
+    def job(self, max_tokens: int | None) -> dict[str, Any]:
+        """The GenerateInput fields but the prompt: the sampling settings and the HTTP API's."""
+        return dict(
+            sampling=self.params(max_tokens),
             cache_salt=self.cache_salt or "",
-            grammar=self.grammar(),  # response_format, structured_outputs, guided_*
             fit_context=True,
             include_stop=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
@@ -281,15 +292,17 @@ class ChatCompletionRequest(Sampling):
         turns = [m.turn(i) for i, m in enumerate(self.messages)]
         limit = self.max_completion_tokens
         limit = self.max_tokens if limit is None else limit
-        fields = self.sampling(limit)
+        fields = self.job(limit)
         plan = self.tool_plan()
         if plan is not None and plan.forced:
-            if fields["grammar"] is not None:
+            sampling = fields["sampling"]
+            if sampling.grammar is not None:
                 message = "tool_choice forces a call: leave response_format and the like out"
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param="tool_choice")
             for function in plan.functions:
                 checked(function.parameters_grammar(), f"{function.at}.function.parameters")
-            fields["grammar"] = checked(plan.grammar(), "tools")
+            grammar = grammar_of(checked(plan.grammar(), "tools"))
+            fields["sampling"] = replace(sampling, grammar=grammar)
         if plan is not None and not plan.forced:
             turns = _with_system(turns, plan.system_prompt() or "")
         return GenerateInput(messages=turns, **fields)
@@ -325,7 +338,7 @@ class CompletionRequest(Sampling):
                 f"prompt holds {what}; only one text prompt per request is supported",
                 param="prompt",
             )
-        return GenerateInput(prompt=prompt, **self.sampling(self.max_tokens))
+        return GenerateInput(prompt=prompt, **self.job(self.max_tokens))
 
 
 class TokenizeRequest(Body):

@@ -15,6 +15,7 @@ from gateway.choices import choice_inputs, choices_problem, merged
 from gateway.core import Delta, Finish, GatewayCore, GenerateInput, GenerationError
 from gateway.usage import Tally
 from llmserve.runtime.auth import internal_token, internal_token_of
+from llmserve.runtime.sampling_wire import params_of
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 
 __all__ = ["GatewayService", "Tally", "generate_input"]
@@ -27,28 +28,12 @@ CACHE_FIGURES = ("cached_blocks", "evictable_blocks", "evictions", "prompt_token
 def generate_input(request: gateway_pb2.GenerateRequest) -> GenerateInput:
     """The request as the core takes it; chat messages stay protobuf until their count and size
     are checked."""
-    s = request.sampling
     kind = request.WhichOneof("input")
     return GenerateInput(
         prompt=request.prompt if kind == "prompt" else None,
         messages=request.chat.messages if kind == "chat" else None,
-        max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
-        temperature=s.temperature if s.HasField("temperature") else None,
-        top_p=s.top_p if s.HasField("top_p") else None,
-        top_k=s.top_k if s.HasField("top_k") else None,
-        seed=s.seed if s.HasField("seed") else None,
-        stop=s.stop,
-        ignore_eos=s.ignore_eos,
-        min_p=s.min_p,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
-        stop_token_ids=s.stop_token_ids,
-        min_tokens=s.min_tokens,
-        logit_bias=dict(s.logit_bias),
-        logprobs=s.logprobs if s.HasField("logprobs") else None,
+        sampling=params_of(request.sampling),  # the one conversion from the wire
         cache_salt=request.cache_salt,
-        grammar=s.grammar if s.HasField("grammar") else None,
     )
 
 

@@ -12,16 +12,13 @@ Decisions:
   gateway/tokenizer.py); content must be a str and MAY be empty (an empty system or assistant
   turn is legitimate and renders fine).
 * every refusal names the field at fault (`InvalidRequest.param`), as the HTTP API's `param`.
-* `max_tokens` unset -> `min(default_max_tokens, max_context)`; set -> 1..max_context. The
-  prompt's length is known only after tokenizing: it must leave room for one token
-  (`llmserve.runtime.request_checks.context_problem`, the scheduler's check too); generation
-  stops at the context (finish reason length).
-* temperature: finite and >= 0 (0 means greedy); top_p in (0, 1]; top_k >= 0 (0 = disabled).
-  The ranges are defined once, for the scheduler and the worker too: llmserve/runtime/ranges.py.
-  A temperature below MIN_TEMPERATURE counts as 0, as in vLLM: it is greedy in effect, and logits
-  divided by a subnormal temperature overflow to inf, which made the worker's sampling fail for
-  the whole batch.
-* stop: at most 16 strings, each 1..256 characters.
+* sampling: the request's `SamplingParams` (llmserve/runtime/sampling.py), checked there, the
+  same check the scheduler and the worker run (one set of ranges: llmserve/runtime/ranges.py);
+  a refusal names the field. `max_tokens` unset -> `min(default_max_tokens, max_context)`;
+  set -> 1..max_context. The prompt's length is known only after tokenizing: it must leave
+  room for one token (`llmserve.runtime.request_checks.context_problem`, the scheduler's check
+  too); generation stops at the context (finish reason length). A temperature below
+  MIN_TEMPERATURE counts as 0, as in vLLM.
 * size: `InputLimits` checks run first, on counts alone, before anything is built from the request
   (rendering and tokenizing take time and memory in proportion to it). By default the limits are
   what could fit the model's context: a chat message renders to one token at least, and a token
@@ -30,9 +27,15 @@ Decisions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from llmserve.runtime.ranges import TEMPERATURE, TOP_P, Range
+from llmserve.runtime.sampling import (
+    MAX_STOP_CHARS,
+    MAX_STOPS,
+    MIN_TEMPERATURE,
+    InvalidSampling,
+    SamplingParams,
+)
 
 __all__ = [
     "ALLOWED_ROLES",
@@ -40,18 +43,12 @@ __all__ = [
     "InvalidRequest",
     "MAX_STOP_CHARS",
     "MAX_STOPS",
+    "MIN_TEMPERATURE",
     "ValidatedParams",
     "validate",
 ]
 
-MAX_STOPS = 16
-MAX_STOP_CHARS = 256
 ALLOWED_ROLES = ("system", "user", "assistant", "developer", "tool")
-
-DEFAULT_TEMPERATURE = 1.0
-MIN_TEMPERATURE = 1e-5  # below this, greedy
-DEFAULT_TOP_P = 1.0
-DEFAULT_TOP_K = 0
 
 
 class InvalidRequest(ValueError):
@@ -95,25 +92,7 @@ class InputLimits:
 class ValidatedParams:
     prompt: str | None
     messages: tuple[tuple[str, str], ...] | None
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    stop: tuple[str, ...]
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _check_range(allowed: Range, value: object, param: str) -> None:
-    problem = allowed.problem(value)
-    if problem is not None:
-        raise InvalidRequest(problem, param)
+    sampling: SamplingParams  # checked, max_tokens resolved
 
 
 def _check_messages(messages: object) -> tuple[tuple[str, str], ...]:
@@ -140,34 +119,10 @@ def _check_messages(messages: object) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def _check_stop(stop: object) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    if not isinstance(stop, list | tuple):
-        raise InvalidRequest("stop must be a list of strings", "stop")
-    if len(stop) > MAX_STOPS:
-        message = f"stop has {len(stop)} strings; at most {MAX_STOPS} are allowed"
-        raise InvalidRequest(message, "stop")
-    for i, s in enumerate(stop):
-        if not isinstance(s, str):
-            raise InvalidRequest(f"stop[{i}] must be a string, not {type(s).__name__}", "stop")
-        if not s:
-            raise InvalidRequest(f"stop[{i}] is empty; stop strings must be non-empty", "stop")
-        if len(s) > MAX_STOP_CHARS:
-            raise InvalidRequest(
-                f"stop[{i}] is {len(s)} characters long; the limit is {MAX_STOP_CHARS}", "stop"
-            )
-    return tuple(stop)
-
-
 def validate(
     prompt: str | None,
     messages: list[tuple[str, str]] | None,
-    max_tokens: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    stop: list[str],
+    sampling: SamplingParams,
     max_context: int,
     default_max_tokens: int,
 ) -> ValidatedParams:
@@ -189,49 +144,16 @@ def validate(
     else:
         checked_messages = _check_messages(messages)
 
-    if max_tokens is None:
-        resolved_max_tokens = min(default_max_tokens, max_context)
-    else:
-        if not _is_int(max_tokens):
-            kind = type(max_tokens).__name__
-            raise InvalidRequest(f"max_tokens must be an integer, not {kind}", "max_tokens")
-        if max_tokens <= 0:
-            raise InvalidRequest(f"max_tokens is {max_tokens}; it must be at least 1", "max_tokens")
-        if max_tokens > max_context:
-            raise InvalidRequest(
-                f"max_tokens is {max_tokens}; it must be at most the model's context of "
-                f"{max_context} tokens",
-                "max_tokens",
-            )
-        resolved_max_tokens = max_tokens
-
-    if temperature is None:
-        resolved_temperature = DEFAULT_TEMPERATURE
-    else:
-        _check_range(TEMPERATURE, temperature, "temperature")
-        resolved_temperature = float(temperature) if temperature >= MIN_TEMPERATURE else 0.0
-
-    if top_p is None:
-        resolved_top_p = DEFAULT_TOP_P
-    else:
-        _check_range(TOP_P, top_p, "top_p")
-        resolved_top_p = float(top_p)
-
-    if top_k is None:
-        resolved_top_k = DEFAULT_TOP_K
-    else:
-        if not _is_int(top_k):
-            raise InvalidRequest(f"top_k must be an integer, not {type(top_k).__name__}", "top_k")
-        if top_k < 0:
-            raise InvalidRequest(f"top_k is {top_k}; it must be >= 0 (0 disables it)", "top_k")
-        resolved_top_k = top_k
-
-    return ValidatedParams(
-        prompt=prompt,
-        messages=checked_messages,
-        max_tokens=resolved_max_tokens,
-        temperature=resolved_temperature,
-        top_p=resolved_top_p,
-        top_k=resolved_top_k,
-        stop=_check_stop(stop),
-    )
+    try:
+        checked = sampling.checked()
+    except InvalidSampling as err:
+        raise InvalidRequest(str(err), err.param) from None
+    if checked.max_tokens is None:
+        checked = replace(checked, max_tokens=min(default_max_tokens, max_context))
+    elif checked.max_tokens > max_context:
+        raise InvalidRequest(
+            f"max_tokens is {checked.max_tokens}; it must be at most the model's context of "
+            f"{max_context} tokens",
+            "max_tokens",
+        )
+    return ValidatedParams(prompt=prompt, messages=checked_messages, sampling=checked)

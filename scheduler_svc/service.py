@@ -9,11 +9,13 @@ import asyncio
 import logging
 import os
 import uuid
+from dataclasses import replace
 
 import grpc
 
 from llmserve.runtime.protocol import ACCEPTED_KEY
-from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from llmserve.runtime.sampling_wire import from_wire, to_wire
+from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.admin import AdminService
 from scheduler_svc.core import Scheduler
 from scheduler_svc.invariants import ENV_VAR, check_invariants, check_step
@@ -41,22 +43,11 @@ REFUSED_CODE = {  # one for every RefusalReason (a test checks)
 }
 
 
-def work_sampling(s: common_pb2.SamplingParams) -> worker_pb2.WorkSampling:
-    """The worker's sampling settings of a request (stop_token_ids are added by the caller)."""
-    return worker_pb2.WorkSampling(
-        temperature=s.temperature if s.HasField("temperature") else 1.0,
-        top_p=s.top_p if s.HasField("top_p") else 1.0,
-        top_k=s.top_k,
-        seed=s.seed if s.HasField("seed") else None,
-        min_p=s.min_p,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-        logit_bias=s.logit_bias,
-        min_tokens=s.min_tokens,
-        logprobs=s.logprobs if s.HasField("logprobs") else None,
-        grammar=s.grammar if s.HasField("grammar") else None,  # structured output, as sent
-    )
+def work_sampling(s: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
+    """The worker's sampling settings of a request: the request's, checked, with their defaults
+    (the one conversion: llmserve/runtime/sampling_wire.py), without the stop strings (the
+    gateway's); stop_token_ids are the caller's: every id that ends the request."""
+    return to_wire(replace(from_wire(s), stop=(), stop_token_ids=()))
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):

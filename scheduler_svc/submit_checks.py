@@ -1,10 +1,11 @@
 """What the scheduler checks in a Submit: the gateway is a caller like any other, and one bad
-request must never reach a batch where it would fail the others. The ranges are the gateway's
-and the worker's too (llmserve/runtime/ranges.py)."""
+request must never reach a batch where it would fail the others. The sampling settings' checks
+are the gateway's and the worker's too (SamplingParams, llmserve/runtime/sampling.py)."""
 
 from __future__ import annotations
 
-from llmserve.runtime.request_checks import sampling_problem
+from llmserve.runtime.sampling import InvalidSampling
+from llmserve.runtime.sampling_wire import from_wire
 from llmserve.v1 import common_pb2
 
 
@@ -23,7 +24,11 @@ def submit_problem(
         worst = max(max(prompt_ids), max(resume_ids, default=0))
         if worst >= vocab_size:
             return f"token id {worst} is outside the vocabulary of {vocab_size} tokens"
-    return sampling_problem(s) or token_ids_problem(s, vocab_size)
+    try:
+        from_wire(s)
+    except InvalidSampling as err:
+        return str(err)
+    return token_ids_problem(s, vocab_size)
 
 
 def token_ids_problem(s: common_pb2.SamplingParams, vocab_size: int) -> str | None:

@@ -96,12 +96,20 @@ GROUPS = {
     ),
     "sampling": Group(
         ("worker_svc/sampling.py",), ("tests/test_sampling.py", "tests/test_sampling_processors.py")
-    ),
+    ),  # the settings it reads, with their checks: "validation"
     "text": Group(
         ("gateway/stops.py", "gateway/detokenizer.py"),
         ("tests/test_stops.py", "tests/test_detokenizer.py"),
     ),
-    "validation": Group(("gateway/validation.py",), ("tests/test_validation.py",)),
+    # the request's checks: the gateway's, and SamplingParams' (every hop's) with its wire form
+    "validation": Group(
+        (
+            "gateway/validation.py",
+            "llmserve/runtime/sampling.py",
+            "llmserve/runtime/sampling_wire.py",
+        ),
+        ("tests/test_validation.py", "tests/test_sampling_params.py", "tests/test_ranges.py"),
+    ),
     "auth": Group(("gateway/auth.py", "llmserve/runtime/auth.py"), ("tests/test_auth.py",)),
     # the label mapping: finish reasons and status codes (gateway), the families built from the
     # core's snapshot (scheduler), with their help text (docs/observability.md quotes it)

@@ -13,6 +13,7 @@ from gateway.core import Delta, Finish, GatewayCore, GenerateInput
 from gateway.settings import GatewaySettings
 from gateway.tokenizer_files import load_tokenizer
 from llmserve.runtime.protocol import ACCEPTED_KEY
+from llmserve.runtime.sampling import SamplingParams
 from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 LOST = "lost"  # the scheduler dies after the tokens: no finish reaches the gateway
@@ -66,7 +67,7 @@ def run(tokenizer, scripts, job: GenerateInput) -> tuple[list[int], Finish, Fake
 
 
 def test_a_request_whose_tokens_were_all_streamed_is_ended_not_resubmitted(tokenizer) -> None:
-    job = GenerateInput(prompt="Hello there", max_tokens=4)
+    job = GenerateInput(prompt="Hello there", sampling=SamplingParams(max_tokens=4))
     tokens, finish, fake = run(tokenizer, [([101, 102, 103, 104], LOST)], job)
     assert tokens == [101, 102, 103, 104]
     assert finish.reason == LENGTH and finish.usage.completion_tokens == 4
@@ -75,7 +76,9 @@ def test_a_request_whose_tokens_were_all_streamed_is_ended_not_resubmitted(token
 
 def test_a_request_that_streamed_its_stop_token_id_is_ended_not_resubmitted(tokenizer) -> None:
     """Its last token is one of its stop_token_ids: it has ended, only the news was lost."""
-    job = GenerateInput(prompt="Hello there", max_tokens=10, stop_token_ids=[777])
+    job = GenerateInput(
+        prompt="Hello there", sampling=SamplingParams(max_tokens=10, stop_token_ids=(777,))
+    )
     tokens, finish, fake = run(tokenizer, [([101, 102, 777], LOST)], job)
     assert tokens == [101, 102, 777]
     assert finish.reason == STOP
@@ -85,7 +88,9 @@ def test_a_request_that_streamed_its_stop_token_id_is_ended_not_resubmitted(toke
 def test_an_ignore_eos_request_that_streamed_eos_is_resubmitted_and_goes_on(tokenizer) -> None:
     """EOS ends nothing under ignore_eos: the request is resubmitted with every token streamed
     (EOS included) and the client gets the rest, no gap, no duplicate."""
-    job = GenerateInput(prompt="Hello there", max_tokens=5, ignore_eos=True)
+    job = GenerateInput(
+        prompt="Hello there", sampling=SamplingParams(max_tokens=5, ignore_eos=True)
+    )
     scripts = [([101, EOS], LOST), ([103, 104, 105], LENGTH)]
     tokens, finish, fake = run(tokenizer, scripts, job)
     assert tokens == [101, EOS, 103, 104, 105]

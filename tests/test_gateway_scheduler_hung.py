@@ -17,6 +17,7 @@ from gateway.scheduler_watch import SilenceBound, Verdict
 from gateway.settings import GatewaySettings
 from gateway.tokenizer_files import load_tokenizer
 from llmserve.runtime.protocol import ACCEPTED_KEY
+from llmserve.runtime.sampling import SamplingParams
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.stack_checks import generate, greedy_request, stop_cleanly, wait_for
 from tests.stacks import running_stack
@@ -58,7 +59,7 @@ def test_giving_up_on_a_hung_scheduler_ends_held_requests_and_refuses_new_ones()
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
                 core = GatewayCore(GatewaySettings(), load_tokenizer(""), stub, max_context=2048)
-                job = GenerateInput(prompt="Hello", max_tokens=8)
+                job = GenerateInput(prompt="Hello", sampling=SamplingParams(max_tokens=8))
 
                 async def consume() -> None:
                     async for _ in core.generate(job, lambda: None):  # no deadline

@@ -33,13 +33,13 @@ def test_a_logit_bias_key_that_is_not_plain_digits_is_refused(key: str) -> None:
 
 def test_logit_bias_keys_in_digits_are_token_ids() -> None:
     job = completion(logit_bias={"3": 1.5, "0": -2.0, "42": 100.0}).generate_input()
-    assert job.logit_bias == {3: 1.5, 0: -2.0, 42: 100.0}
+    assert job.sampling.logit_bias == {3: 1.5, 0: -2.0, 42: 100.0}
 
 
 def test_a_single_stop_string_is_one_stop_matched_whole() -> None:
     """What the openai SDK sends for `stop="abc"`: the text runs past each of its characters
     (and past "ab", "bc") and ends only before "abc" itself."""
-    stop = completion(stop="abc").generate_input().stop
+    stop = completion(stop="abc").generate_input().sampling.stop
     assert list(stop) == ["abc"]
     text = "a cab, b bc ab. c! abc and more"
     matcher = StopMatcher(list(stop))
@@ -50,9 +50,12 @@ def test_a_single_stop_string_is_one_stop_matched_whole() -> None:
 def test_chat_logprobs_true_without_top_logprobs_asks_for_logprobs() -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}
     job = ChatCompletionRequest.parse(json.dumps(body).encode()).generate_input()
-    assert job.logprobs == 0  # the sampled tokens' logprobs, no alternatives
+    assert job.sampling.logprobs == 0  # the sampled tokens' logprobs, no alternatives
     del body["logprobs"]
-    assert ChatCompletionRequest.parse(json.dumps(body).encode()).generate_input().logprobs is None
+    assert (
+        ChatCompletionRequest.parse(json.dumps(body).encode()).generate_input().sampling.logprobs
+        is None
+    )
 
 
 def request_with(headers: dict[str, str]) -> Request:

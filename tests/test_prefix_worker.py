@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.v1 import worker_pb2
+from llmserve.v1 import common_pb2, worker_pb2
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.sequence import Sequence
@@ -32,7 +32,7 @@ def add(
     """A new request: its cached prefix read from `shared` blocks, the rest of `tokens` computed
     in `blocks` of its own, as one sampling chunk."""
     cached = tokens[: len(shared or []) * BS]
-    settings = worker_pb2.WorkSampling(**sampling)
+    settings = common_pb2.SamplingParams(**{"temperature": 0.0, **sampling})
     added = step.added.add(handle=handle, request_id=f"r{handle}", sampling=settings)
     added.cached_token_ids.extend(cached)
     if shared:
@@ -152,8 +152,8 @@ def tiny_runner() -> ModelRunner:
     return ModelRunner(config, weights, num_blocks=BLOCKS, block_size=BS, dtype=torch.float32)
 
 
-def greedy(**kw) -> worker_pb2.WorkSampling:
-    return worker_pb2.WorkSampling(temperature=0.0, **kw)
+def greedy(**kw) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=0.0, **kw)
 
 
 def test_a_request_on_shared_blocks_computes_what_it_computes_from_scratch() -> None:

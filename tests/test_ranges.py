@@ -20,8 +20,8 @@ from llmserve.runtime.ranges import (
     TOP_P,
     Range,
 )
-from llmserve.runtime.request_checks import sampling_problem
-from llmserve.v1 import common_pb2, worker_pb2
+from llmserve.runtime.sampling import SamplingParams
+from llmserve.v1 import common_pb2
 from scheduler_svc.submit_checks import submit_problem
 from worker_svc.step_checks import sampling_problem as step_problem
 
@@ -35,20 +35,18 @@ SCALARS = [TEMPERATURE, TOP_P, MIN_P, PRESENCE_PENALTY, FREQUENCY_PENALTY, REPET
 
 def f32(value: float) -> float:
     """The value as a protobuf float field holds it."""
-    return worker_pb2.WorkSampling(min_p=value).min_p
+    return common_pb2.SamplingParams(min_p=value).min_p
 
 
-def gateway_takes(name: str, value: float) -> bool:
-    """The gateway validates temperature and top_p with the request; the rest with the
-    SamplingParams it builds (the same check the scheduler runs)."""
-    if name in ("temperature", "top_p"):
-        try:
-            validate("hi", None, None, **{"temperature": None, "top_p": None, name: value},
-                     top_k=None, stop=[], max_context=64, default_max_tokens=8)  # fmt: skip
-        except InvalidRequest:
-            return False
-        return True
-    return sampling_problem(common_pb2.SamplingParams(max_tokens=8, **{name: value})) is None
+def gateway_takes(name: str, value: float, **others: object) -> bool:
+    """The gateway validates the request's SamplingParams (the same check the scheduler and
+    the worker run)."""
+    try:
+        validate("hi", None, SamplingParams(**{name: value}, **others),  # type: ignore[arg-type]
+                 max_context=64, default_max_tokens=8)  # fmt: skip
+    except InvalidRequest:
+        return False
+    return True
 
 
 def scheduler_takes(name: str, value: float) -> bool:
@@ -57,15 +55,13 @@ def scheduler_takes(name: str, value: float) -> bool:
 
 
 def worker_takes(name: str, value: float) -> bool:
-    return step_problem(worker_pb2.WorkSampling(**{name: value}), VOCAB) is None
+    return step_problem(common_pb2.SamplingParams(**{name: value}), VOCAB) is None
 
 
 @pytest.mark.parametrize("allowed", SCALARS, ids=lambda r: r.name)
 def test_every_layer_takes_exactly_the_values_of_the_one_range(allowed: Range) -> None:
     for value in PROBES:
         held = f32(value)  # what the scheduler and the worker receive
-        if value == 0 and allowed.name in ("top_p", "repetition_penalty"):
-            continue  # the worker's proto3 default: unset (1), as the scheduler never sends it
         expected = allowed.contains(held)
         got = {
             "gateway": gateway_takes(allowed.name, value),
@@ -78,7 +74,8 @@ def test_every_layer_takes_exactly_the_values_of_the_one_range(allowed: Range) -
 def test_top_p_is_refused_at_zero_by_the_scheduler_and_the_gateway_alike() -> None:
     """The two used to disagree: (0, 1] in the scheduler, [0, 1] in the worker."""
     assert not gateway_takes("top_p", 0.0) and not scheduler_takes("top_p", 0.0)
-    assert worker_takes("top_p", 0.0)  # 0 is the worker's unset (1), never sent for a request
+    # the worker's message is the request's (common.SamplingParams): unset is not 0 there
+    assert not worker_takes("top_p", 0.0)
     assert not worker_takes("top_p", 1.5) and not worker_takes("top_p", -0.5)
 
 
@@ -97,9 +94,9 @@ def test_logit_bias_values_are_bounded_by_every_layer() -> None:
     for bias, ok in ((100.0, True), (-100.0, True), (100.5, False), (math.inf, False)):
         assert LOGIT_BIAS.contains(bias) is ok
         params = common_pb2.SamplingParams(max_tokens=8, logit_bias={3: bias})
-        assert (sampling_problem(params) is None) is ok
+        assert gateway_takes("logit_bias", {3: bias}, max_tokens=8) is ok
         assert (submit_problem([1], [], params, VOCAB) is None) is ok
-        assert (step_problem(worker_pb2.WorkSampling(logit_bias={3: bias}), VOCAB) is None) is ok
+        assert (step_problem(common_pb2.SamplingParams(logit_bias={3: bias}), VOCAB) is None) is ok
 
 
 def test_a_refusal_names_the_field_the_range_and_what_it_means() -> None:

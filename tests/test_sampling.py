@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from llmserve.runtime.sampling import GREEDY, Grammar, SamplingParams
 from tests.model_support import one_torch_thread  # noqa: F401  (autouse fixture)
 from worker_svc.sampling import (
     draw_seed,
@@ -16,7 +17,6 @@ from worker_svc.sampling import (
     shape_logits,
     token_logprobs,
 )
-from worker_svc.work import SamplingSettings
 
 VOCAB = 1000
 
@@ -25,17 +25,17 @@ def random_logits(seed: int) -> torch.Tensor:
     return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * 3.0
 
 
-def draws(logits: torch.Tensor, settings: SamplingSettings, n: int) -> list[int]:
+def draws(logits: torch.Tensor, settings: SamplingParams, n: int) -> list[int]:
     rng = fresh_generator()
     return [sample_one(logits, settings, rng) for _ in range(n)]
 
 
 def test_same_seed_and_index_gives_same_token_regardless_of_batch() -> None:
     logits = random_logits(0)
-    s = SamplingSettings(temperature=1.5, top_p=0.95, seed=1234)
+    s = SamplingParams(temperature=1.5, top_p=0.95, seed=1234)
     alone = sample_tokens(logits[None], [s], [17], fresh_generator())
     batch = torch.stack([random_logits(1), logits, random_logits(2)])
-    other = SamplingSettings(temperature=1.0)
+    other = SamplingParams(temperature=1.0)
     mixed = sample_tokens(batch, [other, s, other], [0, 17, 5], fresh_generator())
     assert mixed[1] == alone[0]
     again = [sample_tokens(logits[None], [s], [17], fresh_generator())[0] for _ in range(20)]
@@ -44,13 +44,13 @@ def test_same_seed_and_index_gives_same_token_regardless_of_batch() -> None:
 
 def test_seeded_draws_vary_with_sample_index() -> None:
     logits = torch.zeros(VOCAB)  # uniform
-    s = SamplingSettings(temperature=1.0, seed=99)
+    s = SamplingParams(temperature=1.0, seed=99)
     tokens = [sample_tokens(logits[None], [s], [i], fresh_generator())[0] for i in range(50)]
     assert len(set(tokens)) > 30
 
 
 def test_unseeded_draws_are_random() -> None:
-    tokens = draws(torch.zeros(VOCAB), SamplingSettings(temperature=1.0), 50)
+    tokens = draws(torch.zeros(VOCAB), SamplingParams(temperature=1.0), 50)
     assert len(set(tokens)) > 30
 
 
@@ -58,15 +58,15 @@ def test_greedy_and_top_k_1_are_argmax() -> None:
     logits = torch.stack([random_logits(i) for i in range(8)])
     argmax = logits.argmax(-1).tolist()
     rng = fresh_generator()
-    assert sample_tokens(logits, [SamplingSettings()] * 8, list(range(8)), rng) == argmax
-    top1 = [SamplingSettings(temperature=2.0, top_k=1, seed=i) for i in range(8)]
+    assert sample_tokens(logits, [GREEDY] * 8, list(range(8)), rng) == argmax
+    top1 = [SamplingParams(temperature=2.0, top_k=1, seed=i) for i in range(8)]
     assert sample_tokens(logits, top1, list(range(8)), rng) == argmax
 
 
 def test_top_k_never_leaves_the_top_k() -> None:
     logits = random_logits(5)
     allowed = set(logits.topk(10).indices.tolist())
-    seen = draws(logits, SamplingSettings(temperature=5.0, top_k=10), 500)
+    seen = draws(logits, SamplingParams(temperature=5.0, top_k=10), 500)
     assert set(seen) <= allowed
     assert len(set(seen)) >= 8  # hot temperature: most of the ten show up
 
@@ -76,11 +76,11 @@ def test_top_p_keeps_only_the_nucleus() -> None:
     probs = torch.full((VOCAB,), 0.3 / (VOCAB - 1))
     probs[42] = 0.7
     logits = probs.log()
-    assert set(draws(logits, SamplingSettings(temperature=1.0, top_p=0.5), 300)) == {42}
+    assert set(draws(logits, SamplingParams(temperature=1.0, top_p=0.5), 300)) == {42}
     # p = 0.5, 0.3, 0.2 spread: top_p=0.75 allows exactly the first two, in about 5:3
     probs = torch.zeros(VOCAB) + 1e-12
     probs[[7, 8, 9]] = torch.tensor([0.5, 0.3, 0.2])
-    seen = draws(probs.log(), SamplingSettings(temperature=1.0, top_p=0.75), 800)
+    seen = draws(probs.log(), SamplingParams(temperature=1.0, top_p=0.75), 800)
     assert set(seen) == {7, 8}
     share = seen.count(7) / len(seen)
     assert abs(share - 0.625) < 0.07
@@ -89,7 +89,7 @@ def test_top_p_keeps_only_the_nucleus() -> None:
 def test_higher_temperature_spreads_the_draws() -> None:
     logits = random_logits(9)
     distinct = [
-        len(set(draws(logits, SamplingSettings(temperature=t, seed=None), 400)))
+        len(set(draws(logits, SamplingParams(temperature=t, seed=None), 400)))
         for t in (0.3, 1.0, 3.0)
     ]
     assert distinct[0] < distinct[1] < distinct[2]
@@ -97,7 +97,7 @@ def test_higher_temperature_spreads_the_draws() -> None:
 
 def test_sampling_follows_the_softmax() -> None:
     logits = torch.tensor([0.0, math.log(3.0)] + [-1e9] * 8)  # p = 0.25, 0.75
-    seen = draws(logits, SamplingSettings(temperature=1.0), 1000)
+    seen = draws(logits, SamplingParams(temperature=1.0), 1000)
     assert abs(seen.count(1) / 1000 - 0.75) < 0.06
 
 
@@ -106,11 +106,11 @@ def test_a_mixed_batch_gives_each_row_its_own_settings() -> None:
     but keep their own temperatures."""
     logits = torch.tensor([0.0, math.log(3.0)] + [-1e9] * 8)  # p = 0.25, 0.75
     rows = [
-        SamplingSettings(temperature=1.0),
-        SamplingSettings(temperature=0.01),  # sharp: always the likelier token
-        SamplingSettings(temperature=0.0),  # greedy
-        SamplingSettings(temperature=1.0, seed=5),
-        SamplingSettings(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.01),  # sharp: always the likelier token
+        SamplingParams(temperature=0.0),  # greedy
+        SamplingParams(temperature=1.0, seed=5),
+        SamplingParams(temperature=1.0, top_k=1),
     ]
     rng = torch.Generator().manual_seed(0)
     seen: list[list[int]] = [[] for _ in rows]
@@ -128,7 +128,7 @@ TWO_TOKENS = torch.tensor([0.0, math.log(3.0)] + [-1e9] * 8)
 SHARE_OF_1 = {0.5: 0.9, 1.0: 0.75, 2.0: 3**0.5 / (1 + 3**0.5)}
 
 
-def share_of_1(rows: list[SamplingSettings]) -> float:
+def share_of_1(rows: list[SamplingParams]) -> float:
     rng = torch.Generator().manual_seed(1)
     tokens = sample_tokens(TWO_TOKENS.expand(len(rows), -1), rows, [0] * len(rows), rng)
     return tokens.count(1) / len(tokens)
@@ -138,7 +138,7 @@ def share_of_1(rows: list[SamplingSettings]) -> float:
 def test_the_batched_draw_divides_the_logits_by_the_temperature_once(temperature) -> None:
     """Unseeded temperature-only rows share one draw: T = 0.5 gives 0.9 (applied twice, 0.99;
     multiplied, 0.63), T = 2 gives 0.63 (applied twice, 0.57)."""
-    rows = [SamplingSettings(temperature=temperature)] * 2000
+    rows = [SamplingParams(temperature=temperature)] * 2000
     assert share_of_1(rows) == pytest.approx(SHARE_OF_1[temperature], abs=0.02)
 
 
@@ -149,7 +149,7 @@ def test_each_row_drawn_alone_divides_the_logits_by_the_temperature_once(path, t
     both tokens): the same shares as the batched draw."""
     extra = {"seeded": {}, "top_k": {"top_k": 5}, "top_p": {"top_p": 0.999}}[path]
     rows = [
-        SamplingSettings(temperature=temperature, seed=i if path == "seeded" else None, **extra)
+        SamplingParams(temperature=temperature, seed=i if path == "seeded" else None, **extra)
         for i in range(1000)
     ]
     assert share_of_1(rows) == pytest.approx(SHARE_OF_1[temperature], abs=0.04)
@@ -166,7 +166,7 @@ def test_a_seeded_draw_is_pinned_across_processes_and_versions() -> None:
 def test_different_seeds_give_different_draws() -> None:
     logits = torch.zeros(VOCAB)[None]  # uniform
     tokens = {
-        seed: [sample_tokens(logits, [SamplingSettings(1.0, seed=seed)], [i], fresh_generator())[0]
+        seed: [sample_tokens(logits, [SamplingParams(seed=seed)], [i], fresh_generator())[0]
                for i in range(5)]
         for seed in (1, 2)
     }  # fmt: skip
@@ -175,7 +175,11 @@ def test_different_seeds_give_different_draws() -> None:
 
 def test_unseeded_draws_come_from_the_generator_given() -> None:
     """The worker's own generator: the same state gives the same draws, on both paths."""
-    rows = [SamplingSettings(1.0), SamplingSettings(1.0, top_k=500), SamplingSettings(1.0)]
+    rows = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, top_k=500),
+        SamplingParams(temperature=1.0),
+    ]
     logits = torch.zeros(len(rows), VOCAB)
     runs = [
         [sample_tokens(logits, rows, [0] * 3, torch.Generator().manual_seed(s)) for _ in range(6)]
@@ -186,19 +190,19 @@ def test_unseeded_draws_come_from_the_generator_given() -> None:
 
 def test_sample_one_of_a_greedy_row_is_the_argmax() -> None:
     logits = random_logits(4)
-    assert sample_one(logits, SamplingSettings(), fresh_generator()) == int(logits.argmax())
+    assert sample_one(logits, GREEDY, fresh_generator()) == int(logits.argmax())
 
 
 @pytest.mark.parametrize(
     "row",
-    [SamplingSettings(1.0, top_k=3), SamplingSettings(1.0, top_p=0.5)],
+    [SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=1.0, top_p=0.5)],
     ids=["top_k", "top_p"],
 )
 def test_unseeded_rows_with_top_k_or_top_p_keep_them_in_a_mixed_batch(row) -> None:
     """Only temperature-only rows share the batched draw; a row with top-k or top-p must not."""
     # p = 0.23, 0.21, 0.19, 0.17, 0.16, then 0.01 each: top-k 3 and top-p 0.5 keep three
     logits = torch.tensor([3.0, 2.9, 2.8, 2.7, 2.6, 0.0, 0.0, 0.0])
-    rows = [SamplingSettings(1.0), row] * 200
+    rows = [SamplingParams(temperature=1.0), row] * 200
     tokens = sample_tokens(logits.expand(len(rows), -1), rows, [0] * len(rows), fresh_generator())
     assert set(tokens[1::2]) == {0, 1, 2}
     assert len(set(tokens[0::2])) > 3  # the plain rows draw from all eight
@@ -207,12 +211,12 @@ def test_unseeded_rows_with_top_k_or_top_p_keep_them_in_a_mixed_batch(row) -> No
 def test_top_p_keeps_the_smallest_prefix_that_reaches_it_and_no_more() -> None:
     """Two tokens of 0.5 each and top_p 0.5: the first one alone reaches 0.5."""
     logits = torch.tensor([0.0, 0.0] + [-1e9] * 8)
-    seen = draws(logits, SamplingSettings(temperature=1.0, top_p=0.5), 200)
+    seen = draws(logits, SamplingParams(temperature=1.0, top_p=0.5), 200)
     assert len(set(seen)) == 1 and seen[0] in (0, 1)
 
 
 def test_top_p_zero_means_off() -> None:
-    rows = [SamplingSettings(1.0, top_p=0.0, seed=i) for i in range(1000)]
+    rows = [SamplingParams(temperature=1.0, top_p=0.0, seed=i) for i in range(1000)]
     assert share_of_1(rows) == pytest.approx(SHARE_OF_1[1.0], abs=0.04)
 
 
@@ -220,7 +224,7 @@ def test_top_p_zero_means_off() -> None:
 def test_a_temperature_near_the_smallest_float_draws_the_top_token(seed) -> None:
     """Logits over a temperature of 1e-38 overflow to -inf, never to nan: the top token."""
     logits = torch.tensor([[10.0, 0.0, 9.0, -5.0]])
-    rows = [SamplingSettings(temperature=1e-38, seed=seed)]
+    rows = [SamplingParams(temperature=1e-38, seed=seed)]
     assert sample_tokens(logits, rows, [0], fresh_generator()) == [0]
 
 
@@ -228,14 +232,14 @@ def test_the_repetition_penalty_shrinks_seen_logits_toward_zero_from_either_side
     """Seen tokens: a positive logit is divided by the penalty (0.5 -> 0.25, below 1 as well),
     a negative one multiplied (-0.5 -> -1); unseen tokens keep theirs."""
     logits = torch.tensor([0.5, -0.5, 0.5, 3.0])
-    s = SamplingSettings(temperature=1.0, repetition_penalty=2.0)
+    s = SamplingParams(temperature=1.0, repetition_penalty=2.0)
     shaped = shape_logits(logits, s, history=[0, 1, 3], sample_index=0)
     assert shaped.tolist() == [0.25, -1.0, 0.5, 1.5]
 
 
 def test_frequency_and_presence_penalties_count_generated_tokens_only() -> None:
     """History: prompt [5, 6, 6], then generated [6, 7, 7]: 6 once, 7 twice."""
-    s = SamplingSettings(temperature=1.0, frequency_penalty=1.0, presence_penalty=0.5)
+    s = SamplingParams(temperature=1.0, frequency_penalty=1.0, presence_penalty=0.5)
     logits = torch.zeros(8)
     assert shape_logits(logits, s, history=[5, 6, 6], sample_index=0).tolist() == [0.0] * 8
     shaped = shape_logits(logits, s, history=[5, 6, 6, 6, 7, 7], sample_index=3)
@@ -253,13 +257,16 @@ def test_logprobs_are_the_raw_log_softmax_with_the_top_alternatives_asked() -> N
 
 @pytest.mark.parametrize(
     "row",
-    [SamplingSettings(1.0, min_p=0.5), SamplingSettings(1.0, logit_bias={0: -100.0})],
+    [
+        SamplingParams(temperature=1.0, min_p=0.5),
+        SamplingParams(temperature=1.0, logit_bias={0: -100.0}),
+    ],
     ids=["min_p", "logit_bias"],
 )
 def test_unseeded_rows_with_min_p_or_shaped_logits_keep_them_in_a_mixed_batch(row) -> None:
     """p = 0.6, 0.2, 0.2: min_p 0.5 keeps token 0 only; a bias of -100 leaves tokens 1 and 2."""
     logits = torch.tensor([math.log(0.6), math.log(0.2), math.log(0.2)])
-    rows = [SamplingSettings(1.0), row] * 300
+    rows = [SamplingParams(temperature=1.0), row] * 300
     tokens = sample_tokens(logits.expand(len(rows), -1), rows, [0] * len(rows), fresh_generator())
     assert set(tokens[1::2]) == ({0} if row.min_p else {1, 2})
     assert set(tokens[0::2]) == {0, 1, 2}
@@ -270,7 +277,32 @@ def test_top_k_of_the_whole_vocabulary_draws_what_top_k_off_draws(top_k) -> None
     """A seeded request gives the same tokens with top-k at or above the vocabulary as without."""
     logits = random_logits(7)
     for seed in range(20):
-        on, off = SamplingSettings(1.0, top_k=top_k, seed=seed), SamplingSettings(1.0, seed=seed)
+        on, off = (
+            SamplingParams(temperature=1.0, top_k=top_k, seed=seed),
+            SamplingParams(temperature=1.0, seed=seed),
+        )
         assert sample_one(logits, on, torch.Generator().manual_seed(draw_seed(seed, 0))) == (
             sample_one(logits, off, torch.Generator().manual_seed(draw_seed(seed, 0)))
         )
+
+
+class AllowOnly:
+    """Stands for a request's GrammarState (worker_svc/grammar.py): these tokens next."""
+
+    def __init__(self, tokens: set[int], vocab: int = VOCAB) -> None:
+        self.mask = torch.zeros(vocab, dtype=torch.bool)
+        self.mask[list(tokens)] = True
+
+    def allowed(self) -> torch.Tensor:
+        return self.mask
+
+
+def test_a_grammar_masks_its_own_row_from_the_state_beside_the_params() -> None:
+    logits = torch.arange(float(VOCAB))[None].expand(3, -1)  # argmax: the last token
+    s = SamplingParams(temperature=0.0, grammar=Grammar(kind=2, spec="x"))
+    states = [AllowOnly({3, 5}), None, AllowOnly({9})]
+    tokens = sample_tokens(logits, [s, s, s], [0, 0, 0], fresh_generator(), None, states)
+    assert tokens == [5, VOCAB - 1, 9]
+    shaped = shape_logits(logits[0], s, [], 0, AllowOnly({3}))
+    assert torch.isfinite(shaped).nonzero().flatten().tolist() == [3]
+    assert torch.isfinite(shape_logits(logits[0], s, [], 0)).all()  # no state: no mask

@@ -16,12 +16,12 @@ from transformers import (
     TemperatureLogitsWarper,
 )
 
+from llmserve.runtime.sampling import GREEDY, SamplingParams
 from llmserve.v1 import common_pb2, worker_pb2
 from tests.model_support import hf, model, one_torch_thread  # noqa: F401  (autouse fixture)
 from worker_svc.runner import ModelRunner
 from worker_svc.sampling import fresh_generator, sample_one, sample_tokens, shape_logits
 from worker_svc.session import Session
-from worker_svc.work import SamplingSettings
 
 VOCAB = 64
 
@@ -38,7 +38,7 @@ def history(seed: int, prompt: int, generated: int) -> list[int]:
 def test_logit_bias_matches_transformers_sequence_bias() -> None:
     logits = random_logits(0)
     bias = {3: 5.0, 17: -2.5, 40: 100.0}
-    s = SamplingSettings(logit_bias=bias)
+    s = SamplingParams(temperature=0.0, logit_bias=bias)
     oracle = SequenceBiasLogitsProcessor({(k,): v for k, v in bias.items()})
     expected = oracle(torch.tensor([[1, 2]]), logits[None].clone())[0]
     torch.testing.assert_close(shape_logits(logits, s, [], 0), expected)
@@ -49,7 +49,7 @@ def test_logit_bias_matches_transformers_sequence_bias() -> None:
 def test_min_tokens_masks_the_stop_ids_like_transformers_min_new_tokens(generated: int) -> None:
     logits = random_logits(1)
     stops = (int(logits.argmax()), 7)
-    s = SamplingSettings(min_tokens=3, stop_token_ids=stops)
+    s = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=stops)
     seq = history(1, 6, generated)
     oracle = MinNewTokensLengthLogitsProcessor(6, 3, list(stops))
     expected = oracle(torch.tensor([seq]), logits[None].clone())[0]
@@ -62,7 +62,7 @@ def test_min_tokens_masks_the_stop_ids_like_transformers_min_new_tokens(generate
 def test_repetition_penalty_matches_transformers_over_prompt_and_generated(penalty: float) -> None:
     logits = random_logits(2)
     seq = history(2, 8, 4)
-    s = SamplingSettings(repetition_penalty=penalty)
+    s = SamplingParams(temperature=0.0, repetition_penalty=penalty)
     oracle = RepetitionPenaltyLogitsProcessor(penalty)
     expected = oracle(torch.tensor([seq]), logits[None].clone())[0]
     torch.testing.assert_close(shape_logits(logits, s, seq, 4), expected)
@@ -71,7 +71,7 @@ def test_repetition_penalty_matches_transformers_over_prompt_and_generated(penal
 def test_presence_and_frequency_penalties_follow_openai_over_generated_tokens_only() -> None:
     logits = random_logits(3)
     seq = history(3, 10, 6)
-    s = SamplingSettings(presence_penalty=0.7, frequency_penalty=0.4)
+    s = SamplingParams(temperature=0.0, presence_penalty=0.7, frequency_penalty=0.4)
     expected = logits.clone()
     generated = seq[10:]
     for token in set(generated):  # OpenAI's documented formula, written out
@@ -84,15 +84,15 @@ def test_presence_and_frequency_penalties_follow_openai_over_generated_tokens_on
 def test_a_greedy_row_with_penalties_takes_the_argmax_of_the_penalized_logits() -> None:
     logits = torch.zeros(VOCAB)
     logits[5], logits[9] = 3.0, 2.5
-    s = SamplingSettings(frequency_penalty=1.0)
-    plain = SamplingSettings()
+    s = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+    plain = GREEDY
     tokens = sample_tokens(
         torch.stack([logits, logits]), [s, plain], [1, 1], fresh_generator(), [[1, 5], [1, 5]]
     )
     assert tokens == [9, 5]
 
 
-def probabilities(logits: torch.Tensor, s: SamplingSettings, draws: int) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, s: SamplingParams, draws: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
     counts = torch.zeros(logits.shape[0])
     for _ in range(draws):
@@ -103,7 +103,7 @@ def probabilities(logits: torch.Tensor, s: SamplingSettings, draws: int) -> torc
 @pytest.mark.parametrize("min_p", [0.05, 0.3])
 def test_min_p_draws_follow_transformers_temperature_then_min_p(min_p: float) -> None:
     logits = random_logits(4, 16)
-    s = SamplingSettings(temperature=0.8, min_p=min_p)
+    s = SamplingParams(temperature=0.8, min_p=min_p)
     warped = MinPLogitsWarper(min_p)(None, TemperatureLogitsWarper(0.8)(None, logits[None]))[0]
     expected = torch.softmax(warped, dim=-1)
     seen = probabilities(logits, s, 4000)
@@ -114,7 +114,7 @@ def test_min_p_draws_follow_transformers_temperature_then_min_p(min_p: float) ->
 def test_seeded_draws_with_every_setting_do_not_depend_on_the_batch() -> None:
     logits = random_logits(5)
     seq = history(5, 5, 3)
-    s = SamplingSettings(
+    s = SamplingParams(
         temperature=1.2,
         top_p=0.9,
         top_k=20,
@@ -128,7 +128,7 @@ def test_seeded_draws_with_every_setting_do_not_depend_on_the_batch() -> None:
         stop_token_ids=(2,),
     )
     alone = [sample_tokens(logits[None], [s], [i], fresh_generator(), [seq]) for i in range(8)]
-    other = SamplingSettings(temperature=1.0, presence_penalty=1.0)
+    other = SamplingParams(temperature=1.0, presence_penalty=1.0)
     batch = torch.stack([random_logits(6), logits])
     mixed = [
         sample_tokens(batch, [other, s], [0, i], fresh_generator(), [[1], seq])[1:]
@@ -149,7 +149,11 @@ def session_tokens(steps: int, **sampling) -> tuple[list[int], list[common_pb2.T
     runner = ModelRunner(config, weights, BLOCKS, BLOCK_SIZE, dtype=torch.float32)
     session = Session(runner, BLOCKS)
     first = worker_pb2.Step(step=0)
-    first.added.add(handle=1, request_id="r", sampling=worker_pb2.WorkSampling(**sampling))
+    first.added.add(
+        handle=1,
+        request_id="r",
+        sampling=common_pb2.SamplingParams(**{"temperature": 0.0, **sampling}),
+    )
     first.grants.add(handle=1, blocks=list(range(BLOCKS)))
     first.chunks.add(handle=1, token_ids=PROMPT[:5], start_position=0)
     second = worker_pb2.Step(step=1)
@@ -215,7 +219,7 @@ def test_bad_new_sampling_values_fail_the_request_with_a_reason() -> None:
     }
     for field, value in bad.items():
         step = worker_pb2.Step(step=0)
-        sampling = worker_pb2.WorkSampling(**{field: value})
+        sampling = common_pb2.SamplingParams(**{"temperature": 0.0, field: value})
         step.added.add(handle=1, request_id="r", sampling=sampling)
         result = Session(runner, BLOCKS).run(step)[0]
         assert field.split("_")[0] in result.failed[1] or "vocabulary" in result.failed[1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from llmserve.v1 import worker_pb2
+from llmserve.v1 import common_pb2, worker_pb2
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.messages import step_message
@@ -26,7 +26,9 @@ def start(handle: int, blocks: list[int], tokens: list[int], **sampling) -> work
     """A new request: placed, granted blocks, its prompt as one sampling chunk."""
     step = worker_pb2.Step(step=1)
     step.added.add(
-        handle=handle, request_id=f"r{handle}", sampling=worker_pb2.WorkSampling(**sampling)
+        handle=handle,
+        request_id=f"r{handle}",
+        sampling=common_pb2.SamplingParams(**{"temperature": 0.0, **sampling}),
     )
     step.grants.add(handle=handle, blocks=blocks)
     step.chunks.add(handle=handle, token_ids=tokens, start_position=0, sample=True)

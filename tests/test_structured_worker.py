@@ -13,7 +13,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.tokenizer import load_default_tokenizer
-from llmserve.v1 import worker_pb2
+from llmserve.v1 import common_pb2, worker_pb2
 from tests.model_support import model, one_torch_thread  # noqa: F401  (autouse fixture)
 from worker_svc.grammar import GrammarCache, TokenTable, model_tokenizer, spec_of
 from worker_svc.runner import ModelRunner
@@ -59,8 +59,10 @@ def tiny_session(grammars: GrammarCache | None) -> Session:
     return Session(runner, BLOCKS, grammars)
 
 
-def constrained(**kw) -> worker_pb2.WorkSampling:
-    return worker_pb2.WorkSampling(grammar=spec_of("json_schema", SCHEMA), **kw)
+def constrained(**kw) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        **{"temperature": 0.0, **kw}, grammar=spec_of("json_schema", SCHEMA)
+    )
 
 
 def add(step, handle: int, tokens: list[int], sampling, sample_index: int = 0) -> None:
@@ -122,9 +124,9 @@ def test_every_constrained_answer_validates_beside_unconstrained_rows(grammars) 
         )
         for h in range(8)
     }
-    free = worker_pb2.WorkSampling(temperature=0.0)
+    free = common_pb2.SamplingParams(temperature=0.0)
     requests[8] = (PROMPT, free)
-    requests[9] = (PROMPT, worker_pb2.WorkSampling(temperature=1.0, seed=9))
+    requests[9] = (PROMPT, common_pb2.SamplingParams(temperature=1.0, seed=9))
     out = generate(session, requests, limit=300)
     for h in range(8):
         person = Person.model_validate_json(text_of(out[h]))  # raises if it is not valid
@@ -159,7 +161,7 @@ def test_regex_choice_and_lark_grammars_hold(grammars) -> None:
         2: spec_of("lark", 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]{1,3}/'),
     }
     requests = {
-        h: (PROMPT, worker_pb2.WorkSampling(temperature=1.0, seed=h, grammar=g))
+        h: (PROMPT, common_pb2.SamplingParams(temperature=1.0, seed=h, grammar=g))
         for h, g in grammars_asked.items()
     }
     out = generate(session, requests, limit=200)
@@ -173,8 +175,13 @@ def test_regex_choice_and_lark_grammars_hold(grammars) -> None:
 def test_a_grammar_that_does_not_compile_fails_its_request_alone(grammars) -> None:
     session = tiny_session(grammars)
     step = worker_pb2.Step(step=1)
-    add(step, 0, PROMPT, worker_pb2.WorkSampling(grammar=spec_of("regex", "(unclosed")))
-    add(step, 1, PROMPT, worker_pb2.WorkSampling())
+    add(
+        step,
+        0,
+        PROMPT,
+        common_pb2.SamplingParams(temperature=0.0, grammar=spec_of("regex", "(unclosed")),
+    )
+    add(step, 1, PROMPT, common_pb2.SamplingParams(temperature=0.0))
     result, _, _ = session.run(step)
     assert list(result.failed) == [0]
     assert len(result.tokens) == 1

@@ -14,25 +14,23 @@ from gateway.validation import (
     ValidatedParams,
     validate,
 )
+from llmserve.runtime.sampling import SamplingParams
 
 MAX_CONTEXT = 2048
 DEFAULT_MAX = 256
 
 
+REQUEST = ("prompt", "messages", "max_context", "default_max_tokens")
+
+
 def call(**overrides: Any) -> ValidatedParams:
+    """The request's own fields and the server's; the rest are sampling settings, as sent."""
     args: dict[str, Any] = dict(
-        prompt="Hello",
-        messages=None,
-        max_tokens=None,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        stop=[],
-        max_context=MAX_CONTEXT,
-        default_max_tokens=DEFAULT_MAX,
+        prompt="Hello", messages=None, max_context=MAX_CONTEXT, default_max_tokens=DEFAULT_MAX
     )
-    args.update(overrides)
-    return validate(**args)
+    args.update({k: v for k, v in overrides.items() if k in REQUEST})
+    sent = {k: v for k, v in overrides.items() if k not in REQUEST}
+    return validate(**args, sampling=SamplingParams(**sent))
 
 
 def test_defaults_resolve() -> None:
@@ -40,23 +38,22 @@ def test_defaults_resolve() -> None:
     assert p == ValidatedParams(
         prompt="Hello",
         messages=None,
-        max_tokens=DEFAULT_MAX,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        stop=(),
+        sampling=SamplingParams(
+            max_tokens=DEFAULT_MAX, temperature=1.0, top_p=1.0, top_k=0, stop=()
+        ),
     )
 
 
 def test_default_max_tokens_capped_by_context() -> None:
-    assert call(max_context=100, default_max_tokens=256).max_tokens == 100
+    assert call(max_context=100, default_max_tokens=256).sampling.max_tokens == 100
 
 
 def test_explicit_values_kept() -> None:
     p = call(max_tokens=MAX_CONTEXT, temperature=0.7, top_p=0.5, top_k=40, stop=["\n\n", "U:"])
-    assert (p.max_tokens, p.temperature, p.top_p, p.top_k) == (MAX_CONTEXT, 0.7, 0.5, 40)
-    assert p.stop == ("\n\n", "U:")
-    assert call(top_k=0).top_k == 0  # 0 disables top-k: valid
+    s = p.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k) == (MAX_CONTEXT, 0.7, 0.5, 40)
+    assert s.stop == ("\n\n", "U:")
+    assert call(top_k=0).sampling.top_k == 0  # 0 disables top-k: valid
 
 
 @pytest.mark.parametrize(
@@ -64,7 +61,7 @@ def test_explicit_values_kept() -> None:
     [(0, 0), (1e-45, 0), (MIN_TEMPERATURE / 2, 0), (MIN_TEMPERATURE, MIN_TEMPERATURE), (2, 2)],
 )
 def test_a_temperature_below_the_minimum_is_greedy_and_the_rest_is_kept(given, resolved) -> None:
-    assert call(temperature=given).temperature == resolved
+    assert call(temperature=given).sampling.temperature == resolved
 
 
 def test_whitespace_prompt_is_valid() -> None:
@@ -163,7 +160,7 @@ def test_server_misconfiguration_is_not_a_client_error(setting) -> None:
 
 
 def test_the_smallest_server_settings_are_valid() -> None:
-    assert call(max_context=1, default_max_tokens=1).max_tokens == 1
+    assert call(max_context=1, default_max_tokens=1).sampling.max_tokens == 1
 
 
 def test_size_limits_default_to_what_could_fit_the_context() -> None:

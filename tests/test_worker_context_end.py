@@ -10,14 +10,15 @@ import dataclasses
 import pytest
 import torch
 
-from llmserve.v1 import worker_pb2
+from llmserve.runtime.sampling import GREEDY
+from llmserve.v1 import common_pb2, worker_pb2
 from worker_svc.__main__ import make_runner
 from worker_svc.loader import tiny_model
 from worker_svc.runner import ModelRunner
 from worker_svc.session import Session
 from worker_svc.settings import WorkerSettings
 from worker_svc.sim import SimRunner, sim_config
-from worker_svc.work import SamplingSettings, WorkItem
+from worker_svc.work import WorkItem
 
 CONTEXT, BS, BLOCKS = 32, 8, 12  # the pool (96 positions) outgrows the context
 BEYOND = f"position {CONTEXT} is beyond the context of {CONTEXT}"
@@ -37,7 +38,9 @@ def runner(tiny, context: int = CONTEXT) -> ModelRunner:
 def start(handle: int, blocks: list[int], tokens: list[int], step: int = 1) -> worker_pb2.Step:
     """A new greedy request: placed, granted blocks, its prompt as one sampling chunk."""
     out = worker_pb2.Step(step=step)
-    out.added.add(handle=handle, request_id=f"r{handle}", sampling=worker_pb2.WorkSampling())
+    out.added.add(
+        handle=handle, request_id=f"r{handle}", sampling=common_pb2.SamplingParams(temperature=0.0)
+    )
     out.grants.add(handle=handle, blocks=blocks)
     out.chunks.add(handle=handle, token_ids=tokens, start_position=0, sample=True)
     return out
@@ -109,7 +112,7 @@ def test_a_chunk_may_end_at_the_context_and_not_past_it(
 def item(end: int) -> WorkItem:
     """A decode whose token sits at position end - 1, with blocks enough for it."""
     blocks = list(range(-(-end // BS)))
-    return WorkItem("r", [5], end - 1, blocks, sample=True, sampling=SamplingSettings())
+    return WorkItem("r", [5], end - 1, blocks, sample=True, sampling=GREEDY)
 
 
 @pytest.mark.parametrize("kind", ["model", "sim"])

@@ -100,6 +100,7 @@ class ModelRunner:
                     [items[i].sample_index for i in wanted],
                     self.rng,
                     [items[i].history + items[i].token_ids for i in wanted],
+                    [items[i].grammar for i in wanted],
                 )
             for row, (i, token) in enumerate(zip(wanted, tokens, strict=True)):
                 out[i] = token

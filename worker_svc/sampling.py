@@ -16,10 +16,12 @@ import hashlib
 import math
 import secrets
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from worker_svc.work import SamplingSettings, TokenLogprobs
+from llmserve.runtime.sampling import SamplingParams
+from worker_svc.work import TokenLogprobs
 
 
 def draw_seed(seed: int, sample_index: int) -> int:
@@ -34,13 +36,15 @@ def fresh_generator() -> torch.Generator:
 
 def sample_tokens(
     logits: torch.Tensor,  # [rows, vocab] fp32
-    settings: list[SamplingSettings],
+    settings: list[SamplingParams],
     sample_indices: list[int],
     rng: torch.Generator,  # used for unseeded draws
     histories: Sequence[Sequence[int]] | None = None,  # per row: prompt + generated, if penalized
+    grammars: Sequence[Any] | None = None,  # per row: its GrammarState, if constrained
 ) -> list[int]:
     """One token per row. A row's history is every token the request has processed (its prompt,
-    then its sample_index generated tokens); only penalized rows need one."""
+    then its sample_index generated tokens); only penalized rows need one. A row whose settings
+    hold a grammar is masked by its GrammarState (worker_svc/grammar.py)."""
     out = logits.argmax(dim=-1)  # [rows]: the greedy rows' tokens
     plain = [i for i, s in enumerate(settings) if _plain(s)]
     if plain:  # unseeded temperature-only rows: one batched draw
@@ -55,7 +59,8 @@ def sample_tokens(
         row_logits = logits[row]
         if s.shapes_logits:
             history = histories[row] if histories is not None else ()
-            row_logits = shape_logits(row_logits, s, history, sample_indices[row])
+            grammar = grammars[row] if grammars is not None else None
+            row_logits = shape_logits(row_logits, s, history, sample_indices[row], grammar)
         gen = rng
         if s.seed is not None and not s.greedy:
             gen = torch.Generator().manual_seed(draw_seed(s.seed, sample_indices[row]))
@@ -63,7 +68,7 @@ def sample_tokens(
     return out.tolist()
 
 
-def _plain(s: SamplingSettings) -> bool:
+def _plain(s: SamplingParams) -> bool:
     """Unseeded, temperature only: rows that can share one batched draw."""
     return (
         not s.greedy
@@ -75,15 +80,20 @@ def _plain(s: SamplingSettings) -> bool:
     )
 
 
-def _top_p_on(s: SamplingSettings) -> bool:
+def _top_p_on(s: SamplingParams) -> bool:
     return 0.0 < s.top_p < 1.0  # 1 (and 0: unset) mean off
 
 
 def shape_logits(
-    logits: torch.Tensor, s: SamplingSettings, history: Sequence[int], sample_index: int
+    logits: torch.Tensor,
+    s: SamplingParams,
+    history: Sequence[int],
+    sample_index: int,
+    grammar: Any = None,  # the request's GrammarState, if constrained
 ) -> torch.Tensor:
-    """logits: [vocab]. logit_bias, the min_tokens mask and the penalties, in vLLM's order;
-    history: prompt + generated tokens, the last sample_index of them generated."""
+    """logits: [vocab]. logit_bias, the min_tokens mask, the penalties and the grammar's mask,
+    in vLLM's order; history: prompt + generated tokens, the last sample_index of them
+    generated."""
     logits = logits.float().clone()
     if s.logit_bias:
         logits[list(s.logit_bias)] += torch.tensor(list(s.logit_bias.values()))
@@ -96,8 +106,8 @@ def shape_logits(
             logits[seen] = torch.where(old > 0, old / rp, old * rp)
         counts = torch.bincount(seen[len(history) - sample_index :], minlength=logits.shape[0])
         logits -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0)  # [vocab]
-    if s.grammar is not None:
-        logits = grammar_masked(logits, s.grammar.allowed())
+    if grammar is not None:
+        logits = grammar_masked(logits, grammar.allowed())
     return logits
 
 
@@ -118,7 +128,7 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
     return TokenLogprobs(float(logp[token]), tuple(ids.tolist()), tuple(values.tolist()))
 
 
-def sample_one(logits: torch.Tensor, s: SamplingSettings, gen: torch.Generator) -> int:
+def sample_one(logits: torch.Tensor, s: SamplingParams, gen: torch.Generator) -> int:
     """logits: [vocab] fp32; s.temperature > 0."""
     if s.greedy:
         return int(logits.argmax())

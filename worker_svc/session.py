@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Protocol
 
+from llmserve.runtime.sampling_wire import from_wire
 from llmserve.v1 import common_pb2, worker_pb2
 from worker_svc.grammar import GrammarCache, GrammarState
 from worker_svc.model_config import ModelConfig
@@ -19,7 +20,7 @@ from worker_svc.step_checks import (
     tokens_problem,
     write_problem,
 )
-from worker_svc.work import BatchShape, SamplingSettings, TokenLogprobs, WorkItem, shape_of
+from worker_svc.work import BatchShape, TokenLogprobs, WorkItem, shape_of
 
 log = logging.getLogger("worker")
 
@@ -31,23 +32,6 @@ class Runner(Protocol):
     config: ModelConfig  # vocab_size and max_context bound what a step may ask
 
     def execute(self, items: list[WorkItem]) -> list[int | None]: ...
-
-
-def sampling_of(s: worker_pb2.WorkSampling) -> SamplingSettings:
-    return SamplingSettings(
-        temperature=s.temperature,
-        top_p=s.top_p or 1.0,
-        top_k=s.top_k,
-        seed=s.seed if s.HasField("seed") else None,
-        min_p=s.min_p,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty or 1.0,
-        logit_bias=dict(s.logit_bias),
-        min_tokens=s.min_tokens,
-        stop_token_ids=tuple(s.stop_token_ids),
-        logprobs=s.logprobs if s.HasField("logprobs") else None,
-    )
 
 
 def logprobs_message(lp: TokenLogprobs | None) -> common_pb2.TokenLogprobs:
@@ -142,12 +126,12 @@ class Session:
                 len(cached),
                 [],
                 sample=False,
-                sampling=sampling_of(added.sampling),
+                sampling=from_wire(added.sampling),  # checked above
                 sample_index=added.sample_index,
                 cached=len(cached),
             )
-            if added.sampling.HasField("grammar"):
-                why = self.attach_grammar(item, added.sampling)
+            if item.sampling.grammar is not None:
+                why = self.attach_grammar(item)
                 if why:
                     failed.setdefault(added.handle, why)
                     continue
@@ -187,15 +171,15 @@ class Session:
             handles, batch = [h for h, _ in kept], [i for _, i in kept]
         return handles, batch
 
-    def attach_grammar(self, item: WorkItem, sampling: worker_pb2.WorkSampling) -> str | None:
+    def attach_grammar(self, item: WorkItem) -> str | None:
         """The request's matcher, fresh: `constrain` brings it up to its generated tokens."""
         if self.grammars is None:
             return "structured output is not available on this worker"
         try:
-            matcher = self.grammars.matcher(sampling.grammar)
+            matcher = self.grammars.matcher(item.sampling.grammar)
         except Exception as err:  # a grammar that fails to compile, a table that failed
             return f"{type(err).__name__}: {err}"
-        item.sampling.grammar = GrammarState(matcher, self.vocab_size)
+        item.grammar = GrammarState(matcher, self.vocab_size)
         return None
 
     def constrain(
@@ -205,7 +189,7 @@ class Session:
         generated (all of them after a recompute). One whose grammar fails fails alone."""
         kept_handles, kept = [], []
         for handle, item in zip(handles, batch, strict=True):
-            state = item.sampling.grammar
+            state = item.grammar
             if state is not None and item.sample:
                 try:
                     state.sync(item.history + item.token_ids, item.sample_index)
@@ -296,8 +280,8 @@ class Session:
             else:
                 item.token_ids, item.sample = [token], True
                 item.sample_index += 1
-                if item.sampling.grammar is not None:
-                    item.sampling.grammar.advance(token)
+                if item.grammar is not None:
+                    item.grammar.advance(token)
                 sampled.append((token, item.logprobs))
         return sampled
 

@@ -5,30 +5,22 @@ alone, the rest of its step runs."""
 
 from __future__ import annotations
 
-from llmserve.runtime.ranges import LOGIT_BIAS, SAMPLING_RANGES
-from llmserve.runtime.request_checks import MAX_LOGPROBS
-from llmserve.v1 import worker_pb2
+from llmserve.runtime.sampling import InvalidSampling
+from llmserve.runtime.sampling_wire import from_wire
+from llmserve.v1 import common_pb2
 from worker_svc.work import WorkItem
 
-UNSET_IS_ONE = frozenset({"top_p", "repetition_penalty"})
 
-
-def sampling_problem(s: worker_pb2.WorkSampling, vocab_size: int) -> str | None:
-    """The ranges of llmserve/runtime/ranges.py, as the gateway and the scheduler check them,
-    applied to the values sampling uses: a top_p or repetition_penalty of 0 is proto3's unset,
-    which samples as 1 (worker_svc.session.sampling_of)."""
-    for allowed in SAMPLING_RANGES:
-        value = getattr(s, allowed.name)
-        problem = allowed.problem(value or 1.0 if allowed.name in UNSET_IS_ONE else value)
-        if problem is not None:
-            return problem
-    if not all(LOGIT_BIAS.contains(bias) for bias in s.logit_bias.values()):
-        return f"logit_bias values must be {LOGIT_BIAS.spelled}"
-    ids = list(s.logit_bias) + list(s.stop_token_ids)
+def sampling_problem(s: common_pb2.SamplingParams, vocab_size: int) -> str | None:
+    """SamplingParams' checks (llmserve/runtime/sampling.py), as the gateway and the scheduler
+    run them, and its token ids within the vocabulary."""
+    try:
+        params = from_wire(s)
+    except InvalidSampling as err:
+        return str(err)
+    ids = list(params.logit_bias) + list(params.stop_token_ids)
     if ids and max(ids) >= vocab_size:
         return f"token id {max(ids)} is outside the vocabulary of {vocab_size}"
-    if s.HasField("logprobs") and s.logprobs > MAX_LOGPROBS:
-        return f"logprobs must be at most {MAX_LOGPROBS}, got {s.logprobs}"
     return None
 
 

@@ -56,7 +56,7 @@ def measure(
 
     from worker_svc.loader import load_model
     from worker_svc.runner import ModelRunner
-    from worker_svc.work import SamplingSettings, WorkItem
+    from worker_svc.work import GREEDY, WorkItem
 
     if threads:
         torch.set_num_threads(threads)
@@ -64,7 +64,7 @@ def measure(
     config, weights = load_model(model, dtype)
     blocks = max(p.positions for p in grid) // BLOCK + 1
     runner = ModelRunner(config, weights, blocks, BLOCK, dtype)
-    batches = [_work(probe, WorkItem, SamplingSettings) for probe in grid]
+    batches = [_work(probe, WorkItem, lambda: GREEDY) for probe in grid]
     best = [float("inf")] * len(grid)
     for rep in range(repeats + 1):  # whole passes, so that a burst of noise hits one pass only
         for i, work in enumerate(batches):

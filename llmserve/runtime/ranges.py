@@ -1,6 +1,7 @@
-"""The allowed range of each sampling setting, defined once: the gateway's validation, the
-scheduler's submit checks and the worker's step checks all test a value with these, so that a
-value one of them takes is never refused by another (nor the other way round).
+"""The allowed range of each sampling setting, defined once: SamplingParams' checks
+(llmserve/runtime/sampling.py), which the gateway's validation, the scheduler's submit checks
+and the worker's step checks all run, test a value with these, so that a value one of them
+takes is never refused by another (nor the other way round).
 
 A range is what sampling can do, not only what is meaningful: a repetition penalty of 1e-38
 divides a seen token's logit into infinity, and the softmax of an infinite logit is NaN, which
@@ -17,7 +18,6 @@ __all__ = [
     "MIN_P",
     "PRESENCE_PENALTY",
     "REPETITION_PENALTY",
-    "SAMPLING_RANGES",
     "TEMPERATURE",
     "TOP_P",
     "Range",
@@ -72,12 +72,3 @@ FREQUENCY_PENALTY = Range("frequency_penalty", -2.0, 2.0)
 # small penalty divides a positive logit by it) and sampling takes NaN; 1 disables it.
 REPETITION_PENALTY = Range("repetition_penalty", 1e-4, 1e4, note="1 disables it")
 LOGIT_BIAS = Range("logit_bias", -100.0, 100.0, note="each value, added to its token's logit")
-
-SAMPLING_RANGES: tuple[Range, ...] = (
-    TEMPERATURE,
-    TOP_P,
-    MIN_P,
-    PRESENCE_PENALTY,
-    FREQUENCY_PENALTY,
-    REPETITION_PENALTY,
-)  # the scalar settings; LOGIT_BIAS bounds each value of a map
