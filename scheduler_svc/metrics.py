@@ -26,6 +26,7 @@ from llmserve.runtime.metrics_http import (
     serve_metrics,
 )
 from scheduler_svc.core import Scheduler
+from scheduler_svc.live_settings import NAMES
 from scheduler_svc.output import Snapshot
 from scheduler_svc.reasons import RefusalReason, StallReason
 from scheduler_svc.step import Step
@@ -118,6 +119,7 @@ def families(snap: Snapshot, core: Scheduler) -> Iterator[Metric]:
     yield from _counters(snap)
     yield from _workers(snap)
     yield from _prefix_cache(snap)
+    yield _setting_changes(core)
 
 
 def _queue(snap: Snapshot, core: Scheduler) -> Iterator[Metric]:
@@ -248,6 +250,17 @@ def _prefix_cache(snap: Snapshot) -> Iterator[Metric]:
         for kv in snap.workers:
             counter.add_metric([kv.name], getattr(kv, field))
         yield counter
+
+
+def _setting_changes(core: Scheduler) -> CounterMetricFamily:
+    changes = CounterMetricFamily(
+        PREFIX + "setting_changes",
+        "Live changes of a setting applied (llmserve set; a restart starts from the flags)",
+        labels=["setting"],
+    )
+    for name in NAMES:
+        changes.add_metric([name], core.setting_changes.get(name, 0))
+    return changes
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -36,6 +36,7 @@ LABELS = {
     "mode",
     "chunked_prefill",
     "prefix_caching",
+    "setting",
     "le",
 }
 
