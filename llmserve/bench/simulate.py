@@ -110,6 +110,7 @@ class Simulation:
         self.steps = 0
         self.busy_s = 0.0
         self.core_s = 0.0  # real seconds spent in schedule() + postprocess()
+        self.news: list = []  # the events the core's calls returned, not recorded yet
         self.core_steps: list[tuple[float, int]] = []  # each step's core seconds, its running
         self.arrivals: list[tuple[float, int, RequestSpec]] = []  # (due, index, spec), a heap
         self.content: Content | None = None
@@ -203,6 +204,7 @@ class Simulation:
         step = self.core.schedule(index)
         planned = time.perf_counter() - t
         self.core_s += planned
+        self.news += [*getattr(step, "failed", ()), *getattr(step, "admissions", ())]
         if not step.has_work:
             return
         self.prefill_computed += sum(w.num_tokens for w in step.chunks)
@@ -218,8 +220,10 @@ class Simulation:
             run = self.inflight.pop(index)
             tokens = [self._token(s) for s in run.step.sampled_seqs()]
             t = time.perf_counter()
-            self.core.complete(run.step, tokens)
+            outputs = self.core.complete(run.step, tokens)
             completed = time.perf_counter() - t
+            if outputs is not None:  # an older revision's core posts to its outbox instead
+                self.news += outputs.events()
             self.core_s += completed
             self.core_steps.append((run.planned_s + completed, run.step.num_requests))
         return self._events()
@@ -298,7 +302,9 @@ class Simulation:
 
     def _events(self) -> list[str]:
         finished = []
-        for ev in self.core.take_events():
+        take = getattr(self.core, "take_events", None)  # an older revision's core
+        events, self.news = take() if take is not None else self.news, []
+        for ev in events:
             record = self.records[ev.request_id]
             if ev.admitted:
                 record.queue_time_s = ev.queue_time
