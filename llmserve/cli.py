@@ -128,7 +128,7 @@ def _print_text(text: str) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     with admin_client(args) as llm:
         s = llm.status(explain=args.explain)
-    print(json.dumps(s, indent=2) if args.json else format_status(s))
+    print(json.dumps(s, indent=2) if args.json else format_status(s, explain=args.explain))
     return 0
 
 

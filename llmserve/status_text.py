@@ -7,7 +7,8 @@ from scheduler_svc.reasons import StallReason
 REASONS = {r.value: r.description for r in StallReason}
 
 
-def format_status(s: dict) -> str:
+def format_status(s: dict, explain: bool = False) -> str:
+    """The snapshot; with `explain`, the head's explanation (or why there is none) after it."""
     head = s["head_wait_reason"]
     withheld = s.get("cache_figures_withheld", False)
     lines = [
@@ -52,7 +53,7 @@ def format_status(s: dict) -> str:
         f"admission stalls by reason (steps): {stalls}",
         f"refused at submit: {refused}",
     ]
-    if s.get("explanation") or s.get("explanation_withheld"):
+    if explain or s.get("explanation") or s.get("explanation_withheld"):
         lines.append(explanation_text(s))
     return "\n".join(lines)
 
