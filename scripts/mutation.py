@@ -59,6 +59,7 @@ CORE_TESTS = (
     "tests/test_prefix_core.py",
     "tests/test_prefix_rules.py",
     "tests/test_kv.py",
+    "tests/test_core_outputs.py",
 )
 GROUPS = {
     "core": Group(
