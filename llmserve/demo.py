@@ -4,6 +4,8 @@
 2. The seed's Figure 4 under both KV policies (capacity 24, block size 1, budget 8).
 3. A burst of chat requests with a generous max_tokens under both policies: reservations
    hold the pool while the KV actually written stays low; paged lets everyone in.
+4. Control: Figure 4 under reserve, `llmserve status --explain` while C waits, then
+   `llmserve set policy=paged` live: C joins at the next step (docs/control-plane.md).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from rich.table import Table
 
 from llmserve import client
 from llmserve.client import status_dict
+from llmserve.demo_live import figure4_switch
 from llmserve.demo_questions import QUESTIONS
 from llmserve.stack import Stack, StackSettings
-from llmserve.status_text import REASONS, format_status
+from llmserve.status_text import REASONS, explanation_text, format_status
 
 console = Console(highlight=False, width=None if Console().is_terminal else 120)
 
@@ -227,11 +230,28 @@ def part3(log_dir: Path) -> bool:
     return runs["reserve"]["stalls"].get("kv_reserved", 0) > 0
 
 
+def part4(log_dir: Path) -> bool:
+    console.rule("[bold]4. Control: Figure 4 under reserve, explained, then switched to paged live")
+    console.print("B (6 + 14 reserved) decodes, C (6 + 6) waits; simulated steps of 100 ms.")
+    run = figure4_switch(BASE, log_dir / "live-switch")
+    console.print("$ llmserve status --explain   (while C waits)")
+    console.print("  " + explanation_text({"explanation": run.explanation}).replace("\n", "\n  "))
+    console.print("$ llmserve set policy=paged")
+    for name, (old, new) in run.changed.items():
+        console.print(f"  {name}: {old} -> {new}")
+    console.print(
+        f"C admitted {run.steps_to_admit} step(s) after the change; stalls before "
+        f"{run.stalls_before or 'none'}, at the end {run.stalls_after or 'none'} (none since)"
+    )
+    return run.steps_to_admit <= 1 and run.stalls_after == run.stalls_before
+
+
 def run_demo(log_dir: Path) -> int:
     checks = {
         "1. chat answers (Paris)": part1(log_dir),
         "2. Figure 4": part2(log_dir),
         "3. burst": part3(log_dir),
+        "4. live switch": part4(log_dir),
     }
     console.rule("[bold]summary")
     for name, ok in checks.items():
