@@ -63,6 +63,7 @@ class GenerateInput:
     fit_context: bool = False
     include_stop: bool = False  # the stop string that ended the text stays in it
     skip_special_tokens: bool = True
+    tools: Sequence[dict] = ()  # offered (tool_choice auto): the chat template describes them
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +172,7 @@ class GatewayCore:
             problem = grpc_grammar_problem(job.sampling.grammar)
             if problem:
                 raise ValueError(problem)
-        return params, self._tokenize(params, job.messages)
+        return params, self._tokenize(params, job.messages, job.tools)
 
     def _validate(self, job: GenerateInput) -> ValidatedParams:
         messages = None
@@ -191,10 +192,14 @@ class GatewayCore:
         )
 
     def _tokenize(
-        self, params: ValidatedParams, turns: Sequence[ChatTurn] | None = None
+        self,
+        params: ValidatedParams,
+        turns: Sequence[ChatTurn] | None = None,
+        tools: Sequence[dict] = (),
     ) -> list[int]:
         if params.messages is not None:
-            text = self.tokenizer.apply_chat_template(_template_messages(params.messages, turns))
+            messages = _template_messages(params.messages, turns)
+            text = self.tokenizer.apply_chat_template(messages, tools)
         else:
             text = params.prompt or ""
         # a rendered chat spells its special tokens (BOS too); a plain prompt gets the tokenizer's

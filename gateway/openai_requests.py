@@ -266,13 +266,13 @@ class ChatCompletionRequest(Sampling):
     documents: Any = None
     tools: Any = None  # checked by gateway/tools.py
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None  # a forced answer is one call; auto may hold more
+    parallel_tool_calls: bool | None = None  # None: true (several calls may come)
 
     not_yet: ClassVar[dict[str, tuple[Any, ...]]] = NOT_YET | CHAT_NOT_YET
 
     def tool_plan(self) -> ToolPlan | None:
         try:
-            return plan_of(self.tools, self.tool_choice)
+            return plan_of(self.tools, self.tool_choice, self.parallel_tool_calls)
         except ToolsProblem as err:
             raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(err), param=err.param) from None
 
@@ -303,18 +303,8 @@ class ChatCompletionRequest(Sampling):
                 checked(function.parameters_grammar(), f"{function.at}.function.parameters")
             grammar = grammar_of(checked(plan.grammar(), "tools"))
             fields["sampling"] = replace(sampling, grammar=grammar)
-        if plan is not None and not plan.forced:
-            turns = _with_system(turns, plan.system_prompt() or "")
-        return GenerateInput(messages=turns, **fields)
-
-
-def _with_system(turns: list[Turn], text: str) -> list[Turn]:
-    """`text` at the end of the first system (or developer) turn, else a system turn first."""
-    if turns and turns[0].role in ("system", "developer"):
-        first = turns[0]
-        joined = f"{first.content}\n\n{text}" if first.content else text
-        return [first._replace(content=joined), *turns[1:]]
-    return [Turn("system", text), *turns]
+        tools = plan.described() if plan is not None else []  # auto: to the chat template
+        return GenerateInput(messages=turns, tools=tools, **fields)
 
 
 class CompletionRequest(Sampling):

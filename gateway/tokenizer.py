@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import mmap
+import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
@@ -179,20 +181,58 @@ def _compile_chat_template(source: str) -> jinja2.Template:
 # ...}\n</tool_call>` each; consecutive tool results as one user turn of
 # `<tool_response>\n...\n</tool_response>` blocks, in the order of the calls.
 
+#
+# The tools a request offers (auto) go to a template that reads `tools` (as transformers'
+# `apply_chat_template(..., tools=...)` hands them: Qwen2.5's, Llama 3.1's); any other template
+# gets them described in Hermes' system prompt (`SYSTEM_FORMAT`), joined to the first system or
+# developer turn, else a system turn of its own before the others.
+
 TOOL_CALL_FORMAT = "<tool_call>\n{}\n</tool_call>"
 TOOL_RESPONSE_FORMAT = "<tool_response>\n{}\n</tool_response>"
+SYSTEM_FORMAT = (
+    "You are a function calling AI model. You are provided with function signatures within "
+    "<tools></tools> XML tags. You may call one or more functions to assist with the user "
+    "query. Don't make assumptions about what values to plug into functions. Here are the "
+    "available tools: <tools>\n{tools}\n</tools>\n"
+    "For each function call return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-dict>}}\n</tool_call>'
+)
+READS_TOOLS = re.compile(r"\btools\b")
 
 
 @dataclass(frozen=True, slots=True)
 class TemplateRoles:
-    """Which of OpenAI's newer roles a chat template renders itself."""
+    """Which of OpenAI's newer roles a chat template renders itself; `takes_tools`: it renders
+    the offered tools (reads `tools`)."""
 
     developer: bool
     tools: bool
+    takes_tools: bool = False
 
     @classmethod
     def of(cls, source: str) -> TemplateRoles:
-        return cls(developer="developer" in source, tools="tool_calls" in source)
+        return cls(
+            developer="developer" in source,
+            tools="tool_calls" in source,
+            takes_tools=READS_TOOLS.search(source) is not None,
+        )
+
+
+def hermes_system_prompt(tools: Sequence[dict[str, Any]]) -> str:
+    """The offered tools described for a template without tool support."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return SYSTEM_FORMAT.format(tools=lines)
+
+
+def with_tools_described(messages: list[dict], tools: Sequence[dict[str, Any]]) -> list[dict]:
+    """`messages` with Hermes' system prompt of `tools` (see above)."""
+    text = hermes_system_prompt(tools)
+    if messages and messages[0]["role"] in ("system", "developer"):
+        first = messages[0]
+        joined = f"{first['content']}\n\n{text}" if first["content"] else text
+        return [first | {"content": joined}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def template_messages(messages: list[dict[str, Any]], roles: TemplateRoles) -> list[dict]:
@@ -402,22 +442,30 @@ class Tokenizer:
 
     # -- chat --
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()
+    ) -> str:
         """Render `messages` with the model's chat template, ending with the assistant prompt.
-        The OpenAI roles the template does not know are rendered as `template_messages` says."""
+        The OpenAI roles the template does not know are rendered as `template_messages` says;
+        `tools` (OpenAI's descriptions) go to the template, or to a system prompt (see above)."""
         source = self._chat_template_source
         if source is None:
             raise ChatTemplateError("this model has no chat template (tokenizer.chat_template)")
         if self._chat_template is None:
             self._chat_template = _compile_chat_template(source)
+        roles = TemplateRoles.of(source)
+        if tools and not roles.takes_tools:
+            messages = with_tools_described(messages, tools)
+        extra = {"tools": list(tools)} if tools and roles.takes_tools else {}
 
         def spelled(token_id: int | None) -> str | None:
             return None if token_id is None else self._tokens[token_id]
 
         try:
             return self._chat_template.render(
-                messages=template_messages(messages, TemplateRoles.of(source)),
+                messages=template_messages(messages, roles),
                 add_generation_prompt=True,
+                **extra,
                 bos_token=spelled(self._bos_token_id),
                 eos_token=spelled(self._eos_token_id),
             )

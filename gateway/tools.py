@@ -3,10 +3,13 @@ a named function), read into a ToolPlan (docs/structured-output.md, *Tools*).
 
 - required / a named function: the answer is generated under a JSON grammar of
   `{"name": NAME, "arguments": ARGS}` where ARGS follows that function's `parameters` schema (one
-  of the tools' for required): every call is valid JSON of the right shape.
-- auto: the tools are described in a system prompt (Hermes' format, `SYSTEM_FORMAT`); the
-  model's `<tool_call>{...}</tool_call>` blocks are parsed (`parse_calls`, tolerant: text without
-  a call is a normal answer).
+  of the tools' for required): every call is valid JSON of the right shape. Required with
+  `parallel_tool_calls` true or absent: a JSON array of one or more such calls.
+- auto: the tools go to the chat template (`described`): the template's own tool format where it
+  has one, else a system prompt in Hermes' format (gateway/tokenizer.py). The model's
+  `<tool_call>{...}</tool_call>` blocks, or plain JSON calls (one object, several, or an array:
+  Llama 3.1's form, `parameters` for `arguments`), are parsed (`parse_calls`, tolerant: text
+  without a call is a normal answer); with `parallel_tool_calls` false only the first call.
 - none (or no tools): the tools are neither described nor called (as vLLM does by default).
 
 Pure logic: no grpc, no torch."""
@@ -16,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llmserve.v1 import common_pb2
@@ -24,19 +27,11 @@ from llmserve.v1 import common_pb2
 Grammar = common_pb2.Grammar
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 ANY_OBJECT = {"type": "object"}
-SYSTEM_FORMAT = (
-    "You are a function calling AI model. You are provided with function signatures within "
-    "<tools></tools> XML tags. You may call one or more functions to assist with the user "
-    "query. Don't make assumptions about what values to plug into functions. Here are the "
-    "available tools: <tools>\n{tools}\n</tools>\n"
-    "For each function call return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{{"name": <function-name>, "arguments": <args-dict>}}\n</tool_call>'
-)
 CALL_TAG = "<tool_call>"
 CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-# a forced call as its grammar writes it (no free whitespace): the head before the arguments
-FORCED_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_-]+)", "arguments": ')
+# a forced call as its grammar writes it (no free whitespace): the head before the arguments,
+# alone or in an array of calls (after its `[` or a `, `)
+NEXT_HEAD = re.compile(r'\s*[\[,]?\s*\{"name": "([A-Za-z0-9_-]+)", "arguments": ')
 
 
 class ToolsProblem(ValueError):
@@ -59,10 +54,10 @@ class Function:
         return Grammar(kind=Grammar.JSON_SCHEMA, spec=json.dumps(self.parameters))
 
     def described(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        body: dict[str, Any] = {"name": self.name}
         if self.description:
             body["description"] = self.description
-        return {"type": "function", "function": body}
+        return {"type": "function", "function": body | {"parameters": self.parameters}}
 
     def call_schema(self) -> dict[str, Any]:
         return {
@@ -89,47 +84,53 @@ def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict[str
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
     """How a request uses its tools: `forced` (required or named: `functions` are the ones it
-    may call) or auto (`functions` described in the prompt, the answer parsed)."""
+    may call) or auto (`functions` described in the prompt, the answer parsed); `parallel`: an
+    answer may hold several calls (a forced one is then an array of calls)."""
 
     functions: tuple[Function, ...]
     forced: bool
+    parallel: bool = False
 
     def grammar(self) -> common_pb2.Grammar | None:
-        """The grammar of one call of one of `functions` (forced only)."""
+        """The grammar of one call of one of `functions`, or of one or more (forced only)."""
         if not self.forced:
             return None
         schemas = [f.call_schema() for f in self.functions]
         schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        if self.parallel:
+            schema = {"type": "array", "items": schema, "minItems": 1}
         return Grammar(kind=Grammar.JSON_SCHEMA, spec=json.dumps(schema))
 
-    def system_prompt(self) -> str | None:
-        """The tools described for the model (auto only)."""
-        if self.forced:
-            return None
-        lines = "\n".join(json.dumps(f.described(), ensure_ascii=False) for f in self.functions)
-        return SYSTEM_FORMAT.format(tools=lines)
+    def described(self) -> list[dict[str, Any]]:
+        """The tools as OpenAI describes them, for the chat template (auto only)."""
+        return [] if self.forced else [f.described() for f in self.functions]
 
     def calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool_calls) of a whole answer; no calls: the text is the content."""
         if self.forced:
-            call = forced_call(text)
-            return (text, []) if call is None else (None, [call])
-        return parse_calls(text, {f.name for f in self.functions})
+            calls = forced_calls(text)
+            return (None, calls) if calls else (text, [])
+        content, calls = parse_calls(text, {f.name for f in self.functions})
+        return content, calls if self.parallel else calls[:1]
 
     def stream(self) -> CallStream:
         return ForcedStream() if self.forced else AutoStream(plan=self)
 
 
 def forced_call(text: str) -> dict[str, Any] | None:
-    """The call a forced answer holds, its arguments as generated; None if cut short."""
-    head = FORCED_HEAD.match(text)
-    try:
-        body = json.loads(text)
-    except ValueError:
-        return None
-    if head is None or not isinstance(body, dict) or not text.endswith("}"):
-        return None
-    return tool_call(head.group(1), text[head.end() : -1])
+    """The call a forced answer of one call holds, its arguments as generated; None if cut
+    short."""
+    calls = forced_calls(text)
+    return calls[0] if len(calls) == 1 and text.lstrip().startswith("{") else None
+
+
+def forced_calls(text: str) -> list[dict[str, Any]]:
+    """The calls a forced answer holds (one call, or an array of calls), their arguments as
+    generated; of an answer cut short, the calls that ended before the cut (as streamed)."""
+    stream = ForcedStream()
+    stream.feed(text)
+    stream.end()
+    return stream.done
 
 
 def parse_calls(text: str, known: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
@@ -138,7 +139,7 @@ def parse_calls(text: str, known: set[str]) -> tuple[str | None, list[dict[str, 
     the rest of the text is the content (None when empty). A bare JSON call is one too."""
     calls, kept, at = [], [], 0
     for block in CALL_BLOCK.finditer(text):
-        call = _call_of(block.group(1), known)
+        call = _call_text_of(block.group(1), known)
         if call is None:
             continue
         kept.append(text[at : block.start()])
@@ -146,17 +147,36 @@ def parse_calls(text: str, known: set[str]) -> tuple[str | None, list[dict[str, 
         calls.append(call)
     kept.append(text[at:])
     if not calls:
-        bare = _call_of(text.strip(), known)
-        return (None, [bare]) if bare else (text, [])
+        bare = _bare_calls(text.strip(), known)
+        return (None, bare) if bare else (text, [])
     content = "".join(kept).strip()
     return content or None, calls
 
 
-def _call_of(body: str, known: set[str]) -> dict[str, Any] | None:
+def _bare_calls(text: str, known: set[str]) -> list[dict[str, Any]]:
+    """Plain JSON calls, the whole answer: one object, an array of them, or several objects
+    one after another (apart by whitespace, `;` or `,`); none unless each is a known call."""
+    values, at, decoder = [], 0, json.JSONDecoder()
+    while at < len(text):
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return []
+        values += value if isinstance(value, list) else [value]
+        at = len(text) - len(text[at:].lstrip(" \t\r\n;,"))
+    calls = [_call_of(value, known) for value in values]
+    return [] if not calls or None in calls else calls  # type: ignore[return-value]
+
+
+def _call_text_of(body: str, known: set[str]) -> dict[str, Any] | None:
     try:
         value = json.loads(body)
     except ValueError:
         return None
+    return _call_of(value, known)
+
+
+def _call_of(value: Any, known: set[str]) -> dict[str, Any] | None:
     if not isinstance(value, dict) or value.get("name") not in known:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
@@ -189,34 +209,79 @@ class CallStream:
 
 @dataclass(slots=True)
 class ForcedStream(CallStream):
-    """A forced call streamed as OpenAI streams one: a first delta with index, id, type, the
-    name and empty arguments, then the arguments' text in fragments (the call's closing brace,
-    held back one character at a time, is not part of them)."""
+    """Forced calls (one, or an array of them) streamed as OpenAI streams them: for each call a
+    first delta with its index, id, type, the name and empty arguments, then the arguments'
+    text in fragments as it comes (the scan of the JSON tells where they end). `done`: the calls
+    whose arguments ended."""
 
-    head: str = ""
-    held: str = ""
+    text: str = ""  # all that came
+    at: int = 0  # scanned up to here
+    index: int = -1  # the call being streamed
+    inside: bool = False  # in a call's arguments
+    depth: int = 0  # of the arguments' brackets
+    quoted: bool = False  # in a string of the arguments
+    escaped: bool = False
+    done: list[dict[str, Any]] = field(default_factory=list)
 
     def feed(self, text: str) -> list[dict[str, Any]]:
-        out = []
-        if not self.called:
-            self.head += text
-            match = FORCED_HEAD.match(self.head)
-            if match is None:
-                return []
-            self.called = True
-            name, text = match.group(1), self.head[match.end() :]
-            out.append({"tool_calls": [{"index": 0} | tool_call(name, "")]})
-        pending = self.held + text
-        fragment, self.held = pending[:-1], pending[-1:]
+        self.text += text
+        out: list[dict[str, Any]] = []
+        while True:
+            if not self.inside and not self._head(out):
+                return out
+            if self.inside and not self._arguments(out):
+                return out
+
+    def _head(self, out: list[dict[str, Any]]) -> bool:
+        match = NEXT_HEAD.match(self.text, self.at)
+        if match is None:
+            return False
+        self.index, self.inside, self.called = self.index + 1, True, True
+        self.at, self.depth = match.end(), 0
+        self.done.append(tool_call(match.group(1), ""))
+        head = {"index": self.index} | tool_call(match.group(1), "", self.done[-1]["id"])
+        out.append({"tool_calls": [head]})
+        return True
+
+    def _arguments(self, out: list[dict[str, Any]]) -> bool:
+        """Scan to the end of the arguments (True) or of the text (False)."""
+        start, ended = self.at, False
+        for at in range(start, len(self.text)):
+            if self._ends_at(self.text[at]):
+                self.at, ended = at, True
+                break
+        else:
+            self.at = len(self.text)
+        fragment = self.text[start : self.at]
         if fragment:
-            out.append({"tool_calls": [{"index": 0, "function": {"arguments": fragment}}]})
-        return out
+            self.done[-1]["function"]["arguments"] += fragment
+            out.append({"tool_calls": [{"index": self.index, "function": {"arguments": fragment}}]})
+        if ended:
+            self.at += 1  # the call's closing brace
+            self.inside = False
+        return ended
+
+    def _ends_at(self, char: str) -> bool:
+        """Is `char` the brace that closes the call (the arguments before it)?"""
+        if self.quoted:
+            was = self.escaped
+            self.escaped = not was and char == "\\"
+            self.quoted = was or char != '"'
+        elif char == '"':
+            self.quoted = True
+        elif char in "{[":
+            self.depth += 1
+        elif char in "}]":
+            if self.depth == 0:
+                return True
+            self.depth -= 1
+        return False
 
     def end(self) -> list[dict[str, Any]]:
         if not self.called:  # cut short before the name: what came, as text
-            return [{"content": self.head}] if self.head else []
-        if self.held and self.held != "}":  # cut short inside the arguments
-            return [{"tool_calls": [{"index": 0, "function": {"arguments": self.held}}]}]
+            return [{"content": self.text}] if self.text else []
+        if self.inside:  # cut short inside the arguments: not a call that ended
+            self.done.pop()
         return []
 
 
@@ -224,7 +289,7 @@ class ForcedStream(CallStream):
 class AutoStream(CallStream):
     """An auto answer's text is streamed as content until a `<tool_call>` begins (or until
     what may be its beginning, and trailing whitespace, are held back; an answer that starts
-    with `{`, perhaps a bare JSON call, is held whole); at the end the answer is parsed
+    with `{` or `[`, perhaps plain JSON calls, is held whole); at the end the answer is parsed
     (`parse_calls`) and the rest of its content and each call (its head, then its arguments
     whole) are sent."""
 
@@ -237,7 +302,7 @@ class AutoStream(CallStream):
         self.unsent += text
         if self.holding:
             return []
-        if not self.sent and self.unsent.lstrip().startswith("{"):
+        if not self.sent and self.unsent.lstrip()[:1] in ("{", "["):
             self.holding = True
             return []
         at = self.unsent.find(CALL_TAG)
@@ -283,22 +348,24 @@ def _before_a_tag(text: str) -> str:
 # ---- the request's fields -------------------------------------------------------------------
 
 
-def tool_plan(tools: Any, choice: Any) -> ToolPlan | None:
-    """The plan of `tools` and `tool_choice` as sent; None: no tools in play (none, or none
-    given). ToolsProblem naming the field when malformed."""
+def tool_plan(tools: Any, choice: Any, parallel: bool | None = None) -> ToolPlan | None:
+    """The plan of `tools`, `tool_choice` and `parallel_tool_calls` (None: true, as OpenAI's
+    default) as sent; None: no tools in play (none, or none given). ToolsProblem naming the
+    field when malformed. A named function is called once."""
+    several = parallel is not False
     if tools is None:
         if choice not in (None, "none"):
             raise ToolsProblem("tool_choice needs tools", "tool_choice")
         return None
     functions = _functions(tools)
     if choice is None or choice == "auto":
-        return ToolPlan(functions, forced=False) if functions else None
+        return ToolPlan(functions, forced=False, parallel=several) if functions else None
     if choice == "none":
         return None
     if not functions:
         raise ToolsProblem("tool_choice asks for a call and tools is empty", "tools")
     if choice == "required":
-        return ToolPlan(functions, forced=True)
+        return ToolPlan(functions, forced=True, parallel=several)
     named = _named(choice)
     chosen = tuple(f for f in functions if f.name == named)
     if not chosen:

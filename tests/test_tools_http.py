@@ -81,6 +81,7 @@ def test_required_and_named_calls_are_valid_20_of_20_each(sdk) -> None:
             messages=ASK,
             tools=TOOLS,
             tool_choice=choice,
+            parallel_tool_calls=False,
             n=10,
             seed=seed,
             temperature=1.0,
@@ -91,6 +92,7 @@ def test_required_and_named_calls_are_valid_20_of_20_each(sdk) -> None:
             messages=ASK,
             tools=TOOLS,
             tool_choice=choice,
+            parallel_tool_calls=False,
             n=10,
             seed=seed + 10,
             temperature=1.0,
@@ -115,6 +117,7 @@ def test_streamed_calls_come_as_openai_streams_them(sdk) -> None:
             messages=ASK,
             tools=TOOLS,
             tool_choice="required",
+            parallel_tool_calls=False,
             seed=seed,
             temperature=1.0,
             max_tokens=200,
@@ -131,6 +134,35 @@ def test_streamed_calls_come_as_openai_streams_them(sdk) -> None:
         _valid(head.function.name, "".join(d.function.arguments for d in rest))
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         assert not any(c.choices[0].delta.content for c in chunks)
+
+
+def test_required_parallel_calls_are_one_or_more_valid_calls_whole_and_streamed(sdk) -> None:
+    asked = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=400)
+    reply = sdk.chat.completions.create(**asked, n=10, seed=3, temperature=1.0)
+    counts = []
+    for choice in reply.choices:
+        calls = choice.message.tool_calls or []
+        assert choice.finish_reason in ("tool_calls", "length") and choice.message.content is None
+        assert calls or choice.finish_reason == "length"
+        assert len({c.id for c in calls}) == len(calls)
+        for call in calls:
+            _valid(call.function.name, call.function.arguments)
+        counts.append(len(calls))
+    assert max(counts) > 1  # several calls in one answer
+    for seed in range(4):
+        stream = sdk.chat.completions.create(**asked, seed=seed, temperature=1.0, stream=True)
+        streamed: dict[int, list] = {}
+        for chunk in stream:
+            for part in (chunk.choices and chunk.choices[0].delta.tool_calls) or []:
+                if part.id is not None:
+                    assert part.index == len(streamed) and part.function.arguments == ""
+                    streamed[part.index] = [part.function.name, ""]
+                else:
+                    streamed[part.index][1] += part.function.arguments
+        assert streamed
+        if chunk.choices[0].finish_reason == "tool_calls":  # every call ended
+            for name, arguments in streamed.values():
+                _valid(name, arguments)
 
 
 def test_auto_describes_the_tools_and_answers_text_or_calls(stack, sdk) -> None:

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from gateway.tools import ToolsProblem, forced_call, parse_calls, tool_plan
+from gateway.tokenizer import hermes_system_prompt
+from gateway.tools import ToolsProblem, forced_call, forced_calls, parse_calls, tool_plan
 
 WEATHER = {
     "type": "function",
@@ -80,12 +81,12 @@ def test_tool_choice_none_auto_required_and_named() -> None:
     assert tool_plan([WEATHER], "none") is None
     auto = tool_plan([WEATHER, ADD], None)
     assert auto is not None and not auto.forced and auto.grammar() is None
-    assert '"name": "get_weather"' in (auto.system_prompt() or "")
+    assert '"name": "get_weather"' in hermes_system_prompt(auto.described())
     named = tool_plan([WEATHER, ADD], {"type": "function", "function": {"name": "add"}})
     assert named is not None and [f.name for f in named.functions] == ["add"]
     schema = json.loads(named.grammar().spec)
     assert schema["properties"]["name"] == {"const": "add"}
-    required = tool_plan([WEATHER, ADD], "required")
+    required = tool_plan([WEATHER, ADD], "required", parallel=False)
     assert len(json.loads(required.grammar().spec)["anyOf"]) == 2
 
 
@@ -140,3 +141,71 @@ def test_an_auto_stream_without_a_call_is_its_text() -> None:
     assert held.feed('{"name": "get_weather", "arguments": {"city": "Rome"}}') == []
     (head, arguments) = held.end()
     assert json.loads(arguments["tool_calls"][0]["function"]["arguments"]) == {"city": "Rome"}
+
+
+def test_required_with_parallel_calls_is_an_array_of_one_or_more_calls() -> None:
+    for parallel in (None, True):
+        plan = tool_plan([WEATHER, ADD], "required", parallel)
+        schema = json.loads(plan.grammar().spec)
+        assert schema["type"] == "array" and schema["minItems"] == 1
+        assert len(schema["items"]["anyOf"]) == 2
+    named = tool_plan([WEATHER, ADD], {"type": "function", "function": {"name": "add"}}, True)
+    assert json.loads(named.grammar().spec)["properties"]["name"] == {"const": "add"}
+
+
+TWO_CALLS = (
+    '[{"name": "get_weather", "arguments": {"city": "Oslo \\"}{ ]"}}, '
+    '{"name": "add", "arguments": {"a": [1, {"b": 2}]}}]'
+)
+
+
+def test_a_forced_array_streams_each_call_with_its_index() -> None:
+    stream = tool_plan([WEATHER, ADD], "required").stream()
+    deltas = [d for i in range(0, len(TWO_CALLS), 2) for d in stream.feed(TWO_CALLS[i : i + 2])]
+    deltas += stream.end()
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        (part,) = delta["tool_calls"]
+        if "id" in part:
+            calls[part["index"]] = {"name": part["function"]["name"], "arguments": ""}
+        else:
+            calls[part["index"]]["arguments"] += part["function"]["arguments"]
+    assert [c["name"] for c in calls.values()] == ["get_weather", "add"]
+    assert json.loads(calls[0]["arguments"]) == {"city": 'Oslo "}{ ]'}
+    assert json.loads(calls[1]["arguments"]) == {"a": [1, {"b": 2}]}
+    assert stream.called
+
+
+def test_forced_calls_of_a_whole_answer_and_those_that_ended_before_a_cut() -> None:
+    plan = tool_plan([WEATHER, ADD], "required")
+    content, calls = plan.calls(TWO_CALLS)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "add"]
+    assert calls[1]["function"]["arguments"] == '{"a": [1, {"b": 2}]}'
+    cut = TWO_CALLS[: TWO_CALLS.index('"b"')]  # inside the second call's arguments
+    assert [c["function"]["name"] for c in forced_calls(cut)] == ["get_weather"]
+    assert forced_calls(TWO_CALLS[:20]) == [] and plan.calls(TWO_CALLS[:20]) == (TWO_CALLS[:20], [])
+
+
+def test_auto_parses_every_call_and_only_the_first_without_parallel_calls() -> None:
+    text = (
+        '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n'
+        '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
+    )
+    assert len(tool_plan([WEATHER, ADD], "auto").calls(text)[1]) == 2
+    assert len(tool_plan([WEATHER, ADD], "auto", parallel=False).calls(text)[1]) == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {"a": 2}}]',
+        '{"name": "add", "parameters": {"a": 1}}; {"name": "add", "parameters": {"a": 2}}',
+    ],
+)
+def test_plain_json_calls_as_an_array_or_one_after_another(text) -> None:
+    content, calls = parse_calls(text, KNOWN)
+    assert content is None
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 1}, {"a": 2}]
+    stream = tool_plan([WEATHER, ADD], "auto").stream()
+    assert stream.feed(text) == []
+    assert [d for d in stream.end() if "id" in d["tool_calls"][0]][1]["tool_calls"][0]["index"] == 1
