@@ -7,7 +7,7 @@ STUBS   := llmserve/v1/__init__.py
 KERNELS := .stamp-kernels
 PROTOS  := $(wildcard protos/llmserve/v1/*.proto)
 
-.PHONY: all setup stubs demo test test-fast mutation up lint bench bench-sim bench-worker bench-overhead clean prometheus internal-token gpu-check gpu-carry
+.PHONY: all setup stubs demo test test-fast mutation up lint bench bench-sim bench-worker bench-overhead clean prometheus internal-token admin-key gpu-check gpu-carry
 
 all: setup
 
@@ -68,6 +68,13 @@ mutation: setup
 # written once, never committed. Readable by the containers' user (uid 10001), so mode 644.
 internal-token: deploy/internal-token
 deploy/internal-token:
+	$(PY) -c 'import secrets; print(secrets.token_urlsafe(32))' > $@.tmp
+	chmod 644 $@.tmp && mv $@.tmp $@
+
+# the admin key the gateway and the scheduler require of Admin calls (`llmserve set --admin-key-file
+# deploy/admin-key ...`), written once like the internal token, never committed
+admin-key: deploy/admin-key
+deploy/admin-key:
 	$(PY) -c 'import secrets; print(secrets.token_urlsafe(32))' > $@.tmp
 	chmod 644 $@.tmp && mv $@.tmp $@
 

@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = StackSettings(workers=2, metrics_base_port=9400, http_port=8000)
 LLMSERVE = ["gateway", "scheduler", "worker0", "worker1"]
 TOKEN_SECRET = "/run/secrets/internal-token"
+ADMIN_SECRET = "/run/secrets/admin-key"
+ADMINS = ("gateway", "scheduler")  # the services that take Admin calls
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +76,8 @@ def in_containers(command: list[str]) -> tuple[list[str], dict[str, str | None]]
     expected = flags([re.sub(r"127\.0\.0\.1:(\d+)", address, arg) for arg in command])
     expected.pop("--threads", None)
     in_compose = {"--host": "0.0.0.0", "--internal-token-file": TOKEN_SECRET}
+    if command[2] in ("gateway", "scheduler_svc"):
+        in_compose["--admin-key-file"] = ADMIN_SECRET
     return ["python", "-m", command[2]], expected | in_compose
 
 
@@ -115,10 +119,16 @@ def test_every_service_reads_the_internal_token_from_one_uncommitted_secret(comp
     assert compose["secrets"]["internal-token"]["file"] == str(ROOT / "deploy/internal-token")
     for name in LLMSERVE:
         service = compose["services"][name]
-        assert [s["source"] for s in service["secrets"]] == ["internal-token"], name
+        admin = ["admin-key"] if name in ADMINS else []
+        assert [s["source"] for s in service["secrets"]] == ["internal-token", *admin], name
         assert flags(service["command"])["--internal-token-file"] == TOKEN_SECRET, name
-    ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/internal-token"], cwd=ROOT)
-    assert ignored.returncode == 0, "the token file must never be committed"
+        assert flags(service["command"]).get("--admin-key-file") == (
+            ADMIN_SECRET if admin else None
+        ), name
+    assert compose["secrets"]["admin-key"]["file"] == str(ROOT / "deploy/admin-key")
+    for secret in ("deploy/internal-token", "deploy/admin-key"):
+        ignored = subprocess.run(["git", "check-ignore", "-q", secret], cwd=ROOT)
+        assert ignored.returncode == 0, f"{secret} must never be committed"
 
 
 def test_prometheus_scrapes_each_service_on_its_metrics_port(compose) -> None:

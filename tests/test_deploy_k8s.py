@@ -152,6 +152,7 @@ def test_grace_outlasts_the_drain_and_secrets_are_where_the_flags_point(rendered
         for flag, volume in (
             ("--internal-token-file", "internal-token"),
             ("--api-key-file", "api-key"),
+            ("--admin-key-file", "admin-key"),
         ):
             path = flag_values(c["args"]).get(flag)
             if path is not None:
