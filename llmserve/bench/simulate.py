@@ -30,9 +30,11 @@ from llmserve.bench.records import RequestRecord, RunResult, StatusSample
 from llmserve.bench.workload import Content, RequestSpec, Workload
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
-from scheduler_svc.output import Refused
+from scheduler_svc.output import Event, Refused
 from scheduler_svc.sequence import Sequence
 from scheduler_svc.step import Step
+from scheduler_svc.step_cost import step_shape
+from scheduler_svc.step_model import StepModels
 
 EOS_ID = 2
 
@@ -92,6 +94,8 @@ class Inflight:
     end: float  # virtual seconds
     step: Step
     planned_s: float  # real seconds the core took to plan it
+    shape: BatchShape
+    forward_s: float  # what the worker reports as its forward time (virtual seconds)
 
 
 class Simulation:
@@ -102,7 +106,12 @@ class Simulation:
         self.costs = [cost.scaled(settings.speed(i)) for i in range(settings.workers)]
         self.now = 0.0
         self.inflight: dict[int, Inflight] = {}  # the steps executing, by worker
-        self.core = Scheduler(settings.core(policy), settings.specs(), clock=lambda: self.now)
+        # the scheduler's own online step-time models, fed the simulated workers' step times
+        self.models = StepModels()
+        timed = {"predict": self.models.predict} if settings.step_time_budget_ms else {}
+        self.core = Scheduler(
+            settings.core(policy), settings.specs(), clock=lambda: self.now, **timed
+        )
         self.records: dict[str, RequestRecord] = {}
         self.last_token: dict[str, float] = {}
         self.target: dict[str, int] = {}
@@ -110,7 +119,6 @@ class Simulation:
         self.steps = 0
         self.busy_s = 0.0
         self.core_s = 0.0  # real seconds spent in schedule() + postprocess()
-        self.news: list = []  # the events the core's calls returned, not recorded yet
         self.core_steps: list[tuple[float, int]] = []  # each step's core seconds, its running
         self.arrivals: list[tuple[float, int, RequestSpec]] = []  # (due, index, spec), a heap
         self.content: Content | None = None
@@ -190,43 +198,50 @@ class Simulation:
         finished meanwhile (refused at admission)."""
         workers = self.core.workers
         idle = [ws.index for ws in workers if ws.healthy and ws.index not in self.inflight]
+        finished: list[str] = []
         for _ in range(len(workers) + 1):
             for index in idle:
-                self._start(index)
+                finished += self._start(index)
             woken = self.core.take_wakes()
             idle = [i for i in idle if i in woken and i not in self.inflight]
             if not idle:
                 break
-        return self._events()
+        return finished
 
-    def _start(self, index: int) -> None:
+    def _start(self, index: int) -> list[str]:
+        """`index` plans its next step and, if it has work, starts executing it; the requests
+        the planning finished (failed: no live worker can ever hold them)."""
         t = time.perf_counter()
         step = self.core.schedule(index)
         planned = time.perf_counter() - t
         self.core_s += planned
-        self.news += [*getattr(step, "failed", ()), *getattr(step, "admissions", ())]
+        finished = self._news([*getattr(step, "failed", ()), *getattr(step, "admissions", ())])
         if not step.has_work:
-            return
+            return finished
         self.prefill_computed += sum(w.num_tokens for w in step.chunks)
-        seconds = self._seconds(step) + self.settings.step_overhead_s
-        self.inflight[index] = Inflight(self.now + seconds, step, planned)
+        shape = step_shape(step)
+        forward = self.costs[index].seconds(shape)
+        seconds = forward + self.settings.step_overhead_s
+        self.inflight[index] = Inflight(self.now + seconds, step, planned, shape, forward)
         self.busy_s += seconds
         self.steps += 1
+        return finished
 
     def _complete_due(self) -> list[str]:
         """The steps that end by now hand their tokens back; the requests that finished."""
         done = sorted(i for i, run in self.inflight.items() if run.end <= self.now)
+        finished: list[str] = []
         for index in done:
             run = self.inflight.pop(index)
             tokens = [self._token(s) for s in run.step.sampled_seqs()]
             t = time.perf_counter()
             outputs = self.core.complete(run.step, tokens)
             completed = time.perf_counter() - t
-            if outputs is not None:  # an older revision's core posts to its outbox instead
-                self.news += outputs.events()
+            self.models.observe(index, run.shape, run.forward_s)
             self.core_s += completed
             self.core_steps.append((run.planned_s + completed, run.step.num_requests))
-        return self._events()
+            finished += self._news(outputs.events() if outputs is not None else [])
+        return finished
 
     def core_figures(self) -> dict[str, float | None]:
         """The core's real time per worker step (planning and completing it), in µs: the
@@ -242,10 +257,23 @@ class Simulation:
             "full_steps": len(busy),
         }
 
-    def _seconds(self, batch: Step) -> float:
-        work = [(w.start, w.num_tokens, w.sample) for w in batch.chunks]
-        work += [(s.num_computed - 1, 1, True) for s in batch.decodes]
-        return self.costs[batch.worker].seconds(BatchShape.of(work))
+    def _model_figures(self) -> list[dict[str, object]]:
+        """Per worker: the online model's recent prediction error and its coefficients against
+        the simulated worker's own (the cost model at its speed)."""
+        out = []
+        for index, model in sorted(self.models.models.items()):
+            error = model.error()
+            out.append(
+                {
+                    "worker": index,
+                    "steps": model.observed,
+                    "error_p50": error and error.p50,
+                    "error_p90": error and error.p90,
+                    "learned": model.model().coefficients(),
+                    "true": self.costs[index].coefficients(),
+                }
+            )
+        return out
 
     def _token(self, seq: Sequence) -> int:
         ends = len(seq.output_ids) + 1 >= self.target[seq.request_id]
@@ -300,10 +328,15 @@ class Simulation:
         history = self.kept.pop(str(spec.follows), []) if spec.follows >= 0 else []
         return self.content.prompt_ids(spec, history)
 
-    def _events(self) -> list[str]:
+    def _news(self, returned: list[Event]) -> list[str]:
+        """What a call into the core returned, or what an older revision's core posted to its
+        outbox instead (the --baseline-rev simulations); the requests that finished."""
+        take = getattr(self.core, "take_events", None)
+        return self._record(take() if take is not None else returned)
+
+    def _record(self, events: list[Event]) -> list[str]:
+        """The requests' records take what the core did; the requests that finished."""
         finished = []
-        take = getattr(self.core, "take_events", None)  # an older revision's core
-        events, self.news = take() if take is not None else self.news, []
         for ev in events:
             record = self.records[ev.request_id]
             if ev.admitted:
@@ -344,6 +377,7 @@ class Simulation:
             "core_s": self.core_s,
             **self.core_figures(),
             "preemptions": self.core.preemptions,
+            "step_model": self._model_figures(),
             **prefix_counters(self.core.snapshot().workers),
             # what the simulated workers ran, whatever the core reports
             "prompt_tokens": self.prompt_tokens,
