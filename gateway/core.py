@@ -80,7 +80,6 @@ class Finish:
     reason: int  # common_pb2.FinishReason
     usage: common_pb2.Usage
     error: str = ""
-    cached_tokens: int = 0  # of usage.prompt_tokens, those the prefix cache served
 
 
 class GenerationError(Exception):
@@ -314,7 +313,7 @@ class GatewayCore:
             self.held.discard(flight.call)
             if self.observer is not None:
                 self.observer(flight.finish, tally)
-        yield Finish(rid, flight.finish, tally.usage(), flight.error, tally.cached_tokens)
+        yield Finish(rid, flight.finish, tally.usage(), flight.error)
 
     async def _resubmitting(
         self,

@@ -37,7 +37,7 @@ def usage(finish: Finish) -> dict:
     """A finished request's usage; `prompt_tokens_details.cached_tokens`: of its prompt, the
     tokens its first admission found in the prefix cache (their KV not computed again)."""
     counted = running_usage(finish.usage.prompt_tokens, finish.usage.completion_tokens)
-    return counted | {"prompt_tokens_details": {"cached_tokens": finish.cached_tokens}}
+    return counted | {"prompt_tokens_details": {"cached_tokens": finish.usage.cached_tokens}}
 
 
 def usage_of(finishes: Sequence[Finish]) -> dict:

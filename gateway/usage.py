@@ -32,4 +32,5 @@ class Tally:
             time_to_first_token_s=ttft,
             total_time_s=now - self.received,
             preemptions=self.preemptions,
+            cached_tokens=self.cached_tokens,
         )

@@ -122,6 +122,7 @@ def usage_dict(usage: common_pb2.Usage) -> dict[str, float | int]:
         "time_to_first_token_s": round(usage.time_to_first_token_s, 4),
         "total_time_s": round(usage.total_time_s, 4),
         "preemptions": usage.preemptions,
+        "cached_tokens": usage.cached_tokens,
     }
 
 

@@ -166,6 +166,18 @@ def test_a_repeated_prompt_reports_its_cached_tokens(sdk) -> None:
     assert 0 < cached < second.usage.prompt_tokens and cached % 16 == 0  # whole blocks
 
 
+def test_the_grpc_api_reports_cached_tokens_in_its_usage(stack) -> None:
+    prompt = "Another long prompt, said twice over gRPC, word for word. " * 8
+    finals = []
+    for tail in ("one", "two"):
+        request = client.make_request(prompt=prompt + tail, max_tokens=1, ignore_eos=True)
+        replies = list(client.stream(stack.settings.gateway, request, timeout=60))
+        finals.append(replies[-1].final.usage)
+    assert finals[0].cached_tokens == 0 and finals[0].prompt_tokens > 0
+    cached = finals[1].cached_tokens
+    assert 0 < cached < finals[1].prompt_tokens and cached % 16 == 0  # whole blocks
+
+
 def test_metrics_on_the_http_port_are_the_operators(stack, sdk) -> None:
     url = f"http://127.0.0.1:{stack.settings.http_port}/metrics"
     with pytest.raises(urllib.error.HTTPError) as refused:
