@@ -16,7 +16,7 @@ def format_status(s: dict, explain: bool = False) -> str:
         f"  max running {s['max_running']}  block size {s['block_size']}"
         f"  chunked prefill {'on' if s['chunked_prefill'] else 'off'}"
         f"  overlap {'on' if s['overlap'] else 'off'}"
-        f"  prefix caching {'on' if s['prefix_caching'] else 'off'}",
+        f"  prefix caching {'on' if s['prefix_caching'] else 'off'}" + time_budget_text(s),
         f"steps {s['steps']}  admitted {s['admitted']}  finished {s['finished']}"
         f"  preemptions {s['preemptions']}",
         f"waiting {s['waiting']} ({s['waiting_tokens']} tokens, oldest {s['oldest_wait_s']:.2f} s)"
@@ -38,6 +38,7 @@ def format_status(s: dict, explain: bool = False) -> str:
             f"running {w['running']}"
             + (f"  stalls: {stalls}" if stalls else "")
             + (f"\n  {'':<10} kernels: {w['kernels']}" if w.get("kernels") else "")
+            + step_time_text(w)
             + (
                 f"\n  {'':<10} prefix cache: cached blocks {w['cached_blocks']:>6}  evictable "
                 f"{w['evictable_blocks']:>6}  hit rate {hit_rate(w):>6}  evictions "
@@ -56,6 +57,23 @@ def format_status(s: dict, explain: bool = False) -> str:
     if explain or s.get("explanation") or s.get("explanation_withheld"):
         lines.append(explanation_text(s))
     return "\n".join(lines)
+
+
+def time_budget_text(s: dict) -> str:
+    budget = s.get("step_time_budget_ms", 0.0)
+    return f"  step-time budget {budget:g} ms" if budget else ""
+
+
+def step_time_text(w: dict) -> str:
+    """A worker's step-time model: its last step predicted and measured, its recent error."""
+    if not w.get("step_time_error_steps"):
+        return ""
+    return (
+        f"\n  {'':<10} step time: last predicted {1e3 * w['last_predicted_seconds']:.1f} ms, "
+        f"measured {1e3 * w['last_forward_seconds']:.1f} ms; prediction error p50 "
+        f"{100 * w['step_time_error_p50']:.0f}%  p90 {100 * w['step_time_error_p90']:.0f}% "
+        f"(last {w['step_time_error_steps']} steps)"
+    )
 
 
 def hit_rate(figures: dict) -> str:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, TypeVar
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -30,12 +30,14 @@ from scheduler_svc.live_settings import NAMES
 from scheduler_svc.output import Snapshot
 from scheduler_svc.reasons import RefusalReason, StallReason
 from scheduler_svc.step import Step
+from scheduler_svc.step_model import PredictionError, StepModels
 
 if TYPE_CHECKING:
     from scheduler_svc.service import SchedulerService
 
 PREFIX = "llmserve_scheduler_"
 KV_STATES = ("written", "reserved_unwritten", "free")
+T = TypeVar("T")
 
 
 class SchedulerMetrics:
@@ -69,6 +71,9 @@ class SchedulerMetrics:
         service.on_step = self.on_step
         service.on_join = self.on_join
         self.registry.register(CoreCollector(service.core, _running_loop()))
+        models = getattr(service, "step_models", None)  # a test's stand-in service may have none
+        if models is not None:
+            self.registry.register(StepModelCollector(service.core, models, _running_loop()))
         for ws in service.core.workers:
             self.on_join(ws.spec.name)
 
@@ -100,18 +105,53 @@ class CoreCollector(Collector):
         yield from families(self._snapshot(), self.core)
 
     def _snapshot(self) -> Snapshot:
+        return self._on_loop(self.core.snapshot)
+
+    def _on_loop(self, read: Callable[[], T]) -> T:
+        """`read()` on the core's loop (the scrape runs on another thread)."""
         if self.loop is None or _running_loop() is self.loop:
-            return self.core.snapshot()
-        future: concurrent.futures.Future[Snapshot] = concurrent.futures.Future()
+            return read()
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         def take() -> None:
             try:
-                future.set_result(self.core.snapshot())
+                future.set_result(read())
             except BaseException as err:  # pragma: no cover - reported to the scrape
                 future.set_exception(err)
 
         self.loop.call_soon_threadsafe(take)
         return future.result(timeout=5.0)
+
+
+class StepModelCollector(CoreCollector):
+    """Each worker's step-time model: its recent prediction error, read on the core's loop."""
+
+    def __init__(
+        self, core: Scheduler, models: StepModels, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
+        super().__init__(core, loop)
+        self.models = models
+
+    def collect(self) -> Iterator[Metric]:
+        error = GaugeMetricFamily(
+            PREFIX + "step_prediction_error_ratio",
+            "abs(predicted - measured) / measured of the worker's recent steps (its online "
+            "step-time model), at the quantile",
+            labels=["worker", "quantile"],
+        )
+        for name, figures in self._on_loop(self._errors):
+            error.add_metric([name, "0.5"], figures.p50)
+            error.add_metric([name, "0.9"], figures.p90)
+        yield error
+
+    def _errors(self) -> list[tuple[str, PredictionError]]:
+        workers = self.core.workers
+        out = []
+        for index, model in sorted(self.models.models.items()):
+            figures = model.error()
+            if figures is not None and not workers[index].gone:
+                out.append((workers[index].spec.name, figures))
+        return out
 
 
 def families(snap: Snapshot, core: Scheduler) -> Iterator[Metric]:
@@ -131,6 +171,11 @@ def _queue(snap: Snapshot, core: Scheduler) -> Iterator[Metric]:
     yield _gauge("oldest_wait_seconds", "Age of the oldest waiting request", snap.oldest_wait)
     yield _gauge("token_budget", "Token budget of one execution, per worker", cfg.token_budget)
     yield _gauge("max_running_requests", "Running-request limit, per worker", cfg.max_running)
+    yield _gauge(
+        "step_time_budget_seconds",
+        "Step-time budget: the longest a worker's step may be predicted to take (0 = off)",
+        cfg.step_time_budget_ms / 1e3,
+    )
     info = GaugeMetricFamily(
         PREFIX + "info",
         "1, with the scheduler's settings",

@@ -26,6 +26,7 @@ from scheduler_svc.run_clock import RunClock
 from scheduler_svc.sequence import Sequence
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.step import Step
+from scheduler_svc.step_model import StepModels, prior_of
 from scheduler_svc.step_times import StepTimes
 from scheduler_svc.submit_checks import submit_problem
 from scheduler_svc.supervision import Supervisor, TokenMismatch
@@ -61,7 +62,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> None:
         self.settings = settings
         self.loops: list[WorkerLoop | None] = []
-        self.core = Scheduler(settings.core())
+        self.step_models = StepModels(prior_of(settings.cost_model))  # one per worker
+        self.core = Scheduler(settings.core(), predict=self.step_models.predict)
         self.admin = AdminService(self.core, self.wake_all, admin_key)  # live settings
         self.streams: dict[str, asyncio.Queue[scheduler_pb2.TokenEvent]] = {}
         self.times = StepTimes()
@@ -196,6 +198,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             prompt_tokens=sum(kv.prompt_tokens for kv in snap.workers),
             hit_tokens=sum(kv.hit_tokens for kv in snap.workers),
             evictions=sum(kv.evictions for kv in snap.workers),
+            step_time_budget_ms=cfg.step_time_budget_ms,
         )
         reply.stalls.update(snap.stalls)
         reply.refused.update(snap.refused)
@@ -227,9 +230,21 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 out.idle_seconds = client.idle_seconds
                 out.step_bytes = client.step_bytes
                 out.kernels = client.info.kernels  # the worker's pick for its host
+            self.step_model_status(out)
         if request.explain:  # the head's explanation, with the admin key only
             await self.admin.explain_into(reply, context)
         return reply
+
+    def step_model_status(self, out: scheduler_pb2.WorkerKv) -> None:
+        """A worker's step-time model in its Status entry: recent error, last step."""
+        index = next(ws.index for ws in self.core.workers if ws.spec.name == out.name)
+        model = self.step_models.models.get(index)
+        error = model.error() if model is not None else None
+        if model is None or error is None:
+            return
+        out.step_time_error_p50, out.step_time_error_p90 = error.p50, error.p90
+        out.step_time_error_steps = error.steps
+        out.last_predicted_seconds, out.last_forward_seconds = model.last
 
     # ---- wiring: the worker set, the step loops (this service is their LoopHost) ----------
 

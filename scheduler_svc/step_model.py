@@ -3,9 +3,16 @@ every step from the worker's own forward times.
 
 - **Fit**: weighted least squares over every step seen, each weighted by 1/measured² (relative
   error: a 20 ms decode fits as well as a 2 s prefill) and by a forgetting factor (a step
-  `k` steps old counts `FORGET**k`: about the last 100 steps matter), with every coefficient
+  `k` steps old counts `FORGET**k`: about the last 50 steps matter), with every coefficient
   kept >= 0 (a feature whose fit is negative is dropped and the rest refitted, as the offline
   fit does), so the model stays monotone in every feature whatever it is fed.
+- **Level**: the fit gives the shape of the cost, a factor on it its level: an exponential
+  average of measured / fitted over the last few steps (weight `LEVEL_WEIGHT`; one step moves
+  it by at most `LEVEL_CLIP`), and the fit learns each step divided by the level it was
+  predicted with. A worker that gets uniformly slower (another job on its host, a throttled
+  clock) is followed within a few steps by the level alone, without the fit mixing old steps
+  with new ones of another mix (under a time budget every step is filled to the budget: the
+  steps of each period look alike, and a fit that blends two periods gets the shape wrong).
 - **Prior**: a cost model (a calibration file, `--cost-model`; else `BUILTIN_PRIOR`) enters the
   fit as pseudo-steps over a grid of shapes worth `PRIOR_WEIGHT` real step. It is the model
   until the first step is seen, and it keeps the fit defined in the directions the steps do not
@@ -29,7 +36,9 @@ from dataclasses import dataclass
 
 from scheduler_svc.step_cost import BatchShape, CostModel
 
-FORGET = 0.99  # per step: an observation's weight after k more steps is FORGET**k
+FORGET = 0.98  # per step: an observation's weight after k more steps is FORGET**k
+LEVEL_WEIGHT = 0.3  # of the latest step in the level (measured / fitted, averaged)
+LEVEL_CLIP = 4.0  # one step's measured / fitted counts as at most 4x (or 1/4x) the level
 PRIOR_WEIGHT = 1.0  # the prior's pseudo-steps together weigh as much as one real step
 ERROR_WINDOW = 256  # the recent steps the prediction error is measured over
 BUILTIN_PRIOR = CostModel(
@@ -79,11 +88,15 @@ class OnlineStepModel:
         self._a, self._b = _zeros(n), [0.0] * n
         self._coef = prior.coefficients()
         self._stale = False
+        self.level = 1.0  # the recent steps' measured / fitted
 
     def predict(self, shape: BatchShape) -> float:
         """Seconds of an execution of this shape on this worker (0 for an empty one)."""
         if not shape.tokens:
             return 0.0
+        return self.level * self._fitted(shape)
+
+    def _fitted(self, shape: BatchShape) -> float:
         if self._stale:
             self._refit()
         c = self._coef
@@ -94,14 +107,18 @@ class OnlineStepModel:
         """A step of this shape took `seconds` on the worker: score the prediction, then fit."""
         if not shape.tokens or seconds <= 0:
             return  # nothing ran, or nothing was measured: no information
-        predicted = self.predict(shape)
+        fitted, level = self._fitted(shape), self.level
+        predicted = level * fitted
         self.errors.append(abs(predicted - seconds) / seconds)
         self.last = (predicted, seconds)
+        if fitted > 0:
+            ratio = min(max(seconds / fitted, level / LEVEL_CLIP), level * LEVEL_CLIP)
+            self.level += LEVEL_WEIGHT * (ratio - level)
         g = self.forget
         for row in self._a:
             row[:] = [g * v for v in row]
         self._b = [g * v for v in self._b]
-        _accumulate(self._a, self._b, shape, seconds, 1.0)
+        _accumulate(self._a, self._b, shape, seconds / level, 1.0)
         self.observed += 1
         self._stale = True
 
@@ -113,10 +130,10 @@ class OnlineStepModel:
         return PredictionError(_rank(ranked, 0.5), _rank(ranked, 0.9), len(ranked))
 
     def model(self) -> CostModel:
-        """The coefficients as they stand."""
+        """The coefficients as they stand (the fit times the level)."""
         if self._stale:
             self._refit()
-        return CostModel(*self._coef, meta={"observed": self.observed})
+        return CostModel(*(self.level * c for c in self._coef), meta={"observed": self.observed})
 
     def _refit(self) -> None:
         n = len(self._coef)
@@ -207,3 +224,8 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 def _rank(ranked: list[float], q: float) -> float:
     """The q-quantile of sorted values (nearest rank)."""
     return ranked[min(len(ranked) - 1, int(q * len(ranked)))]
+
+
+def prior_of(path: str) -> CostModel:
+    """The prior of every worker's model: a calibration file (--cost-model), else the built-in."""
+    return CostModel.load(path) if path else BUILTIN_PRIOR

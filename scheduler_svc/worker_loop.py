@@ -23,6 +23,8 @@ from scheduler_svc.output import StepLogprobs
 from scheduler_svc.run_clock import RunClock
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.step import Step
+from scheduler_svc.step_cost import BatchShape, step_shape
+from scheduler_svc.step_model import StepModels
 from scheduler_svc.step_times import StepTimes
 from scheduler_svc.worker_client import StepStream, WorkerClient, WorkerLost
 
@@ -37,6 +39,7 @@ class InFlight:
     step: Step
     started: float  # perf_counter when its planning began
     running: float  # the host clock when it was sent (how late its answer is)
+    shape: BatchShape  # its work as planned, for the worker's step-time model
 
 
 class LoopHost(Protocol):
@@ -45,6 +48,7 @@ class LoopHost(Protocol):
     clock: RunClock  # the scheduler's own running time: how late a worker's answer is
     times: StepTimes  # where the steps' time went, summed over the loops
     on_step: Callable[[int, Step, float], None] | None  # (index, step, forward seconds)
+    step_models: StepModels  # each worker's step-time model: learns from every step it ran
 
     def after_plan(self, step: Step) -> None:
         """A step was planned: check it, wake the loops it names, pass on its outputs."""
@@ -156,7 +160,7 @@ class WorkerLoop:
         msg = step_message(self.core.steps, step)
         self.client.step_bytes += msg.ByteSize()
         await stream.send(msg)
-        inflight.append(InFlight(step, started, self.host.clock.now()))
+        inflight.append(InFlight(step, started, self.host.clock.now(), step_shape(step)))
         self.hand_over()
 
     async def idle(self, stream: StepStream) -> None:
@@ -171,6 +175,8 @@ class WorkerLoop:
         result = await self.answer(stream, inflight[0].running)
         done = inflight.popleft()
         self.events += self.complete(done.step, result, done.started)
+        if not (result.error or result.failed):  # the forward time of the step as planned
+            self.host.step_models.observe(self.index, done.shape, result.forward_seconds)
 
     async def answer(self, stream: StepStream, sent: float):
         """The oldest step's result. The worker is hung (WorkerLost) only when the answer is

@@ -19,6 +19,8 @@ from scheduler_svc.config import CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.reasons import StallReason
+from scheduler_svc.step_cost import BatchShape
+from scheduler_svc.step_model import StepModels
 from tests.sim import seq, step
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.work import WorkItem, phase_of, shape_of
@@ -36,6 +38,7 @@ LABELS = {
     "mode",
     "chunked_prefill",
     "prefix_caching",
+    "quantile",
     "setting",
     "le",
 }
@@ -262,9 +265,14 @@ def all_families() -> list:
     registry = CollectorRegistry()
     GatewayMetrics(registry)
     WorkerMetrics("worker0", registry)
+    models = StepModels()
+    models.observe(0, BatchShape(1, 1, 5, 5), 0.02)  # a step seen: its error is exported
     SchedulerMetrics(registry).attach(
         SimpleNamespace(
-            core=Scheduler(CoreConfig(), [WorkerSpec("w0", 8, 1, 64)]), on_step=None, on_join=None
+            core=Scheduler(CoreConfig(), [WorkerSpec("w0", 8, 1, 64)]),
+            on_step=None,
+            on_join=None,
+            step_models=models,
         )
     )
     return list(registry.collect())
@@ -465,3 +473,18 @@ def test_the_prefix_cache_figures_are_exported_per_worker() -> None:
     reserve = Scheduler(CoreConfig(policy=KvPolicy.RESERVE), [WorkerSpec("w0", 40, 4, 64)])
     info = [k for k in scheduler_scrape(reserve) if k[0] == "llmserve_scheduler_info"]
     assert ("prefix_caching", "false") in info[0][1]  # reserve leaves it off
+
+
+def test_the_step_time_models_error_is_a_gauge_per_worker_and_quantile() -> None:
+    core = Scheduler(CoreConfig(step_time_budget_ms=50), [WorkerSpec("w0", 8, 1, 64)])
+    models = StepModels()
+    shape = BatchShape(1, 1, 5, 5)
+    first = models.predict(0, shape)
+    models.observe(0, shape, first / 2)  # predicted twice what it took: error 100%
+    metrics = SchedulerMetrics()
+    metrics.attach(SimpleNamespace(core=core, on_step=None, on_join=None, step_models=models))
+    value = metrics.registry.get_sample_value
+    error = "llmserve_scheduler_step_prediction_error_ratio"
+    assert value(error, {"worker": "w0", "quantile": "0.5"}) == pytest.approx(1.0)
+    assert value(error, {"worker": "w0", "quantile": "0.9"}) == pytest.approx(1.0)
+    assert value("llmserve_scheduler_step_time_budget_seconds") == pytest.approx(0.05)
