@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -13,7 +14,7 @@ from llmserve.bench.report import Report
 from llmserve.bench.simulate import SimSettings, Simulation
 from llmserve.bench.stats import summarize
 from llmserve.bench.trace import TraceScale, load_trace
-from llmserve.bench.workload import fixed, from_trace, with_max_tokens
+from llmserve.bench.workload import Workload, fixed, from_trace, poisson, with_max_tokens
 
 COST = CostModel(fixed=0.01, per_token=1e-4, per_sampled=1e-5, per_kv_read=1e-8)
 SMALL = SimSettings(
@@ -101,3 +102,45 @@ def test_each_simulated_worker_runs_at_its_own_speed_without_waiting_for_the_oth
 def test_worker_speeds_are_one_positive_figure_per_worker(speeds) -> None:
     with pytest.raises(ValueError, match="worker speeds"):
         SimSettings(workers=2, worker_speeds=speeds)
+
+
+LINEAR = CostModel(fixed=0.002, per_token=1e-4)  # a 1,000-token prompt: 102 ms; a decode: 2 ms
+
+
+def long_prompts(n: int = 40) -> Workload:
+    return poisson(n, rate=20.0, prompt_tokens=1000, output_tokens=30, seed=1)
+
+
+def test_a_time_budget_keeps_the_simulated_inter_token_time_within_it() -> None:
+    one = SimSettings(workers=1, kv_capacity=100_000, token_budget=2048, max_running=64)
+    policy = Policy("continuous", "paged", prefix_caching=False)  # prompts of one word
+    by_tokens = Simulation(one, policy, LINEAR).run(long_prompts(), progress=False)
+    timed = replace(one, step_time_budget_ms=10.0)
+    by_time = Simulation(timed, policy, LINEAR).run(long_prompts(), progress=False)
+    assert all(r.ok for r in by_time.records) and all(r.ok for r in by_tokens.records)
+    # whole prompts in one step stall every running stream ~100 ms; cut to fit, they do not
+    assert summarize(by_tokens)["itl_s"]["max"] > 0.09
+    # the online model, fitting as it goes, under-predicts some steps while the mix of prompt
+    # chunks and decodes shifts (the trace's runs keep p99 within 1% of T: docs/benchmarks.md)
+    itl = summarize(by_time)["itl_s"]
+    assert itl["p90"] <= 0.011 and itl["p99"] <= 0.0125
+    assert by_time.counters["stalls"].get("time_budget", 0) > 0
+
+
+def test_the_simulated_scheduler_learns_each_workers_own_speed() -> None:
+    two = SimSettings(
+        workers=2,
+        kv_capacity=100_000,
+        token_budget=2048,
+        max_running=64,
+        step_time_budget_ms=10.0,
+        worker_speeds=(1.0, 0.5),
+    )
+    result = Simulation(two, Policy("continuous", "paged", prefix_caching=False), LINEAR).run(
+        long_prompts(80), progress=False
+    )
+    models = result.counters["step_model"]
+    assert [m["worker"] for m in models] == [0, 1]
+    # each model predicts its own worker's steps (the slow one's take twice as long)
+    assert all(m["steps"] > 100 and m["error_p90"] < 0.15 for m in models)
+    assert summarize(result)["itl_s"]["p90"] <= 0.011  # the slow worker's steps too
