@@ -4,6 +4,7 @@ from these fields, help text included."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from llmserve.runtime.admin_auth import ADMIN_KEY_HELP
 from llmserve.runtime.auth import INTERNAL_TOKEN_HELP
@@ -66,6 +67,11 @@ class SchedulerSettings(CoreConfig):
             raise ValueError("--hang-floor and --execute-timeout must be > 0, --hang-factor >= 1")
         if self.stream_interval_ms < 0:
             raise ValueError("--stream-interval-ms must be >= 0")
+        if self.cost_model and not Path(self.cost_model).is_file():
+            raise ValueError(
+                f"--cost-model {self.cost_model}: no such file "
+                "(llmserve bench calibrate writes one)"
+            )
         CoreConfig.__post_init__(self)  # validates budget and running limit (no super(): slots)
 
     def capacity_problem(self, positions: int) -> str | None:

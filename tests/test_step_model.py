@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.step_cost import BatchShape, CostModel
-from scheduler_svc.step_model import BUILTIN_PRIOR, OnlineStepModel, StepModels
+from scheduler_svc.step_model import BUILTIN_PRIOR, OnlineStepModel, StepModels, prior_of
 
 TRUTH = CostModel(
     fixed=0.004, per_token=0.0002, per_sampled=0.0001, per_kv_read=5e-7, per_attention=2e-9
@@ -133,3 +134,12 @@ def test_each_worker_learns_its_own_speed() -> None:
     shape = BatchShape.of([(1000, 1, True)] * 32)
     assert models.predict(0, shape) == pytest.approx(TRUTH.predict(shape), rel=0.05)
     assert models.predict(1, shape) == pytest.approx(3 * TRUTH.predict(shape), rel=0.05)
+
+
+def test_the_prior_is_the_calibration_file_given_else_the_builtin(tmp_path) -> None:
+    path = tmp_path / "cost.json"
+    TRUTH.save(path)
+    assert prior_of(str(path)) == TRUTH and prior_of("") == BUILTIN_PRIOR
+    assert SchedulerSettings(cost_model=str(path)).cost_model == str(path)
+    with pytest.raises(ValueError, match="--cost-model .*missing.json: no such file"):
+        SchedulerSettings(cost_model=str(tmp_path / "missing.json"))
