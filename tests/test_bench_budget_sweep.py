@@ -9,7 +9,11 @@ import json
 import pytest
 
 from llmserve.bench.budget_sweep import Budget, best, budgets, positive_list, verdicts
+from llmserve.bench.run_serve import stack_settings
+from llmserve.bench.workload import fixed
+from llmserve.cli import build_parser
 from llmserve.cli import main as llmserve
+from llmserve.stack import Stack
 
 
 def row(budget: Budget, goodput: float | None, tok_s: float = 100.0, load: float = 1.0,
@@ -85,3 +89,10 @@ def test_bench_sim_sweeps_token_and_time_budgets_into_one_report(tmp_path, capsy
     assert [r["label"] for r in report["runs"]] == ["tokens 64", "tokens 512", "time 50 ms"]
     assert "goodput_rps" in report["runs"][0]
     assert "token budgets vs time budgets" in capsys.readouterr().out
+
+
+def test_bench_serve_hands_the_time_budget_to_each_stacks_scheduler(tmp_path) -> None:
+    args = build_parser().parse_args(["bench", "serve", "--step-time-budget-ms", "40"])
+    settings = stack_settings(args, fixed(4, 16, 8, concurrency=2))
+    flags = Stack(settings, tmp_path).commands()["scheduler"]
+    assert flags[flags.index("--step-time-budget-ms") + 1] == "40.0"

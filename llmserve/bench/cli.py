@@ -12,6 +12,7 @@ from llmserve.bench.goodput import SLO_FORMAT, slo_arg
 from llmserve.bench.trace import DEFAULT_TRACE
 from llmserve.runtime.flags import help_of
 from scheduler_svc.config import CoreConfig
+from scheduler_svc.settings import SchedulerSettings
 
 
 def add_bench_parser(sub) -> None:
@@ -68,6 +69,13 @@ def add_bench_parser(sub) -> None:
         help="0: enough for a whole batch of prompts (concurrency x prompt), at least 256",
     )
     serve.add_argument("--max-running", type=int, default=0, help="0: the concurrency")
+    _time_budget_flag(serve, "; each stack's scheduler")
+    serve.add_argument(
+        "--cost-model",
+        type=Path,
+        default=None,
+        help="each stack's scheduler: " + help_of(SchedulerSettings, "cost_model"),
+    )
     serve.add_argument("--kv-capacity", type=int, default=16384)
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument(
@@ -124,13 +132,8 @@ def add_bench_parser(sub) -> None:
     )
     sim.add_argument("--kv-capacity", type=int, default=500_000, help="positions per worker")
     sim.add_argument("--token-budget", type=int, default=8192)
-    sim.add_argument(
-        "--step-time-budget-ms",
-        type=float,
-        default=0.0,
-        help=help_of(CoreConfig, "step_time_budget_ms")
-        + " (the simulated scheduler's online model learns from the simulated step times)",
-    )
+    _time_budget_flag(sim, "; the simulated scheduler's online model learns each simulated "
+                      "worker's step times")  # fmt: skip
     sim.add_argument(
         "--sweep-token-budgets",
         type=positive_list(int),
@@ -321,6 +324,15 @@ def _workload_flags(
         default="",
         help="on, off, or on,off (each policy twice, same arrivals, side by side with ratios); "
         "default: the stack's default (on under paged)",
+    )
+
+
+def _time_budget_flag(p: argparse.ArgumentParser, where: str) -> None:
+    p.add_argument(
+        "--step-time-budget-ms",
+        type=float,
+        default=0.0,
+        help=help_of(CoreConfig, "step_time_budget_ms") + where,
     )
 
 

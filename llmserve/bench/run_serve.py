@@ -33,6 +33,8 @@ def stack_settings(args: argparse.Namespace, workload: Workload) -> StackSetting
         kv_capacity=args.kv_capacity,
         block_size=args.block_size,
         threads=args.threads,
+        step_time_budget_ms=args.step_time_budget_ms,
+        cost_model=str(args.cost_model or ""),
     )
 
 
