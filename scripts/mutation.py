@@ -60,6 +60,8 @@ CORE_TESTS = (
     "tests/test_prefix_rules.py",
     "tests/test_kv.py",
     "tests/test_core_outputs.py",
+    "tests/test_time_budget.py",
+    "tests/test_step_model.py",
 )
 GROUPS = {
     "core": Group(
@@ -68,6 +70,9 @@ GROUPS = {
             "scheduler_svc/kv.py",
             "scheduler_svc/blocks.py",
             "scheduler_svc/worker_state.py",
+            "scheduler_svc/time_budget.py",
+            "scheduler_svc/step_model.py",
+            "scheduler_svc/step_cost.py",
         ),
         CORE_TESTS,
     ),
