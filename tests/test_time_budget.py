@@ -160,3 +160,40 @@ def test_a_worker_full_in_time_and_not_planning_does_not_hold_the_head() -> None
     assert core.schedule(0).ran() == {"A": 2}  # 20 ms: full
     core.add(seq("C", 2, max_tokens=8))
     assert core.schedule(1).ran() == {"C": 2}
+
+
+class Settable:
+    """A predictor whose cost model the test sets between steps."""
+
+    def __init__(self) -> None:
+        self.model = CostModel()
+
+    def __call__(self, worker: int, shape: BatchShape) -> float:
+        return self.model.predict(shape)
+
+
+def chunks_beside_a_decode_at(context: int) -> list[int]:
+    """B decodes at `context`; C's 60-token prompt is chunked beside it, 20 ms a step, at 1 ms a
+    token and 0.1 ms a KV position read."""
+    times = Settable()
+    core = Scheduler(
+        CoreConfig(step_time_budget_ms=20.0), [WorkerSpec("w0", 400, 1, 4096)], predict=times
+    )
+    core.add(seq("B", context, max_tokens=10))
+    checked_step(core)
+    times.model = CostModel(per_token=1e-3, per_kv_read=1e-4)
+    core.add(seq("C", 60, max_tokens=2))
+    return [checked_step(core)["C"] for _ in range(2)]
+
+
+def test_a_longer_context_decode_leaves_a_shorter_chunk() -> None:
+    # B's decode reads 10 positions (2 ms): C takes 16 tokens (17.6 ms), then, from 16, 14
+    assert chunks_beside_a_decode_at(9) == [16, 14]
+    # B's decode reads 60 (7 ms): C takes 11 (12.1 ms), then, from 11, 10
+    assert chunks_beside_a_decode_at(59) == [11, 10]
+
+
+def test_without_chunking_a_prompt_over_the_budget_runs_whole_in_an_empty_step() -> None:
+    core = make(FakeTimes(token_ms=1.0), budget_ms=2.0, chunked_prefill=False)
+    core.add(seq("A", 6, max_tokens=2))
+    assert checked_step(core) == {"A": 6}
