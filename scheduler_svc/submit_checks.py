@@ -25,14 +25,7 @@ def submit_problem(
         if worst >= vocab_size:
             return f"token id {worst} is outside the vocabulary of {vocab_size} tokens"
     try:
-        from_wire(s)
+        params = from_wire(s)
     except InvalidSampling as err:
         return str(err)
-    return token_ids_problem(s, vocab_size)
-
-
-def token_ids_problem(s: common_pb2.SamplingParams, vocab_size: int) -> str | None:
-    ids = list(s.logit_bias) + list(s.stop_token_ids)
-    if vocab_size and ids and max(ids) >= vocab_size:
-        return f"token id {max(ids)} in logit_bias or stop_token_ids is outside the vocabulary"
-    return None
+    return params.vocab_problem(vocab_size) if vocab_size else None

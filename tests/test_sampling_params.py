@@ -292,3 +292,12 @@ def test_what_the_sampler_derives(sent, greedy, penalized, needs_history, shapes
 
 def test_a_work_item_samples_greedily_by_default() -> None:
     assert GREEDY.greedy and GREEDY == SamplingParams(temperature=0.0)
+
+
+def test_a_token_id_outside_the_vocabulary_is_named_with_it() -> None:
+    assert SamplingParams(logit_bias={9: 1.0}, stop_token_ids=(3,)).vocab_problem(10) is None
+    assert SamplingParams(stop_token_ids=(3, 10)).vocab_problem(10) == (
+        "token id 10 in logit_bias or stop_token_ids is outside the vocabulary of 10 tokens"
+    )
+    assert SamplingParams(logit_bias={12: 1.0}).vocab_problem(10) is not None
+    assert SamplingParams().vocab_problem(1) is None

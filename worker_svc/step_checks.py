@@ -18,10 +18,7 @@ def sampling_problem(s: common_pb2.SamplingParams, vocab_size: int) -> str | Non
         params = from_wire(s)
     except InvalidSampling as err:
         return str(err)
-    ids = list(params.logit_bias) + list(params.stop_token_ids)
-    if ids and max(ids) >= vocab_size:
-        return f"token id {max(ids)} is outside the vocabulary of {vocab_size}"
-    return None
+    return params.vocab_problem(vocab_size)
 
 
 def blocks_problem(blocks: list[int], holders: dict[int, set[int]], num_blocks: int) -> str | None:

@@ -123,6 +123,16 @@ class SamplingParams:
             return InvalidSampling(message, "min_tokens")
         return None
 
+    def vocab_problem(self, vocab_size: int) -> str | None:
+        """A token id (of logit_bias or stop_token_ids) outside the vocabulary, or None."""
+        ids = [*self.logit_bias, *self.stop_token_ids]
+        if ids and max(ids) >= vocab_size:
+            return (
+                f"token id {max(ids)} in logit_bias or stop_token_ids is outside the vocabulary "
+                f"of {vocab_size} tokens"
+            )
+        return None
+
     def checked(self) -> SamplingParams:
         """These settings in their canonical form (a temperature below MIN_TEMPERATURE is 0,
         sequences are tuples); InvalidSampling if one is out of its range."""
