@@ -4,12 +4,14 @@ back; each check refuses what its range refuses, naming the field; unset is the 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import fields
 from typing import Any
 
 import pytest
 
+from gateway.openai_requests import CompletionRequest
 from gateway.service import generate_input
 from gateway.validation import InvalidRequest, validate
 from llmserve.runtime.sampling import (
@@ -301,3 +303,17 @@ def test_a_token_id_outside_the_vocabulary_is_named_with_it() -> None:
     )
     assert SamplingParams(logit_bias={12: 1.0}).vocab_problem(10) is not None
     assert SamplingParams().vocab_problem(1) is None
+
+
+def test_every_field_has_its_name_in_the_openai_body() -> None:
+    """The HTTP API's one mapping (Sampling.params): a field the body cannot set fails this."""
+    body = {
+        "prompt": "hi",
+        **{k: v for k, v in SENT.items() if k not in ("stop", "logit_bias", "grammar")},
+        "stop": list(SENT["stop"]),
+        "stop_token_ids": list(SENT["stop_token_ids"]),
+        "logit_bias": {str(k): v for k, v in SENT["logit_bias"].items()},
+        "guided_regex": SENT["grammar"].spec,
+    }
+    sent = CompletionRequest.parse(json.dumps(body).encode()).generate_input().sampling
+    assert sent.checked() == SamplingParams(**SENT)
