@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import fields
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -244,12 +245,15 @@ def test_a_float_is_checked_as_the_wire_holds_it() -> None:
 
 def test_checked_settings_are_canonical() -> None:
     sent = SamplingParams(
-        temperature=MIN_TEMPERATURE / 2, stop=["a"], stop_token_ids=[4], logit_bias={1: 2}
+        temperature=MIN_TEMPERATURE / 2,
+        stop=["a"],
+        stop_token_ids=[4],
+        logit_bias=MappingProxyType({1: 2.0}),
     )
     got = sent.checked()
     assert got.temperature == 0.0 and got.greedy
     assert got.stop == ("a",) and got.stop_token_ids == (4,)
-    assert type(got.logit_bias) is dict
+    assert type(got.logit_bias) is dict and got.logit_bias == {1: 2.0}
     assert SamplingParams(temperature=2).checked().temperature == 2.0
     assert type(SamplingParams(temperature=2).checked().temperature) is float
     assert SamplingParams(temperature=MIN_TEMPERATURE).checked().temperature == MIN_TEMPERATURE
