@@ -233,7 +233,9 @@ class Scheduler:
             if self.static and step.has_work:  # the batch has started: nothing joins it now
                 ws.batch_closed = True
             step.released, ws.released = ws.released, []
-            step.trims, ws.trims = ws.trims, []
+            if ws.trims:  # those of requests released since are moot (the worker forgot them)
+                gone = set(step.released)
+                step.trims, ws.trims = [t for t in ws.trims if t[0] not in gone], []
             if step.has_work:  # an execution; release-only and empty steps are not
                 ws.steps += 1
                 self.steps += 1

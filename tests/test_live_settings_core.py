@@ -39,6 +39,16 @@ def test_reserve_to_paged_releases_the_unwritten_reservation_at_once_and_admits_
     check_invariants(core)
 
 
+def test_a_request_released_before_its_trim_is_sent_gets_no_trim() -> None:
+    core = figure4(KvPolicy.RESERVE)
+    core.reconfigure(dataclasses.replace(core.config, policy=KvPolicy.PAGED))
+    handle = core.seqs["B"].handle
+    core.abort("B")  # the worker forgets B with the release: a trim would name an unknown handle
+    [planned] = core.schedule_all()
+    assert handle in planned.released and planned.trims == []
+    check_invariants(core)
+
+
 def test_paged_to_reserve_running_requests_keep_growing_and_a_reservation_waits_for_room() -> None:
     """A, admitted under paged, may grow to 20 of 24 positions; under reserve C (4 + 4) would
     fit in the free blocks now but not beside A's growth: it waits (kv_reserved) until A ends,

@@ -3,7 +3,7 @@ scheduler switched from reserve to paged): another request may be granted them n
 
 from __future__ import annotations
 
-from llmserve.v1 import worker_pb2
+from llmserve.v1 import common_pb2, worker_pb2
 from worker_svc.session import Session
 from worker_svc.sim import SimRunner, sim_config
 
@@ -14,7 +14,7 @@ def reserved_request() -> Session:
     """Request 0: a 3-token prompt in a reservation of 6 blocks (24 positions)."""
     s = Session(SimRunner(sim_config(64), BLOCKS, BS, 0.0), BLOCKS)
     step = worker_pb2.Step(step=1)
-    step.added.add(handle=0, request_id="r0", sampling=worker_pb2.WorkSampling())
+    step.added.add(handle=0, request_id="r0", sampling=common_pb2.SamplingParams(temperature=0.0))
     step.grants.add(handle=0, blocks=[0, 1, 2, 3, 4, 5])
     step.chunks.add(handle=0, token_ids=[5, 6, 7], start_position=0, sample=True)
     assert not s.run(step)[0].failed
@@ -25,7 +25,7 @@ def test_a_trim_frees_the_unwritten_blocks_for_another_request() -> None:
     s = reserved_request()
     step = worker_pb2.Step(step=2, decodes=[0])
     step.trims.add(handle=0, keep=1)
-    step.added.add(handle=1, request_id="r1", sampling=worker_pb2.WorkSampling())
+    step.added.add(handle=1, request_id="r1", sampling=common_pb2.SamplingParams(temperature=0.0))
     step.grants.add(handle=1, blocks=[1, 2])  # were request 0's
     step.chunks.add(handle=1, token_ids=[9, 9, 9, 9, 9], start_position=0, sample=True)
     result, _, _ = s.run(step)
