@@ -233,3 +233,26 @@ def test_langchain_with_structured_output_json_schema(stack) -> None:
     )
     person = llm.with_structured_output(Person, method="json_schema").invoke("A person, please.")
     assert isinstance(person, Person)
+
+
+def test_langchain_with_structured_output_json_mode(stack) -> None:
+    """json_mode asks for any JSON object (response_format json_object): the answer is one
+    (a random model may write it past max_tokens: then the SDK refuses to parse it)."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(
+        base_url=stack.settings.http_url,
+        api_key="-",
+        model="tiny",
+        temperature=1.0,
+        max_tokens=400,
+        seed=12,
+        max_retries=0,
+    )
+    schema = {"title": "anything", "type": "object"}  # a dict: no Pydantic validation after
+    runnable = llm.with_structured_output(schema, method="json_mode", include_raw=True)
+    try:
+        out = runnable.invoke("{}")
+    except openai.LengthFinishReasonError as cut:  # the SDK's refusal of a cut answer
+        assert cut.completion.choices[0].message.content.startswith("{")
+    else:
+        assert isinstance(out["parsed"], dict) and out["parsing_error"] is None

@@ -249,3 +249,25 @@ def test_an_auto_answer_holding_a_call_is_parsed_whole_and_streamed(sdk) -> None
     assert content == "Sure." and chunks[-1].choices[0].finish_reason == "tool_calls"
     assert calls[0].id.startswith("call_") and calls[0].function.name == "add"
     assert json.loads("".join(c.function.arguments for c in calls)) == {"a": 1, "b": 2}
+
+
+def test_langchain_streams_a_bound_tools_call(stack) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(
+        base_url=stack.settings.http_url,
+        api_key="-",
+        model="tiny",
+        temperature=1.0,
+        max_tokens=200,
+        seed=6,
+        max_retries=0,
+    )
+    bound = llm.bind_tools([Weather], tool_choice="Weather", parallel_tool_calls=False)
+    chunks = list(bound.stream("Weather in Oslo?"))
+    assert sum(bool(c.tool_call_chunks) for c in chunks) > 2  # the arguments in fragments
+    whole = chunks[0]
+    for chunk in chunks[1:]:
+        whole += chunk
+    (call,) = whole.tool_calls
+    assert call["name"] == "Weather" and call["id"].startswith("call_")
+    Weather.model_validate(call["args"])
