@@ -37,8 +37,10 @@ from dataclasses import dataclass
 from scheduler_svc.step_cost import BatchShape, CostModel
 
 FORGET = 0.98  # per step: an observation's weight after k more steps is FORGET**k
-LEVEL_WEIGHT = 0.3  # of the latest step in the level (measured / fitted, averaged)
-LEVEL_CLIP = 4.0  # one step's measured / fitted counts as at most 4x (or 1/4x) the level
+LEVEL_WEIGHT = 0.2  # of the latest step in the level (measured / fitted, averaged)
+LEVEL_CLIP = 1.25  # one step's measured / fitted counts as at most 1.25x (1/1.25x) the level:
+# a hiccup of the host (one step 3x as long) moves the level by 5%, a worker twice as slow is
+# followed in about five steps
 PRIOR_WEIGHT = 1.0  # the prior's pseudo-steps together weigh as much as one real step
 ERROR_WINDOW = 256  # the recent steps the prediction error is measured over
 BUILTIN_PRIOR = CostModel(

@@ -143,3 +143,13 @@ def test_the_prior_is_the_calibration_file_given_else_the_builtin(tmp_path) -> N
     assert SchedulerSettings(cost_model=str(path)).cost_model == str(path)
     with pytest.raises(ValueError, match="--cost-model .*missing.json: no such file"):
         SchedulerSettings(cost_model=str(tmp_path / "missing.json"))
+
+
+def test_a_rare_slow_step_barely_moves_the_prediction() -> None:
+    rng = random.Random(8)
+    model = OnlineStepModel()
+    for shape in serving_shapes(rng, 300):
+        model.observe(shape, TRUTH.predict(shape))
+    hiccup, after = serving_shapes(rng, 2)
+    model.observe(hiccup, 5 * TRUTH.predict(hiccup))  # the host stalled the worker once
+    assert model.predict(after) == pytest.approx(TRUTH.predict(after), rel=0.1)
