@@ -213,7 +213,8 @@ def steps_left(seq: Sequence, budget: int) -> int:
 
 def _finisher(base: Scheduler) -> Finisher | None:
     """The first running request (in the order they finish) after whose finish, and those
-    before it, the head is admitted."""
+    before it, the head is admitted: by bisection over how many have finished (each finish
+    only gives room back)."""
     budget = base.config.token_budget
     order = sorted(
         (steps_left(s, budget), s.request_id)
@@ -221,7 +222,8 @@ def _finisher(base: Scheduler) -> Finisher | None:
         for s in w.running
         if s.status is SeqStatus.RUNNING
     )
-    for i, (steps, rid) in enumerate(order):
-        if _admits(base, base.config, tuple(r for _, r in order[: i + 1])):
-            return Finisher(rid, steps)
-    return None
+    if not order:
+        return None
+    gone = [rid for _, rid in order]
+    k = _smallest(lambda n: _admits(base, base.config, tuple(gone[:n])), len(order))
+    return None if k is None else Finisher(order[k - 1][1], order[k - 1][0])

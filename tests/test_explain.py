@@ -78,3 +78,17 @@ def test_explaining_changes_nothing_in_the_core() -> None:
     for _ in range(16):
         assert ran(step(core)) == ran(step(twin))
     assert core.snapshot() == twin.snapshot()
+
+
+def test_after_names_the_finish_that_makes_room_not_merely_the_first() -> None:
+    """A (2 + 2) finishes first but frees too little; C (6 + 6) needs B's 20 back."""
+    core = Scheduler(
+        CoreConfig(token_budget=8, policy=KvPolicy.RESERVE), [WorkerSpec("w0", 30, 1, 4096)]
+    )
+    core.add(seq("A", 2, max_tokens=2))
+    core.add(seq("B", 6, max_tokens=14))
+    step(core)
+    core.add(seq("C", 6, max_tokens=6))
+    why = explain(core)
+    assert why.reason == "kv_reserved" and why.workers[0].free == 6
+    assert why.after == Finisher("B", 13)
