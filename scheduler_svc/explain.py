@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -115,11 +116,22 @@ def explain_copy(base: Scheduler, now: float) -> Explanation:
 
 def copy_of(core: Scheduler) -> Scheduler:
     """A deep copy sharing what the planning only reads (sampling messages, the clock, the
-    step-time predictor: a bound method would copy its owner)."""
+    step-time predictor: a bound method would copy its owner); of the waiting queue only the
+    head, since strict FCFS admits nobody behind it before it, and the rest would be most of
+    the copy's cost on a long queue."""
     memo: dict[int, object] = {id(core.clock): core.clock, id(core.predict): core.predict}
     for seq in core.seqs.values():
         memo[id(seq.sampling)] = seq.sampling
-    return copy.deepcopy(core, memo)
+    if len(core.waiting) > 1:
+        head = copy.deepcopy(core.waiting[0], memo)
+        behind = {id(s) for s in core.waiting} - {id(core.waiting[0])}
+        memo[id(core.waiting)] = deque([head])
+        memo[id(core.seqs)] = {
+            rid: copy.deepcopy(s, memo) for rid, s in core.seqs.items() if id(s) not in behind
+        }
+    twin = copy.deepcopy(core, memo)
+    twin.waiting_tokens = sum(s.num_pending for s in twin.waiting)
+    return twin
 
 
 def _plan(

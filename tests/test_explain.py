@@ -92,3 +92,12 @@ def test_after_names_the_finish_that_makes_room_not_merely_the_first() -> None:
     why = explain(core)
     assert why.reason == "kv_reserved" and why.workers[0].free == 6
     assert why.after == Finisher("B", 13)
+
+
+def test_the_reason_is_the_heads_own_not_that_of_a_request_behind_it() -> None:
+    core = figure4(KvPolicy.PAGED, max_running=2)
+    core.add(seq("D", 2, max_tokens=1))  # stalls on the running limit once C is in
+    why = explain(core)
+    assert why.request_id == "C" and why.reason == ""
+    assert [s.request_id for s in core.waiting] == ["C", "D"]  # the real queue is whole
+    check_invariants(core)
