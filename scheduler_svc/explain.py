@@ -115,11 +115,12 @@ def explain_copy(base: Scheduler, now: float) -> Explanation:
 
 
 def copy_of(core: Scheduler) -> Scheduler:
-    """A deep copy sharing what the planning only reads (sampling messages, the clock, the
-    step-time predictor: a bound method would copy its owner); of the waiting queue only the
-    head, since strict FCFS admits nobody behind it before it, and the rest would be most of
-    the copy's cost on a long queue."""
-    memo: dict[int, object] = {id(core.clock): core.clock, id(core.predict): core.predict}
+    """A deep copy sharing what the planning only reads (sampling messages, the clock); the
+    step-time predictor is copied with its models (a prediction may refit a model, which the
+    copy must do on its own, off the real one); of the waiting queue only the head, since
+    strict FCFS admits nobody behind it before it, and the rest would be most of the copy's
+    cost on a long queue."""
+    memo: dict[int, object] = {id(core.clock): core.clock}
     for seq in core.seqs.values():
         memo[id(seq.sampling)] = seq.sampling
     if len(core.waiting) > 1:

@@ -101,3 +101,29 @@ def test_the_reason_is_the_heads_own_not_that_of_a_request_behind_it() -> None:
     assert why.request_id == "C" and why.reason == ""
     assert [s.request_id for s in core.waiting] == ["C", "D"]  # the real queue is whole
     check_invariants(core)
+
+
+class CountingPredictor:
+    """A step-time model that counts what it is asked (a real one may refit when asked)."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def predict(self, worker: int, shape) -> float:
+        self.asked += 1
+        return 0.001
+
+
+def test_the_counterfactuals_predict_step_times_on_their_own_copy_of_the_model() -> None:
+    model = CountingPredictor()
+    core = Scheduler(
+        CoreConfig(token_budget=8, step_time_budget_ms=50.0),
+        [WorkerSpec("w0", 24, 1, 4096)],
+        predict=model.predict,
+    )
+    core.add(seq("B", 6, max_tokens=14))
+    step(core)
+    core.add(seq("C", 6, max_tokens=6))
+    asked = model.asked
+    assert asked > 0 and explain(core).request_id == "C"
+    assert model.asked == asked  # the copies asked their own
