@@ -43,6 +43,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     if settings.http_url:
         print(f"http      {settings.http_url}   (OpenAI-compatible; curl .../v1/models)")
     print(f"scheduler {settings.scheduler}   (llmserve status --target {settings.gateway})")
+    if settings.admin_key_file:
+        print(
+            f"admin     llmserve set --target {settings.gateway} --admin-key-file "
+            f"{settings.admin_key_file} key=value ...   (live settings; also get, status --explain)"
+        )
     for i in range(settings.workers):
         print(f"worker{i}   {settings.worker_address(i)}")
     if settings.metrics_base_port:
