@@ -7,8 +7,9 @@ every step from the worker's own forward times.
   kept >= 0 (a feature whose fit is negative is dropped and the rest refitted, as the offline
   fit does), so the model stays monotone in every feature whatever it is fed.
 - **Level**: the fit gives the shape of the cost, a factor on it its level: an exponential
-  average of measured / fitted over the last few steps (weight `LEVEL_WEIGHT`; one step moves
-  it by at most `LEVEL_CLIP`), and the fit learns each step divided by the level it was
+  average of measured / fitted over the last few steps (weight `LEVEL_WEIGHT`; one step's
+  ratio counts as at most `LEVEL_CLIP` times the level), and the fit learns each step divided
+  by the level it was
   predicted with. A worker that gets uniformly slower (another job on its host, a throttled
   clock) is followed within a few steps by the level alone, without the fit mixing old steps
   with new ones of another mix (under a time budget every step is filled to the budget: the
@@ -17,7 +18,7 @@ every step from the worker's own forward times.
   fit as pseudo-steps over a grid of shapes worth `PRIOR_WEIGHT` real step. It is the model
   until the first step is seen, and it keeps the fit defined in the directions the steps do not
   vary (a decode-only load never separates tokens from sampled rows); real steps outweigh it
-  within a few dozen steps.
+  from the first few.
 - **Conservative before data**: `BUILTIN_PRIOR` is the committed SmolLM2-135M bf16 calibration
   (one CPU thread on a 2-core host) times two. It over-predicts for that model on any host at
   least half as fast, so a time budget admits less, not more, until the worker's own steps
