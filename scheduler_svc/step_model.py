@@ -9,11 +9,11 @@ every step from the worker's own forward times.
 - **Level**: the fit gives the shape of the cost, a factor on it its level: an exponential
   average of measured / fitted over the last few steps (weight `LEVEL_WEIGHT`; one step's
   ratio counts as at most `LEVEL_CLIP` times the level), and the fit learns each step divided
-  by the level it was
-  predicted with. A worker that gets uniformly slower (another job on its host, a throttled
-  clock) is followed within a few steps by the level alone, without the fit mixing old steps
-  with new ones of another mix (under a time budget every step is filled to the budget: the
-  steps of each period look alike, and a fit that blends two periods gets the shape wrong).
+  by the level it was predicted with. A worker that gets uniformly slower (another job on its
+  host, a throttled clock) is followed within a few steps by the level alone, without the fit
+  mixing old steps with new ones of another mix (under a time budget every step is filled to
+  the budget: the steps of each period look alike, and a fit that blends two periods gets the
+  shape wrong).
 - **Prior**: a cost model (a calibration file, `--cost-model`; else `BUILTIN_PRIOR`) enters the
   fit as pseudo-steps over a grid of shapes worth `PRIOR_WEIGHT` real step. It is the model
   until the first step is seen, and it keeps the fit defined in the directions the steps do not
