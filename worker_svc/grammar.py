@@ -9,6 +9,10 @@ worker starts (`TokenTable.start`) and the first constrained request waits for i
 Compiled grammars are cached by (kind, spec): a request takes a copy of the compiled matcher.
 A matcher's state is a function of the tokens it consumed, so a request recomputed after a
 preemption, a failover or a resubmission rebuilds it from its generated tokens (`sync`).
+
+A step's masks are one bitmask for all its constrained rows (`allowed_rows`): llguidance writes
+each row's words in place (several rows in parallel, its executor's threads), and one op unpacks
+them all.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
-import numpy as np
 import torch
 
 try:
@@ -36,6 +39,8 @@ TABLE_WAIT_SECONDS = 120.0  # the first constrained request waits this long for 
 # pad the answer with newlines until max_tokens), one space after ',' and ':'
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CONTROL = 3  # llama.cpp's token type of a special (control) token
+BITS = torch.arange(32, dtype=torch.int32)  # a mask word's bits, lowest first
+_executor: list = []  # llguidance's LLExecutor, made at the first batch of several rows
 
 
 NO_ENGINE = "structured output needs the llguidance package, which this worker does not have"
@@ -215,16 +220,29 @@ class GrammarState:
 
     def allowed(self) -> torch.Tensor:
         """[vocab] bool: the tokens the grammar allows next (only EOS once it is complete)."""
-        self.check()
-        packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        bits = np.unpackbits(packed, bitorder="little")[: self.vocab_size]
-        out = torch.zeros(self.vocab_size, dtype=torch.bool)
-        out[: bits.shape[0]] = torch.from_numpy(bits.astype(np.bool_))
-        return out
+        return allowed_rows([self], self.vocab_size)[0]
 
     def check(self) -> None:
         if self.matcher.is_error():
             raise ValueError(f"structured output failed: {self.matcher.get_error()}")
+
+
+def allowed_rows(states: Sequence[GrammarState], vocab_size: int) -> torch.Tensor:
+    """[rows, vocab] bool: each state's next tokens, from one bitmask [rows, words] that
+    llguidance fills in place, unpacked in one op."""
+    for state in states:
+        state.check()
+    words = (vocab_size + 31) // 32
+    bitmask = torch.zeros((len(states), words), dtype=torch.int32)  # [rows, words]
+    if len(states) == 1:
+        states[0].matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
+    elif states:
+        if not _executor:
+            _executor.append(llguidance.LLExecutor())
+        rows = [(state.matcher, row) for row, state in enumerate(states)]
+        _executor[0].unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, len(states))
+    bits = (bitmask.unsqueeze(-1) >> BITS) & 1  # [rows, words, 32]
+    return bits.view(len(states), words * 32)[:, :vocab_size].bool()
 
 
 def spec_of(kind: str, value: object) -> common_pb2.Grammar:

@@ -1,8 +1,10 @@
-"""The cost of structured output, side by side: output tok/s and p50 inter-token time at each
-concurrency, with and without a JSON schema on every request, through a running stack's HTTP
-API; and llguidance's compile time per schema, cold and cached.
+"""Structured output through a running stack's HTTP API: the share of N answers under JSON
+schemas (nested objects, enums, arrays, optional fields) that parse and validate; the cost,
+side by side: output tok/s and p50 inter-token time at each concurrency, with and without a
+JSON schema on every request; and llguidance's compile time per schema, cold and cached.
 
-    python -m llmserve.bench.structured_cost --url http://127.0.0.1:8000/v1 --model tiny
+    llmserve up --model smollm2 --http-port 8000 &
+    python -m llmserve.bench.structured_cost --url http://127.0.0.1:8000/v1 --model smollm2
 """
 
 from __future__ import annotations
@@ -35,10 +37,64 @@ SCHEMA = {
     "additionalProperties": False,
 }
 FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+ORDER = {  # an array of nested objects, enums, optional fields
+    "type": "object",
+    "properties": {
+        "order_id": {"type": "integer", "minimum": 1, "maximum": 999999},
+        "status": {"enum": ["pending", "shipped", "delivered", "cancelled"]},
+        "items": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 3,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
+                    "quantity": {"type": "integer", "minimum": 1, "maximum": 99},
+                    "gift": {"type": "boolean"},
+                },
+                "required": ["sku", "quantity"],
+                "additionalProperties": False,
+            },
+        },
+        "note": {"type": "string", "maxLength": 40},
+    },
+    "required": ["order_id", "status", "items"],
+    "additionalProperties": False,
+}
+EVENT = {  # nested optional object, a number range, an array of strings
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 30},
+        "day": {"enum": ["mon", "tue", "wed", "thu", "fri", "sat", "sun"]},
+        "hours": {"type": "number", "minimum": 0, "maximum": 24},
+        "place": {
+            "type": "object",
+            "properties": {
+                "room": {"type": "string", "maxLength": 10},
+                "floor": {"type": "integer", "minimum": -2, "maximum": 40},
+            },
+            "required": ["room"],
+            "additionalProperties": False,
+        },
+        "guests": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+    },
+    "required": ["title", "day", "guests"],
+    "additionalProperties": False,
+}
+PERSON = SCHEMA | {
+    "properties": SCHEMA["properties"] | {"nickname": {"type": "string", "maxLength": 10}}
+}
+SCHEMAS = {  # name: (schema, what to ask)
+    "person": (PERSON, "Describe a person as JSON."),
+    "order": (ORDER, "Write a shop order as JSON."),
+    "event": (EVENT, "Plan a meeting as JSON."),
+}
 
 
 async def one(client, model: str, seed: int, constrained: bool, max_tokens: int):
-    """(output tokens, inter-token gaps) of one streamed request."""
+    """(output tokens, mean inter-token seconds) of one streamed request: its tokens after the
+    first over the time from the first to the last (a chunk may carry several tokens)."""
     extra = {"response_format": FORMAT} if constrained else {}
     stream = await client.chat.completions.create(
         model=model,
@@ -47,24 +103,75 @@ async def one(client, model: str, seed: int, constrained: bool, max_tokens: int)
         temperature=1.0,
         seed=seed,
         stream=True,
+        stream_options={"include_usage": True},
         **extra,
     )
-    times = []
+    first = last = None
+    tokens = 0
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
-            times.append(time.perf_counter())
-    return len(times), [b - a for a, b in zip(times, times[1:], strict=False)]
+            last = time.perf_counter()
+            first = first or last
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    gap = (last - first) / (tokens - 1) if first and tokens > 1 else None
+    return tokens, gap
 
 
 async def load(client, model: str, concurrency: int, constrained: bool, rounds: int, max_tokens):
+    """(output tok/s, p50 of the requests' inter-token ms): concurrency x rounds requests,
+    `concurrency` at a time."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(seed: int):
+        async with gate:
+            return await one(client, model, seed, constrained, max_tokens)
+
     started = time.perf_counter()
-    results = await asyncio.gather(
-        *(one(client, model, i, constrained, max_tokens) for i in range(concurrency * rounds))
-    )
+    results = await asyncio.gather(*(gated(i) for i in range(concurrency * rounds)))
     seconds = time.perf_counter() - started
     tokens = sum(n for n, _ in results)
-    gaps = [g for _, gs in results for g in gs]
+    gaps = [g for _, g in results if g is not None]
     return tokens / seconds, statistics.median(gaps) * 1000 if gaps else float("nan")
+
+
+async def answer(client, model: str, name: str, seed: int, max_tokens: int) -> str | None:
+    """Why one answer under schema `name` fails to parse or validate; None: it is valid."""
+    import jsonschema
+
+    schema, ask = SCHEMAS[name]
+    reply = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": ask}],
+        max_tokens=max_tokens,
+        temperature=0.8,
+        seed=seed,
+        response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema}},
+    )
+    text = reply.choices[0].message.content or ""
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError) as err:
+        return f"{name} seed {seed} ({reply.choices[0].finish_reason}): {err}"
+    return None
+
+
+async def validity(client, model: str, count: int, concurrency: int, max_tokens: int):
+    """(valid answers, count, their failures), `count` answers across SCHEMAS."""
+    names = list(SCHEMAS)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(i: int) -> str | None:
+        async with gate:
+            return await answer(client, model, names[i % len(names)], i, max_tokens)
+
+    failures = [f for f in await asyncio.gather(*(gated(i) for i in range(count))) if f]
+    return count - len(failures), count, failures
+
+
+def _medians(runs: list[tuple[float, float]]) -> tuple[float, float]:
+    """The median tok/s and the median p50 inter-token time of several runs."""
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
 def compile_times() -> tuple[float, float]:
@@ -89,17 +196,33 @@ async def main() -> None:
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--rounds", type=int, default=2, help="requests per slot")
     parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each, medians kept")
+    parser.add_argument("--validate", type=int, default=60, help="answers checked (0: none)")
     args = parser.parse_args()
     client = openai.AsyncOpenAI(base_url=args.url, api_key="-", max_retries=0, timeout=600)
     await load(client, args.model, 2, True, 1, args.max_tokens)  # warm: the worker's table
-    print("concurrency | free tok/s | schema tok/s | ratio | free p50 ITL ms | schema p50 ITL ms")
+    if args.validate:
+        valid, count, failures = await validity(client, args.model, args.validate, 8, 400)
+        print(f"valid answers: {valid}/{count} ({100 * valid / count:.0f}%) over {list(SCHEMAS)}")
+        for failure in failures:
+            print("  invalid:", failure)
+    print(
+        "| concurrency | free tok/s | schema tok/s | ratio | free p50 ITL ms | schema p50 ITL ms |"
+    )
+    print("|---|---|---|---|---|---|")
     for c in [int(x) for x in args.concurrency.split(",")]:
-        free = await load(client, args.model, c, False, args.rounds, args.max_tokens)
-        constrained = await load(client, args.model, c, True, args.rounds, args.max_tokens)
+        runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        for _ in range(args.repeats):  # free and constrained in turn: the host's drift shared
+            for constrained in (False, True):
+                figures = await load(
+                    client, args.model, c, constrained, args.rounds, args.max_tokens
+                )
+                runs[constrained].append(figures)
+        free, constrained = (_medians(runs[k]) for k in (False, True))
         ratio = constrained[0] / free[0]
         print(
-            f"{c} | {free[0]:.0f} | {constrained[0]:.0f} | {ratio:.2f} | "
-            f"{free[1]:.2f} | {constrained[1]:.2f}"
+            f"| {c} | {free[0]:.0f} | {constrained[0]:.0f} | {ratio:.2f} | "
+            f"{free[1]:.2f} | {constrained[1]:.2f} |"
         )
     cold, cached = compile_times()
     print(f"gateway compile of the schema: cold {cold:.2f} ms, cached {cached:.4f} ms")
