@@ -74,6 +74,7 @@ def _budget_row(
         "kind": budget.kind,
         "token_budget": budget.token_budget,
         "time_budget_ms": budget.time_budget_ms,
+        "step_model": counters.get("step_model"),  # per worker: prediction error, coefficients
     }
 
 
