@@ -22,8 +22,10 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 try:
@@ -39,7 +41,6 @@ TABLE_WAIT_SECONDS = 120.0  # the first constrained request waits this long for 
 # pad the answer with newlines until max_tokens), one space after ',' and ':'
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CONTROL = 3  # llama.cpp's token type of a special (control) token
-BITS = torch.arange(32, dtype=torch.int32)  # a mask word's bits, lowest first
 _executor: list = []  # llguidance's LLExecutor, made at the first batch of several rows
 
 
@@ -227,9 +228,25 @@ class GrammarState:
             raise ValueError(f"structured output failed: {self.matcher.get_error()}")
 
 
+@dataclass(frozen=True, slots=True)
+class RowMasks:
+    """A step's grammar masks: `allowed[k]` is what row `rows[k]`'s grammar allows next."""
+
+    rows: list[int]  # the constrained rows of the step's batch
+    allowed: torch.Tensor  # [len(rows), vocab] bool
+
+
+def row_masks(states: Sequence[GrammarState | None], vocab_size: int) -> RowMasks | None:
+    """The masks of a batch's rows (None: unconstrained), one bitmask for them all."""
+    rows = [row for row, state in enumerate(states) if state is not None]
+    if not rows:
+        return None
+    return RowMasks(rows, allowed_rows([states[row] for row in rows], vocab_size))
+
+
 def allowed_rows(states: Sequence[GrammarState], vocab_size: int) -> torch.Tensor:
     """[rows, vocab] bool: each state's next tokens, from one bitmask [rows, words] that
-    llguidance fills in place, unpacked in one op."""
+    llguidance fills in place, unpacked in one op (numpy's, a byte per token viewed as bool)."""
     for state in states:
         state.check()
     words = (vocab_size + 31) // 32
@@ -241,8 +258,9 @@ def allowed_rows(states: Sequence[GrammarState], vocab_size: int) -> torch.Tenso
             _executor.append(llguidance.LLExecutor())
         rows = [(state.matcher, row) for row, state in enumerate(states)]
         _executor[0].unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, len(states))
-    bits = (bitmask.unsqueeze(-1) >> BITS) & 1  # [rows, words, 32]
-    return bits.view(len(states), words * 32)[:, :vocab_size].bool()
+    packed = bitmask.numpy().view(np.uint8)  # [rows, words * 4], each word little-endian
+    bits = np.unpackbits(packed, axis=-1, count=vocab_size, bitorder="little")  # [rows, vocab]
+    return torch.from_numpy(bits).view(torch.bool)  # 0 or 1 bytes: a view, no copy
 
 
 def spec_of(kind: str, value: object) -> common_pb2.Grammar:
