@@ -121,7 +121,7 @@ def test_a_time_budget_keeps_the_simulated_inter_token_time_within_it() -> None:
     # whole prompts in one step stall every running stream ~100 ms; cut to fit, they do not
     assert summarize(by_tokens)["itl_s"]["max"] > 0.09
     # the online model, fitting as it goes, under-predicts some steps while the mix of prompt
-    # chunks and decodes shifts (the trace's runs keep p99 within 1% of T: docs/benchmarks.md)
+    # chunks and decodes shifts (the trace's runs keep p99 within 3% of T: docs/benchmarks.md)
     itl = summarize(by_time)["itl_s"]
     assert itl["p90"] <= 0.011 and itl["p99"] <= 0.0125
     assert by_time.counters["stalls"].get("time_budget", 0) > 0
