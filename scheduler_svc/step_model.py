@@ -1,9 +1,9 @@
-"""The online step-time model of one worker: the shared linear cost (`step_cost`) refitted after
-every step from the worker's own forward times.
+"""The online step-time model of one worker: the shared linear cost (`step_cost`) refitted as
+the worker runs, from its own forward times.
 
-- **Fit**: weighted least squares over every step seen, each weighted by 1/measured² (relative
-  error: a 20 ms decode fits as well as a 2 s prefill) and by a forgetting factor (a step
-  `k` steps old counts `FORGET**k`: about the last 50 steps matter), with every coefficient
+- **Fit**: weighted least squares over every step seen (refitted every `REFIT_EVERY` steps),
+  each weighted by 1/measured² (relative error: a 20 ms decode fits as well as a 2 s
+  prefill) and by a forgetting factor (a step `k` steps old counts `FORGET**k`: about the last 50 steps matter), with every coefficient
   kept >= 0 (a feature whose fit is negative is dropped and the rest refitted, as the offline
   fit does), so the model stays monotone in every feature whatever it is fed.
 - **Level**: the fit gives the shape of the cost, a factor on it its level: an exponential
@@ -44,6 +44,8 @@ LEVEL_CLIP = 1.25  # one step's measured / fitted counts as at most 1.25x (1/1.2
 # followed in about five steps
 PRIOR_WEIGHT = 1.0  # the prior's pseudo-steps together weigh as much as one real step
 ERROR_WINDOW = 256  # the recent steps the prediction error is measured over
+REFIT_EVERY = 8  # steps observed between refits of the fit (the level follows every step): a
+# refit solves the normal equations up to five times, in Python, on the scheduler's event loop
 BUILTIN_PRIOR = CostModel(
     fixed=0.036,
     per_token=0.0025,
@@ -90,7 +92,7 @@ class OnlineStepModel:
                         PRIOR_WEIGHT / len(shapes))  # fmt: skip
         self._a, self._b = _zeros(n), [0.0] * n
         self._coef = prior.coefficients()
-        self._stale = False
+        self._unfitted = 0  # steps observed since the last refit
         self.level = 1.0  # the recent steps' measured / fitted
 
     def predict(self, shape: BatchShape) -> float:
@@ -100,8 +102,8 @@ class OnlineStepModel:
         return self.level * self._fitted(shape)
 
     def _fitted(self, shape: BatchShape) -> float:
-        if self._stale:
-            self._refit()
+        if self._unfitted >= REFIT_EVERY or (self._unfitted and self.observed <= REFIT_EVERY):
+            self._refit()  # every step while the first ones arrive, then every REFIT_EVERY
         c = self._coef
         return (c[0] + c[1] * shape.tokens + c[2] * shape.sampled + c[3] * shape.kv_read
                 + c[4] * shape.attention)  # fmt: skip
@@ -123,7 +125,7 @@ class OnlineStepModel:
         self._b = [g * v for v in self._b]
         _accumulate(self._a, self._b, shape, seconds / level, 1.0)
         self.observed += 1
-        self._stale = True
+        self._unfitted += 1
 
     def error(self) -> PredictionError | None:
         """The recent prediction error; None before any step was seen."""
@@ -134,7 +136,7 @@ class OnlineStepModel:
 
     def model(self) -> CostModel:
         """The coefficients as they stand (the fit times the level)."""
-        if self._stale:
+        if self._unfitted:
             self._refit()
         return CostModel(*(self.level * c for c in self._coef), meta={"observed": self.observed})
 
@@ -143,7 +145,7 @@ class OnlineStepModel:
         a = [[self._a[i][j] + self._prior_a[i][j] for j in range(n)] for i in range(n)]
         b = [self._b[i] + self._prior_b[i] for i in range(n)]
         self._coef = _nonnegative_solve(a, b)
-        self._stale = False
+        self._unfitted = 0
 
 
 class StepModels:

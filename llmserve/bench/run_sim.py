@@ -295,6 +295,10 @@ def baseline_core(args: argparse.Namespace, rev: str) -> list[dict[str, Any]] | 
                 capture_output=True,
             ).stdout
             subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+            # `rev`'s modules first; those it lacks (the step-time model) from this tree's
+            here = root / "scheduler_svc"
+            with (Path(tmp) / "scheduler_svc" / "__init__.py").open("a") as init:
+                init.write(f"\n__path__.append({str(here)!r})\n")
             saved = Path(tmp) / "args.json"
             saved.write_text(args_to_json(args))
             out = subprocess.run(

@@ -212,7 +212,7 @@ class Simulation:
         """`index` plans its next step and, if it has work, starts executing it; the requests
         the planning finished (failed: no live worker can ever hold them)."""
         t = time.perf_counter()
-        step = self.core.schedule(index)
+        step = self._schedule(index)
         planned = time.perf_counter() - t
         self.core_s += planned
         finished = self._news([*getattr(step, "failed", ()), *getattr(step, "admissions", ())])
@@ -327,6 +327,12 @@ class Simulation:
             return [WORD_ID] * spec.prompt_tokens
         history = self.kept.pop(str(spec.follows), []) if spec.follows >= 0 else []
         return self.content.prompt_ids(spec, history)
+
+    def _schedule(self, index: int):
+        """The core's next step for `index`: `schedule(index)`, or `plan(index)` in an older
+        revision's core (the --baseline-rev simulations), whose `schedule()` was lock-step."""
+        older = getattr(self.core, "plan", None)
+        return older(index) if older is not None else self.core.schedule(index)
 
     def _news(self, returned: list[Event]) -> list[str]:
         """What a call into the core returned, or what an older revision's core posted to its
