@@ -2,10 +2,11 @@
 the worker runs, from its own forward times.
 
 - **Fit**: weighted least squares over every step seen (refitted every `REFIT_EVERY` steps),
-  each weighted by 1/measured² (relative error: a 20 ms decode fits as well as a 2 s
-  prefill) and by a forgetting factor (a step `k` steps old counts `FORGET**k`: about the last 50 steps matter), with every coefficient
-  kept >= 0 (a feature whose fit is negative is dropped and the rest refitted, as the offline
-  fit does), so the model stays monotone in every feature whatever it is fed.
+  each weighted by 1/measured² (relative error: a 20 ms decode fits as well as a 2 s prefill)
+  and by a forgetting factor (a step `k` steps old counts `FORGET**k`: about the last 50 steps
+  matter), with every coefficient kept >= 0 (a feature whose fit is negative is dropped and
+  the rest refitted, as the offline fit does), so the model stays monotone in every feature
+  whatever it is fed.
 - **Level**: the fit gives the shape of the cost, a factor on it its level: an exponential
   average of measured / fitted over the last few steps (weight `LEVEL_WEIGHT`; one step's
   ratio counts as at most `LEVEL_CLIP` times the level), and the fit learns each step divided
