@@ -9,6 +9,7 @@ import torch
 
 from llmserve.runtime.sampling import GREEDY, Grammar, SamplingParams
 from tests.model_support import one_torch_thread  # noqa: F401  (autouse fixture)
+from worker_svc.grammar import RowMasks
 from worker_svc.sampling import (
     draw_seed,
     fresh_generator,
@@ -300,9 +301,9 @@ class AllowOnly:
 def test_a_grammar_masks_its_own_row_from_the_state_beside_the_params() -> None:
     logits = torch.arange(float(VOCAB))[None].expand(3, -1)  # argmax: the last token
     s = SamplingParams(temperature=0.0, grammar=Grammar(kind=2, spec="x"))
-    states = [AllowOnly({3, 5}), None, AllowOnly({9})]
-    tokens = sample_tokens(logits, [s, s, s], [0, 0, 0], fresh_generator(), None, states)
+    masks = RowMasks([0, 2], torch.stack([AllowOnly({3, 5}).mask, AllowOnly({9}).mask]))
+    tokens = sample_tokens(logits, [s, s, s], [0, 0, 0], fresh_generator(), None, masks)
     assert tokens == [5, VOCAB - 1, 9]
-    shaped = shape_logits(logits[0], s, [], 0, AllowOnly({3}))
+    shaped = shape_logits(logits[0], s, [], 0, AllowOnly({3}).mask)
     assert torch.isfinite(shaped).nonzero().flatten().tolist() == [3]
     assert torch.isfinite(shape_logits(logits[0], s, [], 0)).all()  # no state: no mask

@@ -63,3 +63,29 @@ def test_one_bitmask_holds_each_rows_own_mask(grammars) -> None:
     assert torch.equal(allowed_rows(states[1:2], VOCAB)[0], rows[1])
     assert torch.equal(states[2].allowed(), rows[2])
     assert allowed_rows([], VOCAB).shape == (0, VOCAB)
+
+
+def test_rows_masked_in_one_op_draw_only_what_their_grammar_allows() -> None:
+    """Grammar-only rows (greedy, seeded, unseeded in the batched draw) and a row whose grammar
+    comes with a penalty (masked on its own) beside a free row: each draws from its own mask."""
+    from llmserve.runtime.sampling import Grammar, SamplingParams
+    from worker_svc.grammar import RowMasks
+    from worker_svc.sampling import fresh_generator, sample_tokens
+
+    grammar = Grammar(kind=2, spec="x")
+    rows = [
+        SamplingParams(temperature=0.0, grammar=grammar),
+        SamplingParams(temperature=1.0, grammar=grammar),
+        SamplingParams(temperature=1.0, seed=7, grammar=grammar),
+        SamplingParams(temperature=1.0, presence_penalty=1.0, grammar=grammar),
+        SamplingParams(temperature=1.0),
+    ]
+    sets = [{3, 5}, {7, 8}, {11}, {12, 13}]
+    allowed = torch.zeros(4, 16, dtype=torch.bool)
+    for k, tokens in enumerate(sets):
+        allowed[k, list(tokens)] = True
+    logits = torch.arange(16.0)[None].expand(5, -1)
+    masks = RowMasks([0, 1, 2, 3], allowed)
+    for _ in range(20):
+        tokens = sample_tokens(logits, rows, [0] * 5, fresh_generator(), [[1]] * 5, masks)
+        assert tokens[0] == 5 and all(t in s for t, s in zip(tokens[1:4], sets[1:], strict=True))

@@ -7,6 +7,7 @@ import torch
 from worker_svc.attention_backend import attention_backend
 from worker_svc.attention_plan import PagedBatch, build_plan
 from worker_svc.cuda_graphs import DECODE_BUCKETS, DecodeGraphs, StaticDecodeInputs
+from worker_svc.grammar import row_masks
 from worker_svc.kv_pool import KvPool
 from worker_svc.model import LlamaModel
 from worker_svc.model_config import ModelConfig
@@ -100,7 +101,7 @@ class ModelRunner:
                     [items[i].sample_index for i in wanted],
                     self.rng,
                     [items[i].history + items[i].token_ids for i in wanted],
-                    [items[i].grammar for i in wanted],
+                    row_masks([items[i].grammar for i in wanted], logits.shape[-1]),
                 )
             for row, (i, token) in enumerate(zip(wanted, tokens, strict=True)):
                 out[i] = token

@@ -8,6 +8,11 @@ generated tokens), the presence and frequency penalties (generated tokens), the 
 (structured output: what it does not allow next is -inf); then temperature, min_p, top-k,
 top-p. Greedy takes the argmax after the first five. Logprobs are those of the raw
 model logits (vLLM's default), whatever the settings.
+
+The rows whose only change to the logits is their grammar are masked in one op (their masks one
+tensor, worker_svc/grammar.py's RowMasks): greedy ones take the argmax of that tensor, the others
+are drawn from their row of it, one by one as every shaped row is (the same draws as a row
+masked alone).
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ import hashlib
 import math
 import secrets
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from llmserve.runtime.sampling import SamplingParams
 from worker_svc.work import TokenLogprobs
+
+if TYPE_CHECKING:
+    from worker_svc.grammar import RowMasks
 
 
 def draw_seed(seed: int, sample_index: int) -> int:
@@ -40,12 +48,17 @@ def sample_tokens(
     sample_indices: list[int],
     rng: torch.Generator,  # used for unseeded draws
     histories: Sequence[Sequence[int]] | None = None,  # per row: prompt + generated, if penalized
-    grammars: Sequence[Any] | None = None,  # per row: its GrammarState, if constrained
+    masks: RowMasks | None = None,  # the constrained rows' grammar masks
 ) -> list[int]:
     """One token per row. A row's history is every token the request has processed (its prompt,
     then its sample_index generated tokens); only penalized rows need one. A row whose settings
-    hold a grammar is masked by its GrammarState (worker_svc/grammar.py)."""
+    hold a grammar is masked by its row of `masks` (worker_svc/grammar.py)."""
+    only, masked_rows = _grammar_only(logits, settings, masks)  # [rows, vocab], in one op
+    masked = dict(zip(only, masked_rows, strict=True))  # row -> its logits under its grammar
+    allowed = {} if masks is None else dict(zip(masks.rows, masks.allowed, strict=True))
     out = logits.argmax(dim=-1)  # [rows]: the greedy rows' tokens
+    if only:
+        out[only] = masked_rows.argmax(dim=-1)
     plain = [i for i, s in enumerate(settings) if _plain(s)]
     if plain:  # unseeded temperature-only rows: one batched draw
         temps = torch.tensor([settings[i].temperature for i in plain]).unsqueeze(1)  # [rows, 1]
@@ -54,18 +67,29 @@ def sample_tokens(
         out[plain] = torch.multinomial(probs, 1, generator=rng).squeeze(1)
     drawn = set(plain)
     for row, s in enumerate(settings):
-        if row in drawn or (s.greedy and not s.shapes_logits):
+        shaped = s.shapes_logits and row not in masked
+        if row in drawn or (s.greedy and not shaped):
             continue
-        row_logits = logits[row]
-        if s.shapes_logits:
+        row_logits = masked.get(row, logits[row])
+        if shaped:
             history = histories[row] if histories is not None else ()
-            grammar = grammars[row] if grammars is not None else None
-            row_logits = shape_logits(row_logits, s, history, sample_indices[row], grammar)
+            row_logits = shape_logits(row_logits, s, history, sample_indices[row], allowed.get(row))
         gen = rng
         if s.seed is not None and not s.greedy:
             gen = torch.Generator().manual_seed(draw_seed(s.seed, sample_indices[row]))
         out[row] = sample_one(row_logits, s, gen)
     return out.tolist()
+
+
+def _grammar_only(
+    logits: torch.Tensor, settings: list[SamplingParams], masks: RowMasks | None
+) -> tuple[list[int], torch.Tensor]:
+    """The rows whose grammar is their only change to the logits, and their logits masked."""
+    if masks is None:
+        return [], logits[:0]
+    at = [k for k, row in enumerate(masks.rows) if not settings[row].shapes_beyond_grammar]
+    rows = [masks.rows[k] for k in at]
+    return rows, grammar_masked(logits[rows].float(), masks.allowed[at])
 
 
 def _plain(s: SamplingParams) -> bool:
@@ -89,7 +113,7 @@ def shape_logits(
     s: SamplingParams,
     history: Sequence[int],
     sample_index: int,
-    grammar: Any = None,  # the request's GrammarState, if constrained
+    allowed: torch.Tensor | None = None,  # [vocab] bool: its grammar's next tokens, if constrained
 ) -> torch.Tensor:
     """logits: [vocab]. logit_bias, the min_tokens mask, the penalties and the grammar's mask,
     in vLLM's order; history: prompt + generated tokens, the last sample_index of them
@@ -106,18 +130,21 @@ def shape_logits(
             logits[seen] = torch.where(old > 0, old / rp, old * rp)
         counts = torch.bincount(seen[len(history) - sample_index :], minlength=logits.shape[0])
         logits -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0)  # [vocab]
-    if grammar is not None:
-        logits = grammar_masked(logits, grammar.allowed())
+    if allowed is not None:
+        logits = grammar_masked(logits, allowed)
     return logits
 
 
 def grammar_masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """logits: [vocab]; allowed: [vocab] bool, the grammar's next tokens. Where the min_tokens
-    mask took every token the grammar allows (a complete answer allows only EOS), the grammar
-    wins: its tokens keep their raw place (0) rather than leave the row with nothing to draw."""
+    """logits: [..., vocab]; allowed: [..., vocab] bool, the grammar's next tokens. Where the
+    min_tokens mask took every token the grammar allows (a complete answer allows only EOS), the
+    grammar wins: its tokens keep their raw place (0) rather than leave the row with nothing to
+    draw."""
     masked = logits.masked_fill(~allowed, -math.inf)
-    if not bool(torch.isfinite(masked).any()):
-        masked = torch.zeros_like(logits).masked_fill(~allowed, -math.inf)
+    empty = ~torch.isfinite(masked).any(dim=-1, keepdim=True)  # [..., 1]
+    if bool(empty.any()):
+        raw = torch.zeros_like(logits).masked_fill(~allowed, -math.inf)
+        masked = torch.where(empty, raw, masked)
     return masked
 
 

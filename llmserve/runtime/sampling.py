@@ -105,9 +105,13 @@ class SamplingParams:
     @property
     def shapes_logits(self) -> bool:
         """Changes the logits before temperature: then even a greedy row is not a plain argmax."""
+        return self.grammar is not None or self.shapes_beyond_grammar
+
+    @property
+    def shapes_beyond_grammar(self) -> bool:
+        """Changes the logits by more than a grammar's mask."""
         return (
-            self.grammar is not None
-            or bool(self.logit_bias)
+            bool(self.logit_bias)
             or self.penalized
             or (self.min_tokens > 0 and bool(self.stop_token_ids))
         )
