@@ -294,26 +294,24 @@ class Session:
         table = item.block_table
         if keep > len(table) or keep * self.block_size < item.start_position:
             return f"a trim to {keep} blocks would drop written positions or blocks it lacks"
-        for block in table[keep:]:
+        self._let_go(handle, table[keep:])
+        del table[keep:]
+        return None
+
+    def _let_go(self, handle: int, blocks: list[int]) -> None:
+        """`handle` no longer holds nor writes `blocks`."""
+        for block in blocks:
             holders = self.holders.get(block, set())
             holders.discard(handle)
             if not holders:
                 self.holders.pop(block, None)
             if self.writer.get(block) == handle:
                 del self.writer[block]
-        del table[keep:]
-        return None
 
     def release(self, handle: int) -> None:
         item = self.items.pop(handle, None)
         if item is not None:
-            for block in item.block_table:
-                holders = self.holders.get(block, set())
-                holders.discard(handle)
-                if not holders:
-                    self.holders.pop(block, None)
-                if self.writer.get(block) == handle:
-                    del self.writer[block]
+            self._let_go(handle, item.block_table)
             self.own_written -= item.start_position - item.cached
 
     def report(self) -> worker_pb2.KvReport:

@@ -14,7 +14,13 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from llmserve.runtime.auth import Metadata, read_secret_file, refused
+from llmserve.runtime.auth import (
+    Metadata,
+    metadata_secret,
+    metadata_value,
+    read_secret_file,
+    refused,
+)
 
 ADMIN_SERVICE = "llmserve.v1.Admin"
 ADMIN_KEY_HEADER = "x-llmserve-admin-key"
@@ -33,19 +39,11 @@ def admin_key(path: str) -> str:
     SystemExit with the reason: a configured key is never silently off."""
     if not path:
         return ""
-    key = read_secret_file(path, "admin key")
-    if not key:
-        raise SystemExit(f"the admin key in {path} is empty")
-    if not all(0x21 <= byte <= 0x7E for byte in key):
-        raise SystemExit(f"the admin key in {path} must be printable ASCII without spaces")
-    return key.decode()
+    return metadata_secret(read_secret_file(path, "admin key"), "admin key", path)
 
 
 def admin_key_of(metadata: Metadata) -> str:
-    for name, value in metadata or ():
-        if name == ADMIN_KEY_HEADER:
-            return value.decode() if isinstance(value, bytes) else value
-    return ""
+    return metadata_value(metadata, ADMIN_KEY_HEADER)
 
 
 def admin_metadata(key: str) -> tuple[tuple[str, str], ...]:

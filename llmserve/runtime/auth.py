@@ -49,19 +49,30 @@ def internal_token(path: str = "") -> str:
         source, raw = f"${INTERNAL_TOKEN_VAR}", os.environb[INTERNAL_TOKEN_VAR.encode()]
     else:
         return ""
-    token = raw.strip()
-    if not token:
-        raise SystemExit(f"the internal token in {source} is empty")
-    if not all(0x21 <= byte <= 0x7E for byte in token):
-        raise SystemExit(f"the internal token in {source} must be printable ASCII without spaces")
-    return token.decode()
+    return metadata_secret(raw, "internal token", source)
+
+
+def metadata_secret(raw: bytes, what: str, source: str) -> str:
+    """A secret that travels as gRPC metadata, from its file or variable: empty or not
+    printable ASCII is SystemExit with the reason (a configured secret is never silently off)."""
+    secret = raw.strip()
+    if not secret:
+        raise SystemExit(f"the {what} in {source} is empty")
+    if not all(0x21 <= byte <= 0x7E for byte in secret):
+        raise SystemExit(f"the {what} in {source} must be printable ASCII without spaces")
+    return secret.decode()
+
+
+def metadata_value(metadata: Metadata, header: str) -> str:
+    """The value of `header` in a call's metadata ("" when absent)."""
+    for name, value in metadata or ():
+        if name == header:
+            return value.decode() if isinstance(value, bytes) else value
+    return ""
 
 
 def internal_token_of(metadata: Metadata) -> str:
-    for name, value in metadata or ():
-        if name == INTERNAL_TOKEN_HEADER:
-            return value.decode() if isinstance(value, bytes) else value
-    return ""
+    return metadata_value(metadata, INTERNAL_TOKEN_HEADER)
 
 
 def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
