@@ -244,6 +244,13 @@ def explanation_dict(e: scheduler_pb2.HeadExplanation) -> dict | None:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class SettingsChange:
+    changed: dict[str, tuple[str, str]]  # name -> (old, new), of those that changed
+    steps: int  # the scheduler's steps when the change applied
+    stalls: dict[str, int]  # and its stall counts then
+
+
 class _Collect:
     """Text and the final message of one streamed generation."""
 
@@ -338,11 +345,19 @@ class Client(_Connection):
     def set_settings(self, changes: dict[str, str]) -> dict[str, tuple[str, str]]:
         """Change live settings, all or nothing (INVALID_ARGUMENT naming a bad one): name ->
         (old, new) of those that changed."""
+        return self.change_settings(changes).changed
+
+    def change_settings(self, changes: dict[str, str]) -> SettingsChange:
+        """`set_settings`, with the scheduler's step and stall counts as the change applied."""
         request = scheduler_pb2.SetSettingsRequest(
             changes=[scheduler_pb2.Setting(name=k, value=str(v)) for k, v in changes.items()]
         )
         reply = self._admin.SetSettings(request, **self._admin_call(5.0))
-        return {c.name: (c.old_value, c.new_value) for c in reply.changed}
+        return SettingsChange(
+            changed={c.name: (c.old_value, c.new_value) for c in reply.changed},
+            steps=reply.steps,
+            stalls=dict(reply.stalls),
+        )
 
     def explain(self) -> dict | None:
         """What would admit the head of the queue (explanation_dict); None if nobody waits."""

@@ -23,8 +23,8 @@ class LiveSwitch:
     explanation: dict  # while C waits under reserve
     waiting_status: dict  # `llmserve status` then
     changed: dict[str, tuple[str, str]]
-    steps_to_admit: int  # steps the scheduler ran from the change until C was admitted
-    stalls_before: dict[str, int]  # at the change
+    steps_to_admit: int  # steps the scheduler ran from the change until C was seen admitted
+    stalls_before: dict[str, int]  # at the change (read by the scheduler as it applied it)
     stalls_after: dict[str, int]  # at the end
     outputs: list[int]  # tokens B and C got
 
@@ -35,7 +35,7 @@ def figure4_settings(base: StackSettings, key_file: Path) -> StackSettings:
     return replace(
         base,
         model="sim",
-        sim_step_ms=100.0,
+        sim_step_ms=300.0,  # B's 14 steps: 4 s to ask and change while C waits
         policy="reserve",
         kv_capacity=24,
         block_size=1,
@@ -60,8 +60,7 @@ def figure4_switch(base: StackSettings, log_dir: Path) -> LiveSwitch:
         waiting = wait(lambda: (s := status())["head_wait_reason"] == "kv_reserved" and s)
         with client.Client(gateway, admin_key=KEY, timeout=30) as admin:
             why = admin.explain()
-            before = status()
-            changed = admin.set_settings({"policy": "paged"})
+            change = admin.change_settings({"policy": "paged"})
         admitted = wait(lambda: (s := status())["admitted"] == 2 and s)
         b.join(60)
         c.join(60)
@@ -69,9 +68,9 @@ def figure4_switch(base: StackSettings, log_dir: Path) -> LiveSwitch:
     return LiveSwitch(
         explanation=why or {},
         waiting_status=waiting,
-        changed=changed,
-        steps_to_admit=admitted["steps"] - before["steps"],
-        stalls_before=before["stalls"],
+        changed=change.changed,
+        steps_to_admit=admitted["steps"] - change.steps,
+        stalls_before=change.stalls,
         stalls_after=after["stalls"],
         outputs=[got.get("B", 0), got.get("C", 0)],
     )

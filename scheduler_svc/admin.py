@@ -47,7 +47,10 @@ class AdminService(scheduler_pb2_grpc.AdminServicer):
                 ", ".join(f"{name} {a} -> {b}" for name, (a, b) in diff.items()),
             )
             self.wake_all()
-        reply = scheduler_pb2.SetSettingsReply(settings=settings_message(self.core))
+        reply = scheduler_pb2.SetSettingsReply(
+            settings=settings_message(self.core), steps=self.core.steps
+        )
+        reply.stalls.update(self.core.stalls)
         for name, (a, b) in diff.items():
             reply.changed.add(name=name, old_value=a, new_value=b)
         return reply
