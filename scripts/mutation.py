@@ -62,6 +62,8 @@ CORE_TESTS = (
     "tests/test_core_outputs.py",
     "tests/test_time_budget.py",
     "tests/test_step_model.py",
+    "tests/test_step_cost.py",
+    "tests/test_bench_cost_model.py",
 )
 GROUPS = {
     "core": Group(
