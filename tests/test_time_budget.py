@@ -4,10 +4,13 @@ chunk cut to what fits, one token of progress at least, the token budget still t
 
 from __future__ import annotations
 
+import pytest
+
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.reasons import StallReason
 from scheduler_svc.step_cost import BatchShape, CostModel, step_shape
+from scheduler_svc.time_budget import SLACK, StepTimer
 from tests.sim import check_invariants, ran, seq, step
 
 
@@ -197,3 +200,45 @@ def test_without_chunking_a_prompt_over_the_budget_runs_whole_in_an_empty_step()
     core = make(FakeTimes(token_ms=1.0), budget_ms=2.0, chunked_prefill=False)
     core.add(seq("A", 6, max_tokens=2))
     assert checked_step(core) == {"A": 6}
+
+
+def per_token(ms: float, sampled_ms: float = 0.0) -> CostModel:
+    return CostModel(per_token=ms / 1e3, per_sampled=sampled_ms / 1e3)
+
+
+def test_a_timer_adds_decodes_to_what_the_step_holds() -> None:
+    timer = StepTimer(per_token(1.0).predict, limit_s=1.0)
+    timer.add(8, 4, False)
+    timer.add_decodes(contexts=30, count=3)  # three decodes reading 30 positions in all
+    assert timer.shape == BatchShape.item(8, 4, False) + BatchShape(3, 3, 30, 30)
+    assert timer.predicted() == pytest.approx(0.007)
+
+
+def test_a_chunk_that_fits_whole_is_kept_whole() -> None:
+    timer = StepTimer(per_token(1.0).predict, limit_s=0.010)
+    assert timer.cut(0, 10, True) == 10
+    assert timer.cut(0, 0, True) == 0 and timer.cut(0, -3, True) == 0
+
+
+def test_a_chunk_is_cut_to_the_tokens_that_fit_without_sampling() -> None:
+    """A cut chunk stops short of the prompt's end: it samples nothing, so the LM head's cost
+    (5 ms here) is not charged to it, and it may take all but the last token."""
+    timer = StepTimer(per_token(1.0, sampled_ms=5.0).predict, limit_s=0.010)
+    assert timer.cut(0, 20, True) == 10
+    assert timer.cut(0, 10, True) == 9  # 10 + 5 ms over; 10 without sampling would fit
+    assert timer.cut(0, 20, True, least=12) == 12  # progress the caller needs
+
+
+def test_with_no_time_left_a_chunk_gets_only_the_least_asked() -> None:
+    timer = StepTimer(per_token(1.0).predict, limit_s=0.002)
+    timer.add_decodes(contexts=10, count=3)
+    assert timer.cut(0, 5, False) == 0
+    assert timer.cut(0, 5, False, least=1) == 1
+    assert timer.cut(0, 5, False, whole=True) == 0
+    assert timer.cut(0, 5, False, least=1, whole=True) == 5
+
+
+def test_a_step_predicted_at_the_limit_fits_within_the_rounding_slack() -> None:
+    timer = StepTimer(lambda shape: SLACK * shape.tokens, limit_s=0.0)
+    assert timer.cut(0, 1, False) == 1  # predicted at limit + SLACK exactly
+    assert timer.cut(0, 2, False) == 1
