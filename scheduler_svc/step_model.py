@@ -196,6 +196,8 @@ def _nonnegative_solve(a: list[list[float]], b: list[float]) -> list[float]:
         if sub[worst] >= 0:
             break
         active.pop(worst)
+    else:
+        return [0.0] * len(b)  # every coefficient fitted negative (or there were none)
     coef = [0.0] * len(b)
     for i, v in zip(active, sub, strict=True):
         coef[i] = v

@@ -11,7 +11,19 @@ from hypothesis import strategies as st
 
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.step_cost import BatchShape, CostModel
-from scheduler_svc.step_model import BUILTIN_PRIOR, OnlineStepModel, StepModels, prior_of
+from scheduler_svc.step_model import (
+    BUILTIN_PRIOR,
+    LEVEL_CLIP,
+    LEVEL_WEIGHT,
+    REFIT_EVERY,
+    OnlineStepModel,
+    PredictionError,
+    StepModels,
+    _nonnegative_solve,
+    _solve,
+    prior_of,
+    prior_shapes,
+)
 
 TRUTH = CostModel(
     fixed=0.004, per_token=0.0002, per_sampled=0.0001, per_kv_read=5e-7, per_attention=2e-9
@@ -153,3 +165,145 @@ def test_a_rare_slow_step_barely_moves_the_prediction() -> None:
     hiccup, after = serving_shapes(rng, 2)
     model.observe(hiccup, 5 * TRUTH.predict(hiccup))  # the host stalled the worker once
     assert model.predict(after) == pytest.approx(TRUTH.predict(after), rel=0.1)
+
+
+def test_forget_is_a_factor_in_zero_to_one() -> None:
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match=rf"forget must be in \(0, 1\], got {bad}"):
+            OnlineStepModel(forget=bad)
+    assert OnlineStepModel(forget=1.0).forget == 1.0  # no forgetting at all
+
+
+def test_before_any_step_the_model_is_its_prior_exactly() -> None:
+    model = OnlineStepModel(prior=TRUTH)
+    assert model.prior is TRUTH and model.last == (0.0, 0.0)
+    assert model.model().coefficients() == TRUTH.coefficients()
+    assert model.model().meta == {"observed": 0}
+
+
+def test_a_prior_that_predicts_nothing_is_learned_past() -> None:
+    model = OnlineStepModel(prior=CostModel())
+    shape = BatchShape.of([(100, 1, True)] * 4)
+    assert model.predict(shape) == 0.0
+    for s in serving_shapes(random.Random(9), 100):
+        model.observe(s, TRUTH.predict(s))
+    assert model.predict(shape) == pytest.approx(TRUTH.predict(shape), rel=0.05)
+
+
+def test_each_step_is_scored_and_counted_and_the_error_is_by_nearest_rank() -> None:
+    rng = random.Random(10)
+    model = OnlineStepModel()
+    errors = []
+    for count, shape in enumerate(serving_shapes(rng, 20), start=1):
+        predicted, measured = model.predict(shape), TRUTH.predict(shape) * rng.uniform(0.5, 2)
+        model.observe(shape, measured)
+        errors.append(abs(predicted - measured) / measured)
+        assert model.last == (predicted, measured) and model.observed == count
+        if count in (10, 20):
+            ranked = sorted(errors)
+            p50, p90 = ranked[count // 2], ranked[count * 9 // 10]
+            assert model.error() == PredictionError(p50, p90, count)
+    assert model.model().meta == {"observed": 20}
+
+
+def test_one_step_moves_the_level_a_fifth_of_the_way_clipped_to_a_quarter() -> None:
+    shape = BatchShape.of([(100, 1, True)] * 8)  # about 6 ms
+    slower, faster = OnlineStepModel(prior=TRUTH), OnlineStepModel(prior=TRUTH)
+    slower.observe(shape, 3 * TRUTH.predict(shape))
+    faster.observe(shape, 0.3 * TRUTH.predict(shape))
+    assert slower.level == pytest.approx(1 + LEVEL_WEIGHT * (LEVEL_CLIP - 1))  # 1.05
+    assert faster.level == pytest.approx(1 + LEVEL_WEIGHT * (1 / LEVEL_CLIP - 1))  # 0.96
+    same = OnlineStepModel(prior=TRUTH)
+    same.observe(shape, 1.1 * TRUTH.predict(shape))
+    assert same.level == pytest.approx(1 + LEVEL_WEIGHT * 0.1)
+
+
+def test_a_step_measured_as_predicted_teaches_nothing_whatever_the_level() -> None:
+    model = OnlineStepModel(prior=TRUTH, forget=1.0)
+    first = BatchShape.of([(100, 1, True)] * 8)
+    model.observe(first, 2 * TRUTH.predict(first))  # the level rises: 1.05
+    shape, probes = BatchShape.of([(300, 1, True)] * 4), serving_shapes(random.Random(11), 20)
+    before = [model.predict(s) for s in probes]
+    model.observe(shape, model.predict(shape))  # it learns seconds / level: the fit it has
+    assert [model.predict(s) for s in probes] == pytest.approx(before, rel=1e-9)
+
+
+def test_the_fit_is_the_weighted_least_squares_of_the_steps_and_the_prior() -> None:
+    """Relative error (weight 1/y²), a step k steps old weighted FORGET**k, each measurement
+    divided by the level it was predicted with, the prior's grid worth one step in all."""
+    np = pytest.importorskip("numpy")
+    slow = CostModel(0.006, 0.0003, 0.00015, 7e-7, 3e-9)
+    model, rows = OnlineStepModel(prior=TRUTH, forget=0.9), []
+    for shape in serving_shapes(random.Random(13), 6):
+        rows.append((shape, slow.predict(shape) / model.level))
+        model.observe(shape, slow.predict(shape))
+    grid = prior_shapes()
+    weighted = [(s, TRUTH.predict(s), 1 / len(grid)) for s in grid]
+    weighted += [(s, y, 0.9 ** (len(rows) - 1 - k)) for k, (s, y) in enumerate(rows)]
+    x = np.array([np.sqrt(w) / y * np.array(s.vector()) for s, y, w in weighted])
+    want = np.linalg.lstsq(x, np.array([np.sqrt(w) for _, _, w in weighted]), rcond=None)[0]
+    assert all(want > 0)  # the unconstrained fit is the constrained one
+    got = [c / model.level for c in model.model().coefficients()]
+    assert got == pytest.approx(list(want), rel=1e-6)
+
+
+def test_the_fit_follows_every_step_at_first_then_every_refit_every_steps() -> None:
+    """The level moves every step; the fit (here: the ratio of two predictions, which the level
+    does not change) after each of the first REFIT_EVERY steps, then once every REFIT_EVERY."""
+    model, slow = OnlineStepModel(prior=TRUTH), CostModel(0.004, 0.002, 0.0001, 5e-7, 2e-9)
+    decodes, prompt = BatchShape.of([(100, 1, True)] * 8), BatchShape.of([(0, 256, True)])
+    ratios = []
+    for i in range(3 * REFIT_EVERY):
+        shape = BatchShape.of([(0, 64 + 8 * i, True)])
+        model.observe(shape, slow.predict(shape))
+        ratios.append(model.predict(decodes) / model.predict(prompt))
+    changed = [i + 1 for i in range(1, len(ratios)) if abs(ratios[i] / ratios[i - 1] - 1) > 1e-9]
+    assert changed == [*range(2, REFIT_EVERY + 1), 2 * REFIT_EVERY, 3 * REFIT_EVERY]
+
+
+def test_the_prior_is_laid_down_over_the_calibration_grid() -> None:
+    def decodes(rows: int, context: int) -> BatchShape:
+        return BatchShape.of([(context, 1, True)] * rows)
+
+    grid = [decodes(b, c) for b in (1, 8, 64) for c in (64, 1024, 8192)]
+    grid += [BatchShape.of([(s, n, True)]) for n in (16, 256, 2048) for s in (0, 4096)]
+    grid += [decodes(16, 512) + BatchShape.item(0, 256, False)]
+    assert prior_shapes() == grid
+    assert decodes(8, 1024) == BatchShape(8, 8, 8 * 1025, 8 * 1025)
+
+
+def test_every_worker_model_starts_from_the_prior_given() -> None:
+    models = StepModels(prior=TRUTH)
+    shape = BatchShape.of([(100, 1, True)] * 8)
+    assert models.of(3).prior is TRUTH and models.predict(5, shape) == TRUTH.predict(shape)
+    assert sorted(models.models) == [3, 5] and models.of(3) is models.of(3)
+
+
+def test_solve_pivots_and_scales_small_known_systems() -> None:
+    tridiagonal = [[2.0, 1.0, 0.0], [1.0, 2.0, 1.0], [0.0, 1.0, 2.0]]  # the last row's 0 pivots
+    assert _solve(tridiagonal, [4.0, 8.0, 8.0]) == pytest.approx([1, 2, 3], rel=1e-9)
+    tiny = [[1e-20, 0.0], [0.0, 4e-20]]  # features of very small values: the scaling keeps them
+    assert _solve(tiny, [1e-20, 8e-20]) == pytest.approx([1, 2], rel=1e-9)
+    assert _solve([[4.0, 0.0], [0.0, 0.0]], [8.0, 0.0]) == [pytest.approx(2), 0.0]  # singular
+
+
+def test_solve_shrinks_a_direction_the_data_barely_fix_and_never_flips_it() -> None:
+    d = 1e-13  # two features that differ by 1e-13: the ridge (1e-12) outweighs what separates them
+    x = _solve([[1.0, 1 - d], [1 - d, 1.0]], [d, -d])  # exactly: (1, -1)
+    assert 0 < x[0] < 1 and -1 < x[1] < 0
+
+
+def test_nonnegative_solve_drops_a_negative_coefficient_and_refits_the_rest() -> None:
+    # y = 1 + 2 t - 0.5 u over (t, u) in {0, 1}²: unconstrained u gets -0.5
+    xs = [(1.0, t, u) for t in (0.0, 1.0) for u in (0.0, 1.0)]
+    ys = [1 + 2 * t - 0.5 * u for _, t, u in xs]
+    a = [[sum(x[i] * x[j] for x in xs) for j in range(3)] for i in range(3)]
+    b = [sum(x[i] * y for x, y in zip(xs, ys, strict=True)) for i in range(3)]
+    assert _solve(a, b) == pytest.approx([1, 2, -0.5])
+    assert _nonnegative_solve(a, b) == pytest.approx([0.75, 2, 0])  # u dropped: the mean shifts
+
+
+def test_nonnegative_solve_with_nothing_to_fit_answers_zeros() -> None:
+    assert _nonnegative_solve([[1.0, 0.0], [0.0, 1.0]], [0.0, 0.0]) == [0.0, 0.0]
+    assert _nonnegative_solve([[1.0, 0.5], [0.5, 1.0]], [-1.0, -2.0]) == [0.0, 0.0]
+    assert _nonnegative_solve([], []) == []
