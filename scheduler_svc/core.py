@@ -152,6 +152,8 @@ class Scheduler:
             ws.caching = self.caching
             ws.kv.set_caching(self.caching)
             for seq in ws.running if release else ():
+                if seq.handle == NO_HANDLE:
+                    continue  # finished since its last step: all its blocks go at the next
                 keep = ws.kv.trim(seq)
                 if keep is not None:
                     ws.trims.append((seq.handle, keep))
