@@ -111,6 +111,9 @@ def run_workload(policy: str, workdir: Path, keep: ExitStack) -> Run:
         token_budget=16,
         policy=policy,
         metrics_base_port=free_run(3),
+        # a step-time budget that never binds (the prior predicts well under 1 s for 16
+        # tokens): the dashboard's budget line has a value to draw
+        step_time_budget_ms=60_000.0,
     )
     config = scrape_config(stack_targets(settings), interval_s=1)
     prometheus = keep.enter_context(Prometheus(config, workdir / "prometheus", free_port()))
