@@ -64,6 +64,10 @@ CORE_TESTS = (
     "tests/test_step_model.py",
     "tests/test_step_cost.py",
     "tests/test_bench_cost_model.py",
+    # what pins reconfigure / KvManager.trim / BlockPool.shrink (live settings) and the
+    # distrust of a failed chunk's KV (KvManager.distrust, Scheduler._distrust)
+    "tests/test_live_settings_core.py",
+    "tests/test_prefix_distrust.py",
 )
 GROUPS = {
     "core": Group(
