@@ -20,7 +20,7 @@ from rich.table import Table
 
 from llmserve import client
 from llmserve.client import status_dict
-from llmserve.demo_live import figure4_switch
+from llmserve.demo_live import SIM_STEP_MS, figure4_switch
 from llmserve.demo_questions import QUESTIONS
 from llmserve.stack import Stack, StackSettings
 from llmserve.status_text import REASONS, explanation_text, format_status
@@ -232,7 +232,9 @@ def part3(log_dir: Path) -> bool:
 
 def part4(log_dir: Path) -> bool:
     console.rule("[bold]4. Control: Figure 4 under reserve, explained, then switched to paged live")
-    console.print("B (6 + 14 reserved) decodes, C (6 + 6) waits; simulated steps of 100 ms.")
+    console.print(
+        f"B (6 + 14 reserved) decodes, C (6 + 6) waits; simulated steps of {SIM_STEP_MS:g} ms."
+    )
     run = figure4_switch(BASE, log_dir / "live-switch")
     console.print("$ llmserve status --explain   (while C waits)")
     console.print("  " + explanation_text({"explanation": run.explanation}).replace("\n", "\n  "))

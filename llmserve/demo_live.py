@@ -16,6 +16,7 @@ from llmserve.stack import Stack, StackSettings
 
 PROMPT = " a b c d e f"  # six tokens
 KEY = "demo-admin-key"
+SIM_STEP_MS = 300.0  # B's 14 steps: 4 s to ask and change while C waits
 
 
 @dataclass
@@ -35,7 +36,7 @@ def figure4_settings(base: StackSettings, key_file: Path) -> StackSettings:
     return replace(
         base,
         model="sim",
-        sim_step_ms=300.0,  # B's 14 steps: 4 s to ask and change while C waits
+        sim_step_ms=SIM_STEP_MS,
         policy="reserve",
         kv_capacity=24,
         block_size=1,
