@@ -267,6 +267,9 @@ BENCH_EXTRA = {"rich", "tqdm", "matplotlib", "transformers", "safetensors", "ope
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    # Ctrl-C (SIGINT) interrupts every command, also one started in the background of a
+    # non-interactive shell, which inherits SIGINT ignored (Python then keeps it ignored)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         code = args.func(args)
     except KeyboardInterrupt:
