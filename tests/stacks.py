@@ -38,3 +38,9 @@ def running_stack(settings: StackSettings, log_dir: Path):
         yield stack
     finally:
         stack.stop()
+
+
+def with_http_port(settings: StackSettings) -> StackSettings:
+    """`settings` with an HTTP port of its own, free and apart from the stack's gRPC ports."""
+    taken = [settings.gateway_port, settings.scheduler_port, settings.worker_base_port]
+    return replace(settings, http_port=free_run(1, taken))

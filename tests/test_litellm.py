@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 
 import pytest
 
-from tests.stacks import free_run, running_stack, tiny_settings
+from tests.stacks import running_stack, tiny_settings, with_http_port
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its price list: no download
 litellm = pytest.importorskip("litellm")  # requirements-bench.txt; CI installs it
@@ -32,9 +31,8 @@ ADD = {
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    settings = tiny_settings(max_running=4)
-    ports = free_run(1, [settings.gateway_port, settings.scheduler_port, settings.worker_base_port])
-    with running_stack(replace(settings, http_port=ports), tmp_path_factory.mktemp("litellm")) as s:
+    settings = with_http_port(tiny_settings(max_running=4))
+    with running_stack(settings, tmp_path_factory.mktemp("litellm")) as s:
         yield s
 
 

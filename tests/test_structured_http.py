@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-from dataclasses import replace
 from typing import Literal
 
 import grpc
@@ -17,7 +16,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.stacks import free_run, running_stack, tiny_settings
+from tests.stacks import running_stack, tiny_settings, with_http_port
 
 pytestmark = pytest.mark.usefixtures("hang_guard")
 ASK = [{"role": "user", "content": "Describe a person."}]
@@ -45,9 +44,8 @@ class Person(Strict):
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    settings = tiny_settings(max_running=8, default_max_tokens=400)
-    ports = free_run(1, [settings.gateway_port, settings.scheduler_port, settings.worker_base_port])
-    with running_stack(replace(settings, http_port=ports), tmp_path_factory.mktemp("so")) as s:
+    settings = with_http_port(tiny_settings(max_running=8, default_max_tokens=400))
+    with running_stack(settings, tmp_path_factory.mktemp("so")) as s:
         yield s
 
 

@@ -6,7 +6,6 @@ method="function_calling")`; auto's prompt and answer; malformed tools are 400 n
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from typing import Literal
 
 import jsonschema
@@ -14,7 +13,7 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from tests.stacks import free_run, running_stack, tiny_settings
+from tests.stacks import running_stack, tiny_settings, with_http_port
 
 pytestmark = pytest.mark.usefixtures("hang_guard")
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -58,9 +57,8 @@ class Weather(Strict):
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    settings = tiny_settings(max_running=8, default_max_tokens=200)
-    ports = free_run(1, [settings.gateway_port, settings.scheduler_port, settings.worker_base_port])
-    with running_stack(replace(settings, http_port=ports), tmp_path_factory.mktemp("tools")) as s:
+    settings = with_http_port(tiny_settings(max_running=8, default_max_tokens=200))
+    with running_stack(settings, tmp_path_factory.mktemp("tools")) as s:
         yield s
 
 
