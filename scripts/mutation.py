@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build" / "mutation"
 OUT = ROOT / "results" / "mutation"
 PACKAGES = ("gateway", "llmserve", "scheduler_svc", "worker_svc")
-DATA = ("docs",)  # read by tests (the metrics tables: tests/test_metrics_docs.py)
+DATA = ("docs", "data")  # read by tests (the metrics tables: tests/test_metrics_docs.py; the
+# committed cost model: tests/test_bench_cost_model.py)
 KILLED = {"killed", "timeout", "caught by type check", "segfault"}
 GOAL = 90.0
 SCHEDULER_CRASHED = 70
