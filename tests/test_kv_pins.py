@@ -1,0 +1,171 @@
+"""One worker's KV manager, asked as the core asks it, in the cases the core's runs do not reach:
+salted requests, keys reused or looked up again, a short prompt that decodes past a block,
+reservations beside running requests, trims, caching switched, and a distrust that has to
+follow keys or go round the running requests more than once."""
+
+from __future__ import annotations
+
+from scheduler_svc.blocks import block_keys
+from scheduler_svc.kv import FailedWork, KeyMemo, KvManager
+from scheduler_svc.reasons import StallReason
+from scheduler_svc.sequence import Sequence
+
+BS = 4
+
+
+def req(
+    rid: str, prompt: list[int], salt: bytes = b"", output: list[int] | None = None
+) -> Sequence:
+    return Sequence(rid, list(prompt), 4, cache_salt=salt, output_ids=list(output or []))
+
+
+def written(kv: KvManager, seq: Sequence, positions: int) -> None:
+    """`seq` holds and has written `positions` positions, its full blocks committed."""
+    assert kv.allocate(seq, positions) is not None
+    kv.commit(seq, seq.num_computed, positions)
+    seq.num_computed = positions
+
+
+def test_only_requests_of_equal_salt_find_each_others_blocks() -> None:
+    kv = KvManager(16, BS, caching=True)
+    prompt = list(range(10, 18))  # two full blocks
+    written(kv, req("a", prompt + [1], b"tenant-1"), 8)
+    kv.sent()
+    assert kv.hit(req("b", prompt + [2], b"tenant-2")) == []
+    assert kv.hit(req("c", prompt + [3])) == []
+    assert kv.hit(req("d", prompt + [4], b"tenant-1")) == kv.pool.table("a")[:2]
+
+
+def test_a_short_prompt_decoded_past_two_blocks_is_found_by_its_resent_conversation() -> None:
+    """Its keys come from prompt and output together (the prompt is shorter than a block),
+    salted like the prompt's: a request that resends the conversation finds both blocks."""
+    kv = KvManager(16, BS, caching=True)
+    a = req("a", [5, 6, 7], b"tenant-1")
+    assert kv.hit(a) == []  # at its admission: nothing to look up, no key made
+    assert kv.allocate(a, 9) is not None
+    a.output_ids = [8, 9, 10, 11, 12, 13]
+    a.num_computed = 9
+    kv.free(a)  # its decodes filled two blocks: cached as it leaves
+    kv.sent()
+    conversation = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    assert len(kv.hit(req("b", conversation, b"tenant-1"))) == 2
+    assert kv.hit(req("c", conversation)) == []
+
+
+def test_a_recompute_with_output_reuses_only_the_keys_of_its_prompts_full_blocks() -> None:
+    memo = KeyMemo()
+    document = list(range(300, 300 + 10 * BS))
+    a = req("a", document + [1])
+    memo.reuse(a, BS, 10)  # the first to start so: its first key only
+    theirs = block_keys(a.prompt_ids, BS, a.block_keys, 10)
+    b = req("b", document[: 5 * BS + 2], output=list(range(900, 910)))  # 22 + 10 known
+    memo.reuse(b, BS, (b.known - 1) // BS)
+    assert b.block_keys == theirs[:5]
+
+
+def test_a_request_looked_up_again_after_another_with_its_first_block_keeps_its_own_keys() -> None:
+    """B waits (looked up at every plan); C, with the same first blocks, is looked up in
+    between. B's keys stay its own: its blocks are cached under their true keys, and a later
+    request finds B's second block, not another."""
+    kv = KvManager(64, BS, caching=True)
+    document = list(range(500, 500 + 8 * BS))
+    a = req("a", document + [1])
+    kv.hit(a)
+    written(kv, a, 8 * BS)
+    kv.sent()
+    b = req("b", document[: 2 * BS] + [7] * (6 * BS) + [2])
+    assert kv.hit(b) == kv.pool.table("a")[:2]
+    kv.hit(req("c", document[: 2 * BS] + [8] * (6 * BS) + [3]))
+    kv.hit(b)
+    b.output_ids = [4, 5, 6]  # decoded to 36 positions: nine full blocks
+    written(kv, b, 9 * BS)
+    kv.sent()
+    e = req("e", document[: 2 * BS] + [9] * BS + [1])
+    assert kv.hit(e) == kv.pool.table("b")[:2]
+
+
+def test_a_reservation_fits_exactly_beside_a_request_reserved_whole() -> None:
+    kv = KvManager(8, BS, caching=False)
+    r = req("r", [1] * 4)
+    r.stop_at = 16
+    assert kv.allocate(r, 16) is not None  # its whole reservation: it owes nothing
+    assert kv.owed([r]) == 0
+    assert kv.why_not_admit([], 4, 16, [r]) is None  # the 4 blocks left
+    assert kv.why_not_admit([], 4, 17, [r]) == StallReason.KV_RESERVED
+
+
+def test_a_reservation_waits_for_the_blocks_a_paged_request_may_still_take() -> None:
+    kv = KvManager(8, BS, caching=False)
+    p = req("p", [1] * 4)
+    p.stop_at = 16
+    assert kv.allocate(p, 4) is not None  # admitted paged: 1 block of the 4 it may reach
+    assert kv.owed([p]) == 3
+    assert kv.why_not_admit([], 4, 16, [p]) is None  # 4 + 3 of the 7 free
+    assert kv.why_not_admit([], 4, 20, [p]) == StallReason.KV_RESERVED  # 5 + 3
+
+
+def test_freeing_keeps_the_cache_unless_told_otherwise() -> None:
+    kv = KvManager(8, BS, caching=True)
+    a = req("a", list(range(8)), output=[50, 51, 52, 53])  # decoded: its third block is full
+    assert kv.allocate(a, 12) is not None
+    kv.commit(a, 0, 8)
+    a.num_computed = 12
+    kv.free(a)
+    assert kv.usage([]).cached_blocks == 3
+
+
+def test_a_trim_leaves_the_request_holding_exactly_the_blocks_it_keeps() -> None:
+    kv = KvManager(8, BS, caching=False)
+    r = req("r", [1] * 4)
+    assert kv.allocate(r, 16) is not None
+    r.num_computed = 5
+    assert kv.trim(r) == 2 and r.held == 2 * BS and kv.num_free == 6
+    assert kv.allocate(r, 8) == [] and kv.trim(r) is None
+
+
+def test_caching_turned_on_caches_and_left_on_keeps_what_is_cached() -> None:
+    kv = KvManager(16, BS, caching=False)
+    kv.set_caching(True)
+    prompt = list(range(40, 48))
+    written(kv, req("a", prompt + [1]), 8)
+    kv.sent()
+    kv.set_caching(True)  # another setting changed: caching stays on
+    assert kv.hit(req("b", prompt + [2])) == kv.pool.table("a")[:2]
+
+
+def test_a_chunk_failing_after_its_request_left_distrusts_its_later_chunks_by_their_keys() -> None:
+    """A's second chunk, planned over its first, is cached; A is preempted (its table gone);
+    then the first chunk fails. The second chunk's block leaves the cache too: once someone
+    computes the first block again, nobody may find A's second one behind it."""
+    kv = KvManager(16, BS, caching=True)
+    prompt = list(range(60, 72))
+    a = req("a", prompt + [1])
+    assert kv.allocate(a, 8) is not None
+    kv.commit(a, 0, 4)
+    kv.commit(a, 4, 8)
+    a.num_computed = 8
+    first = kv.blocks(a, 0, 4)
+    kv.free(a)
+    kv.sent()
+    kv.distrust([FailedWork(a, 0, first, owns_table=False)], [])
+    b = req("b", prompt[:4] + [9])
+    written(kv, b, 4)
+    kv.sent()
+    assert kv.hit(req("c", prompt + [1])) == kv.pool.table("b")[:1]
+
+
+def test_distrust_reaches_a_request_through_one_looked_at_after_it() -> None:
+    """The closure does not depend on the order the others are looked at: P holds only a
+    block that Q, looked at after P, holds after a distrusted one."""
+    kv = KvManager(32, BS, caching=True)
+    f = req("f", [1] * 4 + [0])
+    written(kv, f, 4)
+    x = req("x", [2] * 4 + [0])
+    written(kv, x, 4)
+    kv.sent()
+    [f0], [x0] = kv.pool.table("f"), kv.pool.table("x")
+    t, p, q = req("t", [3] * 5), req("p", [4] * 5), req("q", [5] * 9)
+    kv.share(t, [f0])
+    kv.share(p, [x0])
+    kv.share(q, [f0, x0])
+    assert kv.distrust([FailedWork(f, 0, [f0], owns_table=True)], [t, p, q]) == [q, p, t]
