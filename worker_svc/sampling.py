@@ -9,10 +9,13 @@ generated tokens), the presence and frequency penalties (generated tokens), the 
 top-p. Greedy takes the argmax after the first five. Logprobs are those of the raw
 model logits (vLLM's default), whatever the settings.
 
-The rows whose only change to the logits is their grammar are masked in one op (their masks one
-tensor, worker_svc/grammar.py's RowMasks): greedy ones take the argmax of that tensor, the others
-are drawn from their row of it, one by one as every shaped row is (the same draws as a row
-masked alone).
+The rows whose only change to the logits is their grammar (their masks one tensor,
+worker_svc/grammar.py's RowMasks) are drawn over what their grammar allows. Where it allows at
+most 1/NARROW_SHARE of the vocabulary (a key, an enum, a digit: most of a JSON answer), the row
+is drawn over those ids alone, a draw of a few (or no) numbers rather than one over the whole
+vocabulary: the same distribution, and seeded it depends only on (seed, sample_index, the
+allowed ids' logits). A token the grammar forces is taken without a draw. The wider rows are
+masked in one op and drawn as a row masked alone (the same draws as before).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ def fresh_generator() -> torch.Generator:
     return torch.Generator().manual_seed(secrets.randbits(63))
 
 
+NARROW_SHARE = 8  # a grammar that allows at most vocab / 8 tokens: drawn over their ids alone
+
+
 def sample_tokens(
     logits: torch.Tensor,  # [rows, vocab] fp32
     settings: list[SamplingParams],
@@ -53,43 +59,83 @@ def sample_tokens(
     """One token per row. A row's history is every token the request has processed (its prompt,
     then its sample_index generated tokens); only penalized rows need one. A row whose settings
     hold a grammar is masked by its row of `masks` (worker_svc/grammar.py)."""
-    only, masked_rows = _grammar_only(logits, settings, masks)  # [rows, vocab], in one op
-    masked = dict(zip(only, masked_rows, strict=True))  # row -> its logits under its grammar
-    allowed = {} if masks is None else dict(zip(masks.rows, masks.allowed, strict=True))
     out = logits.argmax(dim=-1)  # [rows]: the greedy rows' tokens
-    if only:
-        out[only] = masked_rows.argmax(dim=-1)
+    done = set(_grammar_only(logits, settings, sample_indices, rng, masks, out))
+    allowed = {} if masks is None else dict(zip(masks.rows, masks.allowed, strict=True))
     plain = [i for i, s in enumerate(settings) if _plain(s)]
     if plain:  # unseeded temperature-only rows: one batched draw
         temps = torch.tensor([settings[i].temperature for i in plain]).unsqueeze(1)  # [rows, 1]
         rows = logits[plain].float()
         probs = torch.softmax((rows - rows.max(dim=-1, keepdim=True).values) / temps, dim=-1)
         out[plain] = torch.multinomial(probs, 1, generator=rng).squeeze(1)
-    drawn = set(plain)
+    done.update(plain)
     for row, s in enumerate(settings):
-        shaped = s.shapes_logits and row not in masked
-        if row in drawn or (s.greedy and not shaped):
+        if row in done or (s.greedy and not s.shapes_logits):
             continue
-        row_logits = masked.get(row, logits[row])
-        if shaped:
+        row_logits = logits[row]
+        if s.shapes_logits:
             history = histories[row] if histories is not None else ()
             row_logits = shape_logits(row_logits, s, history, sample_indices[row], allowed.get(row))
-        gen = rng
-        if s.seed is not None and not s.greedy:
-            gen = torch.Generator().manual_seed(draw_seed(s.seed, sample_indices[row]))
-        out[row] = sample_one(row_logits, s, gen)
+        out[row] = sample_one(row_logits, s, _generator(s, sample_indices[row], rng))
     return out.tolist()
 
 
+def _generator(s: SamplingParams, sample_index: int, rng: torch.Generator) -> torch.Generator:
+    """A seeded row's own generator for this draw; the worker's for the rest."""
+    if s.seed is None or s.greedy:
+        return rng
+    return torch.Generator().manual_seed(draw_seed(s.seed, sample_index))
+
+
 def _grammar_only(
-    logits: torch.Tensor, settings: list[SamplingParams], masks: RowMasks | None
-) -> tuple[list[int], torch.Tensor]:
-    """The rows whose grammar is their only change to the logits, and their logits masked."""
+    logits: torch.Tensor,
+    settings: list[SamplingParams],
+    sample_indices: list[int],
+    rng: torch.Generator,
+    masks: RowMasks | None,
+    out: torch.Tensor,  # [rows]: their tokens are written here
+) -> list[int]:
+    """The tokens of the rows whose grammar is their only change to the logits; those rows."""
     if masks is None:
-        return [], logits[:0]
+        return []
     at = [k for k, row in enumerate(masks.rows) if not settings[row].shapes_beyond_grammar]
-    rows = [masks.rows[k] for k in at]
-    return rows, grammar_masked(logits[rows].float(), masks.allowed[at])
+    rows, allowed = [masks.rows[k] for k in at], masks.allowed[at]  # [len(at), vocab]
+    counts = allowed.sum(dim=-1).tolist()
+    vocab = logits.shape[-1]
+    narrow = [j for j, n in enumerate(counts) if 0 < n * NARROW_SHARE <= vocab]
+    wide = [j for j, n in enumerate(counts) if not 0 < n * NARROW_SHARE <= vocab]
+    if narrow:  # each row's allowed ids, ascending, in one op
+        ids = allowed[narrow].nonzero()[:, 1].split([counts[j] for j in narrow])
+        for j, row_ids in zip(narrow, ids, strict=True):
+            out[rows[j]] = _draw_among(
+                logits[rows[j]], row_ids, settings[rows[j]], sample_indices[rows[j]], rng
+            )
+    if wide:  # raw logits are finite: a grammar's mask alone leaves each row something to draw
+        masked = logits[[rows[j] for j in wide]].float().masked_fill(~allowed[wide], -math.inf)
+        for j, row_logits in zip(wide, masked, strict=True):
+            out[rows[j]] = _pick(row_logits, settings[rows[j]], sample_indices[rows[j]], rng)
+    return rows
+
+
+def _draw_among(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    s: SamplingParams,
+    sample_index: int,
+    rng: torch.Generator,
+) -> int:
+    """logits: [vocab]; ids: the allowed tokens, ascending. A token of `ids`, drawn as `s` says
+    from their logits alone (greedy: the first of the highest); one id is taken as it is."""
+    if len(ids) == 1:
+        return int(ids[0])
+    return int(ids[_pick(logits[ids].float(), s, sample_index, rng)])
+
+
+def _pick(logits: torch.Tensor, s: SamplingParams, sample_index: int, rng: torch.Generator) -> int:
+    """logits: [n]. The argmax of a greedy row, else a draw with the row's generator."""
+    if s.greedy:
+        return int(logits.argmax())
+    return sample_one(logits, s, _generator(s, sample_index, rng))
 
 
 def _plain(s: SamplingParams) -> bool:

@@ -92,9 +92,10 @@ SCHEMAS = {  # name: (schema, what to ask)
 }
 
 
-async def one(client, model: str, seed: int, constrained: bool, max_tokens: int):
+async def one(client, model: str, seed: int, constrained: bool, max_tokens: int, exact: bool):
     """(output tokens, mean inter-token seconds) of one streamed request: its tokens after the
-    first over the time from the first to the last (a chunk may carry several tokens)."""
+    first over the time from the first to the last (a chunk may carry several tokens). exact:
+    exactly max_tokens tokens (ignore_eos)."""
     extra = {"response_format": FORMAT} if constrained else {}
     stream = await client.chat.completions.create(
         model=model,
@@ -104,6 +105,7 @@ async def one(client, model: str, seed: int, constrained: bool, max_tokens: int)
         seed=seed,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True} if exact else None,
         **extra,
     )
     first = last = None
@@ -118,21 +120,33 @@ async def one(client, model: str, seed: int, constrained: bool, max_tokens: int)
     return tokens, gap
 
 
-async def load(client, model: str, concurrency: int, constrained: bool, rounds: int, max_tokens):
-    """(output tok/s, p50 of the requests' inter-token ms): concurrency x rounds requests,
-    `concurrency` at a time."""
+async def load(
+    client,
+    model: str,
+    concurrency: int,
+    constrained: bool,
+    rounds: int,
+    max_tokens: int,
+    lengths: list[int] | None = None,
+) -> tuple[float, float, list[int]]:
+    """(output tok/s, p50 of the requests' inter-token ms, each request's tokens):
+    concurrency x rounds requests, `concurrency` at a time. lengths: request i generates
+    exactly lengths[i] tokens (a free run as long as a constrained one)."""
     gate = asyncio.Semaphore(concurrency)
 
     async def gated(seed: int):
         async with gate:
-            return await one(client, model, seed, constrained, max_tokens)
+            if lengths is None:
+                return await one(client, model, seed, constrained, max_tokens, False)
+            return await one(client, model, seed, constrained, max(lengths[seed], 1), True)
 
     started = time.perf_counter()
     results = await asyncio.gather(*(gated(i) for i in range(concurrency * rounds)))
     seconds = time.perf_counter() - started
     tokens = sum(n for n, _ in results)
     gaps = [g for _, g in results if g is not None]
-    return tokens / seconds, statistics.median(gaps) * 1000 if gaps else float("nan")
+    p50 = statistics.median(gaps) * 1000 if gaps else float("nan")
+    return tokens / seconds, p50, [n for n, _ in results]
 
 
 async def answer(client, model: str, name: str, seed: int, max_tokens: int) -> str | None:
@@ -198,6 +212,14 @@ async def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each, medians kept")
     parser.add_argument("--validate", type=int, default=60, help="answers checked (0: none)")
+    parser.add_argument(
+        "--lengths",
+        choices=("schema", "own"),
+        default="schema",
+        help="schema: each free request generates exactly as many tokens as the schema answer "
+        "of the same seed (ignore_eos), so both runs do the same work beside the grammar; own: "
+        "free answers end where the model ends them (up to --max-tokens)",
+    )
     args = parser.parse_args()
     client = openai.AsyncOpenAI(base_url=args.url, api_key="-", max_retries=0, timeout=600)
     await load(client, args.model, 2, True, 1, args.max_tokens)  # warm: the worker's table
@@ -206,18 +228,23 @@ async def main() -> None:
         print(f"valid answers: {valid}/{count} ({100 * valid / count:.0f}%) over {list(SCHEMAS)}")
         for failure in failures:
             print("  invalid:", failure)
+    print(f"free answers' lengths: {args.lengths}")
     print(
         "| concurrency | free tok/s | schema tok/s | ratio | free p50 ITL ms | schema p50 ITL ms |"
     )
     print("|---|---|---|---|---|---|")
     for c in [int(x) for x in args.concurrency.split(",")]:
         runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-        for _ in range(args.repeats):  # free and constrained in turn: the host's drift shared
-            for constrained in (False, True):
-                figures = await load(
-                    client, args.model, c, constrained, args.rounds, args.max_tokens
-                )
-                runs[constrained].append(figures)
+        for _ in range(args.repeats):  # constrained and free in turn: the host's drift shared
+            rate, itl, lengths = await load(
+                client, args.model, c, True, args.rounds, args.max_tokens
+            )
+            runs[True].append((rate, itl))
+            same = lengths if args.lengths == "schema" else None
+            rate, itl, _ = await load(
+                client, args.model, c, False, args.rounds, args.max_tokens, same
+            )
+            runs[False].append((rate, itl))
         free, constrained = (_medians(runs[k]) for k in (False, True))
         ratio = constrained[0] / free[0]
         print(
