@@ -5,7 +5,8 @@ streaming clients (gRPC to the gateway, or its OpenAI HTTP API); over a window a
 CPU seconds per 1,000 output tokens of each process (utime + stime from /proc/PID/stat, the
 client's own too), output tok/s, the worker's forward time per step (its own reports), the
 inter-token time the client sees (mean gap between one stream's tokens), and what the worker
-alone would do for the same batches (tokens / forward seconds).
+alone would do for the same batches (tokens / forward seconds). Over HTTP a chunk counts as
+one token in the inter-token time (a chunk of a stream that caught up holds several).
 
 `--base DIR` runs another checkout side by side (a clone with its stubs and kernels; its
 processes start from there with PYTHONPATH=DIR), alternating base and this tree, and prints
@@ -28,6 +29,7 @@ HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent.parent
 TICKS = os.sysconf("SC_CLK_TCK")
 PROCESSES = ("gateway", "scheduler", "worker0", "client")
+IDLE_S = 2.0  # the idle stack's CPU is measured this long before the load starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +56,9 @@ class Row:
     tokens_per_step: float
     worker_tok_s: float  # tokens / forward seconds: the worker alone for the same batches
     itl_ms: float  # mean gap between a stream's tokens after its first, as the client sees them
+    tokens_per_message: float  # as the client receives them (more than 1: a stream caught up)
     busy: float  # forward seconds / wall
+    idle_cpu: dict[str, float]  # process -> CPU s per s with no request, before the load
 
 
 def cpu_seconds(pid: int) -> float:
@@ -69,6 +73,8 @@ class ClosedLoop:
     def __init__(self, config: Config, target: str) -> None:
         self.config, self.target = config, target
         self.tokens = 0
+        self.messages = 0  # with tokens, in the window
+        self.counted = 0  # their tokens
         self.gap_s = 0.0  # summed gaps between a stream's tokens after its first
         self.gaps = 0
         self.measuring = False
@@ -78,6 +84,8 @@ class ClosedLoop:
     def seen(self, count: int, last: float | None) -> float:
         now = time.perf_counter()
         self.tokens += count
+        if self.measuring:
+            self.messages, self.counted = self.messages + 1, self.counted + count
         if self.measuring and last is not None:
             self.gap_s += now - last
             self.gaps += count
@@ -139,7 +147,7 @@ class ClosedLoop:
                         return
                     async for line in reply.aiter_lines():
                         if line.startswith("data: {"):
-                            last = self.seen(1, last)  # one token per chunk (interval 0)
+                            last = self.seen(1, last)  # a chunk counts as one token here
                         if self.stopping:
                             return
 
@@ -160,6 +168,9 @@ def sample(pids: dict[str, int]) -> dict[str, float]:
 
 async def measure(config: Config, settings, pids: dict[str, int], rev: str) -> Row:
     target = settings.gateway if config.api == "grpc" else settings.http_url
+    idle0, i0 = sample(pids), time.perf_counter()
+    await asyncio.sleep(IDLE_S)
+    idle1, i1 = sample(pids), time.perf_counter()
     load = ClosedLoop(config, target)
     task = asyncio.create_task(load.run())
     try:
@@ -196,7 +207,9 @@ async def measure(config: Config, settings, pids: dict[str, int], rev: str) -> R
         tokens_per_step=tokens / max(steps, 1),
         worker_tok_s=tokens / max(forward, 1e-9),
         itl_ms=1e3 * load.gap_s / max(load.gaps, 1),
+        tokens_per_message=load.counted / max(load.messages, 1),
         busy=forward / wall,
+        idle_cpu={n: (idle1[n] - idle0[n]) / (i1 - i0) for n in idle0},
     )
 
 
@@ -249,10 +262,10 @@ def table(rows: list[Row]) -> str:
     names = PROCESSES
     head = (
         "| rev | model | api | conc | out tok/s | worker alone tok/s | stack/worker | "
-        "step ms | ITL ms | ITL/step | tok/step | "
+        "step ms | ITL ms | ITL/step | tok/step | tok/msg | "
         + " | ".join(f"{n} CPU s/1k" for n in names)
         + " |\n|"
-        + "---|" * (11 + len(names))
+        + "---|" * (12 + len(names))
     )
     lines = [head]
     for r in rows:
@@ -261,6 +274,7 @@ def table(rows: list[Row]) -> str:
             f"| {r.rev} | {r.model} | {r.api} | {r.concurrency} | {r.tok_s:.1f} | "
             f"{r.worker_tok_s:.1f} | {r.tok_s / r.worker_tok_s:.2f} | {r.step_ms:.2f} | "
             f"{r.itl_ms:.2f} | {r.itl_ms / max(r.step_ms, 1e-9):.2f} | {r.tokens_per_step:.1f} | "
+            f"{r.tokens_per_message:.2f} | "
             f"{cpu} |"
         )
     return "\n".join(lines)
@@ -304,7 +318,9 @@ def main() -> int:
                 runs[rev].append(row)
                 print(f"  {rev} {model} {api} c={conc}: {row.tok_s:.1f} tok/s, "
                       f"ITL {row.itl_ms:.2f} ms, step {row.step_ms:.2f} ms, "
-                      f"CPU/1k {json.dumps({k: round(v, 3) for k, v in row.cpu_per_1k.items()})}",
+                      f"{row.tokens_per_message:.2f} tok/msg, "
+                      f"CPU/1k {json.dumps({k: round(v, 3) for k, v in row.cpu_per_1k.items()})}, "
+                      f"idle CPU {json.dumps({k: round(v, 3) for k, v in row.idle_cpu.items()})}",
                       flush=True)  # fmt: skip
         medians = {rev: median_row(rs) for rev, rs in runs.items()}
         rows += medians.values()
