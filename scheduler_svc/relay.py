@@ -93,3 +93,14 @@ class EventRelay:
             queue = self.streams.get(rid)
             if out is not None and queue is not None:
                 queue.put_nowait(out)
+
+
+async def next_message(queue: asyncio.Queue[scheduler_pb2.TokenEvent]) -> scheduler_pb2.TokenEvent:
+    """A request stream's next message: the first event waiting, with every event queued
+    behind it merged in (tokens and logprobs appended in order, the admission and the finish
+    kept). A stream that fell behind the steps catches up in one message, not one per step;
+    one that keeps up sends each step's news at once, as before."""
+    event = await queue.get()
+    while not queue.empty():
+        event.MergeFrom(queue.get_nowait())
+    return event

@@ -21,7 +21,7 @@ from scheduler_svc.core import Scheduler
 from scheduler_svc.invariants import ENV_VAR, check_invariants, check_step
 from scheduler_svc.output import Refused
 from scheduler_svc.reasons import RefusalReason
-from scheduler_svc.relay import EventRelay
+from scheduler_svc.relay import EventRelay, next_message
 from scheduler_svc.run_clock import RunClock
 from scheduler_svc.sequence import Sequence
 from scheduler_svc.settings import SchedulerSettings
@@ -148,7 +148,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finished = False
         try:
             while not finished:
-                event = await queue.get()
+                event = await next_message(queue)  # what queued up, in one message
                 finished = event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                 yield event
         finally:
