@@ -84,9 +84,10 @@ class Session:
         try:
             handles, batch = self.constrain(*self.apply(step, failed), failed)
             shape = shape_of(batch)
-            if batch:
+            if batch:  # timed: what the shape drives (forward, sampling), as it is predicted
+                begun = time.perf_counter()
                 tokens = self.execute(handles, batch, failed)
-                seconds = time.perf_counter() - started
+                seconds = time.perf_counter() - begun
                 sampled = self.advance(handles, batch, tokens, failed)
                 result.tokens.extend(token for token, _ in sampled)
                 if any(lp is not None for _, lp in sampled):
