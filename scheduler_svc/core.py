@@ -359,10 +359,11 @@ class Scheduler:
         otherwise its next tokens are prompt (or recompute) tokens, sent as a chunk. Under a
         step-time budget the decodes are counted first (they always run) and a chunk is cut to
         the time left, the first one of the step to at least one token."""
-        timer = step.timer
+        timer, ahead = step.timer, 0
         if timer is not None:
-            ahead = [s for s in ws.running if s not in ws.prefilling and s.known < s.stop_at]
-            timer.add_decodes(sum(s.num_computed + 1 for s in ahead), len(ahead))
+            decoding = [s for s in ws.running if s not in ws.prefilling and s.known < s.stop_at]
+            timer.add_decodes(sum(s.num_computed + 1 for s in decoding), len(decoding))
+            ahead = len(decoding)
         for seq in ws.running:
             computed, known = seq.num_computed, seq.known
             if known >= seq.stop_at or step.budget == 0:
@@ -381,8 +382,8 @@ class Scheduler:
             if n and (computed + n <= seq.held or self._make_room(ws, seq, computed + n, step)):
                 step.budget -= n
                 self._plan_chunk(ws, step, seq, n)
-        if timer is not None:
-            timer.shape = step_shape(step)  # what the step holds (a decode may have been cut)
+        if timer is not None and len(step.decodes) != ahead:  # a decode was cut (preempted, or
+            timer.shape = step_shape(step)  # no budget left): what the step holds, anew
 
     def _plan_chunk(self, ws: WorkerState, step: Step, seq: Sequence, n: int) -> None:
         start = seq.num_computed

@@ -242,3 +242,52 @@ def test_a_step_predicted_at_the_limit_fits_within_the_rounding_slack() -> None:
     timer = StepTimer(lambda shape: SLACK * shape.tokens, limit_s=0.0)
     assert timer.cut(0, 1, False) == 1  # predicted at limit + SLACK exactly
     assert timer.cut(0, 2, False) == 1
+
+
+class Counted:
+    """A predictor that counts its calls."""
+
+    def __init__(self, predict) -> None:
+        self.predict, self.calls = predict, 0
+
+    def __call__(self, shape: BatchShape) -> float:
+        self.calls += 1
+        return self.predict(shape)
+
+
+def most_that_fit(timer: StepTimer, start: int, n: int) -> int:
+    """What a cut must answer, by trying every k."""
+    return max(
+        k for k in range(n) if timer.predict(timer.shape + BatchShape.item(start, k, False))
+        <= timer.limit + SLACK or k == 0
+    )  # fmt: skip
+
+
+MONOTONE = {
+    "linear": CostModel(0.9e-3, 62e-6, 0.0, 69e-9, 56e-9).predict,
+    "convex": lambda shape: 1e-3 + 1e-9 * shape.tokens**2 + 50e-6 * shape.tokens,
+    "steps": lambda shape: 1e-3 * (shape.tokens // 7) + (2e-3 if shape.tokens > 40 else 0.0),
+}
+
+
+@pytest.mark.parametrize("kind", MONOTONE)
+def test_a_cut_is_the_most_tokens_that_fit_under_any_monotone_model(kind: str) -> None:
+    for limit_ms in (2.0, 7.5, 20.0):
+        for decodes, contexts in ((0, 0), (1, 300), (24, 30_000)):
+            for start in (0, 500, 12_000):
+                timer = StepTimer(MONOTONE[kind], limit_s=limit_ms / 1e3)
+                timer.add_decodes(contexts, decodes)
+                want = most_that_fit(timer, start, 3_000)
+                assert timer.cut(start, 3_000, False) == want, (limit_ms, decodes, start)
+
+
+def test_a_cut_under_a_linear_model_takes_a_few_predictions_not_a_bisection() -> None:
+    """Planning cost: a bisection of 3,000 tokens predicts 12 times, besides the whole chunk's
+    (13); guesses from the local slope, checked by a neighbour, take 3 to 8 in all."""
+    predict = Counted(MONOTONE["linear"])
+    for limit_ms, decodes in ((5.0, 0), (20.0, 24), (30.0, 100)):
+        timer = StepTimer(predict, limit_s=limit_ms / 1e3)
+        timer.add_decodes(decodes * 1_500, decodes)
+        predict.calls = 0
+        assert 0 < timer.cut(0, 3_000, False) < 3_000
+        assert predict.calls <= 8
