@@ -28,6 +28,10 @@ Grammar = common_pb2.Grammar
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 ANY_OBJECT = {"type": "object"}
 CALL_TAG = "<tool_call>"
+CLOSE_TAG = "</tool_call>"
+# a Hermes block's head, streamed once whole: `{"name": NAME, "arguments": {` (call_head)
+HEAD_PARTS = ("{", '"name"', ":", "NAME", ",", '"arguments"|"parameters"', ":", "{")
+HEAD_NAME = re.compile(r'"([A-Za-z0-9_-]*)("?)')
 CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 # a forced call as its grammar writes it (no free whitespace): the head before the arguments,
 # alone or in an array of calls (after its `[` or a `, `)
@@ -137,6 +141,16 @@ def parse_calls(text: str, known: set[str]) -> tuple[str | None, list[dict[str, 
     """The `<tool_call>` blocks of an auto answer that call a known function (arguments an
     object or its JSON text, also under "parameters"; a last block may lack its closing tag);
     the rest of the text is the content (None when empty). A bare JSON call is one too."""
+    outside, calls = split_calls(text, known)
+    if not calls:
+        bare = _bare_calls(text.strip(), known)
+        return (None, bare) if bare else (text, [])
+    return outside.strip() or None, calls
+
+
+def split_calls(text: str, known: set[str]) -> tuple[str, list[dict[str, Any]]]:
+    """The calls of `text`'s `<tool_call>` blocks that call a known function, and the text
+    outside those blocks."""
     calls, kept, at = [], [], 0
     for block in CALL_BLOCK.finditer(text):
         call = _call_text_of(block.group(1), known)
@@ -146,11 +160,7 @@ def parse_calls(text: str, known: set[str]) -> tuple[str | None, list[dict[str, 
         at = block.end()
         calls.append(call)
     kept.append(text[at:])
-    if not calls:
-        bare = _bare_calls(text.strip(), known)
-        return (None, bare) if bare else (text, [])
-    content = "".join(kept).strip()
-    return content or None, calls
+    return "".join(kept), calls
 
 
 def _bare_calls(text: str, known: set[str]) -> list[dict[str, Any]]:
@@ -169,11 +179,19 @@ def _bare_calls(text: str, known: set[str]) -> list[dict[str, Any]]:
 
 
 def _call_text_of(body: str, known: set[str]) -> dict[str, Any] | None:
+    """The call of a block's JSON; arguments written as an object keep their text as written
+    (what a stream of the block sends)."""
     try:
         value = json.loads(body)
     except ValueError:
         return None
-    return _call_of(value, known)
+    call = _call_of(value, known)
+    head = call_head(body)
+    if call is not None and isinstance(head, tuple):
+        start = head[1]
+        end = json.JSONDecoder().raw_decode(body, start)[1]
+        call["function"]["arguments"] = body[start:end]
+    return call
 
 
 def _call_of(value: Any, known: set[str]) -> dict[str, Any] | None:
@@ -286,55 +304,205 @@ class ForcedStream(CallStream):
 
 
 @dataclass(slots=True)
+class JsonEnd:
+    """Where a JSON object or array ends, fed one character at a time from its first."""
+
+    depth: int = 0
+    quoted: bool = False  # in a string
+    escaped: bool = False
+
+    def ends_at(self, char: str) -> bool:
+        """Does the value end with `char`?"""
+        if self.quoted:
+            was = self.escaped
+            self.escaped = not was and char == "\\"
+            self.quoted = was or char != '"'
+        elif char == '"':
+            self.quoted = True
+        elif char in "{[":
+            self.depth += 1
+        elif char in "}]":
+            self.depth -= 1
+            return self.depth == 0
+        return False
+
+
+@dataclass(slots=True)
 class AutoStream(CallStream):
-    """An auto answer's text is streamed as content until a `<tool_call>` begins (or until
-    what may be its beginning, and trailing whitespace, are held back; an answer that starts
-    with `{` or `[`, perhaps plain JSON calls, is held whole); at the end the answer is parsed
-    (`parse_calls`) and the rest of its content and each call (its head, then its arguments
-    whole) are sent."""
+    """An auto answer as OpenAI streams it: its text as content deltas until a `<tool_call>`
+    tag begins (what may be the start of one, and trailing whitespace, are held back); for
+    each block whose head `{"name": NAME, "arguments": ` names a known tool, a first delta
+    (index, id, type, name, empty arguments), then the arguments' text in fragments as the
+    model writes them, up to the end of their object (a scan of the JSON). Whatever cannot be
+    streamed so (an answer that starts with `{` or `[`, perhaps plain JSON calls; a block
+    written otherwise, e.g. its arguments first or as a string) is held, parsed at the end
+    (`parse_calls`) and sent then: the rest of the content, each further call's head, then its
+    arguments whole. A call cut short inside its arguments is not a call (its deltas went)."""
 
     plan: ToolPlan | None = None
+    text: str = ""  # all that came
+    at: int = 0  # handled up to here
+    mode: str = "content"  # content, head, arguments, tail (to the closing tag), held
     sent: str = ""  # the content sent so far
-    unsent: str = ""
-    holding: bool = False  # a call may have begun: nothing more is sent before the end
+    sent_to: int = 0  # the end of its text
+    outside: str = ""  # the text up to `at` outside the calls streamed (content, whitespace)
+    block: int = 0  # where the current block's JSON begins (after its tag)
+    scan: JsonEnd = field(default_factory=JsonEnd)
+    calls: list[dict[str, Any]] = field(default_factory=list)  # streamed (arguments so far)
 
     def feed(self, text: str) -> list[dict[str, Any]]:
-        self.unsent += text
-        if self.holding:
-            return []
-        if not self.sent and self.unsent.lstrip()[:1] in ("{", "["):
-            self.holding = True
-            return []
-        at = self.unsent.find(CALL_TAG)
-        if at >= 0:
-            self.holding = True
-            ready = self.unsent[:at].rstrip()
+        self.text += text
+        out: list[dict[str, Any]] = []
+        step = {"content": self._content, "head": self._head, "arguments": self._arguments}
+        step |= {"tail": self._tail}
+        while self.mode in step and step[self.mode](out):
+            pass
+        return out
+
+    def _content(self, out: list[dict[str, Any]]) -> bool:
+        """Content up to a tag (True: a block begins) or what is safe to send of it (False)."""
+        pending = self.text[self.at :]
+        if not self.sent and not self.calls and self.text.lstrip()[:1] in ("{", "["):
+            self.mode = "held"
+            return False
+        tag = pending.find(CALL_TAG)
+        if self.calls:  # after a call: held to the end (parsed with the rest)
+            ready = ""
+        elif tag >= 0:
+            ready = pending[:tag].rstrip()
         else:
-            ready = _before_a_tag(self.unsent).rstrip()
+            ready = _before_a_tag(pending).rstrip()
         if not self.sent:
             ready = ready.lstrip()  # as the parsed content is, when it holds calls
-        if not ready:
-            return []
-        self.sent += ready
-        self.unsent = self.unsent[self.unsent.index(ready) + len(ready) :]
-        return [{"content": ready}]
+        if ready:
+            out.append({"content": ready})
+            self.sent += ready
+            self.sent_to = self.at + pending.index(ready) + len(ready)
+        if tag < 0:
+            self.outside += self.text[self.at : self.sent_to]
+            self.at = max(self.at, self.sent_to)
+            return False
+        if self.calls and not self.plan.parallel:  # type: ignore[union-attr]
+            self.mode = "held"  # only the first call counts: the rest parsed (and dropped)
+            return False
+        self.outside += pending[:tag]
+        self.at += tag + len(CALL_TAG)
+        self.block, self.mode = self.at, "head"
+        return True
+
+    def _head(self, out: list[dict[str, Any]]) -> bool:
+        head = call_head(self.text[self.block :])
+        known = {f.name for f in self.plan.functions}  # type: ignore[union-attr]
+        if head is True:
+            return False
+        if head is False or head[0] not in known:
+            self.at = self.block - len(CALL_TAG)  # the block, parsed whole at the end
+            self.mode = "held"
+            return False
+        name, start = head
+        call = tool_call(name, "")
+        self.calls.append(call)
+        self.called = True
+        head = {"index": len(self.calls) - 1} | tool_call(name, "", call["id"])  # not shared
+        out.append({"tool_calls": [head]})
+        self.at, self.scan, self.mode = self.block + start, JsonEnd(), "arguments"
+        return True
+
+    def _arguments(self, out: list[dict[str, Any]]) -> bool:
+        start, ended = self.at, False
+        for at in range(start, len(self.text)):
+            if self.scan.ends_at(self.text[at]):
+                self.at, ended = at + 1, True
+                break
+        else:
+            self.at = len(self.text)
+        fragment = self.text[start : self.at]
+        if fragment:
+            self.calls[-1]["function"]["arguments"] += fragment
+            index = len(self.calls) - 1
+            out.append({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]})
+        if ended:
+            self.mode = "tail"
+        return ended
+
+    def _tail(self, out: list[dict[str, Any]]) -> bool:
+        """The rest of the block, to its closing tag, is not sent."""
+        close = self.text.find(CLOSE_TAG, self.at)
+        if close < 0:
+            return False
+        self.at, self.mode = close + len(CLOSE_TAG), "content"
+        return True
 
     def end(self) -> list[dict[str, Any]]:
         assert self.plan is not None
-        content, calls = self.plan.calls(self.sent + self.unsent)
+        if self.mode == "arguments":  # cut short inside them: not a call that ended (as sent)
+            self.calls.pop()
+        if self.mode in ("arguments", "tail"):  # a last block may lack its closing tag
+            self.at = len(self.text)
+        elif self.mode == "head":  # parsed whole with the rest
+            self.at = self.block - len(CALL_TAG)
+        if not self.called:
+            return self._parsed_whole()
+        rest, calls = split_calls(self.text[self.at :], {f.name for f in self.plan.functions})
+        content = (self.outside + rest).strip()
+        out: list[dict[str, Any]] = []
+        if content[len(self.sent) :]:
+            out.append({"content": content[len(self.sent) :]})
+        if self.plan.parallel:
+            out += _whole_deltas(calls, len(self.calls))
+            self.calls += calls
+        self.called = bool(self.calls)
+        return out
+
+    def _parsed_whole(self) -> list[dict[str, Any]]:
+        """No call streamed: the answer parsed whole, what was held back sent."""
+        assert self.plan is not None
+        content, calls = self.plan.calls(self.text)
+        held = self.text[self.sent_to :]
         if not calls:  # a normal answer: what was held back, as it came
-            rest = self.unsent if self.sent else self.unsent.lstrip()
+            rest = held if self.sent else held.lstrip()
         else:
             rest = content[len(self.sent) :] if content else ""
-        out: list[dict[str, Any]] = [{"content": rest}] if rest else []
-        for index, call in enumerate(calls):
-            function = call["function"]
-            head = {"index": index} | tool_call(function["name"], "", call["id"])
-            out.append({"tool_calls": [head]})
-            arguments = {"index": index, "function": {"arguments": function["arguments"]}}
-            out.append({"tool_calls": [arguments]})
         self.called = bool(calls)
-        return out
+        return ([{"content": rest}] if rest else []) + _whole_deltas(calls, 0)
+
+
+def _whole_deltas(calls: list[dict[str, Any]], first: int) -> list[dict[str, Any]]:
+    """Each call's two deltas: its head, then its arguments whole; indices from `first`."""
+    out: list[dict[str, Any]] = []
+    for index, call in enumerate(calls, start=first):
+        function = call["function"]
+        head = {"index": index} | tool_call(function["name"], "", call["id"])
+        out.append({"tool_calls": [head]})
+        out.append(
+            {"tool_calls": [{"index": index, "function": {"arguments": function["arguments"]}}]}
+        )
+    return out
+
+
+def call_head(text: str) -> tuple[str, int] | bool:
+    """Of a `<tool_call>` block's JSON: (name, where its arguments object begins) once
+    `{"name": NAME, "arguments": {` (or "parameters", any whitespace) has come; True while
+    `text` may still become that; False when it cannot."""
+    at, name = 0, ""
+    for part in HEAD_PARTS:
+        at = len(text) - len(text[at:].lstrip())
+        if at == len(text):
+            return True
+        if part == "NAME":
+            match = HEAD_NAME.match(text, at)
+            if match is None:
+                return False
+            if not match.group(2):
+                return match.end() == len(text)
+            name, at = match.group(1), match.end()
+            continue
+        options = part.split("|")
+        found = next((o for o in options if text.startswith(o, at)), None)
+        if found is None:
+            return any(o.startswith(text[at:]) for o in options)
+        at += len(found)
+    return (name, at - 1)
 
 
 def _before_a_tag(text: str) -> str:

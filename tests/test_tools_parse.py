@@ -114,18 +114,20 @@ def test_malformed_tools_name_their_field(tools, choice, param) -> None:
     assert caught.value.param == param
 
 
-def test_an_auto_stream_sends_content_as_it_comes_then_each_call() -> None:
+def test_an_auto_stream_sends_content_as_it_comes_then_each_call_in_fragments() -> None:
     plan = tool_plan([WEATHER, ADD], "auto")
     assert plan is not None
     stream = plan.stream()
     assert stream.feed("Sure") == [{"content": "Sure"}]
     assert stream.feed(". <tool") == [{"content": "."}]  # maybe a call's tag: held back
-    assert stream.feed('_call>\n{"name": "add", ') == []
-    assert stream.feed('"arguments": {"a": 1}}\n</tool_call>') == []
-    head, arguments = stream.end()
-    assert stream.called
+    assert stream.feed('_call>\n{"name": "add", ') == []  # the head is not whole yet
+    head, first = stream.feed('"arguments": {"a"')
     assert head["tool_calls"][0]["function"] == {"name": "add", "arguments": ""}
-    assert arguments["tool_calls"][0] == {"index": 0, "function": {"arguments": '{"a": 1}'}}
+    assert head["tool_calls"][0]["index"] == 0 and head["tool_calls"][0]["type"] == "function"
+    assert first["tool_calls"][0] == {"index": 0, "function": {"arguments": '{"a"'}}
+    (second,) = stream.feed(": 1}}\n</tool_call>")  # the call's brace and tag are not sent
+    assert second["tool_calls"][0] == {"index": 0, "function": {"arguments": ": 1}"}}
+    assert stream.end() == [] and stream.called
 
 
 def test_an_auto_stream_without_a_call_is_its_text() -> None:

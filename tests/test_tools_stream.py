@@ -1,0 +1,113 @@
+"""An auto answer's stream (gateway/tools.py, AutoStream): whatever the pieces its text comes
+in, the deltas add up to the answer parsed whole (content, each call's name and arguments as
+written); a Hermes call's arguments come in fragments as they are written."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gateway.tools import call_head, tool_plan
+
+WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+ADD = {"type": "function", "function": {"name": "add"}}
+CALL = (
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, {"c": "}]\\"{"}]}}\n</tool_call>'
+)
+BROKEN = '<tool_call>{"name": "add", "arguments": {"a": broken</tool_call>'
+ANSWERS = [
+    "Just text, <b>no</b> call <tool",
+    "Sure.\n" + CALL,
+    CALL,
+    'Two: <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+    + CALL
+    + "\nDone.",
+    '<tool_call>{ "name" : "add" ,\n "parameters" : { "a" : 3 } }</tool_call> after',
+    '<tool_call>{"arguments": {"a": 1}, "name": "add"}</tool_call>',  # head last: held whole
+    '<tool_call>{"name": "add", "arguments": "{\\"a\\": 4}"}</tool_call>',  # a string: whole
+    'A <tool_call>{"name": "unknown", "arguments": {}}</tool_call> B',  # not a call: text
+    'Hi <tool_call>{"name": "add", "arguments": {"a": 5}}',  # no closing tag
+    '{"name": "add", "arguments": {"a": 6}}',  # plain JSON: held whole
+]
+
+
+def added_up(deltas: list[dict]) -> tuple[str | None, list[dict]]:
+    """What a client accumulating the deltas has (as the openai SDK's stream helpers do)."""
+    content, calls = "", {}
+    for delta in deltas:
+        content += delta.get("content", "")
+        for part in delta.get("tool_calls", []):
+            call = calls.setdefault(part["index"], {"name": "", "arguments": ""})
+            call["name"] += part.get("function", {}).get("name", "")
+            call["arguments"] += part.get("function", {}).get("arguments", "")
+    return content or None, [calls[i] for i in sorted(calls)]
+
+
+def streamed(plan, text: str, rng: random.Random) -> tuple[list[dict], bool]:
+    stream = plan.stream()
+    deltas, at = [], 0
+    while at < len(text):
+        size = rng.choice([1, 1, 2, 3, 5, 8, 30])
+        deltas += stream.feed(text[at : at + size])
+        at += size
+    return deltas + stream.end(), stream.called
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("text", ANSWERS)
+def test_the_deltas_add_up_to_the_answer_parsed_whole_in_any_pieces(text, parallel) -> None:
+    plan = tool_plan([WEATHER, ADD], "auto", parallel)
+    content, calls = plan.calls(text)
+    whole = [
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls
+    ]
+    for seed in range(25):
+        deltas, called = streamed(plan, text, random.Random(seed))
+        assert added_up(deltas) == (content, whole)
+        assert called == bool(calls)
+
+
+def test_a_hermes_calls_arguments_come_as_they_are_written() -> None:
+    """One delta per piece of the arguments (after the head), none for the block's tail."""
+    plan = tool_plan([WEATHER, ADD], "auto")
+    deltas, _ = streamed(plan, "Sure.\n" + CALL, random.Random(0))
+    parts = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert parts[0]["function"] == {"name": "add", "arguments": ""} and "id" in parts[0]
+    fragments = [p["function"]["arguments"] for p in parts[1:]]
+    assert len(fragments) > 5 and all(fragments) and all("id" not in p for p in parts[1:])
+    assert "".join(fragments) == '{"a": 1, "b": [2, {"c": "}]\\"{"}]}'
+    assert deltas[0] == {"content": "Sure."}
+
+
+def test_a_call_cut_short_inside_its_arguments_is_not_a_call() -> None:
+    plan = tool_plan([ADD], "auto")
+    stream = plan.stream()
+    sent = stream.feed('<tool_call>{"name": "add", "arguments": {"a": 1')
+    assert [d["tool_calls"][0]["index"] for d in sent] == [0, 0]  # the head and a fragment
+    assert stream.end() == [] and not stream.called
+
+
+def test_a_block_whose_arguments_never_end_leaves_the_calls_before_it() -> None:
+    """Its head and fragments were sent; it is not a call, the one before it stands."""
+    plan = tool_plan([ADD], "auto")
+    deltas, called = streamed(plan, CALL + BROKEN, random.Random(1))
+    assert called and {d["tool_calls"][0]["index"] for d in deltas} == {0, 1}
+    assert added_up(deltas)[1][0] == added_up(streamed(plan, CALL, random.Random(1))[0])[1][0]
+
+
+@pytest.mark.parametrize(
+    ("text", "head"),
+    [
+        ('{"name": "add", "arguments": {', ("add", 29)),
+        (' { "name":"a-b" , "parameters" :\n{"x"', ("a-b", 33)),
+        ('{"name": "ad', True),
+        ('{"name": "add", "argu', True),
+        ("", True),
+        ('{"arguments": {', False),
+        ('{"name": "add", "arguments": "', False),
+        ('{"name": "a b"', False),
+    ],
+)
+def test_a_blocks_head_is_whole_maybe_to_come_or_not_one(text, head) -> None:
+    assert call_head(text) == head
