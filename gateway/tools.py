@@ -29,6 +29,10 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 ANY_OBJECT = {"type": "object"}
 CALL_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
+# a template's own mark before its plain JSON calls: Mistral's (also `NAME[ARGS]{...}`), Llama
+# 3.1's (where the detokenizer keeps special tokens; without them the calls are plain JSON)
+MARKERS = ("[TOOL_CALLS]", "<|python_tag|>")
+ARGS_FORM = re.compile(r"\s*([A-Za-z0-9_-]{1,64})\[ARGS\]")
 # a Hermes block's head, streamed once whole: `{"name": NAME, "arguments": {` (call_head)
 HEAD_PARTS = ("{", '"name"', ":", "NAME", ",", '"arguments"|"parameters"', ":", "{")
 HEAD_NAME = re.compile(r'"([A-Za-z0-9_-]*)("?)')
@@ -143,9 +147,38 @@ def parse_calls(text: str, known: set[str]) -> tuple[str | None, list[dict[str, 
     the rest of the text is the content (None when empty). A bare JSON call is one too."""
     outside, calls = split_calls(text, known)
     if not calls:
+        marked = _marked_calls(text, known)
+        if marked is not None:
+            return marked
         bare = _bare_calls(text.strip(), known)
         return (None, bare) if bare else (text, [])
     return outside.strip() or None, calls
+
+
+def _marked_calls(text: str, known: set[str]) -> tuple[str | None, list[dict[str, Any]]] | None:
+    """(content, calls) of an answer whose calls follow a MARKERS mark (each call, or the array
+    of them, after it); None: no such calls. The text before the first mark is the content."""
+    for marker in MARKERS:
+        at = text.find(marker)
+        if at < 0:
+            continue
+        calls: list[dict[str, Any]] = []
+        for part in text[at:].split(marker)[1:]:
+            found = _args_form(part, known) or _bare_calls(part.strip(), known)
+            if not found:
+                return None
+            calls += found
+        return text[:at].strip() or None, calls
+    return None
+
+
+def _args_form(part: str, known: set[str]) -> list[dict[str, Any]]:
+    """Mistral's newer `NAME[ARGS]{...}` call (after its mark), as a list of one or none."""
+    match = ARGS_FORM.match(part)
+    if match is None:
+        return []
+    call = _call_of({"name": match.group(1), "arguments": part[match.end() :].strip()}, known)
+    return [call] if call else []
 
 
 def split_calls(text: str, known: set[str]) -> tuple[str, list[dict[str, Any]]]:
@@ -366,10 +399,13 @@ class AutoStream(CallStream):
             self.mode = "held"
             return False
         tag = pending.find(CALL_TAG)
+        mark = min((at for m in MARKERS if (at := pending.find(m)) >= 0), default=-1)
+        marked = mark >= 0 and not 0 <= tag < mark  # a template's own calls: held to the end
+        end = mark if marked else tag
         if self.calls:  # after a call: held to the end (parsed with the rest)
             ready = ""
-        elif tag >= 0:
-            ready = pending[:tag].rstrip()
+        elif end >= 0:
+            ready = pending[:end].rstrip()
         else:
             ready = _before_a_tag(pending).rstrip()
         if not self.sent:
@@ -378,12 +414,12 @@ class AutoStream(CallStream):
             out.append({"content": ready})
             self.sent += ready
             self.sent_to = self.at + pending.index(ready) + len(ready)
+        if marked or (tag >= 0 and self.calls and not self.plan.parallel):  # type: ignore[union-attr]
+            self.mode = "held"  # parsed at the end (after a call without parallel: dropped)
+            return False
         if tag < 0:
             self.outside += self.text[self.at : self.sent_to]
             self.at = max(self.at, self.sent_to)
-            return False
-        if self.calls and not self.plan.parallel:  # type: ignore[union-attr]
-            self.mode = "held"  # only the first call counts: the rest parsed (and dropped)
             return False
         self.outside += pending[:tag]
         self.at += tag + len(CALL_TAG)
@@ -506,9 +542,9 @@ def call_head(text: str) -> tuple[str, int] | bool:
 
 
 def _before_a_tag(text: str) -> str:
-    """`text` less a last part that may begin `<tool_call>`."""
-    for size in range(min(len(CALL_TAG) - 1, len(text)), 0, -1):
-        if CALL_TAG.startswith(text[-size:]):
+    """`text` less a last part that may begin `<tool_call>` or one of MARKERS."""
+    for size in range(min(max(map(len, (CALL_TAG, *MARKERS))) - 1, len(text)), 0, -1):
+        if any(tag.startswith(text[-size:]) for tag in (CALL_TAG, *MARKERS)):
             return text[:-size]
     return text
 

@@ -4,6 +4,7 @@ written); a Hermes call's arguments come in fragments as they are written."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -29,6 +30,10 @@ ANSWERS = [
     'A <tool_call>{"name": "unknown", "arguments": {}}</tool_call> B',  # not a call: text
     'Hi <tool_call>{"name": "add", "arguments": {"a": 5}}',  # no closing tag
     '{"name": "add", "arguments": {"a": 6}}',  # plain JSON: held whole
+    'Let me see. [TOOL_CALLS] [{"name": "add", "arguments": {"a": 7}}]',  # Mistral's
+    '[TOOL_CALLS]add[ARGS]{"a": 8}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}',
+    '<|python_tag|>{"name": "add", "parameters": {"a": 9}}',  # Llama 3.1's
+    "[TOOL_CALLS] not a call, [1] and <|python",  # text
 ]
 
 
@@ -111,3 +116,22 @@ def test_a_block_whose_arguments_never_end_leaves_the_calls_before_it() -> None:
 )
 def test_a_blocks_head_is_whole_maybe_to_come_or_not_one(text, head) -> None:
     assert call_head(text) == head
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        ('Sure. [TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}, '
+         '{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+         "Sure.", [("add", {"a": 1}), ("get_weather", {"city": "Oslo"})]),
+        ('[TOOL_CALLS]add[ARGS]{"a": 2}', None, [("add", {"a": 2})]),
+        ('<|python_tag|>{"name": "add", "parameters": {"a": 3}}', None, [("add", {"a": 3})]),
+        ("[TOOL_CALLS] nothing", "[TOOL_CALLS] nothing", []),
+        ('[TOOL_CALLS]unknown[ARGS]{"a": 2}', '[TOOL_CALLS]unknown[ARGS]{"a": 2}', []),
+    ],
+)  # fmt: skip
+def test_mistral_and_llama_marked_calls_are_parsed(text, content, calls) -> None:
+    plan = tool_plan([WEATHER, ADD], "auto")
+    got_content, got = plan.calls(text)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
