@@ -10,7 +10,8 @@ one token in the inter-token time (a chunk of a stream that caught up holds seve
 
 `--base DIR` runs another checkout side by side (a clone with its stubs and kernels; its
 processes start from there with PYTHONPATH=DIR), alternating base and this tree, and prints
-the ratios new / base. Each run is a child process of its own (grpc.aio and several loops)."""
+the ratios new / base (`--new DIR`: another checkout as new, e.g. base plus one change, when
+this tree holds other work). Each run is a child process of its own (grpc.aio and several loops)."""
 
 from __future__ import annotations
 
@@ -293,6 +294,9 @@ def ratios(new: Row, base: Row) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base", type=Path, help="another checkout, run side by side")
+    p.add_argument(
+        "--new", type=Path, default=ROOT, help="the checkout measured as new (default: this one)"
+    )
     p.add_argument("--models", default="tiny,smollm2")
     p.add_argument("--concurrency", default="1,64")
     p.add_argument("--api", default="grpc", help="grpc, http, or grpc,http")
@@ -303,7 +307,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("results/stack_cpu"))
     args = p.parse_args()
-    revs = {"new": ROOT} | ({"base": args.base.resolve()} if args.base else {})
+    revs = {"new": args.new.resolve()} | ({"base": args.base.resolve()} if args.base else {})
     rows: list[Row] = []
     for model, conc, api in itertools.product(
         args.models.split(","), [int(c) for c in args.concurrency.split(",")], args.api.split(",")
