@@ -7,9 +7,11 @@ a named function), read into a ToolPlan (docs/structured-output.md, *Tools*).
   `parallel_tool_calls` true or absent: a JSON array of one or more such calls.
 - auto: the tools go to the chat template (`described`): the template's own tool format where it
   has one, else a system prompt in Hermes' format (gateway/tokenizer.py). The model's
-  `<tool_call>{...}</tool_call>` blocks, or plain JSON calls (one object, several, or an array:
-  Llama 3.1's form, `parameters` for `arguments`), are parsed (`parse_calls`, tolerant: text
-  without a call is a normal answer); with `parallel_tool_calls` false only the first call.
+  `<tool_call>{...}</tool_call>` blocks, the calls after Mistral's `[TOOL_CALLS]` or Llama
+  3.1's `<|python_tag|>`, or plain JSON calls (one object, several, or an array: Llama 3.1's
+  form, `parameters` for `arguments`), are parsed (`parse_calls`, tolerant: text without a
+  call is a normal answer); with `parallel_tool_calls` false only the first call. Streamed, a
+  `<tool_call>` block's arguments come in fragments as they are written (`AutoStream`).
 - none (or no tools): the tools are neither described nor called (as vLLM does by default).
 
 Pure logic: no grpc, no torch."""
