@@ -63,10 +63,10 @@ def test_a_recompute_with_output_reuses_only_the_keys_of_its_prompts_full_blocks
     assert b.block_keys == theirs[:5]
 
 
-def test_a_request_looked_up_again_after_another_with_its_first_block_keeps_its_own_keys() -> None:
-    """B waits (looked up at every plan); C, with the same first blocks, is looked up in
-    between. B's keys stay its own: its blocks are cached under their true keys, and a later
-    request finds B's second block, not another."""
+def test_requests_looked_up_again_after_others_with_their_first_block_keep_their_own_keys() -> None:
+    """B and C wait (looked up at every plan), each with the first blocks of A's document and
+    then tokens of its own; they are looked up in turn. Each keeps its own keys: their blocks
+    are cached under their true keys, and a later request finds C's second block, not another."""
     kv = KvManager(64, BS, caching=True)
     document = list(range(500, 500 + 8 * BS))
     a = req("a", document + [1])
@@ -74,14 +74,15 @@ def test_a_request_looked_up_again_after_another_with_its_first_block_keeps_its_
     written(kv, a, 8 * BS)
     kv.sent()
     b = req("b", document[: 2 * BS] + [7] * (6 * BS) + [2])
-    assert kv.hit(b) == kv.pool.table("a")[:2]
-    kv.hit(req("c", document[: 2 * BS] + [8] * (6 * BS) + [3]))
-    kv.hit(b)
-    b.output_ids = [4, 5, 6]  # decoded to 36 positions: nine full blocks
-    written(kv, b, 9 * BS)
+    c = req("c", document[: 2 * BS] + [8] * (6 * BS) + [3])
+    for _ in range(2):
+        assert kv.hit(b) == kv.hit(c) == kv.pool.table("a")[:2]
+    for waiting in (b, c):
+        waiting.output_ids = [4, 5, 6]  # decoded to 36 positions: nine full blocks
+        written(kv, waiting, 9 * BS)
     kv.sent()
     e = req("e", document[: 2 * BS] + [9] * BS + [1])
-    assert kv.hit(e) == kv.pool.table("b")[:2]
+    assert kv.hit(e) == kv.pool.table("c")[:2]
 
 
 def test_a_reservation_fits_exactly_beside_a_request_reserved_whole() -> None:
