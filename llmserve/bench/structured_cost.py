@@ -5,6 +5,7 @@ JSON schema on every request; and llguidance's compile time per schema, cold and
 
     llmserve up --model smollm2 --http-port 8000 &
     python -m llmserve.bench.structured_cost --url http://127.0.0.1:8000/v1 --model smollm2
+    python -m llmserve.bench.structured_cost --step 40   # one worker step's parts, in process
 """
 
 from __future__ import annotations
@@ -203,9 +204,71 @@ def compile_times() -> tuple[float, float]:
     return (t1 - t0) * 1000, (t2 - t1) * 1000
 
 
+def step_costs(
+    steps: int, rows: int = 32, context: int = 200, threads: int = 1
+) -> dict[str, float]:
+    """Median ms of one worker step's parts, in process on SmolLM2 (no servers): the forward of
+    `rows` decodes, then its sampling on the same logits as `rows` seeded free rows and as
+    `rows` seeded rows under SCHEMA (their bitmask included), in turn each step; the grammar
+    states advance with the schema rows' tokens, through whole answers."""
+    import torch
+
+    from llmserve.bench.worker_forward import Ours
+    from llmserve.runtime.sampling import SamplingParams
+    from llmserve.runtime.sampling_wire import from_wire
+    from llmserve.v1 import common_pb2
+    from worker_svc.grammar import (
+        GrammarCache,
+        GrammarState,
+        TokenTable,
+        model_tokenizer,
+        row_masks,
+        spec_of,
+    )
+    from worker_svc.loader import load_model
+    from worker_svc.sampling import fresh_generator, sample_tokens
+    from worker_svc.work import WorkItem
+
+    torch.set_num_threads(threads)
+    config, weights = load_model("smollm2", torch.bfloat16, "auto")
+    ours, vocab = Ours(config, weights, torch.bfloat16, rows, context), config.vocab_size
+    cache = GrammarCache(TokenTable(lambda: model_tokenizer("smollm2", vocab, (2,))))
+    grammar = spec_of("json_schema", SCHEMA)
+    items = [
+        WorkItem(str(i), [100 + i], context, ours.tables[i], sample_index=1) for i in range(rows)
+    ]
+    states = [GrammarState(cache.matcher(grammar), vocab) for _ in range(rows)]
+    free = [SamplingParams(temperature=1.0, seed=i) for i in range(rows)]
+    constrained = [
+        from_wire(common_pb2.SamplingParams(temperature=1.0, seed=i, grammar=grammar))
+        for i in range(rows)
+    ]
+    rng, times = fresh_generator(), {"forward": [], "free sampling": [], "schema sampling": []}
+    for step in range(steps):
+        at = time.perf_counter()
+        with torch.inference_mode():
+            logits = ours.runner.compute_logits(items).float()
+        times["forward"].append(time.perf_counter() - at)
+        index = [step + 1] * rows
+        for name in ("free sampling", "schema sampling")[:: 1 if step % 2 else -1]:
+            at = time.perf_counter()
+            if name == "free sampling":
+                sample_tokens(logits, free, index, rng)
+            else:
+                tokens = sample_tokens(
+                    logits, constrained, index, rng, None, row_masks(states, vocab)
+                )
+            times[name].append(time.perf_counter() - at)
+        for row, token in enumerate(tokens):
+            states[row].advance(token)
+            if states[row].matcher.is_stopped():
+                states[row] = GrammarState(cache.matcher(grammar), vocab)
+    return {name: statistics.median(t) * 1000 for name, t in times.items()}
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", required=True)
+    parser.add_argument("--url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--rounds", type=int, default=2, help="requests per slot")
@@ -220,7 +283,20 @@ async def main() -> None:
         "of the same seed (ignore_eos), so both runs do the same work beside the grammar; own: "
         "free answers end where the model ends them (up to --max-tokens)",
     )
+    parser.add_argument(
+        "--step",
+        type=int,
+        default=0,
+        help="instead: time N worker steps in process (SmolLM2, 32 decodes; no --url needed): "
+        "the forward, free and schema sampling",
+    )
     args = parser.parse_args()
+    if args.step:
+        costs = step_costs(args.step)
+        print(", ".join(f"{name} {ms:.1f} ms" for name, ms in costs.items()))
+        free, schema = (costs["forward"] + costs[k] for k in ("free sampling", "schema sampling"))
+        print(f"step: free {free:.1f} ms, schema {schema:.1f} ms, ratio {free / schema:.2f}")
+        return
     client = openai.AsyncOpenAI(base_url=args.url, api_key="-", max_retries=0, timeout=600)
     await load(client, args.model, 2, True, 1, args.max_tokens)  # warm: the worker's table
     if args.validate:
