@@ -112,7 +112,12 @@ GROUPS = {
         ),
     ),
     "sampling": Group(
-        ("worker_svc/sampling.py",), ("tests/test_sampling.py", "tests/test_sampling_processors.py")
+        ("worker_svc/sampling.py",),
+        (
+            "tests/test_sampling.py",
+            "tests/test_sampling_processors.py",
+            "tests/test_sampling_narrow.py",
+        ),
     ),  # the settings it reads, with their checks: "validation"
     "text": Group(
         ("gateway/stops.py", "gateway/detokenizer.py"),
