@@ -117,6 +117,7 @@ GROUPS = {
             "tests/test_sampling.py",
             "tests/test_sampling_processors.py",
             "tests/test_sampling_narrow.py",
+            "tests/test_sampling_pins.py",
         ),
     ),  # the settings it reads, with their checks: "validation"
     "text": Group(
