@@ -129,6 +129,7 @@ def run(changes: list[tuple[int, dict]], seed: int, overlap: bool) -> dict:
     return {s.request_id: (s.finish, list(s.output_ids)) for s in seqs}
 
 
+@pytest.mark.search
 @settings(max_examples=40, deadline=None)
 @given(
     changes=st.lists(st.tuples(st.integers(0, 120), CHANGES), max_size=8),

@@ -201,6 +201,7 @@ def test_caching_a_block_under_the_key_it_already_has_changes_nothing() -> None:
     assert pool.cached == {key: block} and not pool.fresh
 
 
+@pytest.mark.search
 @pytest.mark.parametrize("seed", range(12))
 def test_randomized_failures_never_let_wrong_kv_reach_a_token(seed: int) -> None:
     """Conversations (each request mostly resends one of the last two prompts and adds to it),
