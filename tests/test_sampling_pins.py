@@ -155,6 +155,19 @@ def test_a_wide_row_is_drawn_as_a_row_masked_alone() -> None:
         assert sample_tokens(logits, [s], [5], fresh_generator(), None, masks) == [expected]
 
 
+def test_an_unseeded_wide_row_is_the_workers_generators_draw_over_the_masked_row() -> None:
+    """Its one draw: the worker's generator is used for nothing else first."""
+    allowed = set(range(0, VOCAB, 2))
+    logits = random_logits(1, 10)
+    full = logits[0].masked_fill(~mask(allowed), -INF)
+    masks = RowMasks([0], mask(allowed)[None])
+    s = constrained(temperature=2.0)
+    for seed in range(40):
+        expected = sample_one(full, s, torch.Generator().manual_seed(seed))
+        gen = torch.Generator().manual_seed(seed)
+        assert sample_tokens(logits, [s], [0], gen, None, masks) == [expected]
+
+
 def test_unseeded_constrained_rows_draw_from_the_workers_generator() -> None:
     """The same worker generator state gives the same tokens, whatever torch's global one."""
     logits = torch.zeros(6, VOCAB)  # flat: every allowed token as likely
