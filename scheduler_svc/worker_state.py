@@ -11,9 +11,7 @@ from scheduler_svc.sequence import Sequence
 
 
 class WorkerState:
-    def __init__(
-        self, spec: WorkerSpec, index: int, caching: bool = False, memo: KeyMemo | None = None
-    ) -> None:
+    def __init__(self, spec: WorkerSpec, index: int, caching: bool, memo: KeyMemo | None) -> None:
         self.index = index
         self.spec = spec
         self.caching, self.memo = caching, memo
