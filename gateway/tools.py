@@ -271,9 +271,7 @@ class ForcedStream(CallStream):
     at: int = 0  # scanned up to here
     index: int = -1  # the call being streamed
     inside: bool = False  # in a call's arguments
-    depth: int = 0  # of the arguments' brackets
-    quoted: bool = False  # in a string of the arguments
-    escaped: bool = False
+    scan: JsonEnd = field(default_factory=lambda: JsonEnd(depth=1))  # of the arguments
     done: list[dict[str, Any]] = field(default_factory=list)
 
     def feed(self, text: str) -> list[dict[str, Any]]:
@@ -290,7 +288,7 @@ class ForcedStream(CallStream):
         if match is None:
             return False
         self.index, self.inside, self.called = self.index + 1, True, True
-        self.at, self.depth = match.end(), 0
+        self.at, self.scan = match.end(), JsonEnd(depth=1)  # past the arguments' `{`
         self.done.append(tool_call(match.group(1), ""))
         head = {"index": self.index} | tool_call(match.group(1), "", self.done[-1]["id"])
         out.append({"tool_calls": [head]})
@@ -300,7 +298,7 @@ class ForcedStream(CallStream):
         """Scan to the end of the arguments (True) or of the text (False)."""
         start, ended = self.at, False
         for at in range(start, len(self.text)):
-            if self._ends_at(self.text[at]):
+            if self.scan.ends_at(self.text[at]):
                 self.at, ended = at, True
                 break
         else:
@@ -313,22 +311,6 @@ class ForcedStream(CallStream):
             self.at += 1  # the call's closing brace
             self.inside = False
         return ended
-
-    def _ends_at(self, char: str) -> bool:
-        """Is `char` the brace that closes the call (the arguments before it)?"""
-        if self.quoted:
-            was = self.escaped
-            self.escaped = not was and char == "\\"
-            self.quoted = was or char != '"'
-        elif char == '"':
-            self.quoted = True
-        elif char in "{[":
-            self.depth += 1
-        elif char in "}]":
-            if self.depth == 0:
-                return True
-            self.depth -= 1
-        return False
 
     def end(self) -> list[dict[str, Any]]:
         if not self.called:  # cut short before the name: what came, as text
