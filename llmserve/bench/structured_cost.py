@@ -93,10 +93,12 @@ SCHEMAS = {  # name: (schema, what to ask)
 }
 
 
-async def one(client, model: str, seed: int, constrained: bool, max_tokens: int, exact: bool):
+async def one(
+    client, model: str, seed: int | None, constrained: bool, max_tokens: int, exact: bool
+):
     """(output tokens, mean inter-token seconds) of one streamed request: its tokens after the
     first over the time from the first to the last (a chunk may carry several tokens). exact:
-    exactly max_tokens tokens (ignore_eos)."""
+    exactly max_tokens tokens (ignore_eos). seed None: an unseeded request."""
     extra = {"response_format": FORMAT} if constrained else {}
     stream = await client.chat.completions.create(
         model=model,
@@ -129,17 +131,20 @@ async def load(
     rounds: int,
     max_tokens: int,
     lengths: list[int] | None = None,
+    seeded: bool = True,
 ) -> tuple[float, float, list[int]]:
     """(output tok/s, p50 of the requests' inter-token ms, each request's tokens):
     concurrency x rounds requests, `concurrency` at a time. lengths: request i generates
-    exactly lengths[i] tokens (a free run as long as a constrained one)."""
+    exactly lengths[i] tokens (a free run as long as a constrained one). seeded: request i
+    has seed i (else none: the worker's own generator)."""
     gate = asyncio.Semaphore(concurrency)
 
-    async def gated(seed: int):
+    async def gated(i: int):
+        seed = i if seeded else None
         async with gate:
             if lengths is None:
                 return await one(client, model, seed, constrained, max_tokens, False)
-            return await one(client, model, seed, constrained, max(lengths[seed], 1), True)
+            return await one(client, model, seed, constrained, max(lengths[i], 1), True)
 
     started = time.perf_counter()
     results = await asyncio.gather(*(gated(i) for i in range(concurrency * rounds)))
@@ -284,6 +289,12 @@ async def main() -> None:
         "free answers end where the model ends them (up to --max-tokens)",
     )
     parser.add_argument(
+        "--unseeded",
+        action="store_true",
+        help="requests without a seed (free rows then share one batched draw); with --lengths "
+        "schema the free request i is as long as the schema request i",
+    )
+    parser.add_argument(
         "--step",
         type=int,
         default=0,
@@ -304,7 +315,7 @@ async def main() -> None:
         print(f"valid answers: {valid}/{count} ({100 * valid / count:.0f}%) over {list(SCHEMAS)}")
         for failure in failures:
             print("  invalid:", failure)
-    print(f"free answers' lengths: {args.lengths}")
+    print(f"free answers' lengths: {args.lengths}; seeds: {'none' if args.unseeded else 'yes'}")
     print(
         "| concurrency | free tok/s | schema tok/s | ratio | free p50 ITL ms | schema p50 ITL ms |"
     )
@@ -312,13 +323,14 @@ async def main() -> None:
     for c in [int(x) for x in args.concurrency.split(",")]:
         runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
         for _ in range(args.repeats):  # constrained and free in turn: the host's drift shared
+            seeded = not args.unseeded
             rate, itl, lengths = await load(
-                client, args.model, c, True, args.rounds, args.max_tokens
+                client, args.model, c, True, args.rounds, args.max_tokens, None, seeded
             )
             runs[True].append((rate, itl))
             same = lengths if args.lengths == "schema" else None
             rate, itl, _ = await load(
-                client, args.model, c, False, args.rounds, args.max_tokens, same
+                client, args.model, c, False, args.rounds, args.max_tokens, same, seeded
             )
             runs[False].append((rate, itl))
         free, constrained = (_medians(runs[k]) for k in (False, True))
