@@ -5,11 +5,14 @@ under a seed whatever the batch; wider rows draw as a row masked alone."""
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
 
-from llmserve.runtime.sampling import Grammar, SamplingParams
+from llmserve.runtime.sampling import SamplingParams
+from tests import grammar_rows
+from tests.grammar_rows import constrained
 from tests.model_support import one_torch_thread  # noqa: F401  (autouse fixture)
 from worker_svc.grammar import RowMasks
 from worker_svc.sampling import (
@@ -21,21 +24,9 @@ from worker_svc.sampling import (
 )
 
 VOCAB = 1000
-GRAMMAR = Grammar(kind=2, spec="x")
 
-
-def mask(tokens: set[int] | range) -> torch.Tensor:
-    allowed = torch.zeros(VOCAB, dtype=torch.bool)
-    allowed[list(tokens)] = True
-    return allowed
-
-
-def random_logits(rows: int, seed: int) -> torch.Tensor:
-    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3.0
-
-
-def constrained(**kw) -> SamplingParams:
-    return SamplingParams(grammar=GRAMMAR, **({"temperature": 1.0} | kw))
+mask = partial(grammar_rows.mask, vocab=VOCAB)
+random_logits = partial(grammar_rows.random_logits, vocab=VOCAB)
 
 
 def test_a_seeded_narrow_row_draws_the_same_token_alone_and_in_any_batch() -> None:

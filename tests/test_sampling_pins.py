@@ -6,11 +6,14 @@ min_p's threshold."""
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
 
-from llmserve.runtime.sampling import Grammar, SamplingParams
+from llmserve.runtime.sampling import SamplingParams
+from tests import grammar_rows
+from tests.grammar_rows import constrained
 from tests.model_support import one_torch_thread  # noqa: F401  (autouse fixture)
 from worker_svc.grammar import RowMasks
 from worker_svc.sampling import (
@@ -24,23 +27,11 @@ from worker_svc.sampling import (
 )
 
 VOCAB = 64
-GRAMMAR = Grammar(kind=2, spec="x")
 EOS = 7
 INF = math.inf
 
-
-def mask(tokens: set[int] | range) -> torch.Tensor:
-    allowed = torch.zeros(VOCAB, dtype=torch.bool)
-    allowed[list(tokens)] = True
-    return allowed
-
-
-def random_logits(rows: int, seed: int) -> torch.Tensor:
-    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3.0
-
-
-def constrained(**kw) -> SamplingParams:
-    return SamplingParams(grammar=GRAMMAR, **({"temperature": 1.0} | kw))
+mask = partial(grammar_rows.mask, vocab=VOCAB)
+random_logits = partial(grammar_rows.random_logits, vocab=VOCAB)
 
 
 def test_the_grammar_mask_keeps_the_allowed_logits_and_drops_the_rest() -> None:
