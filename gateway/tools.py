@@ -296,13 +296,9 @@ class ForcedStream(CallStream):
 
     def _arguments(self, out: list[dict[str, Any]]) -> bool:
         """Scan to the end of the arguments (True) or of the text (False)."""
-        start, ended = self.at, False
-        for at in range(start, len(self.text)):
-            if self.scan.ends_at(self.text[at]):
-                self.at, ended = at, True
-                break
-        else:
-            self.at = len(self.text)
+        start, end = self.at, self.scan.end_in(self.text, self.at)
+        ended = end is not None
+        self.at = len(self.text) if end is None else end
         fragment = self.text[start : self.at]
         if fragment:
             self.done[-1]["function"]["arguments"] += fragment
@@ -342,6 +338,14 @@ class JsonEnd:
             self.depth -= 1
             return self.depth == 0
         return False
+
+    def end_in(self, text: str, start: int) -> int | None:
+        """Where in `text`, fed from `start` on, the value ends (its last character); None:
+        not within it (what was fed is remembered)."""
+        for at in range(start, len(text)):
+            if self.ends_at(text[at]):
+                return at
+        return None
 
 
 @dataclass(slots=True)
@@ -429,13 +433,9 @@ class AutoStream(CallStream):
         return True
 
     def _arguments(self, out: list[dict[str, Any]]) -> bool:
-        start, ended = self.at, False
-        for at in range(start, len(self.text)):
-            if self.scan.ends_at(self.text[at]):
-                self.at, ended = at + 1, True
-                break
-        else:
-            self.at = len(self.text)
+        start, end = self.at, self.scan.end_in(self.text, self.at)
+        ended = end is not None
+        self.at = len(self.text) if end is None else end + 1  # the closing brace is theirs
         fragment = self.text[start : self.at]
         if fragment:
             self.calls[-1]["function"]["arguments"] += fragment
