@@ -25,6 +25,7 @@ from gateway.auth import cache_salt, tenant_of
 from gateway.context_fit import completion_budget, completion_overflow, prompt_overflow
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.queue_limits import QueueLimits
+from gateway.scheduler_session import SchedulerSession, SessionCall
 from gateway.settings import GatewaySettings
 from gateway.stops import StopMatcher
 from gateway.structured import grpc_grammar_problem
@@ -109,7 +110,7 @@ class _Flight:
     """One request while a scheduler holds it, across resubmissions."""
 
     submit: scheduler_pb2.SubmitRequest  # resume_token_ids: what a resubmission resumes after
-    call: grpc.aio.UnaryStreamCall  # the scheduler's Submit call now
+    call: grpc.aio.UnaryStreamCall | SessionCall  # the scheduler's call for it now
     tally: Tally
     queued: bool = True  # counted by the queue limits until the scheduler admits it
     finish: int = common_pb2.FINISH_REASON_UNSPECIFIED
@@ -140,6 +141,8 @@ class GatewayCore:
         self.refusal: str | None = None  # set while the workers serve another model
         self.scheduler_hung: str | None = None  # set while the scheduler answers nothing
         self.held: set = set()  # the scheduler calls of the requests in flight
+        session = settings.scheduler_streams == "session"
+        self.session = SchedulerSession(scheduler) if session else None
         self.tenant = tenant_of(settings.api_key())  # its clients' share of the prefix cache
         self.queue = QueueLimits(settings.max_queued_requests, settings.max_queued_tokens)
         self.pool = ThreadPoolExecutor(settings.tokenize_threads, thread_name_prefix="tokenize")
@@ -388,7 +391,10 @@ class GatewayCore:
                 tally.preemptions = event.preemptions
 
     def _submit(self, submit: scheduler_pb2.SubmitRequest, time_remaining):
-        call = self.scheduler.Submit(submit, timeout=time_remaining())
+        if self.session is not None:
+            call = self.session.submit(submit, time_remaining())
+        else:
+            call = self.scheduler.Submit(submit, timeout=time_remaining())
         self.held.add(call)
         return call
 

@@ -80,6 +80,12 @@ class GatewaySettings:
         "answer) turns the gateway NOT_SERVING and new requests are refused; the requests it "
         "holds end with UNAVAILABLE after --resubmit-timeout, as had it died",
     )
+    scheduler_streams: str = setting(
+        "session",
+        "how requests travel to the scheduler: session = all of them on one stream, each "
+        "step's tokens in one message (the default: less CPU per token); request = one Submit "
+        "call per request, one message per request per step",
+    )
     drain_timeout: float = setting(60.0, "on SIGTERM: seconds for the streams in flight to finish")
     http_header_timeout: float = setting(
         10.0,
@@ -131,6 +137,8 @@ class GatewaySettings:
         for name in ("http_header_timeout", "http_body_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if self.scheduler_streams not in ("session", "request"):
+            raise ValueError("--scheduler-streams must be session or request")
         if self.scheduler_timeout <= 0 or self.resubmit_timeout <= 0:
             raise ValueError("--scheduler-timeout and --resubmit-timeout must be > 0")
         for name in ("max_messages", "max_prompt_chars"):

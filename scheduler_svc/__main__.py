@@ -90,6 +90,7 @@ async def serve(settings: SchedulerSettings) -> None:
     for c in absent:
         log.warning("worker %s does not answer: serving without it until it does", c.target)
     service = SchedulerService(settings, clients, token, absent, admin_key=key)
+    service.stopping = server.stopping  # set at SIGTERM: new submissions are refused
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server.server)
     scheduler_pb2_grpc.add_AdminServicer_to_server(service.admin, server.server)
 

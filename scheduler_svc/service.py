@@ -1,5 +1,5 @@
-"""The scheduler service: gRPC (Register, Submit, Cancel, Status) in front of the pure core, and
-the wiring: the worker set (scheduler_svc/supervision.py), one step loop per worker
+"""The scheduler service: gRPC (Register, Submit, Session, Cancel, Status) in front of the
+pure core, and the wiring: the worker set (scheduler_svc/supervision.py), one step loop per worker
 (scheduler_svc/worker_loop.py, whose host this service is) and the relay of outputs to the
 request streams."""
 
@@ -24,6 +24,7 @@ from scheduler_svc.reasons import RefusalReason
 from scheduler_svc.relay import EventRelay, next_message
 from scheduler_svc.run_clock import RunClock
 from scheduler_svc.sequence import Sequence
+from scheduler_svc.session import Rejected, Session
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.step import Step
 from scheduler_svc.step_model import StepModels, prior_of
@@ -71,6 +72,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.check_every_step = os.environ.get(ENV_VAR, "") not in ("", "0")
         if self.check_every_step:
             log.warning("%s is set: checking the core's invariants after every step", ENV_VAR)
+        self.stopping: asyncio.Event | None = None  # set while it drains (the server's)
         self.on_step = None  # metrics hook: (worker index, step, forward seconds) per execution
         self.on_join = None  # metrics hook: (worker name) when a worker joins
         self.relay = EventRelay(self.streams, settings.stream_interval_ms / 1e3)
@@ -116,12 +118,51 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.RegisterReply(joined=True)
 
     async def Submit(self, request, context):
+        try:
+            rid, queued = self.accept(request)
+        except Rejected as rejected:
+            await context.abort(rejected.code, rejected.details)
+        if not queued:  # it had ended; only the news was lost
+            yield scheduler_pb2.TokenEvent(finish_reason=common_pb2.FINISH_REASON_STOP)
+            return
+        queue: asyncio.Queue[scheduler_pb2.TokenEvent] = asyncio.Queue()
+        self.streams[rid] = queue
+        await context.send_initial_metadata(((ACCEPTED_KEY, "1"),))
+        finished = False
+        try:
+            while not finished:
+                event = await next_message(queue)  # what queued up, in one message
+                finished = event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                yield event
+        finally:
+            self.streams.pop(rid, None)
+            if not finished and self.core.abort(rid):
+                self.wake_all()  # the client went away: free its KV at the next step
+
+    async def Session(self, request_iterator, context):
+        session = Session(self)
+        tasks = [asyncio.create_task(session.read(request_iterator))]
+        if self.stopping is not None:
+            tasks.append(asyncio.create_task(session.wake_at_stop(self.stopping)))
+        try:
+            while (message := await session.next_message()) is not None:
+                yield message
+        finally:
+            for task in tasks:
+                task.cancel()
+            session.close()  # requests still on it are cancelled: their KV freed next step
+
+    def accept(self, request: scheduler_pb2.SubmitRequest) -> tuple[str, bool]:
+        """Checks a submission and queues it: (its id, queued). Not queued: a resubmission whose
+        tokens end in a stop id had already ended, only its finish was lost. Raises Rejected."""
+        if self.stopping is not None and self.stopping.is_set():  # as a new call is refused
+            raise Rejected(grpc.StatusCode.UNAVAILABLE, "the scheduler is stopping")
         rid = request.request_id or uuid.uuid4().hex
         s = request.sampling
         prompt, resumed = list(request.prompt_token_ids), list(request.resume_token_ids)
         problem = submit_problem(prompt, resumed, s, self.vocab_size())
         if problem:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, problem)
         seq = Sequence(
             request_id=rid,
             prompt_ids=prompt,
@@ -134,27 +175,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         eos_ids = seq.eos_ids = self.workers.eos_ids
         seq.stop_ids = (frozenset() if seq.ignore_eos else eos_ids) | set(s.stop_token_ids)
         seq.sampling.stop_token_ids.extend(sorted(seq.stop_ids))  # masked under min_tokens
-        if resumed and resumed[-1] in seq.stop_ids:  # it had ended; only the news was lost
-            yield scheduler_pb2.TokenEvent(finish_reason=common_pb2.FINISH_REASON_STOP)
-            return
+        if resumed and resumed[-1] in seq.stop_ids:
+            return rid, False
         try:
             self.core.add(seq)
         except Refused as refused:
-            await context.abort(REFUSED_CODE[refused.reason], str(refused))
-        queue: asyncio.Queue[scheduler_pb2.TokenEvent] = asyncio.Queue()
-        self.streams[rid] = queue
-        self.wake_all()
-        await context.send_initial_metadata(((ACCEPTED_KEY, "1"),))
-        finished = False
-        try:
-            while not finished:
-                event = await next_message(queue)  # what queued up, in one message
-                finished = event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-                yield event
-        finally:
-            self.streams.pop(rid, None)
-            if not finished and self.core.abort(rid):
-                self.wake_all()  # the client went away: free its KV at the next step
+            raise Rejected(REFUSED_CODE[refused.reason], str(refused)) from None
+        self.wake_all()  # the caller registers its stream before anything awaits
+        return rid, True
 
     def vocab_size(self) -> int:
         return self.workers.vocab_size()

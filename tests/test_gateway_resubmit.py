@@ -1,6 +1,7 @@
 """The gateway's resubmission when its scheduler dies mid-stream, against a fake scheduler
 in-process (a real gRPC server on loopback, scripted answers): a request whose end is already
-known is ended, not resubmitted; one that may go on is resubmitted with every token it streamed."""
+known is ended, not resubmitted; one that may go on is resubmitted with every token it streamed.
+Each test runs with the gateway's requests on its session stream and on a Submit call each."""
 
 from __future__ import annotations
 
@@ -22,8 +23,14 @@ EOS = 2  # the packaged model's end of sequence
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
+def tokenizer_files():
     return load_tokenizer("")
+
+
+@pytest.fixture(params=["session", "request"])
+def tokenizer(request, tokenizer_files):
+    """The tokenizer, and the way the gateway's requests travel (--scheduler-streams)."""
+    return tokenizer_files, request.param
 
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
@@ -44,8 +51,30 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
         yield scheduler_pb2.TokenEvent(finish_reason=end)
 
+    async def Session(self, request_iterator, context):
+        """The same scripts on a session: a LOST end breaks the whole stream."""
+        async for message in request_iterator:
+            request = message.submit
+            self.submits.append(request)
+            tokens, end = self.scripts[len(self.submits) - 1]
+            news = scheduler_pb2.RequestEvent
+            rid = request.request_id
+            admitted = scheduler_pb2.TokenEvent(admitted=True)
+            yield scheduler_pb2.SessionEvents(
+                events=[news(request_id=rid, accepted=True), news(request_id=rid, event=admitted)]
+            )
+            for token in tokens:
+                event = scheduler_pb2.TokenEvent(token_ids=[token])
+                yield scheduler_pb2.SessionEvents(events=[news(request_id=rid, event=event)])
+            if end == LOST:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+            event = scheduler_pb2.TokenEvent(finish_reason=end)
+            yield scheduler_pb2.SessionEvents(events=[news(request_id=rid, event=event)])
+
 
 def run(tokenizer, scripts, job: GenerateInput) -> tuple[list[int], Finish, FakeScheduler]:
+    tokenizer, streams = tokenizer
+
     async def scenario():
         fake = FakeScheduler(scripts)
         server = grpc.aio.server()
@@ -55,7 +84,8 @@ def run(tokenizer, scripts, job: GenerateInput) -> tuple[list[int], Finish, Fake
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
-                core = GatewayCore(GatewaySettings(), tokenizer, stub, max_context=2048)
+                settings = GatewaySettings(scheduler_streams=streams)
+                core = GatewayCore(settings, tokenizer, stub, max_context=2048)
                 events = [e async for e in core.generate(job, lambda: 30.0)]
         finally:
             await server.stop(0)

@@ -48,8 +48,18 @@ class HungScheduler(scheduler_pb2_grpc.SchedulerServicer):
         yield scheduler_pb2.TokenEvent(admitted=True)
         await asyncio.Event().wait()
 
+    async def Session(self, request_iterator, context):
+        async for message in request_iterator:
+            rid = message.submit.request_id
+            admitted = scheduler_pb2.TokenEvent(admitted=True)
+            yield scheduler_pb2.SessionEvents(
+                events=[scheduler_pb2.RequestEvent(request_id=rid, accepted=True, event=admitted)]
+            )
+            await asyncio.Event().wait()
 
-def test_giving_up_on_a_hung_scheduler_ends_held_requests_and_refuses_new_ones() -> None:
+
+@pytest.mark.parametrize("streams", ["session", "request"])
+def test_giving_up_on_a_hung_scheduler_ends_held_requests_and_refuses_new_ones(streams) -> None:
     async def scenario() -> tuple[GenerationError, GenerationError, bool]:
         server = grpc.aio.server()
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(HungScheduler(), server)
@@ -58,7 +68,8 @@ def test_giving_up_on_a_hung_scheduler_ends_held_requests_and_refuses_new_ones()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
-                core = GatewayCore(GatewaySettings(), load_tokenizer(""), stub, max_context=2048)
+                settings = GatewaySettings(scheduler_streams=streams)
+                core = GatewayCore(settings, load_tokenizer(""), stub, max_context=2048)
                 job = GenerateInput(prompt="Hello", sampling=SamplingParams(max_tokens=8))
 
                 async def consume() -> None:
