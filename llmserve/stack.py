@@ -52,6 +52,13 @@ class StackSettings(CoreConfig):
     )
     http_port: int = setting(0, help_of(GW, "http_port"))
     threads: int = setting(0, "torch threads per worker; 0 = all cores split among the workers")
+    small_step_threads: int = setting(
+        -1,
+        "each worker's threads for steps of a few rows (--small-step-rows of the worker); -1 = "
+        "one fewer than --threads when the workers take every core of this host (the gateway "
+        "and the scheduler run beside them: a worker thread waiting for a core they hold "
+        "stalls the step), else --threads; 0 = --threads",
+    )
     max_queued_requests: int = setting(256, help_of(GW, "max_queued_requests"))
     max_queued_tokens: int = setting(262144, help_of(GW, "max_queued_tokens"))
     default_max_tokens: int = setting(128, help_of(GW, "default_max_tokens"))
@@ -173,6 +180,9 @@ class Stack:
     def worker_command(self, index: int, port: int, *extra: str) -> list[str]:
         s = self.settings
         threads = s.threads or max(1, (os.cpu_count() or 1) // s.workers)
+        small = s.small_step_threads
+        if small < 0:  # the control plane shares these cores when the workers take them all
+            small = threads - 1 if threads * s.workers >= (os.cpu_count() or 1) else 0
         return [
             sys.executable,
             "-m",
@@ -195,6 +205,8 @@ class Stack:
             str(s.block_size),
             "--threads",
             str(threads),
+            "--small-step-threads",
+            str(max(small, 0)),
             "--metrics-port",
             str(s.metrics_port(2 + index)),
             *(["--sim-step-ms", str(s.sim_step_ms)] if s.model == "sim" else []),

@@ -115,8 +115,13 @@ def make_runner(settings: WorkerSettings):
         config, weights, blocks, settings.block_size, dtype,
         device=device, cuda_graphs=settings.cuda_graphs and device.type == "cuda",
     )  # fmt: skip
-    runner.kernel_plan = plan_kernels(
-        runner, cpu, settings.dtype, quantization, settings.quantized_max_rows
+    plan = plan_kernels(runner, cpu, settings.dtype, quantization, settings.quantized_max_rows)
+    threads = torch.get_num_threads()
+    small = min(settings.small_step_threads or threads, threads)
+    small_rows = settings.small_step_rows if small != threads and device.type == "cpu" else 0
+    runner.thread_steps(threads, small_rows, small)
+    runner.kernel_plan = dataclasses.replace(
+        plan, small_step_rows=small_rows, small_step_threads=small if small_rows else 0
     )
     log = logging.getLogger("worker")
     log.info("kernels: %s", runner.kernel_plan.summary())

@@ -38,6 +38,8 @@ class KernelPlan:
     rows_from: str  # why: "cpu table", "measured", "--quantized-max-rows"
     threads: int
     device: str = "cpu"
+    small_step_rows: int = 0  # steps of at most this many rows run on small_step_threads
+    small_step_threads: int = 0
 
     def matmuls(self) -> str:
         """Which path serves which rows, in words."""
@@ -62,10 +64,16 @@ class KernelPlan:
             "kernels": self.summary(),
         }
 
+    def thread_text(self) -> str:
+        text = f"{self.threads} threads"
+        if self.small_step_rows and self.small_step_threads not in (0, self.threads):
+            text += f" ({self.small_step_threads} for steps of <= {self.small_step_rows} rows)"
+        return text
+
     def summary(self) -> str:
         return (
             f"cpu {self.cpu} ({self.cpu_flags}; torch {self.torch_capability}), "
-            f"{self.threads} threads, quantization {self.quantization}: {self.matmuls()}"
+            f"{self.thread_text()}, quantization {self.quantization}: {self.matmuls()}"
         )
 
 

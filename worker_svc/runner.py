@@ -49,6 +49,22 @@ class ModelRunner:
         self.staging = HostStaging(self.device)
         self.rng = fresh_generator()  # sampling runs on the host: seeded draws stay exact
         self.graphs = self.make_graphs() if self.use_graphs else None
+        self.threads = torch.get_num_threads()
+        self.small_steps = (0, self.threads)  # (rows, threads): steps of <= rows run on threads
+
+    def thread_steps(self, threads: int, small_rows: int = 0, small_threads: int = 0) -> None:
+        """Steps of at most `small_rows` rows run on `small_threads` torch threads, the rest on
+        `threads` (both set by this thread, the one that executes)."""
+        self.threads = threads
+        self.small_steps = (small_rows, small_threads or threads)
+        torch.set_num_threads(threads)
+
+    def _threads_for(self, items: list[WorkItem]) -> None:
+        small_rows, small_threads = self.small_steps
+        rows = sum(len(item.token_ids) for item in items)
+        wanted = small_threads if rows <= small_rows else self.threads
+        if torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)  # ~35 us, only where a step crosses the line
 
     def make_pool(self, num_blocks: int, dtype: torch.dtype) -> KvPool:
         """With graphs, one block more: the scratch block that padded decode rows write."""
@@ -86,6 +102,8 @@ class ModelRunner:
     def execute(self, items: list[WorkItem]) -> list[int | None]:
         """Process every item's tokens; return the next token of each item with sample=True."""
         wanted = [i for i, item in enumerate(items) if item.sample]
+        if self.device.type == "cpu":
+            self._threads_for(items)
         logits = self.compute_logits(items)  # one row per sampled item, in item order
         out: list[int | None] = [None] * len(items)
         if wanted:

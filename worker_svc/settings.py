@@ -62,6 +62,15 @@ class WorkerSettings:
     )
     block_size: int = setting(16, "positions per KV block")
     threads: int = setting(0, "torch threads; 0 = torch's default")
+    small_step_threads: int = setting(
+        0,
+        "torch threads for steps of at most --small-step-rows rows (a few decodes: the weights' "
+        "read bounds them, not the arithmetic); 0 = --threads. Fewer than --threads leaves a "
+        "core to processes that share this worker's cores (llmserve up sets it so on a small "
+        "host): every parallel region waits for its slowest thread, and a thread that waits "
+        "for a core the gateway or scheduler holds stalls the whole step",
+    )
+    small_step_rows: int = setting(4, "the rows of a step that --small-step-threads serves")
     metrics_port: int = setting(0, "Prometheus /metrics port; 0 = off")
     metrics_host: str = setting("", METRICS_HOST_HELP)
     drain_timeout: float = setting(60.0, "on SIGTERM: seconds to finish the requests held here")
@@ -98,6 +107,8 @@ class WorkerSettings:
             raise ValueError(f"--quantization: none, int8, int4 or auto, not {self.quantization!r}")
         if self.quantized_max_rows < -1:
             raise ValueError(f"--quantized-max-rows must be >= -1, got {self.quantized_max_rows}")
+        if self.small_step_threads < 0 or self.small_step_rows < 0:
+            raise ValueError("--small-step-threads and --small-step-rows must be >= 0")
         if self.dtype not in ("bf16", "fp32"):
             raise ValueError(f"--dtype must be bf16 or fp32, got {self.dtype!r}")
 
