@@ -67,7 +67,8 @@ def service_of_port() -> dict[int, str]:
 
 def in_containers(command: list[str]) -> tuple[list[str], dict[str, str | None]]:
     """A plain-process command as it runs in compose: service names for loopback addresses,
-    listening on 0.0.0.0, torch threads left to the container, the internal token required."""
+    listening on 0.0.0.0, torch threads left to the container (its cores are the worker's own:
+    no small-step threads), the internal token required."""
     hosts = service_of_port()
 
     def address(match: re.Match) -> str:
@@ -75,6 +76,7 @@ def in_containers(command: list[str]) -> tuple[list[str], dict[str, str | None]]
 
     expected = flags([re.sub(r"127\.0\.0\.1:(\d+)", address, arg) for arg in command])
     expected.pop("--threads", None)
+    expected.pop("--small-step-threads", None)
     in_compose = {"--host": "0.0.0.0", "--internal-token-file": TOKEN_SECRET}
     if command[2] in ("gateway", "scheduler_svc"):
         in_compose["--admin-key-file"] = ADMIN_SECRET
