@@ -3,6 +3,7 @@ server, here this stack's own HTTP API, beside its gRPC API: counts, timings, on
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import time
@@ -93,3 +94,46 @@ def test_bench_serve_puts_two_servers_side_by_side_in_one_report(stack, tmp_path
     assert [r["label"] for r in runs] == ["ours", "again"]
     assert all(r["ok"] == 4 and r["exact_lengths"] and r["output_tokens"] == 16 for r in runs)
     assert runs[0]["config"] == {"backend": "openai", "base_url": stack.http_url, "model": "tiny"}
+
+
+def test_bench_serve_runs_each_concurrency_against_each_server_in_one_report(
+    stack, tmp_path
+) -> None:
+    out = tmp_path / "bench"
+    with pytest.raises(SystemExit) as done:
+        llmserve(
+            ["bench", "serve", "--backend", "openai",
+             "--base-url", f"ours={stack.http_url}", "--base-url", f"again={stack.http_url}",
+             "--baselines", "none", "--requests", "0", "--concurrencies", "1,3",
+             "--prompt-tokens", "6", "--output-tokens", "2",
+             "--out", str(out), "--name", "t", "--no-progress"]
+        )  # fmt: skip
+    assert done.value.code == 0
+    runs = json.loads((out / "t.json").read_text())["runs"]
+    assert [r["label"] for r in runs] == ["ours c=1", "again c=1", "ours c=3", "again c=3"]
+    assert [r["ok"] for r in runs] == [8, 8, 8, 8]  # 2 x C requests, at least 8
+    assert all(r["exact_lengths"] and r["output_tokens"] == 16 for r in runs)
+
+
+def test_concurrencies_need_the_fixed_workload_and_positive_integers() -> None:
+    from llmserve.bench.run_serve import openai_loads
+
+    base = fixed(4, 6, 2, 1)
+
+    def args(**kw):
+        return argparse.Namespace(
+            **{"concurrencies": "", "workload": "fixed", "requests": 0, "prompt_tokens": 6,
+               "output_tokens": 2} | kw
+        )  # fmt: skip
+
+    assert openai_loads(args(), base) == [("", base)]
+    loads = openai_loads(args(concurrencies="2,16", requests=5), base)
+    assert [(label, w.concurrency, len(w.requests)) for label, w in loads] == [
+        (" c=2", 2, 5),
+        (" c=16", 16, 5),
+    ]
+    for bad in ("0,2", "a"):
+        with pytest.raises(SystemExit):
+            openai_loads(args(concurrencies=bad), base)
+    with pytest.raises(SystemExit, match="fixed"):
+        openai_loads(args(concurrencies="2", workload="poisson"), base)

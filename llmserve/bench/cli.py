@@ -52,6 +52,14 @@ def add_bench_parser(sub) -> None:
         "repeat it to run the workload against each, side by side in one report",
     )
     serve.add_argument(
+        "--concurrencies",
+        default="",
+        metavar="C,C,...",
+        help="--backend openai, --workload fixed: run the workload at each of these closed-loop "
+        "concurrencies against every --base-url, one column per server and concurrency in one "
+        "report (with --requests 0: 2 x C requests each, at least 8)",
+    )
+    serve.add_argument(
         "--api-model",
         default="",
         help="--backend openai: the model to ask for (default: the server's first in /v1/models)",

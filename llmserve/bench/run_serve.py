@@ -15,7 +15,7 @@ from llmserve.bench.prompts import check_with_tokenizer
 from llmserve.bench.report import Report, print_table
 from llmserve.bench.served import run_policy, run_workload
 from llmserve.bench.stats import ratio
-from llmserve.bench.workload import Workload
+from llmserve.bench.workload import Workload, fixed
 from llmserve.stack import StackSettings
 
 HF_STATIC, HF_BATCH = "transformers static", "transformers generate_batch"
@@ -47,12 +47,13 @@ def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int
     if args.backend == "openai":
         if not args.base_url:
             raise SystemExit("--backend openai needs --base-url URL (one or more)")
-        for label, url in parse_base_urls(args.base_url):
-            result = asyncio.run(
-                run_openai(label, url, workload, args.api_model, args.api_key, progress,
-                           timeout_s=args.timeout)
-            )  # fmt: skip
-            _say(report.add(result))
+        for label, load in openai_loads(args, workload):
+            for server, url in parse_base_urls(args.base_url):
+                result = asyncio.run(
+                    run_openai(server + label, url, load, args.api_model, args.api_key,
+                               progress, timeout_s=args.timeout)
+                )  # fmt: skip
+                _say(report.add(result))
     elif args.target:
         result = asyncio.run(
             run_workload(
@@ -87,6 +88,25 @@ def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int
     paths += write_plots(args.out, args.name, summaries, report.results, _subtitle(workload))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if all(s["ok"] == s["requests"] and s["exact_lengths"] for s in summaries) else 1
+
+
+def openai_loads(args: argparse.Namespace, workload: Workload) -> list[tuple[str, Workload]]:
+    """(label suffix, workload) per --concurrencies value; the workload itself without it."""
+    if not args.concurrencies:
+        return [("", workload)]
+    if args.workload != "fixed":
+        raise SystemExit("--concurrencies needs --workload fixed")
+    try:
+        levels = [int(c) for c in args.concurrencies.split(",")]
+    except ValueError:
+        raise SystemExit(f"--concurrencies: integers, not {args.concurrencies!r}") from None
+    if any(c < 1 for c in levels):
+        raise SystemExit("--concurrencies: each at least 1")
+    out = []
+    for c in levels:
+        n = args.requests or max(8, 2 * c)
+        out.append((f" c={c}", fixed(n, args.prompt_tokens, args.output_tokens, c)))
+    return out
 
 
 def _transformers(args: argparse.Namespace, workload: Workload, which: list[str]) -> list:
