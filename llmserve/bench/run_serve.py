@@ -41,13 +41,19 @@ def stack_settings(args: argparse.Namespace, workload: Workload) -> StackSetting
 def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int:
     check_with_tokenizer()
     progress = not args.no_progress
-    report = Report(
-        f"llmserve bench serve: {workload.name}", workload.describe(), command, slo=args.slo
-    )
+    loads = openai_loads(args, workload) if args.backend == "openai" else [("", workload)]
+    if loads[0][0]:  # --concurrencies: the report describes every level
+        workload = levels_workload([load for _, load in loads])
+    described = workload.describe()
+    if loads[0][0]:
+        described["loop"] = "closed loop, " + ", ".join(
+            f"{load.concurrency} clients ({len(load.requests)} requests)" for _, load in loads
+        )
+    report = Report(f"llmserve bench serve: {workload.name}", described, command, slo=args.slo)
     if args.backend == "openai":
         if not args.base_url:
             raise SystemExit("--backend openai needs --base-url URL (one or more)")
-        for label, load in openai_loads(args, workload):
+        for label, load in loads:
             for server, url in parse_base_urls(args.base_url):
                 result = asyncio.run(
                     run_openai(server + label, url, load, args.api_model, args.api_key,
@@ -79,7 +85,7 @@ def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int
     summaries = report.summaries()
     report.extra["ratios"] = ratios(summaries)
     report.extra["prefix_caching"] = pairs = caching_pairs(summaries)
-    notes = _notes(report, workload)
+    notes = _notes(report, described)
     report.extra["notes"] = notes
     reference = HF_STATIC if any(s["label"] == HF_STATIC for s in summaries) else None
     print_table(report.title, summaries, reference, notes)
@@ -107,6 +113,15 @@ def openai_loads(args: argparse.Namespace, workload: Workload) -> list[tuple[str
         n = args.requests or max(8, 2 * c)
         out.append((f" c={c}", fixed(n, args.prompt_tokens, args.output_tokens, c)))
     return out
+
+
+def levels_workload(loads: list[Workload]) -> Workload:
+    """One description of the --concurrencies runs (each level runs its own workload)."""
+    first = loads[0]
+    levels = ",".join(str(load.concurrency) for load in loads)
+    name = f"fixed-c{levels}x{first.params['prompt_len']}+{first.params['output_len']}"
+    specs = [spec for load in loads for spec in load.requests]
+    return Workload(name, specs, 0, first.params | {"concurrencies": levels})
 
 
 def _transformers(args: argparse.Namespace, workload: Workload, which: list[str]) -> list:
@@ -141,10 +156,10 @@ def ratios(summaries: list[dict[str, Any]]) -> dict[str, dict[str, float | None]
     }
 
 
-def _notes(report: Report, workload: Workload) -> list[str]:
+def _notes(report: Report, described: dict[str, Any]) -> list[str]:
     load = report.machine_start.get("load_average_1m")
     notes = [
-        f"workload: {workload.describe()}",
+        f"workload: {described}",
         f"machine: {report.machine_start.get('cpus')} CPUs, 1-min load average at start "
         f"{load:.1f} (other work on the machine makes these figures noisy)"
         if load
