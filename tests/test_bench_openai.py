@@ -111,7 +111,8 @@ def test_bench_serve_runs_each_concurrency_against_each_server_in_one_report(
     assert done.value.code == 0
     report = json.loads((out / "t.json").read_text())
     runs = report["runs"]
-    assert report["workload"]["loop"] == "closed loop, 1 clients (8 requests), 3 clients (8 requests)"
+    loop = "closed loop, 1 clients (8 requests), 3 clients (8 requests)"
+    assert report["workload"]["loop"] == loop
     assert report["workload"]["requests"] == 16
     assert [r["label"] for r in runs] == ["ours c=1", "again c=1", "ours c=3", "again c=3"]
     assert [r["ok"] for r in runs] == [8, 8, 8, 8]  # 2 x C requests, at least 8
