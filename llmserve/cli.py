@@ -278,6 +278,12 @@ def main(argv: list[str] | None = None) -> None:
     except grpc.RpcError as err:
         after_text = "\n" if args.command == "generate" else ""  # ends a streamed line
         print(f"{after_text}error: {err.code().name}: {err.details()}", file=sys.stderr)
+        if err.code() is grpc.StatusCode.UNIMPLEMENTED and getattr(args, "target", None):
+            print(
+                f"(is {args.target} the gateway? The scheduler and the workers do not serve the "
+                f"gateway's API: give --target the address `llmserve up` prints as the gateway's)",
+                file=sys.stderr,
+            )
         code = 1
     except ModuleNotFoundError as err:
         if (err.name or "").split(".")[0] not in BENCH_EXTRA:

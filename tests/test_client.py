@@ -84,6 +84,13 @@ def test_cli_status_asks_the_gateway_at_target(stack) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin"},
     )  # fmt: skip
     assert refused.returncode == 1 and refused.stderr.strip().startswith("error: UNAUTHENTICATED")
+    wrong = subprocess.run(  # the scheduler's address: a hint, not only UNIMPLEMENTED
+        [sys.executable, "-c", "from llmserve.cli import main; main()", "status",
+         "--target", stack.settings.scheduler],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin"},
+    )  # fmt: skip
+    assert wrong.returncode == 1 and wrong.stderr.startswith("error: UNIMPLEMENTED")
+    assert "the gateway?" in wrong.stderr
 
 
 def test_a_models_display_name_is_its_file_or_directory_name(tmp_path) -> None:
