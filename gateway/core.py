@@ -363,7 +363,8 @@ class GatewayCore:
     async def _stream(
         self, flight: _Flight, detok: IncrementalDetokenizer, stops: StopMatcher
     ) -> AsyncIterator[Delta]:
-        """The deltas of one Submit call, until the request finishes or a stop string ends it."""
+        """The deltas of one scheduler call (on the session, or a Submit call), until the
+        request finishes or a stop string ends it."""
         tally = flight.tally
         async for event in flight.call:
             if event.admitted and flight.queued:
