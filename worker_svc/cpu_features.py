@@ -23,11 +23,12 @@ TIERS = ("amx", "avx512_bf16", "avx512_vnni", "avx512", "avx2", "baseline")
 # products: oneDNN's bf16 loses at every size), no bf16 copy kept. Measured with SmolLM2-135M at
 # 2 threads (docs/benchmarks.md "Quantized weights"): avx512_bf16 on an AMD EPYC; avx512_vnni
 # and avx2 on the same host with oneDNN and ATen capped (ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI /
-# AVX2, ATEN_CPU_CAPABILITY=avx512 / avx2): int4 1.5-2.4x bf16 at every size. amx is estimated
-# (AMX's bf16 tiles win at fewer rows than avx512_bf16's dot products); avx512 is avx512_vnni's
-# case (VNNI is int8 only) and baseline avx2's.
+# AVX2, ATEN_CPU_CAPABILITY=avx512 / avx2): int4 1.5-2.4x bf16 at every size; amx on an Intel
+# Xeon (AMX's bf16 tiles take about the same time from 1 to 16 rows: int4 1.4-1.6x at 8 rows,
+# about level at 10-12, 0.7-0.9x at 16). avx512 is avx512_vnni's case (VNNI is int8 only) and
+# baseline avx2's.
 QUANTIZED_MAX_ROWS: dict[str, int | None] = {
-    "amx": 4,
+    "amx": 8,
     "avx512_bf16": 8,
     "avx512_vnni": None,
     "avx512": None,
