@@ -11,7 +11,12 @@ import torch
 
 from worker_svc import kernel_plan
 from worker_svc.__main__ import make_runner
-from worker_svc.cpu_features import QUANTIZED_MAX_ROWS, host_features, parse_cpuinfo
+from worker_svc.cpu_features import (
+    OUTPUT_INT8_MAX_ROWS,
+    QUANTIZED_MAX_ROWS,
+    host_features,
+    parse_cpuinfo,
+)
 from worker_svc.kernel_plan import DENSE_PATHS as DENSE
 from worker_svc.kernel_plan import dual_linears, plan_kernels, quantized_linears
 from worker_svc.loader import load_model
@@ -40,6 +45,7 @@ def test_describe_reports_where_auto_switches_paths(asked):
     assert info.cpu == cpu.tier and info.cpu_flags == cpu.flag_text()
     path = f"int4 kernel up to {rows} rows" if rows else "int4 kernel at every size"
     assert f"quantization auto: {path}" in info.kernels
+    assert info.kernels.endswith(f"; output int8 up to {OUTPUT_INT8_MAX_ROWS} rows")  # Q8_0
     assert info.threads >= 1
 
 

@@ -40,18 +40,22 @@ class KernelPlan:
     device: str = "cpu"
     small_step_rows: int = 0  # steps of at most this many rows run on small_step_threads
     small_step_threads: int = 0
+    output_int8_rows: int = 0  # the output matrix runs as int8 up to this many logit rows; 0: not
 
     def matmuls(self) -> str:
         """Which path serves which rows, in words."""
         if self.device != "cpu":
             return f"{self.dtype} torch on {self.device}"
         dense = f"bf16 {DENSE_PATHS[self.cpu]}" if self.dtype == "bf16" else f"{self.dtype} MKL"
+        head = f"; output int8 up to {self.output_int8_rows} rows" if self.output_int8_rows else ""
         if not self.kernel:
-            return dense
+            return dense + head
         why = f" ({self.rows_from})" if self.rows_from else ""
         if not self.quantized_max_rows:
-            return f"{self.kernel} kernel at every size{why}"
-        return f"{self.kernel} kernel up to {self.quantized_max_rows} rows{why}, {dense} above"
+            return f"{self.kernel} kernel at every size{why}{head}"
+        return (
+            f"{self.kernel} kernel up to {self.quantized_max_rows} rows{why}, {dense} above{head}"
+        )
 
     def fields(self) -> dict:
         """The WorkerInfo (Describe) fields that report it."""
@@ -96,6 +100,9 @@ def plan_kernels(
         rows_from=source,
         threads=torch.get_num_threads(),
         device=str(runner.device),
+        output_int8_rows=model.lm_head.max_rows
+        if isinstance(model.lm_head, QuantizedLinear)
+        else 0,
     )
 
 

@@ -10,7 +10,7 @@ import torch
 from llmserve.runtime.model_files import display_name
 from worker_svc.hf_dir import load_hf_dir
 from worker_svc.model_config import ModelConfig, tiny_config
-from worker_svc.quant import QUANTIZATIONS, Int4Codes, Source
+from worker_svc.quant import QUANTIZATIONS, Int4Codes, Source, quantize_int8
 from worker_svc.quant_gguf import INT4_TYPES, int4_codes_from_gguf
 from worker_svc.weights import LayerWeights, Weights, fuse_layer, quantize_weights
 
@@ -22,7 +22,8 @@ def load_model(
 ) -> tuple[ModelConfig, Weights]:
     """source: "tiny", "smollm2", a path to a .gguf file, or an HF model directory.
     quantization: none, int8, int4 or auto (a GGUF's 4-bit matrices kept as int4; none for the
-    others), as in worker_svc.quant; the embedding and lm_head stay `dtype`."""
+    others), as in worker_svc.quant; the embedding and lm_head stay `dtype` (under auto a
+    GGUF's quantized output matrix is also kept as int8 codes: output_int8)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} is not one of {QUANTIZATIONS}")
     if source == "smollm2":
@@ -174,15 +175,32 @@ def load_gguf(
                 quantization=quantization,
             )
         )
-    embed = load("token_embd.weight").to(dtype)
-    lm_head = embed if config.tie_embeddings else load("output.weight").to(dtype)
+    embed_values = load("token_embd.weight")
+    embed = embed_values.to(dtype)
+    head_name = "token_embd.weight" if config.tie_embeddings else "output.weight"
+    head_values = embed_values if config.tie_embeddings else load(head_name)
     weights = Weights(
         embed=embed,
         layers=layers,
         final_norm=load("output_norm.weight").to(dtype),
-        lm_head=lm_head,
+        lm_head=embed if config.tie_embeddings else head_values.to(dtype),
+        lm_head_int8=output_int8(tensors[head_name].tensor_type.name, head_values, dtype)
+        if quantization == "auto"
+        else None,
     )
     return config, weights
+
+
+UNQUANTIZED_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def output_int8(gguf_type: str, values: torch.Tensor, dtype: torch.dtype):
+    """Under auto, the output matrix as int8 codes where the file stores it quantized (SmolLM2's
+    Q4_1 file: Q8_0; Q4_K files: Q6_K): int8 per row, from the file's values, is as near to
+    them as the supported type gets. None where the file stores it unquantized."""
+    if gguf_type in UNQUANTIZED_TYPES:
+        return None
+    return quantize_int8(values, dtype)
 
 
 def unpermute_rope(w: Source, num_heads: int) -> Source:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from worker_svc import cpu_kernels
 from worker_svc.attention_backend import attention_backend, requested_backend
 from worker_svc.attention_plan import AttentionPlan, PagedBatch, paged_batch
+from worker_svc.cpu_features import OUTPUT_INT8_MAX_ROWS
 from worker_svc.kv_pool import KvPool
 from worker_svc.linear import Linear, QuantizedLinear, make_linear, packing_available
 from worker_svc.model_config import ModelConfig
@@ -54,7 +55,7 @@ class LlamaModel:
         self.kernels = cpu_kernels.load() if use_kernels and dtype == torch.bfloat16 else None
         self.attention_choice = requested_backend()  # auto: Triton on CUDA, torch on CPU
 
-    def make_linears(self, pack: bool) -> tuple[list[LayerLinears], Linear]:
+    def make_linears(self, pack: bool) -> tuple[list[LayerLinears], Linear | QuantizedLinear]:
         linears = [
             LayerLinears(
                 make_linear(lw.qkv, pack, lw.qkv_bias),
@@ -64,7 +65,11 @@ class LlamaModel:
             )
             for lw in self.weights.layers
         ]
-        return linears, Linear(self.weights.lm_head, pack)
+        head = Linear(self.weights.lm_head, pack)
+        codes = self.weights.lm_head_int8
+        if codes is not None:  # int8 for a few logit rows, the dense matmul above
+            return linears, QuantizedLinear(codes, None, head, OUTPUT_INT8_MAX_ROWS)
+        return linears, head
 
     def to(self, device: torch.device) -> LlamaModel:
         """Weights, RoPE tables and index tensors on `device` (in place; returns self). The

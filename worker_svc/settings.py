@@ -29,7 +29,8 @@ class WorkerSettings:
         "how the layers' matrices run (CPU only; embedding and lm_head stay --dtype): none "
         "(--dtype values, a GGUF dequantized), int8 (per row), int4 (groups of 32), auto (a "
         "GGUF's Q4_0/Q4_1/Q4_K matrices as int4 for matmuls of up to --quantized-max-rows "
-        "rows and as their --dtype values above, the rest as --dtype; none off the CPU)",
+        "rows and as their --dtype values above, the rest as --dtype; a quantized output "
+        "matrix also as int8 for up to 4 logit rows; none off the CPU)",
     )
     quantized_max_rows: int = setting(
         0,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from worker_svc.quant import QuantizedWeight, Source, fuse_matrices, is_quantized
+from worker_svc.quant import Int8Weight, QuantizedWeight, Source, fuse_matrices, is_quantized
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # HF's names, without "_proj"
 Matrix = torch.Tensor | QuantizedWeight  # a projection's weight: values, or run as quantized
@@ -38,10 +38,13 @@ class Weights:
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed when tied
+    # the output matrix also as int8 codes (--quantization auto, where the file stores it
+    # quantized): steps of a few logit rows read half of bf16's bytes (worker_svc.model)
+    lm_head_int8: Int8Weight | None = None
 
     def to(self, device: torch.device) -> Weights:
         """A copy on `device`; a tied lm_head stays the embedding's tensor. Quantized
-        matrices run on the CPU only."""
+        matrices run on the CPU only (lm_head_int8 is not carried: the dense output serves)."""
         if device.type != "cpu" and self.quantized():
             raise ValueError(f"quantized weights run on the CPU only, not on {device}")
         moved = {}
@@ -57,7 +60,10 @@ class Weights:
             LayerWeights(**{f: move(getattr(lw, f)) for f in LayerWeights.__dataclass_fields__})
             for lw in self.layers
         ]
-        return Weights(move(self.embed), layers, move(self.final_norm), move(self.lm_head))
+        lm_head_int8 = self.lm_head_int8 if device.type == "cpu" else None
+        return Weights(
+            move(self.embed), layers, move(self.final_norm), move(self.lm_head), lm_head_int8
+        )
 
     def quantized(self) -> bool:
         return any(is_quantized(m) for lw in self.layers for m in matrices(lw))

@@ -5,7 +5,10 @@ python -m llmserve.bench.quant_accuracy [--source smollm2] [--modes int8,int4,au
 
 Every position of every prompt is scored (teacher forcing: the prompt's own next token is fed,
 whatever a mode would pick), so the figures compare distributions, not diverging generations:
-top-1 agreement (the argmax is the same) and mean KL(none || mode) in nats.
+top-1 agreement (the argmax is the same) and mean KL(none || mode) in nats. Every row goes
+through the quantized kernels, as a decode step's few rows do (auto's dense copies of the int4
+layers hold the same values, but its int8 output matrix's do not: scored by its dense copy, the
+guard would not see it).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from llmserve.demo_questions import QUESTIONS  # noqa: E402
+from worker_svc.linear import QuantizedLinear  # noqa: E402
 from worker_svc.loader import load_model  # noqa: E402
 from worker_svc.runner import ModelRunner  # noqa: E402
 from worker_svc.work import WorkItem  # noqa: E402
@@ -61,8 +65,19 @@ def chat_ids(tokenizer, question: str) -> list[int]:
 
 
 def make_runner(source: str, quantization: str, max_tokens: int = 512) -> ModelRunner:
+    """A runner whose quantized matrices serve every row count (the small steps' path)."""
     config, weights = load_model(source, torch.bfloat16, quantization)
-    return ModelRunner(config, weights, -(-max_tokens // BLOCK), BLOCK, torch.bfloat16)
+    runner = ModelRunner(config, weights, -(-max_tokens // BLOCK), BLOCK, torch.bfloat16)
+    for lin in quantized_linears(runner):
+        lin.dense = None
+    return runner
+
+
+def quantized_linears(runner: ModelRunner) -> list[QuantizedLinear]:
+    """The runner's quantized matrices: the layers' and the output matrix."""
+    model = runner.model
+    found = [getattr(layer, f) for layer in model.linears for f in ("qkv", "o", "gate_up", "down")]
+    return [lin for lin in [*found, model.lm_head] if isinstance(lin, QuantizedLinear)]
 
 
 def next_token_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:

@@ -50,8 +50,10 @@ def held_tensors(lin: Linear | QuantizedLinear) -> list:
 
 
 def bytes_per_decode_step(weights: Weights) -> int:
-    """What a batch-1 decode step reads: every layer matrix and the lm_head, once."""
-    return weights.lm_head.nbytes + sum(m.nbytes for lw in weights.layers for m in matrices(lw))
+    """What a batch-1 decode step reads: every layer matrix and the output matrix once (as int8
+    where it is kept so: auto); of the embedding only one row."""
+    head = weights.lm_head_int8 if weights.lm_head_int8 is not None else weights.lm_head
+    return head.nbytes + sum(m.nbytes for lw in weights.layers for m in matrices(lw))
 
 
 def quantization_table(

@@ -201,20 +201,13 @@ def main() -> None:
             f"{other / mine:>8.2f}x   ({detail})"
         )
     if single is not None:
-        read = weights_read_per_token(weights)
+        from llmserve.bench.quant_forward import bytes_per_decode_step
+
+        read = bytes_per_decode_step(weights)
         print(
             f"decode @1 reads {read / 1e6:.0f} MB of weights per step: {read / single / 1e6:.1f} "
             f"GB/s effective; at 27 GB/s the step cannot beat {read / 27e9 * 1e3:.1f} ms"
         )
-
-
-def weights_read_per_token(weights: Weights) -> int:
-    """Bytes a batch-1 decode step must read: every matrix once (the embedding only one row)."""
-    total = weights.lm_head.numel() * weights.lm_head.element_size()
-    for layer in weights.layers:
-        for t in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            total += t.nbytes  # a quantized matrix: its codes and scales
-    return total
 
 
 if __name__ == "__main__":
