@@ -19,6 +19,7 @@ from llmserve.runtime.flags import help_of, setting, to_flags
 from llmserve.runtime.server import PARENT_PID_VAR, wait_healthy
 from scheduler_svc.config import CoreConfig
 from scheduler_svc.settings import SchedulerSettings
+from worker_svc.cpu_features import host_features
 from worker_svc.settings import WorkerSettings
 
 GW, SC, WK = GatewaySettings, SchedulerSettings, WorkerSettings
@@ -55,9 +56,10 @@ class StackSettings(CoreConfig):
     small_step_threads: int = setting(
         -1,
         "each worker's threads for steps of a few rows (--small-step-rows of the worker); -1 = "
-        "one fewer than --threads when the workers take every core of this host (the gateway "
-        "and the scheduler run beside them: a worker thread waiting for a core they hold "
-        "stalls the step), else --threads; 0 = --threads",
+        "one fewer than --threads when the workers take every core of this host and its CPU "
+        "is of a kind measured to gain from it (the gateway and the scheduler run beside them: "
+        "a worker thread waiting for a core they hold stalls the step), else --threads; "
+        "0 = --threads",
     )
     max_queued_requests: int = setting(256, help_of(GW, "max_queued_requests"))
     max_queued_tokens: int = setting(262144, help_of(GW, "max_queued_tokens"))
@@ -182,7 +184,8 @@ class Stack:
         threads = s.threads or max(1, (os.cpu_count() or 1) // s.workers)
         small = s.small_step_threads
         if small < 0:  # the control plane shares these cores when the workers take them all
-            small = threads - 1 if threads * s.workers >= (os.cpu_count() or 1) else 0
+            every_core = threads * s.workers >= (os.cpu_count() or 1)
+            small = threads - 1 if every_core and host_features().small_steps_leave_a_core else 0
         return [
             sys.executable,
             "-m",

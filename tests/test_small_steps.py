@@ -9,6 +9,7 @@ import torch
 
 from llmserve.stack import StackSettings
 from tests.model_support import model
+from worker_svc.cpu_features import parse_cpuinfo
 from worker_svc.runner import ModelRunner
 from worker_svc.settings import WorkerSettings
 from worker_svc.work import WorkItem
@@ -65,11 +66,23 @@ def worker_flag(command: list[str], flag: str) -> str:
     return command[command.index(flag) + 1]
 
 
+ZEN4 = "avx2 avx512f avx512_vnni avx512_bf16"  # the tier measured to gain (cpu_features)
+SAPPHIRE = ZEN4 + " amx_tile amx_bf16 amx_int8"  # the tier measured to lose
+
+
+def on_cpu(monkeypatch, flags: str) -> None:
+    from llmserve import stack
+
+    cpu = parse_cpuinfo(f"processor\t: 0\nflags\t\t: {flags}\n")
+    monkeypatch.setattr(stack, "host_features", lambda: cpu)
+
+
 def test_llmserve_up_leaves_a_core_to_the_control_plane_only_where_the_workers_take_them_all(
     monkeypatch, tmp_path
 ) -> None:
     from llmserve import stack
 
+    on_cpu(monkeypatch, ZEN4)
     monkeypatch.setattr(stack.os, "cpu_count", lambda: 2)
     every_core = stack.Stack(StackSettings(model="tiny", workers=1), tmp_path)
     command = every_core.worker_command(0, 1)
@@ -84,6 +97,16 @@ def test_llmserve_up_leaves_a_core_to_the_control_plane_only_where_the_workers_t
     monkeypatch.setattr(stack.os, "cpu_count", lambda: 16)
     roomy = stack.Stack(StackSettings(model="tiny", workers=1, threads=8), tmp_path)
     assert worker_flag(roomy.worker_command(0, 1), "--small-step-threads") == "0"
+
+
+def test_only_a_cpu_measured_to_gain_runs_small_steps_on_fewer_threads(monkeypatch, tmp_path):
+    from llmserve import stack
+
+    monkeypatch.setattr(stack.os, "cpu_count", lambda: 2)
+    for flags, small in ((ZEN4, "1"), (SAPPHIRE, "0"), ("avx2", "0")):
+        on_cpu(monkeypatch, flags)
+        every_core = stack.Stack(StackSettings(model="tiny", workers=1), tmp_path)
+        assert worker_flag(every_core.worker_command(0, 1), "--small-step-threads") == small, flags
 
 
 def test_the_worker_refuses_a_negative_small_step_setting() -> None:

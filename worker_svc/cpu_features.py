@@ -45,6 +45,14 @@ QUANTIZED_MAX_ROWS: dict[str, int | None] = {
 # rows the product is bound by reading the weights.
 OUTPUT_INT8_MAX_ROWS = 4
 
+# The tiers on which `llmserve up`, where its workers take every core, runs a worker's steps of a
+# few rows on one thread fewer (the gateway and the scheduler share those cores: a worker thread
+# waiting for one stalls the step). Measured through the stack at one stream, 2 threads on 2
+# vCPUs (docs/models.md "Threads per step"): avx512_bf16 on an AMD EPYC, 1 thread 1.31x the
+# output tok/s of 2; amx on an Intel Xeon, 0.77x (1 thread is much slower alone there: a one-row
+# decode 21.0 ms against 12.8). The tiers not measured keep every step on --threads.
+SMALL_STEPS_LEAVE_A_CORE = frozenset({"avx512_bf16"})
+
 
 @dataclass(frozen=True, slots=True)
 class CpuFeatures:
@@ -73,6 +81,10 @@ class CpuFeatures:
     @property
     def quantized_max_rows(self) -> int | None:
         return QUANTIZED_MAX_ROWS[self.tier]
+
+    @property
+    def small_steps_leave_a_core(self) -> bool:
+        return self.tier in SMALL_STEPS_LEAVE_A_CORE
 
     def flag_text(self) -> str:
         return " ".join(f for f in FLAGS if f in self.flags) or "none"

@@ -11,7 +11,10 @@ one token in the inter-token time (a chunk of a stream that caught up holds seve
 `--base DIR` runs another checkout side by side (a clone with its stubs and kernels; its
 processes start from there with PYTHONPATH=DIR), alternating base and this tree, and prints
 the ratios new / base (`--new DIR`: another checkout as new, e.g. base plus one change, when
-this tree holds other work). Each run is a child process of its own (grpc.aio and several loops)."""
+this tree holds other work). `--small-step-threads -1,0` runs each checkout with each value of
+the stack's --small-step-threads (-1: one fewer than --threads where the worker takes every
+core; 0: --threads), alternating, one row each ("new s-1", "new s0"). Each run is a child
+process of its own (grpc.aio and several loops)."""
 
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ class Config:
     prompt_tokens: int
     max_tokens: int
     threads: int
+    small_step_threads: int = -1  # the stack's --small-step-threads
 
 
 @dataclass(slots=True)
@@ -225,6 +229,7 @@ def child(config: Config, rev: str, log_dir: Path) -> Row:
         model=config.model,
         workers=1,
         threads=config.threads,
+        small_step_threads=config.small_step_threads,
         token_budget=max(256, c * 2),
         max_running=c,
         kv_capacity=max(4096, c * 16 * -(-(config.prompt_tokens + config.max_tokens + 32) // 16)),
@@ -242,8 +247,11 @@ def child(config: Config, rev: str, log_dir: Path) -> Row:
 
 
 def run_child(config: Config, rev: str, root: Path, out: Path) -> Row:
-    log_dir = out / f"{rev}-{config.model}-{config.concurrency}-{config.api}"
-    command = [sys.executable, str(HERE), "--child", json.dumps(asdict(config)), rev, str(log_dir)]
+    log_dir = out / f"{rev.replace(' ', '-')}-{config.model}-{config.concurrency}-{config.api}"
+    fields = asdict(config)
+    if fields["small_step_threads"] == -1:  # the default: a checkout from before it knows none
+        del fields["small_step_threads"]
+    command = [sys.executable, str(HERE), "--child", json.dumps(fields), rev, str(log_dir)]
     env = {**os.environ, "PYTHONPATH": str(root)}
     for attempt in (1, 2):
         done = subprocess.run(
@@ -304,20 +312,28 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="the worker's torch threads")
+    p.add_argument(
+        "--small-step-threads", default="-1", help="the stack's, comma-separated: one run each"
+    )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("results/stack_cpu"))
     args = p.parse_args()
-    revs = {"new": args.new.resolve()} | ({"base": args.base.resolve()} if args.base else {})
+    roots = {"new": args.new.resolve()} | ({"base": args.base.resolve()} if args.base else {})
+    smalls = [int(v) for v in args.small_step_threads.split(",")]
+    revs = {  # the variants run: a checkout, with one --small-step-threads value
+        (rev if len(smalls) == 1 else f"{rev} s{v}"): (root, v)
+        for rev, root in roots.items()
+        for v in smalls
+    }
     rows: list[Row] = []
     for model, conc, api in itertools.product(
         args.models.split(","), [int(c) for c in args.concurrency.split(",")], args.api.split(",")
     ):
-        config = Config(
-            model, conc, api, args.window, args.prompt_tokens, args.max_tokens, args.threads
-        )
         runs: dict[str, list[Row]] = {rev: [] for rev in revs}
         for _ in range(args.repeats):
-            for rev, root in reversed(revs.items()):  # base first, then new: alternating
+            for rev, (root, small) in reversed(revs.items()):  # base first, then new: alternating
+                config = Config(model, conc, api, args.window, args.prompt_tokens,
+                                args.max_tokens, args.threads, small)  # fmt: skip
                 row = run_child(config, rev, root, args.out.resolve())
                 runs[rev].append(row)
                 print(f"  {rev} {model} {api} c={conc}: {row.tok_s:.1f} tok/s, "
