@@ -136,8 +136,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 yield event
         finally:
             self.streams.pop(rid, None)
-            if not finished and self.core.abort(rid):
-                self.wake_all()  # the client went away: free its KV at the next step
+            if not finished:
+                self.drop(rid)  # the client went away
 
     async def Session(self, request_iterator, context):
         session = Session(self)
@@ -325,6 +325,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def wake_all(self) -> None:
         self.workers.wake_all()
+
+    def drop(self, rid: str) -> None:
+        """A request nobody listens to any more (its call or session went away, or it was
+        cancelled there): aborted without news, its KV freed at the next step."""
+        if self.core.abort(rid):
+            self.wake_all()
 
     # ---- events to the request streams ---------------------------------------------------
 

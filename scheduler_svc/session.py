@@ -74,8 +74,7 @@ class Session:
     def cancel(self, rid: str) -> None:
         if rid in self.sinks:
             self._forget(rid)
-            if self.service.core.abort(rid):
-                self.service.wake_all()  # its KV is freed at the next step
+            self.service.drop(rid)
 
     def _forget(self, rid: str) -> None:
         sink = self.sinks.pop(rid, None)
@@ -115,9 +114,5 @@ class Session:
         return scheduler_pb2.SessionEvents(events=events)
 
     def close(self) -> None:
-        woke = False
         for rid in list(self.sinks):
-            self._forget(rid)
-            woke = self.service.core.abort(rid) or woke
-        if woke:
-            self.service.wake_all()
+            self.cancel(rid)

@@ -79,18 +79,23 @@ def test_an_unreachable_server_is_an_error_per_request_not_a_crash(stack) -> Non
     assert all("APIConnectionError" in r.error for r in result.records)
 
 
-def test_bench_serve_puts_two_servers_side_by_side_in_one_report(stack, tmp_path) -> None:
+def serve_twice(stack, tmp_path, *flags: str) -> dict:
+    """`bench serve --backend openai` against the stack under two labels; the JSON report."""
     out = tmp_path / "bench"
     with pytest.raises(SystemExit) as done:
         llmserve(
             ["bench", "serve", "--backend", "openai",
              "--base-url", f"ours={stack.http_url}", "--base-url", f"again={stack.http_url}",
-             "--baselines", "none", "--requests", "4", "--concurrency", "2",
-             "--prompt-tokens", "6", "--output-tokens", "4",
+             "--baselines", "none", "--prompt-tokens", "6", *flags,
              "--out", str(out), "--name", "t", "--no-progress"]
         )  # fmt: skip
     assert done.value.code == 0
-    runs = json.loads((out / "t.json").read_text())["runs"]
+    return json.loads((out / "t.json").read_text())
+
+
+def test_bench_serve_puts_two_servers_side_by_side_in_one_report(stack, tmp_path) -> None:
+    flags = ("--requests", "4", "--concurrency", "2", "--output-tokens", "4")
+    runs = serve_twice(stack, tmp_path, *flags)["runs"]
     assert [r["label"] for r in runs] == ["ours", "again"]
     assert all(r["ok"] == 4 and r["exact_lengths"] and r["output_tokens"] == 16 for r in runs)
     assert runs[0]["config"] == {"backend": "openai", "base_url": stack.http_url, "model": "tiny"}
@@ -99,17 +104,8 @@ def test_bench_serve_puts_two_servers_side_by_side_in_one_report(stack, tmp_path
 def test_bench_serve_runs_each_concurrency_against_each_server_in_one_report(
     stack, tmp_path
 ) -> None:
-    out = tmp_path / "bench"
-    with pytest.raises(SystemExit) as done:
-        llmserve(
-            ["bench", "serve", "--backend", "openai",
-             "--base-url", f"ours={stack.http_url}", "--base-url", f"again={stack.http_url}",
-             "--baselines", "none", "--requests", "0", "--concurrencies", "1,3",
-             "--prompt-tokens", "6", "--output-tokens", "2",
-             "--out", str(out), "--name", "t", "--no-progress"]
-        )  # fmt: skip
-    assert done.value.code == 0
-    report = json.loads((out / "t.json").read_text())
+    flags = ("--requests", "0", "--concurrencies", "1,3", "--output-tokens", "2")
+    report = serve_twice(stack, tmp_path, *flags)
     runs = report["runs"]
     loop = "closed loop, 1 clients (8 requests), 3 clients (8 requests)"
     assert report["workload"]["loop"] == loop

@@ -35,6 +35,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     prompts that start with 0 and counts the messages it writes."""
 
     Session = SchedulerService.Session
+    drop = SchedulerService.drop
 
     def __init__(self) -> None:
         self.streams: dict = {}

@@ -22,6 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from llmserve.demo_questions import QUESTIONS  # noqa: E402
+from worker_svc.kernel_plan import quantized_linears  # noqa: E402
 from worker_svc.linear import QuantizedLinear  # noqa: E402
 from worker_svc.loader import load_model  # noqa: E402
 from worker_svc.runner import ModelRunner  # noqa: E402
@@ -68,16 +69,12 @@ def make_runner(source: str, quantization: str, max_tokens: int = 512) -> ModelR
     """A runner whose quantized matrices serve every row count (the small steps' path)."""
     config, weights = load_model(source, torch.bfloat16, quantization)
     runner = ModelRunner(config, weights, -(-max_tokens // BLOCK), BLOCK, torch.bfloat16)
-    for lin in quantized_linears(runner):
+    linears = quantized_linears(runner.model.linears)  # the layers'
+    if isinstance(runner.model.lm_head, QuantizedLinear):
+        linears.append(runner.model.lm_head)  # auto's int8 output matrix
+    for lin in linears:
         lin.dense = None
     return runner
-
-
-def quantized_linears(runner: ModelRunner) -> list[QuantizedLinear]:
-    """The runner's quantized matrices: the layers' and the output matrix."""
-    model = runner.model
-    found = [getattr(layer, f) for layer in model.linears for f in ("qkv", "o", "gate_up", "down")]
-    return [lin for lin in [*found, model.lm_head] if isinstance(lin, QuantizedLinear)]
 
 
 def next_token_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:

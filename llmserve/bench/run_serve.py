@@ -44,11 +44,11 @@ def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int
     loads = openai_loads(args, workload) if args.backend == "openai" else [("", workload)]
     if loads[0][0]:  # --concurrencies: the report describes every level
         workload = levels_workload([load for _, load in loads])
-    described = workload.describe()
-    if loads[0][0]:
-        described["loop"] = "closed loop, " + ", ".join(
+        described = workload.describe() | {"loop": "closed loop, " + ", ".join(
             f"{load.concurrency} clients ({len(load.requests)} requests)" for _, load in loads
-        )
+        )}  # fmt: skip
+    else:
+        described = workload.describe()
     report = Report(f"llmserve bench serve: {workload.name}", described, command, slo=args.slo)
     if args.backend == "openai":
         if not args.base_url:
