@@ -81,15 +81,18 @@ def test_rope_store_matches_apply_rope_and_writes_kv_to_its_slots() -> None:
 @needs_kernels
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
+@pytest.mark.parametrize("lengths", [[1, 13, 37], [1, 16, 17, 33, 40, 31]])
 def test_decode_attention_matches_fp32_attention(
-    heads: int, kv_heads: int, dim: int, threads: int
+    heads: int, kv_heads: int, dim: int, threads: int, lengths: list[int]
 ) -> None:
     """Scattered, out-of-order blocks, different lengths per request (one ends mid-block);
-    single-threaded and split over OpenMP threads."""
+    single-threaded and split over OpenMP threads; three requests (a task per KV head) and six
+    (a task per request), lengths on both sides of the 16 positions the kernel reads ahead."""
     assert KERNELS is not None
     KERNELS.set_threads(threads)
-    block_size, num_blocks = 4, 40
-    lengths = torch.tensor([1, 13, 37])
+    block_size = 4
+    num_blocks = 10 * len(lengths) + 10
+    lengths = torch.tensor(lengths)
     gen = torch.Generator().manual_seed(2)
     k_pool = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(BF16)
     v_pool = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(BF16)

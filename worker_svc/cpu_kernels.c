@@ -67,6 +67,58 @@ static inline const uint16_t *position_row(const uint16_t *pool, const int64_t *
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_AVX512_BF16 1
+#ifndef AHEAD
+#define AHEAD 16
+#endif
+
+/* Asks for the cache lines of `values` bf16 values from `row` on (into L1). */
+static inline void prefetch_row(const uint16_t *row, int64_t values) {
+    for (int64_t b = 0; b < values * 2; b += 64) _mm_prefetch((const char *)row + b, _MM_HINT_T0);
+}
+
+/* exp_nonpositive on 16 lanes: the same steps, so the same values as the scalar path. */
+static inline __m512 exp_nonpositive16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512i n = _mm512_cvttps_epi32(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)));
+    const __m512 nf = _mm512_cvtepi32_ps(n);
+    const __m512 r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(0.693147182f), x);
+    __m512 p = _mm512_set1_ps(1.f / 40320.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 5040.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* row[t] = exp(row[t] - m) for t in [0, len rounded down to 16), their sum added to *sum.
+   Returns the positions done. (The scalar loop compiles to one exp at a time: its float-to-int
+   step keeps the compiler from vectorising it.) */
+static inline int64_t exp_rows16(float *row, int64_t len, float m, float *sum) {
+    const int64_t done = len & ~(int64_t)15;
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < done; t += 16) {
+        const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(row + t), mv));
+        _mm512_storeu_ps(row + t, e);
+        total = _mm512_add_ps(total, e);
+    }
+    *sum += _mm512_reduce_add_ps(total);
+    return done;
+}
+
+/* dst[i] = src[i] rounded to bf16 (nearest even, as f2bf), 16 at a time. */
+static inline void to_bf16(const float *src, int64_t n, uint16_t *dst) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+    for (; i < n; i++) dst[i] = f2bf(src[i]);
+}
 
 /* Lane i of the result: the sum of v[i]'s 16 lanes (a transposing reduction: 30 shuffles and
    adds for 16 sums, where 16 separate horizontal sums would take ~100). */
@@ -93,20 +145,29 @@ static int64_t qk_scores_bf16_64(const uint16_t *q, const uint16_t *k_pool, int6
                                  const int64_t *table, int64_t block_size, int64_t len,
                                  int64_t kv_count, int64_t group, float scale, float *scores,
                                  float *mx) {
-    const int64_t done = len & ~(int64_t)15;
+    const int64_t done = len & ~(int64_t)15, heads = kv_count * group;
     const __m512 scale_v = _mm512_set1_ps(scale);
-    for (int64_t g = 0; g < kv_count; g++) {
-        for (int64_t j = 0; j < group; j++) {
-            const int64_t h = g * group + j;
-            const __m512i q_lo = _mm512_loadu_si512(q + h * 64);
-            const __m512i q_hi = _mm512_loadu_si512(q + h * 64 + 32);
-            __m512 best = _mm512_set1_ps(-INFINITY);
-            for (int64_t t0 = 0; t0 < done; t0 += 16) {
+    __m512 best[MAX_GROUP * 64];
+    for (int64_t h = 0; h < heads; h++) best[h] = _mm512_set1_ps(-INFINITY);
+    /* positions outer, heads inner: each cached key row is read from memory once, and the next
+       16 positions' rows are prefetched while these are scored (a block table scatters them,
+       which the hardware prefetcher cannot follow) */
+    for (int64_t t0 = 0; t0 < done; t0 += 16) {
+        const uint16_t *rows[16];
+        for (int i = 0; i < 16; i++) {
+            rows[i] = position_row(k_pool, table, t0 + i, block_size, pos_stride);
+            if (t0 + AHEAD + i < len)
+                prefetch_row(position_row(k_pool, table, t0 + AHEAD + i, block_size, pos_stride),
+                             kv_count * 64);
+        }
+        for (int64_t g = 0; g < kv_count; g++) {
+            for (int64_t j = 0; j < group; j++) {
+                const int64_t h = g * group + j;
+                const __m512i q_lo = _mm512_loadu_si512(q + h * 64);
+                const __m512i q_hi = _mm512_loadu_si512(q + h * 64 + 32);
                 __m512 acc[16];
                 for (int i = 0; i < 16; i++) {
-                    const int64_t t = t0 + i;
-                    const uint16_t *kr =
-                        position_row(k_pool, table, t, block_size, pos_stride) + g * 64;
+                    const uint16_t *kr = rows[i] + g * 64;
                     __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(),
                                                 (__m512bh)_mm512_loadu_si512(kr),
                                                 (__m512bh)q_lo);
@@ -115,14 +176,15 @@ static int64_t qk_scores_bf16_64(const uint16_t *q, const uint16_t *k_pool, int6
                 }
                 const __m512 s = _mm512_mul_ps(sum_lanes16(acc), scale_v);
                 _mm512_storeu_ps(scores + h * len + t0, s);
-                best = _mm512_max_ps(best, s);
-            }
-            if (done) {
-                const float m = _mm512_reduce_max_ps(best);
-                if (m > mx[h]) mx[h] = m;
+                best[h] = _mm512_max_ps(best[h], s);
             }
         }
     }
+    if (done)
+        for (int64_t h = 0; h < heads; h++) {
+            const float m = _mm512_reduce_max_ps(best[h]);
+            if (m > mx[h]) mx[h] = m;
+        }
     return done;
 }
 
@@ -140,6 +202,12 @@ static int64_t pv_bf16_64(const uint16_t *probs, const uint16_t *v_pool, int64_t
             for (int c = 0; c < 4; c++) sums[j][c] = _mm512_setzero_ps();
         for (int64_t t = 0; t < done; t += 2) {
             const int64_t u = t + 1;
+            if (g == 0 && t + AHEAD + 1 < len) { /* the rows AHEAD positions on, all KV heads' */
+                prefetch_row(position_row(v_pool, table, t + AHEAD, block_size, pos_stride),
+                             kv_count * 64);
+                prefetch_row(position_row(v_pool, table, t + AHEAD + 1, block_size, pos_stride),
+                             kv_count * 64);
+            }
             const uint16_t *v0 = position_row(v_pool, table, t, block_size, pos_stride) + g * 64;
             const uint16_t *v1 = position_row(v_pool, table, u, block_size, pos_stride) + g * 64;
             __m512i pairs[4];
@@ -288,7 +356,11 @@ static inline __attribute__((always_inline)) int attend(
         float inv[MAX_GROUP * 64];
         for (int64_t h = 0; h < task_heads; h++) {
             float *row = scores + h * len, sum = 0.f;
-            for (int64_t t = 0; t < len; t++) {
+            int64_t t = 0;
+#ifdef HAVE_AVX512_BF16
+            t = exp_rows16(row, len, mx[h], &sum);
+#endif
+            for (; t < len; t++) {
                 row[t] = exp_nonpositive(row[t] - mx[h]);
                 sum += row[t];
             }
@@ -298,7 +370,7 @@ static inline __attribute__((always_inline)) int attend(
 #ifdef HAVE_AVX512_BF16
         if (dim == 64 && group <= MAX_GROUP) {
             uint16_t *probs = (uint16_t *)(acc + task_heads * dim);
-            for (int64_t i = 0; i < task_heads * len; i++) probs[i] = f2bf(scores[i]);
+            to_bf16(scores, task_heads * len, probs);
             first = pv_bf16_64(probs, v_pool + g0 * dim, pos_stride, table, block_size, len,
                                task_kv, group, acc);
         }
