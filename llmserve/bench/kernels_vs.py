@@ -1,0 +1,141 @@
+"""Our worker's step against the same worker with an earlier revision's CPU kernels and oneDNN
+packing, side by side in one process.
+
+python -m llmserve.bench.kernels_vs --base-rev 271508e [--base-pack-rows 1]
+    [--quantization none,auto] [--batches 1,16,64] [--context 200] [--reps 15] [--threads 2]
+
+The base is this checkout with two things swapped: the fused decode kernels built from
+`worker_svc/cpu_kernels.c` as it stood at --base-rev (`git show`, compiled with this checkout's
+flags), and oneDNN's weight layout packed for --base-pack-rows rows (the earlier
+`worker_svc/linear.py` packed for 1). Everything else is the same code, so the ratios are the
+kernels' and the layout's. Per quantization mode both are loaded once and the cases run
+interleaved (base, new, base, new ...): load from other processes hits both alike. Medians; the
+ratio is base's time over new's (above 1: new is faster). A first table times decode attention
+alone over 30 layers of KV pools (SmolLM2's shape, blocks shuffled), where the layers' KV is
+read from memory, not from cache. The host's CPU flags are printed with the tables: compare
+only within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+import worker_svc.linear as linear
+from llmserve.bench.quant_forward import cpu_line
+from llmserve.bench.worker_forward import Ours, median_ms
+from worker_svc import cpu_kernels
+from worker_svc.loader import load_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def base_kernels(rev: str, workdir: Path) -> cpu_kernels.CpuKernels:
+    """The fused kernels as they stood at `rev`, built here with this checkout's flags."""
+    source = workdir / "cpu_kernels_base.c"
+    shown = subprocess.run(
+        ["git", "-C", str(REPO), "show", f"{rev}:worker_svc/cpu_kernels.c"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if shown.returncode:
+        raise SystemExit(f"git show {rev}: {shown.stderr.strip()}")
+    source.write_text(shown.stdout)
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise SystemExit("no C compiler: the fused kernels cannot be built")
+    library = workdir / "base.so"
+    command = [compiler, *cpu_kernels.FLAGS, *cpu_kernels.ARCH_FLAGS[0], "-o", str(library),
+               str(source), "-lm"]  # fmt: skip
+    built = subprocess.run(command, capture_output=True, text=True, check=False)
+    if built.returncode:
+        raise SystemExit(f"building {rev}'s kernels failed: {built.stderr[-800:]}")
+    return cpu_kernels.CpuKernels(ctypes.CDLL(str(library)))
+
+
+def attention_table(base, new, context: int, reps: int, batches: list[int]) -> None:
+    """Decode attention alone: 30 layers of pools, SmolLM2's heads (9 query, 3 KV, dim 64)."""
+    layers, block, heads, kv_heads, dim = 30, 16, 9, 3, 64
+    print(f"decode attention, {layers} layers, {context} positions per request")
+    print(f"{'requests':<10}{'base ms':>9}{'new ms':>9}{'x new':>8}{'new GB/s':>10}")
+    for nd in batches:
+        per = -(-(context + 1) // block)
+        blocks = nd * per + 8
+        gen = torch.Generator().manual_seed(0)
+        k = torch.randn(layers, blocks, block, kv_heads, dim, generator=gen).to(torch.bfloat16)
+        v = torch.randn(layers, blocks, block, kv_heads, dim, generator=gen).to(torch.bfloat16)
+        order = torch.randperm(blocks, generator=gen).tolist()
+        tables = torch.tensor([order[i * per : (i + 1) * per] for i in range(nd)])
+        lengths = torch.full((nd,), context + 1)
+        q = torch.randn(nd, heads, dim, generator=gen).to(torch.bfloat16)
+        stride = k.stride(0) * k.element_size()
+
+        def run(kernels, out=torch.empty_like(q)) -> None:
+            for layer in range(layers):
+                kernels.decode_attention(
+                    q, k.data_ptr() + layer * stride, v.data_ptr() + layer * stride, tables,
+                    lengths, block, kv_heads, dim**-0.5, out,
+                )  # fmt: skip
+
+        b, n = median_ms([lambda: run(base), lambda: run(new)], reps)
+        read = layers * nd * (context + 1) * kv_heads * dim * 2 * 2
+        print(f"{nd:<10}{b:>9.1f}{n:>9.1f}{b / n:>7.2f}x{read / n / 1e6:>10.1f}")
+
+
+def model_table(mode: str, base, pack_rows: int, batches, context, prefill, reps) -> None:
+    runs = []
+    for rows, kernels in ((pack_rows, base), (linear.PACK_ROWS, None)):
+        saved, linear.PACK_ROWS = linear.PACK_ROWS, rows
+        try:
+            config, weights = load_model("smollm2", torch.bfloat16, mode)
+            ours = Ours(config, weights, torch.bfloat16, max(batches), context)
+        finally:
+            linear.PACK_ROWS = saved
+        if kernels is not None:
+            ours.runner.model.kernels = kernels
+        runs.append(ours)
+    print(f"\n--quantization {mode}: base (packed for {pack_rows} rows, base kernels) / new "
+          f"(packed for {linear.PACK_ROWS}), {context} positions per request")  # fmt: skip
+    print(f"{'case':<14}{'base ms':>9}{'new ms':>9}{'x new':>8}")
+    prompt = list(range(100, 100 + prefill))
+    cases = [(f"decode @{b}", lambda o, b=b: o.decode(b)) for b in batches]
+    cases.append((f"prefill {prefill}", lambda o: o.prefill(prompt)))
+    for name, make in cases:
+        b, n = median_ms([make(o) for o in runs], reps)
+        print(f"{name:<14}{b:>9.1f}{n:>9.1f}{b / n:>7.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base-rev", required=True, help="git revision of the base kernels")
+    parser.add_argument("--base-pack-rows", type=int, default=1)
+    parser.add_argument("--quantization", default="none,auto")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--prefill", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    new = cpu_kernels.load()
+    if new is None:
+        raise SystemExit("the fused kernels are not available here (no C compiler?)")
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"threads={torch.get_num_threads()}  reps={args.reps}  base={args.base_rev}\n{cpu_line()}")
+    with tempfile.TemporaryDirectory() as workdir:
+        base = base_kernels(args.base_rev, Path(workdir))
+        for kernels in (base, new):
+            kernels.set_threads(torch.get_num_threads())
+        attention_table(base, new, args.context, args.reps, batches)
+        for mode in args.quantization.split(","):
+            model_table(mode, base, args.base_pack_rows, batches, args.context, args.prefill,
+                        args.reps)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
