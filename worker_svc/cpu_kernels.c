@@ -145,10 +145,8 @@ static int64_t qk_scores_bf16_64(const uint16_t *q, const uint16_t *k_pool, int6
                                  const int64_t *table, int64_t block_size, int64_t len,
                                  int64_t kv_count, int64_t group, float scale, float *scores,
                                  float *mx) {
-    const int64_t done = len & ~(int64_t)15, heads = kv_count * group;
+    const int64_t done = len & ~(int64_t)15;
     const __m512 scale_v = _mm512_set1_ps(scale);
-    __m512 best[MAX_GROUP * 64];
-    for (int64_t h = 0; h < heads; h++) best[h] = _mm512_set1_ps(-INFINITY);
     /* positions outer, heads inner: each cached key row is read from memory once, and the next
        16 positions' rows are prefetched while these are scored (a block table scatters them,
        which the hardware prefetcher cannot follow) */
@@ -176,15 +174,11 @@ static int64_t qk_scores_bf16_64(const uint16_t *q, const uint16_t *k_pool, int6
                 }
                 const __m512 s = _mm512_mul_ps(sum_lanes16(acc), scale_v);
                 _mm512_storeu_ps(scores + h * len + t0, s);
-                best[h] = _mm512_max_ps(best[h], s);
+                const float m = _mm512_reduce_max_ps(s);
+                if (m > mx[h]) mx[h] = m;
             }
         }
     }
-    if (done)
-        for (int64_t h = 0; h < heads; h++) {
-            const float m = _mm512_reduce_max_ps(best[h]);
-            if (m > mx[h]) mx[h] = m;
-        }
     return done;
 }
 
