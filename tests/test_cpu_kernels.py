@@ -148,6 +148,49 @@ def check_small_decode_path(source: str, prompts: list[list[int]]) -> None:
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
 
 
+def mixed_logits(runner: ModelRunner, prompts: list[list[int]], chunk: list[int]) -> torch.Tensor:
+    """Prefill each prompt but its last token alone, then one step of all last tokens beside a
+    fresh prompt's whole chunk (a mixed step: decodes first, then the chunk)."""
+    tables = []
+    for i, ids in enumerate(prompts + [chunk]):
+        table = [b + 16 * i for b in scattered_table(64, 4, 16, seed=7 + i)]
+        tables.append(table)
+        if i < len(prompts):
+            runner.compute_logits([WorkItem(str(i), ids[:-1], 0, table, sample=False)])
+    items = [WorkItem(str(i), [ids[-1]], len(ids) - 1, tables[i]) for i, ids in enumerate(prompts)]
+    items.append(WorkItem("chunk", chunk, 0, tables[-1]))
+    return runner.compute_logits(items)
+
+
+@needs_kernels
+@pytest.mark.parametrize("decodes", [1, 5])
+def test_mixed_step_decodes_take_the_fused_kernel_and_match_torch_path_and_fp32(
+    decodes: int,
+) -> None:
+    """A step with decodes and a prompt chunk: its decodes' attention runs in the fused kernel
+    (one task per KV head below 4 decodes, one per request from 4), the logits as close to fp32
+    as the torch path's, every row's argmax fp32's."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (3, 20, 41, 9, 30)]
+    prompts, chunk = prompts[:decodes], torch.randint(0, 49152, (23,), generator=gen).tolist()
+    n = len(prompts) + 1
+    config, weights = model("tiny", BF16)
+    fast = ModelRunner(config, weights, num_blocks=16 * n, block_size=4, dtype=BF16)
+    plain = ModelRunner(config, weights, 16 * n, 4, dtype=BF16, use_kernels=False)
+    calls = []
+    fused = fast.model.fused_decode_attention
+    fast.model.fused_decode_attention = lambda *a: calls.append(a[1].shape[0]) or fused(*a)
+    config32, weights32 = model("tiny", torch.float32)
+    exact = ModelRunner(config32, weights32, 16 * n, 4, dtype=torch.float32)
+    ours, theirs = mixed_logits(fast, prompts, chunk), mixed_logits(plain, prompts, chunk)
+    reference = mixed_logits(exact, prompts, chunk)
+    assert calls and set(calls) == {decodes}  # every layer's decodes went through the kernel
+    scale = reference.abs().max()
+    assert (ours - reference).abs().max() <= 1.5 * (theirs - reference).abs().max() + 1e-3 * scale
+    assert (ours - theirs).abs().max() < 0.05 * scale
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
 @needs_kernels
 def test_tiny_small_decode_path_matches_torch_path_and_fp32() -> None:
     gen = torch.Generator().manual_seed(4)

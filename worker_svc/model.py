@@ -135,9 +135,15 @@ class LlamaModel:
         qk_heads = cfg.num_heads + cfg.num_kv_heads
         eps = cfg.rms_norm_eps
         cos, sin = self.rope.lookup(positions)  # [tokens, 1, head_dim]
-        x = w.embed[token_ids]  # x: [tokens, hidden]
+        x = w.embed[token_ids]  # x: [tokens, hidden], a fresh tensor
+        kern = self.kernels  # bf16 on CPU: residual adds and norms fused, x updated in place
+        if kern is not None:
+            kern.set_threads(torch.get_num_threads())
+            h = torch.empty_like(x)  # the normed input of the next matmul
+            kern.add_rms_norm(x, None, w.layers[0].attn_norm, eps, h)
         for layer_index, (layer, lin) in enumerate(zip(w.layers, self.linears, strict=True)):
-            h = rms_norm(x, layer.attn_norm, eps)
+            if kern is None:
+                h = rms_norm(x, layer.attn_norm, eps)
             qkv = lin.qkv(h)  # qkv: [tokens, (heads + 2 * kv_heads) * head_dim]
             qk = qkv[:, : q_size + kv_size].view(num_tokens, qk_heads, cfg.head_dim)
             qk = apply_rope(qk, cos, sin)  # qk: [tokens, heads + kv_heads, head_dim]
@@ -146,11 +152,22 @@ class LlamaModel:
             pool.k[layer_index].index_copy_(0, slots, k)
             pool.v[layer_index].index_copy_(0, slots, v)
             attn = attend(layer_index, q, k, v)  # [tokens, q_size]
-            x = x + lin.o(attn)
-            h = rms_norm(x, layer.mlp_norm, eps)
+            if kern is None:
+                x = x + lin.o(attn)
+                h = rms_norm(x, layer.mlp_norm, eps)
+            else:
+                kern.add_rms_norm(x, lin.o(attn), layer.mlp_norm, eps, h)
             gate_up = lin.gate_up(h)  # [tokens, 2 * intermediate]
             gate, up = gate_up.chunk(2, dim=-1)
-            x = x + lin.down(F.silu(gate) * up)
+            down = lin.down(F.silu(gate) * up)
+            if kern is None:
+                x = x + down
+            else:  # h: the next layer's input, or the final norm's output
+                following = w.layers[layer_index + 1] if layer_index + 1 < len(w.layers) else None
+                norm = following.attn_norm if following is not None else w.final_norm
+                kern.add_rms_norm(x, down, norm, eps, h)
+        if kern is not None:
+            return self.lm_head(h[logit_rows]).float()  # [rows, vocab]
         x = rms_norm(x[logit_rows], w.final_norm, eps)  # x: [rows, hidden]
         return self.lm_head(x).float()  # [rows, vocab]
 
@@ -212,7 +229,9 @@ class LlamaModel:
         nd = plan.num_decode
         if nd == num_tokens:  # decodes only
             return self.decode_attention(layer_index, q, plan, pool).view(num_tokens, cfg.q_size)
-        if nd:
+        if nd and self.kernels is not None:  # the fused kernel, as in a decode-only step
+            self.fused_decode_attention(layer_index, q[:nd].contiguous(), plan, pool, out[:nd])
+        elif nd:
             out[:nd] = self.decode_attention(layer_index, q[:nd], plan, pool)
         for span in plan.prefills:
             rows = slice(span.offset, span.offset + span.length)
@@ -230,6 +249,28 @@ class LlamaModel:
                 )  # o: [1, heads, length, head_dim]
             out[rows] = o.squeeze(0).transpose(0, 1)  # [length, heads, head_dim]
         return out.view(num_tokens, cfg.q_size)
+
+    def fused_decode_attention(
+        self,
+        layer_index: int,
+        q: torch.Tensor,  # [decodes, heads, head_dim], contiguous
+        plan: AttentionPlan,
+        pool: KvPool,
+        out: torch.Tensor,  # [decodes, heads, head_dim], contiguous: written
+    ) -> None:
+        """The decodes of a step with prompt chunks, by the fused kernel (their K/V is in the
+        pool already): it reads the blocks in place, where the torch path gathers every
+        request's context into one padded batch first (measured: a step of 64 decodes at ~600
+        positions and a 256-token chunk 723 ms, against ~380 predicted from the two alone)."""
+        assert self.kernels is not None
+        cfg = self.config
+        layer_bytes = pool.k.stride(0) * pool.k.element_size()
+        self.kernels.set_threads(torch.get_num_threads())
+        self.kernels.decode_attention(
+            q, pool.k.data_ptr() + layer_index * layer_bytes,
+            pool.v.data_ptr() + layer_index * layer_bytes, plan.decode_blocks.view(q.shape[0], -1),
+            plan.decode_lengths, pool.block_size, cfg.num_kv_heads, cfg.head_dim**-0.5, out,
+        )  # fmt: skip
 
     def paged_attention(
         self,

@@ -7,8 +7,10 @@ python -m llmserve.bench.kernels_vs --base-rev 271508e [--base-pack-rows 1]
 The base is this checkout with two things swapped: the fused decode kernels built from
 `worker_svc/cpu_kernels.c` as it stood at --base-rev (`git show`, compiled with this checkout's
 flags), and oneDNN's weight layout packed for --base-pack-rows rows (the earlier
-`worker_svc/linear.py` packed for 1). Everything else is the same code, so the ratios are the
-kernels' and the layout's. Per quantization mode both are loaded once and the cases run
+`worker_svc/linear.py` packed for 1), and in steps that mix decodes with a prompt chunk the
+decodes' attention on the torch path (a padded gather, as before the fused kernel took those
+too). Everything else is the same code, so the ratios are the kernels', the layout's and that
+path's. Per quantization mode both are loaded once and the cases run
 interleaved (base, new, base, new ...): load from other processes hits both alike. Medians; the
 ratio is base's time over new's (above 1: new is faster). A first table times decode attention
 alone over 30 layers of KV pools (SmolLM2's shape, blocks shuffled), where the layers' KV is
@@ -32,6 +34,7 @@ from llmserve.bench.quant_forward import cpu_line
 from llmserve.bench.worker_forward import Ours, median_ms
 from worker_svc import cpu_kernels
 from worker_svc.loader import load_model
+from worker_svc.work import WorkItem
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,24 +90,47 @@ def attention_table(base, new, context: int, reps: int, batches: list[int]) -> N
         print(f"{nd:<10}{b:>9.1f}{n:>9.1f}{b / n:>7.2f}x{read / n / 1e6:>10.1f}")
 
 
+def torch_path(model) -> None:
+    """The base's mixed steps: their decodes' attention on the torch path (a padded gather of
+    every context), as before the fused kernel took them."""
+
+    def attend(layer_index, q, plan, pool, out) -> None:
+        out.copy_(model.decode_attention(layer_index, q, plan, pool))
+
+    model.fused_decode_attention = attend
+
+
+def mixed(ours: Ours, decodes: int, prompt: list[int]):
+    """A mixed step: `decodes` decodes and a fresh prompt's whole chunk."""
+    items = [
+        WorkItem(str(i), [100 + i], ours.context, ours.tables[i], sample_index=1)
+        for i in range(decodes)
+    ]
+    items.append(WorkItem("p", prompt, 0, ours.tables[decodes]))
+    return lambda: ours.runner.execute(items)
+
+
 def model_table(mode: str, base, pack_rows: int, batches, context, prefill, reps) -> None:
     runs = []
     for rows, kernels in ((pack_rows, base), (linear.PACK_ROWS, None)):
         saved, linear.PACK_ROWS = linear.PACK_ROWS, rows
         try:
             config, weights = load_model("smollm2", torch.bfloat16, mode)
-            ours = Ours(config, weights, torch.bfloat16, max(batches), context)
+            ours = Ours(config, weights, torch.bfloat16, max(batches) + 1, context)
         finally:
             linear.PACK_ROWS = saved
         if kernels is not None:
             ours.runner.model.kernels = kernels
+            torch_path(ours.runner.model)
         runs.append(ours)
-    print(f"\n--quantization {mode}: base (packed for {pack_rows} rows, base kernels) / new "
-          f"(packed for {linear.PACK_ROWS}), {context} positions per request")  # fmt: skip
+    print(f"\n--quantization {mode}: base (packed for {pack_rows} rows, base kernels, mixed steps'"
+          f" decodes on the torch path) / new (packed for {linear.PACK_ROWS}), {context} positions"
+          " per request; 'B + P': B decodes beside a P-token prompt")  # fmt: skip
     print(f"{'case':<14}{'base ms':>9}{'new ms':>9}{'x new':>8}")
     prompt = list(range(100, 100 + prefill))
     cases = [(f"decode @{b}", lambda o, b=b: o.decode(b)) for b in batches]
     cases.append((f"prefill {prefill}", lambda o: o.prefill(prompt)))
+    cases += [(f"{b} + {prefill}", lambda o, b=b: mixed(o, b, prompt)) for b in batches]
     for name, make in cases:
         b, n = median_ms([make(o) for o in runs], reps)
         print(f"{name:<14}{b:>9.1f}{n:>9.1f}{b / n:>7.2f}x")
