@@ -25,6 +25,7 @@ import ctypes
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,32 +62,43 @@ def base_kernels(rev: str, workdir: Path) -> cpu_kernels.CpuKernels:
     return cpu_kernels.CpuKernels(ctypes.CDLL(str(library)))
 
 
+LAYERS, BLOCK, HEADS, KV_HEADS, DIM = 30, 16, 9, 3, 64  # SmolLM2's attention, 30 layers
+
+
+def attention_pass(nd: int, context: int) -> tuple[Callable[[object], None], int, torch.Tensor]:
+    """One decode step's attention over 30 layers of KV pools, `nd` requests of `context`
+    positions, blocks shuffled: a function of the kernels that runs it, the bytes it reads, and
+    the tensor it writes."""
+    per = -(-(context + 1) // BLOCK)
+    blocks = nd * per + 8
+    gen = torch.Generator().manual_seed(0)
+    shape = (LAYERS, blocks, BLOCK, KV_HEADS, DIM)
+    k = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    v = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    order = torch.randperm(blocks, generator=gen).tolist()
+    tables = torch.tensor([order[i * per : (i + 1) * per] for i in range(nd)])
+    lengths = torch.full((nd,), context + 1)
+    q = torch.randn(nd, HEADS, DIM, generator=gen).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    stride = k.stride(0) * k.element_size()
+
+    def run(kernels) -> None:
+        for layer in range(LAYERS):
+            kernels.decode_attention(
+                q, k.data_ptr() + layer * stride, v.data_ptr() + layer * stride, tables,
+                lengths, BLOCK, KV_HEADS, DIM**-0.5, out,
+            )  # fmt: skip
+
+    return run, LAYERS * nd * (context + 1) * KV_HEADS * DIM * 2 * 2, out
+
+
 def attention_table(base, new, context: int, reps: int, batches: list[int]) -> None:
     """Decode attention alone: 30 layers of pools, SmolLM2's heads (9 query, 3 KV, dim 64)."""
-    layers, block, heads, kv_heads, dim = 30, 16, 9, 3, 64
-    print(f"decode attention, {layers} layers, {context} positions per request")
+    print(f"decode attention, {LAYERS} layers, {context} positions per request")
     print(f"{'requests':<10}{'base ms':>9}{'new ms':>9}{'x new':>8}{'new GB/s':>10}")
     for nd in batches:
-        per = -(-(context + 1) // block)
-        blocks = nd * per + 8
-        gen = torch.Generator().manual_seed(0)
-        k = torch.randn(layers, blocks, block, kv_heads, dim, generator=gen).to(torch.bfloat16)
-        v = torch.randn(layers, blocks, block, kv_heads, dim, generator=gen).to(torch.bfloat16)
-        order = torch.randperm(blocks, generator=gen).tolist()
-        tables = torch.tensor([order[i * per : (i + 1) * per] for i in range(nd)])
-        lengths = torch.full((nd,), context + 1)
-        q = torch.randn(nd, heads, dim, generator=gen).to(torch.bfloat16)
-        stride = k.stride(0) * k.element_size()
-
-        def run(kernels, out=torch.empty_like(q)) -> None:
-            for layer in range(layers):
-                kernels.decode_attention(
-                    q, k.data_ptr() + layer * stride, v.data_ptr() + layer * stride, tables,
-                    lengths, block, kv_heads, dim**-0.5, out,
-                )  # fmt: skip
-
-        b, n = median_ms([lambda: run(base), lambda: run(new)], reps)
-        read = layers * nd * (context + 1) * kv_heads * dim * 2 * 2
+        run, read, _ = attention_pass(nd, context)
+        b, n = median_ms([lambda: run(base), lambda: run(new)], reps)  # noqa: B023
         print(f"{nd:<10}{b:>9.1f}{n:>9.1f}{b / n:>7.2f}x{read / n / 1e6:>10.1f}")
 
 
@@ -152,7 +164,8 @@ def main() -> None:
     if new is None:
         raise SystemExit("the fused kernels are not available here (no C compiler?)")
     batches = [int(b) for b in args.batches.split(",")]
-    print(f"threads={torch.get_num_threads()}  reps={args.reps}  base={args.base_rev}\n{cpu_line()}")
+    print(f"threads={torch.get_num_threads()}  reps={args.reps}  base={args.base_rev}")
+    print(cpu_line())
     with tempfile.TemporaryDirectory() as workdir:
         base = base_kernels(args.base_rev, Path(workdir))
         for kernels in (base, new):
