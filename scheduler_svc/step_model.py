@@ -27,7 +27,7 @@ the worker runs, from its own forward times.
 - **Error**: before a step is fitted, its prediction is compared with its measurement; p50/p90
   of |predicted - measured| / measured over the last `ERROR_WINDOW` steps.
 
-Pure: no grpc, no torch, no numpy (5 unknowns: the normal equations are solved directly).
+Pure: no grpc, no torch, no numpy (6 unknowns: the normal equations are solved directly).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ LEVEL_CLIP = 1.25  # one step's measured / fitted counts as at most 1.25x (1/1.2
 PRIOR_WEIGHT = 1.0  # the prior's pseudo-steps together weigh as much as one real step
 ERROR_WINDOW = 256  # the recent steps the prediction error is measured over
 REFIT_EVERY = 8  # steps observed between refits of the fit (the level follows every step): a
-# refit solves the normal equations up to five times, in Python, on the scheduler's event loop
+# refit solves the normal equations up to six times, in Python, on the scheduler's event loop
 BUILTIN_PRIOR = CostModel(
     fixed=0.036,
     per_token=0.0025,
@@ -105,9 +105,7 @@ class OnlineStepModel:
     def _fitted(self, shape: BatchShape) -> float:
         if self._unfitted >= REFIT_EVERY or (self._unfitted and self.observed <= REFIT_EVERY):
             self._refit()  # every step while the first ones arrive, then every REFIT_EVERY
-        c = self._coef
-        return (c[0] + c[1] * shape.tokens + c[2] * shape.sampled + c[3] * shape.kv_read
-                + c[4] * shape.attention)  # fmt: skip
+        return sum(c * x for c, x in zip(self._coef, shape.vector(), strict=True))
 
     def observe(self, shape: BatchShape, seconds: float) -> None:
         """A step of this shape took `seconds` on the worker: score the prediction, then fit."""

@@ -9,7 +9,7 @@ import pytest
 
 from scheduler_svc.sequence import Sequence
 from scheduler_svc.step import Step, Work
-from scheduler_svc.step_cost import BatchShape, CostModel, step_shape
+from scheduler_svc.step_cost import SMALL_ROWS, BatchShape, CostModel, step_shape
 
 MODEL = CostModel(
     fixed=0.01, per_token=0.002, per_sampled=0.003, per_kv_read=4e-6, per_attention=5e-9
@@ -39,7 +39,21 @@ def test_one_item_is_its_share_of_the_batch() -> None:
 
 def test_shapes_add_feature_by_feature() -> None:
     assert BatchShape(1, 2, 3, 4) + BatchShape(10, 20, 30, 40) == BatchShape(11, 22, 33, 44)
-    assert BatchShape(1, 2, 3, 4).vector() == [1.0, 1.0, 2.0, 3.0, 4.0]
+    assert BatchShape(1, 2, 3, 4).vector() == [1.0, 1.0, 2.0, 3.0, 4.0, 1.0]
+    assert BatchShape(30, 2, 3, 4).vector()[-1] == SMALL_ROWS  # the first rows only
+
+
+def test_the_first_rows_cost_their_own_and_the_model_stays_monotone(tmp_path) -> None:
+    """per_small_token: each of a step's first SMALL_ROWS tokens costs more; past them a token
+    costs per_token alone (concave, never decreasing)."""
+    model = CostModel(0.01, 0.001, per_small_token=0.002)
+    times = [model.predict(BatchShape(n, 1, n, n)) for n in range(1, 40)]
+    assert all(b > a for a, b in zip(times, times[1:], strict=False))
+    assert times[1] - times[0] == pytest.approx(0.003)  # below SMALL_ROWS
+    assert times[SMALL_ROWS + 1] - times[SMALL_ROWS] == pytest.approx(0.001)  # above
+    old = tmp_path / "old.json"  # a calibration file from before the feature
+    old.write_text(json.dumps({"fixed": 0.01, "per_token": 0.001, "meta": {}}))
+    assert CostModel.load(old).per_small_token == 0.0
 
 
 def test_a_negative_coefficient_is_refused_by_name() -> None:
@@ -57,7 +71,7 @@ def test_the_prediction_is_linear_and_an_empty_step_takes_no_time() -> None:
 
 def test_a_faster_machine_divides_every_coefficient_and_says_so() -> None:
     faster = CostModel(0.01, 0.002, meta={"source": "test"}).scaled(4.0)
-    assert faster.coefficients() == pytest.approx([0.0025, 0.0005, 0.0, 0.0, 0.0])
+    assert faster.coefficients() == pytest.approx([0.0025, 0.0005, 0.0, 0.0, 0.0, 0.0])
     assert faster.meta == {"source": "test", "speedup": 4.0}
 
 

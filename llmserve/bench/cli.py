@@ -13,6 +13,7 @@ from llmserve.bench.trace import DEFAULT_TRACE
 from llmserve.runtime.flags import help_of
 from scheduler_svc.config import CoreConfig
 from scheduler_svc.settings import SchedulerSettings
+from scheduler_svc.step_cost import SMALL_ROWS
 
 
 def add_bench_parser(sub) -> None:
@@ -396,7 +397,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         f"fixed {model.fixed * 1e3:.2f} ms, per token {model.per_token * 1e3:.3f} ms, "
         f"per sampled row {model.per_sampled * 1e3:.3f} ms, per KV position read "
         f"{model.per_kv_read * 1e6:.3f} µs, per attention pair {model.per_attention * 1e9:.3f} "
-        f"ns -> {path}"
+        f"ns, per token of the first {SMALL_ROWS} {model.per_small_token * 1e3:.3f} ms -> {path}"
     )
     return 0
 
