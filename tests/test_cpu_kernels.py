@@ -51,6 +51,25 @@ def test_add_rms_norm_matches_torch() -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (3, 40), (20, 77)])
+def test_silu_mul_matches_fp32_rounded_once(rows: int, inter: int) -> None:
+    """Each row [gate | up] -> silu(gate) * up: within bf16's rounding of the fp32 result, for
+    large positive and negative gates too (no overflow), rows split over threads from 16."""
+    assert KERNELS is not None
+    KERNELS.set_threads(2)
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(BF16)
+    gate_up[0, :4] = torch.tensor([90.0, -90.0, 0.0, -0.0])
+    out = torch.empty(rows, inter, dtype=BF16)
+    KERNELS.silu_mul(gate_up, out)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expect = F.silu(gate) * up
+    assert torch.isfinite(out.float()).all()
+    assert bf16_ulps(out, expect.to(BF16)) <= 1.0
+    assert (out.float() - expect).abs().max() <= 2**-8 * expect.abs().max()
+
+
+@needs_kernels
 def test_rope_store_matches_apply_rope_and_writes_kv_to_its_slots() -> None:
     assert KERNELS is not None
     heads, kv_heads, dim, n = 9, 3, 64, 4

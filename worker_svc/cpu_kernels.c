@@ -111,6 +111,12 @@ static inline int64_t exp_rows16(float *row, int64_t len, float m, float *sum) {
     return done;
 }
 
+/* 16 bf16 values as floats (exact). */
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
 /* dst[i] = src[i] rounded to bf16 (nearest even, as f2bf), 16 at a time. */
 static inline void to_bf16(const float *src, int64_t n, uint16_t *dst) {
     int64_t i = 0;
@@ -235,6 +241,35 @@ static int64_t pv_bf16_64(const uint16_t *probs, const uint16_t *v_pool, int64_t
 }
 #endif
 
+
+/* out[r] = silu(gate[r]) * up[r], rounded to bf16 once, where gate_up[r] = [gate | up] (the
+   fused gate/up projection's row). gate_up: [rows, 2 * inter]; out: [rows, inter]. silu(x) =
+   x / (1 + e^-x), with e^-|x| from exp_nonpositive so that neither side overflows. */
+static inline float silu(float x) {
+    const float t = exp_nonpositive(x < 0.f ? x : -x);
+    return x >= 0.f ? x / (1.f + t) : x * t / (1.f + t);
+}
+
+void silu_mul_bf16(const uint16_t *gate_up, int64_t rows, int64_t inter, uint16_t *out) {
+#pragma omp parallel for schedule(static) if (rows >= 16) num_threads(kernel_threads)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
+        uint16_t *o = out + r * inter;
+        int64_t i = 0;
+#ifdef HAVE_AVX512_BF16
+        for (; i + 16 <= inter; i += 16) {
+            const __m512 x = load_bf16x16(g + i), y = load_bf16x16(u + i);
+            const __m512 neg = _mm512_min_ps(x, _mm512_sub_ps(_mm512_setzero_ps(), x));
+            const __m512 t = exp_nonpositive16(neg), one = _mm512_set1_ps(1.f);
+            const __mmask16 positive = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+            const __m512 top = _mm512_mask_blend_ps(positive, _mm512_mul_ps(x, t), x);
+            const __m512 s = _mm512_div_ps(top, _mm512_add_ps(one, t));
+            _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, y)));
+        }
+#endif
+        for (; i < inter; i++) o[i] = f2bf(silu(bf2f(g[i])) * bf2f(u[i]));
+    }
+}
 
 /* x[r] += delta[r] (if delta), rounded to bf16; h[r] = x[r] / rms(x[r]) * weight.
    x, delta, h: [rows, hidden]; weight: [hidden]. */

@@ -92,6 +92,11 @@ class CpuKernels:
         self._attend = library.decode_attention_bf16
         self._attend.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P]
         self._attend.restype = ctypes.c_int
+        # absent from libraries built from older sources (llmserve.bench.kernels_vs loads them)
+        self._silu_mul = getattr(library, "silu_mul_bf16", None)
+        if self._silu_mul is not None:
+            self._silu_mul.argtypes = [_P, _I, _I, _P]
+            self._silu_mul.restype = None
         self._threads = library.set_threads
         self._threads.argtypes = [ctypes.c_int]
         self._threads.restype = None
@@ -111,6 +116,16 @@ class CpuKernels:
         rows, hidden = x.shape
         d = delta.data_ptr() if delta is not None else None
         self._norm(x.data_ptr(), d, weight.data_ptr(), rows, hidden, eps, out.data_ptr())
+
+    def silu_mul(
+        self,
+        gate_up: torch.Tensor,  # [rows, 2 * inter]: each row [gate | up]
+        out: torch.Tensor,  # [rows, inter]: silu(gate) * up
+    ) -> None:
+        if self._silu_mul is None:
+            raise NotImplementedError("this kernel library has no silu_mul")
+        rows, inter = out.shape
+        self._silu_mul(gate_up.data_ptr(), rows, inter, out.data_ptr())
 
     def rope_store(
         self,

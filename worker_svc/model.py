@@ -157,15 +157,11 @@ class LlamaModel:
                 h = rms_norm(x, layer.mlp_norm, eps)
             else:
                 kern.add_rms_norm(x, lin.o(attn), layer.mlp_norm, eps, h)
-            gate_up = lin.gate_up(h)  # [tokens, 2 * intermediate]
-            gate, up = gate_up.chunk(2, dim=-1)
-            down = lin.down(F.silu(gate) * up)
+            down = self.mlp(lin, h)
             if kern is None:
                 x = x + down
             else:  # h: the next layer's input, or the final norm's output
-                following = w.layers[layer_index + 1] if layer_index + 1 < len(w.layers) else None
-                norm = following.attn_norm if following is not None else w.final_norm
-                kern.add_rms_norm(x, down, norm, eps, h)
+                kern.add_rms_norm(x, down, self.norm_after(layer_index), eps, h)
         if kern is not None:
             return self.lm_head(h[logit_rows]).float()  # [rows, vocab]
         x = rms_norm(x[logit_rows], w.final_norm, eps)  # x: [rows, hidden]
@@ -207,12 +203,28 @@ class LlamaModel:
                 scale, attn,
             )  # fmt: skip
             kern.add_rms_norm(x, lin.o(attn.view(n, -1)), w.layers[layer_index].mlp_norm, eps, h)
-            gate, up = lin.gate_up(h).chunk(2, dim=-1)
-            down = lin.down(F.silu(gate) * up)
-            following = w.layers[layer_index + 1] if layer_index + 1 < len(w.layers) else None
-            norm = following.attn_norm if following is not None else w.final_norm
-            kern.add_rms_norm(x, down, norm, eps, h)  # h: the next layer's input, or the final
+            down = self.mlp(lin, h)
+            # h: the next layer's input, or the final norm's output
+            kern.add_rms_norm(x, down, self.norm_after(layer_index), eps, h)
         return self.lm_head(h[logit_rows]).float()  # [rows, vocab]
+
+    def mlp(self, lin: LayerLinears, h: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate) * up) of h [tokens, hidden]; with the kernels, silu and the product
+        are one pass over the gate/up projection's rows, rounded to bf16 once."""
+        gate_up = lin.gate_up(h)  # [tokens, 2 * intermediate]
+        if self.kernels is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return lin.down(F.silu(gate) * up)
+        act = torch.empty(h.shape[0], self.config.intermediate_size, dtype=h.dtype)
+        self.kernels.silu_mul(gate_up, act)
+        return lin.down(act)
+
+    def norm_after(self, layer_index: int) -> torch.Tensor:
+        """The norm weight of what follows the layer's MLP: the next layer's, or the final."""
+        layers = self.weights.layers
+        return layers[layer_index + 1].attn_norm if layer_index + 1 < len(layers) else (
+            self.weights.final_norm
+        )  # fmt: skip
 
     def attention(
         self,

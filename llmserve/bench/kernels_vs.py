@@ -7,10 +7,10 @@ python -m llmserve.bench.kernels_vs --base-rev 271508e [--base-pack-rows 1]
 The base is this checkout with two things swapped: the fused decode kernels built from
 `worker_svc/cpu_kernels.c` as it stood at --base-rev (`git show`, compiled with this checkout's
 flags), and oneDNN's weight layout packed for --base-pack-rows rows (the earlier
-`worker_svc/linear.py` packed for 1), and in steps that mix decodes with a prompt chunk the
-decodes' attention on the torch path (a padded gather, as before the fused kernel took those
-too). Everything else is the same code, so the ratios are the kernels', the layout's and that
-path's. Per quantization mode both are loaded once and the cases run
+`worker_svc/linear.py` packed for 1), the torch path for the decodes' attention in steps that
+mix decodes with a prompt chunk (a padded gather, as before the fused kernel took those too),
+and silu(gate) * up as two torch ops (as before silu_mul). Everything else is the same code, so
+the ratios are those changes'. Per quantization mode both are loaded once and the cases run
 interleaved (base, new, base, new ...): load from other processes hits both alike. Medians; the
 ratio is base's time over new's (above 1: new is faster). A first table times decode attention
 alone over 30 layers of KV pools (SmolLM2's shape, blocks shuffled), where the layers' KV is
@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import worker_svc.linear as linear
 from llmserve.bench.quant_forward import cpu_line
@@ -103,13 +104,18 @@ def attention_table(base, new, context: int, reps: int, batches: list[int]) -> N
 
 
 def torch_path(model) -> None:
-    """The base's mixed steps: their decodes' attention on the torch path (a padded gather of
-    every context), as before the fused kernel took them."""
+    """The base's torch parts: mixed steps' decodes' attention (a padded gather of every
+    context), as before the fused kernel took them, and silu(gate) * up as two torch ops."""
 
     def attend(layer_index, q, plan, pool, out) -> None:
         out.copy_(model.decode_attention(layer_index, q, plan, pool))
 
+    def mlp(lin, h):
+        gate, up = lin.gate_up(h).chunk(2, dim=-1)
+        return lin.down(F.silu(gate) * up)
+
     model.fused_decode_attention = attend
+    model.mlp = mlp
 
 
 def mixed(ours: Ours, decodes: int, prompt: list[int]):
