@@ -25,6 +25,19 @@ def fit(
     weighted by 1/seconds so that short steps (decodes) fit as well as long ones."""
     x = np.array([s.vector() for s in shapes])
     y = np.array(seconds)
+    full = nonnegative_lstsq(x, y)
+    predicted = x @ full
+    stats = {
+        "samples": len(y),
+        "r2": float(1 - ((y - predicted) ** 2).sum() / ((y - y.mean()) ** 2).sum()),
+        "median_abs_rel_error": float(np.median(np.abs(predicted - y) / y)),
+    }
+    return CostModel(*map(float, full), meta=(meta or {}) | {"fit": stats})
+
+
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Coefficients >= 0 minimising the relative error (rows weighted by 1/y): features with a
+    negative fit are dropped, one at a time, and the rest refitted."""
     w = 1.0 / np.maximum(y, 1e-6)
     active = list(range(x.shape[1]))
     while True:
@@ -34,10 +47,4 @@ def fit(
         active.pop(int(np.argmin(coef)))
     full = np.zeros(x.shape[1])
     full[active] = np.maximum(coef, 0)
-    predicted = x @ full
-    stats = {
-        "samples": len(y),
-        "r2": float(1 - ((y - predicted) ** 2).sum() / ((y - y.mean()) ** 2).sum()),
-        "median_abs_rel_error": float(np.median(np.abs(predicted - y) / y)),
-    }
-    return CostModel(*map(float, full), meta=(meta or {}) | {"fit": stats})
+    return full

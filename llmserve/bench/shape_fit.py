@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from llmserve.bench.calibrate import BLOCK, Probe, _work
+from llmserve.bench.cost_model import nonnegative_lstsq
 
 KNEES = (4, 8, 16, 32, 64)
 
@@ -73,25 +74,12 @@ def features(grid: list[Probe], knee: int) -> np.ndarray:
     return np.array(rows, dtype=float)
 
 
-def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """As llmserve.bench.cost_model.fit: weighted by 1/y, negative features dropped, refitted."""
-    w, active = 1.0 / y, list(range(x.shape[1]))
-    while True:
-        coef, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
-        if (coef >= 0).all() or len(active) == 1:
-            break
-        active.pop(int(np.argmin(coef)))
-    full = np.zeros(x.shape[1])
-    full[active] = np.maximum(coef, 0)
-    return full
-
-
 def held_out_errors(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     index = np.arange(len(y))
     errors = []
     for fold in (0, 1):
         train, test = index % 2 != fold, index % 2 == fold
-        coef = nonnegative_fit(x[train], y[train])
+        coef = nonnegative_lstsq(x[train], y[train])
         errors.append(np.abs(x[test] @ coef - y[test]) / y[test])
     return np.concatenate(errors)
 
