@@ -20,6 +20,12 @@ from worker_svc.weights import Weights
 __all__ = ["KvPool", "LlamaModel", "rms_norm"]
 
 
+def torch_mlp(lin: LayerLinears, h: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate) * up) of h [tokens, hidden] by torch ops."""
+    gate, up = lin.gate_up(h).chunk(2, dim=-1)
+    return lin.down(F.silu(gate) * up)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [tokens, hidden]. One fused kernel (fp32 accumulation inside for bf16); transformers
     rounds to bf16 before the weight multiply, we round once after it."""
@@ -211,12 +217,10 @@ class LlamaModel:
     def mlp(self, lin: LayerLinears, h: torch.Tensor) -> torch.Tensor:
         """down(silu(gate) * up) of h [tokens, hidden]; with the kernels, silu and the product
         are one pass over the gate/up projection's rows, rounded to bf16 once."""
-        gate_up = lin.gate_up(h)  # [tokens, 2 * intermediate]
         if self.kernels is None:
-            gate, up = gate_up.chunk(2, dim=-1)
-            return lin.down(F.silu(gate) * up)
+            return torch_mlp(lin, h)
         act = torch.empty(h.shape[0], self.config.intermediate_size, dtype=h.dtype)
-        self.kernels.silu_mul(gate_up, act)
+        self.kernels.silu_mul(lin.gate_up(h), act)  # gate_up: [tokens, 2 * intermediate]
         return lin.down(act)
 
     def norm_after(self, layer_index: int) -> torch.Tensor:
@@ -276,8 +280,7 @@ class LlamaModel:
         positions and a 256-token chunk 723 ms, against ~380 predicted from the two alone)."""
         assert self.kernels is not None
         cfg = self.config
-        layer_bytes = pool.k.stride(0) * pool.k.element_size()
-        self.kernels.set_threads(torch.get_num_threads())
+        layer_bytes = pool.k.stride(0) * pool.k.element_size()  # run_layers set the threads
         self.kernels.decode_attention(
             q, pool.k.data_ptr() + layer_index * layer_bytes,
             pool.v.data_ptr() + layer_index * layer_bytes, plan.decode_blocks.view(q.shape[0], -1),

@@ -29,14 +29,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import worker_svc.linear as linear
 from llmserve.bench.quant_forward import cpu_line
 from llmserve.bench.worker_forward import Ours, median_ms
 from worker_svc import cpu_kernels
 from worker_svc.loader import load_model
-from worker_svc.work import WorkItem
+from worker_svc.model import torch_mlp
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,22 +109,8 @@ def torch_path(model) -> None:
     def attend(layer_index, q, plan, pool, out) -> None:
         out.copy_(model.decode_attention(layer_index, q, plan, pool))
 
-    def mlp(lin, h):
-        gate, up = lin.gate_up(h).chunk(2, dim=-1)
-        return lin.down(F.silu(gate) * up)
-
     model.fused_decode_attention = attend
-    model.mlp = mlp
-
-
-def mixed(ours: Ours, decodes: int, prompt: list[int]):
-    """A mixed step: `decodes` decodes and a fresh prompt's whole chunk."""
-    items = [
-        WorkItem(str(i), [100 + i], ours.context, ours.tables[i], sample_index=1)
-        for i in range(decodes)
-    ]
-    items.append(WorkItem("p", prompt, 0, ours.tables[decodes]))
-    return lambda: ours.runner.execute(items)
+    model.mlp = torch_mlp
 
 
 def model_table(mode: str, base, pack_rows: int, batches, context, prefill, reps) -> None:
@@ -148,7 +133,7 @@ def model_table(mode: str, base, pack_rows: int, batches, context, prefill, reps
     prompt = list(range(100, 100 + prefill))
     cases = [(f"decode @{b}", lambda o, b=b: o.decode(b)) for b in batches]
     cases.append((f"prefill {prefill}", lambda o: o.prefill(prompt)))
-    cases += [(f"{b} + {prefill}", lambda o, b=b: mixed(o, b, prompt)) for b in batches]
+    cases += [(f"{b} + {prefill}", lambda o, b=b: o.mixed(b, prompt)) for b in batches]
     for name, make in cases:
         b, n = median_ms([make(o) for o in runs], reps)
         print(f"{name:<14}{b:>9.1f}{n:>9.1f}{b / n:>7.2f}x")

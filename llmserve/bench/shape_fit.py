@@ -69,7 +69,7 @@ def features(grid: list[Probe], knee: int) -> np.ndarray:
     rows = []
     for probe in grid:
         shape = BatchShape.of(probe.items())
-        row = [1.0, shape.tokens, shape.sampled, shape.kv_read, shape.attention]
+        row = shape.vector()[:-1]  # the model's own, less its min(tokens, SMALL_ROWS)
         rows.append(row + ([min(shape.tokens, knee)] if knee else []))
     return np.array(rows, dtype=float)
 

@@ -73,15 +73,23 @@ class Ours:
         self.tables = [order[i * per_request : (i + 1) * per_request] for i in range(max_batch)]
         self.context = context
 
-    def decode(self, batch: int) -> Callable[[], object]:
-        items = [
+    def decode_items(self, batch: int) -> list[WorkItem]:
+        return [
             WorkItem(str(i), [100 + i], self.context, self.tables[i], sample_index=1)
             for i in range(batch)
         ]
+
+    def decode(self, batch: int) -> Callable[[], object]:
+        items = self.decode_items(batch)
         return lambda: self.runner.execute(items)
 
     def prefill(self, ids: list[int]) -> Callable[[], object]:
         items = [WorkItem("p", ids, 0, self.tables[0])]
+        return lambda: self.runner.execute(items)
+
+    def mixed(self, batch: int, ids: list[int]) -> Callable[[], object]:
+        """`batch` decodes beside a fresh prompt's whole chunk (max_batch must exceed batch)."""
+        items = [*self.decode_items(batch), WorkItem("p", ids, 0, self.tables[batch])]
         return lambda: self.runner.execute(items)
 
 
