@@ -59,17 +59,17 @@ def best(rows: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
     )
 
 
-def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per load and policy: the best token budget, the best time budget, the ratio of their
-    goodputs, and the best time budget's p99 inter-token time over its budget."""
+def verdicts(rows: list[dict[str, Any]], by: tuple[str, ...] = ("load", "policy")) -> list[dict]:
+    """Per group of rows (by load and policy; a served sweep: by round and policy): the best
+    token budget, the best time budget, the ratio of their goodputs, and the best time budget's
+    p99 inter-token time over its budget."""
     out = []
-    for load, policy in dict.fromkeys((r["load"], r["policy"]) for r in rows):
-        group = [r for r in rows if r["load"] == load and r["policy"] == policy]
+    for key in dict.fromkeys(tuple(r[k] for k in by) for r in rows):
+        group = [r for r in rows if tuple(r[k] for k in by) == key]
         tokens, timed = best(group, "tokens"), best(group, "time")
         out.append(
-            {
-                "load": load,
-                "policy": policy,
+            dict(zip(by, key, strict=True))
+            | {
                 "best_token_budget": tokens and tokens["budget"],
                 "best_token_goodput_rps": tokens and tokens["goodput_rps"],
                 "best_time_budget": timed and timed["budget"],

@@ -79,6 +79,21 @@ def add_bench_parser(sub) -> None:
     )
     serve.add_argument("--max-running", type=int, default=0, help="0: the concurrency")
     _time_budget_flag(serve, "; each stack's scheduler")
+    _sweep_flags(serve, "one stack per budget and policy, or, with --target, the running stack's "
+                 "budgets set live (needs --admin-key-file)")  # fmt: skip
+    serve.add_argument(
+        "--sweep-rounds",
+        type=int,
+        default=1,
+        help="sweep mode: run the budgets this many times, every second round in reverse order "
+        "(drift on a shared host then hits both ends alike); a verdict per round",
+    )
+    serve.add_argument(
+        "--admin-key-file",
+        type=Path,
+        default=None,
+        help="sweep mode with --target: the stack's admin key, to set each budget live",
+    )
     serve.add_argument(
         "--cost-model",
         type=Path,
@@ -143,21 +158,7 @@ def add_bench_parser(sub) -> None:
     sim.add_argument("--token-budget", type=int, default=8192)
     _time_budget_flag(sim, "; the simulated scheduler's online model learns each simulated "
                       "worker's step times")  # fmt: skip
-    sim.add_argument(
-        "--sweep-token-budgets",
-        type=positive_list(int),
-        default=None,
-        metavar="N,N,...",
-        help="sweep mode: one run per token budget (and per --sweep-time-budgets-ms), the same "
-        "arrivals, at each load and policy; one table, goodput against --slo",
-    )
-    sim.add_argument(
-        "--sweep-time-budgets-ms",
-        type=positive_list(float),
-        default=None,
-        metavar="T,T,...",
-        help="sweep mode: one run per step-time budget, each under the cap --token-budget",
-    )
+    _sweep_flags(sim, "at each load and policy")
     sim.add_argument("--max-running", type=int, default=256)
     sim.add_argument("--max-context", type=int, default=32768)
     sim.add_argument("--block-size", type=int, default=16)
@@ -345,6 +346,24 @@ def _time_budget_flag(p: argparse.ArgumentParser, where: str) -> None:
     )
 
 
+def _sweep_flags(p: argparse.ArgumentParser, where: str) -> None:
+    p.add_argument(
+        "--sweep-token-budgets",
+        type=positive_list(int),
+        default=None,
+        metavar="N,N,...",
+        help="sweep mode: one run per token budget (and per --sweep-time-budgets-ms), the same "
+        f"arrivals, {where}; one table, goodput against --slo",
+    )
+    p.add_argument(
+        "--sweep-time-budgets-ms",
+        type=positive_list(float),
+        default=None,
+        metavar="T,T,...",
+        help="sweep mode: one run per step-time budget, each under the cap --token-budget",
+    )
+
+
 def _slo_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--slo",
@@ -371,7 +390,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from llmserve.bench.run_serve import run_serve
     from llmserve.bench.workload_args import build_workload
 
-    return run_serve(args, build_workload(args, served=True), _command())
+    workload = build_workload(args, served=True)
+    if args.sweep_token_budgets or args.sweep_time_budgets_ms:
+        from llmserve.bench.run_serve_sweep import run_serve_sweep
+
+        return run_serve_sweep(args, workload, _command())
+    return run_serve(args, workload, _command())
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:

@@ -89,17 +89,24 @@ def _say(r: dict[str, Any]) -> None:
 
 
 def print_budget_table(
-    rows: list[dict[str, Any]], judged: list[dict[str, Any]], slo: str | None
+    rows: list[dict[str, Any]],
+    judged: list[dict[str, Any]],
+    slo: str | None,
+    group: str = "load",
+    where: str = "simulated",
 ) -> None:
+    """group: the rows' grouping column, load (a simulated sweep) or round (a served one)."""
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"token budgets vs time budgets (simulated){f'; SLO {slo}' if slo else ''}")
-    for col in COLUMNS:
+    t = Table(title=f"token budgets vs time budgets ({where}){f'; SLO {slo}' if slo else ''}")
+    errors = any(r.get("error_p90") is not None for r in rows)  # served: the model's own error
+    for col in (group, *COLUMNS[1:], *(["step-time error p90"] if errors else [])):
         t.add_column(col, justify="right")
     for r in rows:
+        error = [] if not errors else ["-" if r["error_p90"] is None else f"{r['error_p90']:.0%}"]
         t.add_row(
-            f"×{r['load']:g}",
+            _group(group, r[group]),
             r["policy"],
             r["budget"],
             f"{r['ttft_p50_s']:.2f} s",
@@ -111,6 +118,7 @@ def print_budget_table(
             "-" if r["slo_met_share"] is None else f"{r['slo_met_share']:.0%}",
             str(r["stalls"].get("time_budget", 0)),
             f"{r['step_ms']:.1f}",
+            *error,
         )
     console = Console(width=190)
     console.print(t)
@@ -118,11 +126,15 @@ def print_budget_table(
         if v["goodput_ratio"] is None:
             continue
         console.print(
-            f"load ×{v['load']:g} {v['policy']}: best {v['best_time_budget']} "
+            f"{group} {_group(group, v[group])} {v['policy']}: best {v['best_time_budget']} "
             f"{v['best_time_goodput_rps']:.2f} req/s vs best {v['best_token_budget']} "
             f"{v['best_token_goodput_rps']:.2f} req/s = {v['goodput_ratio']:.2f}×; its p99 "
             f"inter-token {v['itl_p99_over_budget']:.2f}× its budget"
         )
+
+
+def _group(group: str, value: float) -> str:
+    return f"×{value:g}" if group == "load" else f"{value:g}"
 
 
 def _ms(seconds: float | None) -> str:

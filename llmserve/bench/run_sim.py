@@ -92,8 +92,21 @@ def run_sim(args: argparse.Namespace, command: str) -> int:
 
 
 def sim_row(load: float, s: dict[str, Any], counters: dict[str, Any]) -> dict[str, Any]:
+    sim = {
+        "virtual_s": counters["virtual_s"],
+        "real_s": counters["real_s"],
+        "core_us_per_step": counters["core_us_per_step"],
+        "core_us_median": counters["core_us_median"],
+        "core_us_median_full": counters["core_us_median_full"],
+        "steps": counters["steps"],
+        "step_ms": 1000 * counters["busy_s"] / max(1, counters["steps"]),
+    }
+    return {"load": load} | summary_row(s) | sim
+
+
+def summary_row(s: dict[str, Any]) -> dict[str, Any]:
+    """A run's summary (Report.add) as one flat row: a simulated run's or a served one's."""
     return {
-        "load": load,
         "policy": s["label"],
         "requests": s["requests"],
         "ok": s["ok"],
@@ -112,13 +125,6 @@ def sim_row(load: float, s: dict[str, Any], counters: dict[str, Any]) -> dict[st
         "kv_mean_held_share": (s["kv"] or {}).get("mean_held_share"),
         "peak_running": (s["kv"] or {}).get("peak_running"),
         "stalls": s["stalls"],
-        "virtual_s": counters["virtual_s"],
-        "real_s": counters["real_s"],
-        "core_us_per_step": counters["core_us_per_step"],
-        "core_us_median": counters["core_us_median"],
-        "core_us_median_full": counters["core_us_median_full"],
-        "steps": counters["steps"],
-        "step_ms": 1000 * counters["busy_s"] / max(1, counters["steps"]),
     }
 
 

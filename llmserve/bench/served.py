@@ -65,9 +65,23 @@ async def run_workload(
         stop.set()
         await polling
         bar.close()
-    after = counters_of(await poller.status())
+    reply = await poller.status()
     await poller.close()
-    return RunResult(label, records, poller.samples, wall, counters=counter_delta(before, after))
+    counters = counter_delta(before, counters_of(reply)) | {"step_model": step_model_errors(reply)}
+    return RunResult(label, records, poller.samples, wall, counters=counters)
+
+
+def step_model_errors(reply) -> list[dict]:
+    """Per worker, its online step-time model's error over its recent steps, as the run ends."""
+    return [
+        {
+            "worker": w.name,
+            "error_p50": w.step_time_error_p50,
+            "error_p90": w.step_time_error_p90,
+            "steps": w.step_time_error_steps,
+        }
+        for w in reply.workers
+    ]
 
 
 def bench_settings(base: StackSettings, policy: Policy) -> StackSettings:
@@ -88,16 +102,22 @@ def bench_settings(base: StackSettings, policy: Policy) -> StackSettings:
 
 
 def run_policy(
-    base: StackSettings, policy: Policy, workload: Workload, log_dir: Path, progress: bool = True
+    base: StackSettings,
+    policy: Policy,
+    workload: Workload,
+    log_dir: Path,
+    progress: bool = True,
+    warmup: int = 2,
 ) -> RunResult:
-    """Start a stack for `policy`, run `workload`, stop the stack."""
+    """Start a stack for `policy`, run `workload` (after `warmup` requests), stop the stack."""
     settings = bench_settings(base, policy)
     stack = Stack(settings, log_dir / policy.label)
     stack.start()
     try:
         result = asyncio.run(
-            run_workload(settings.gateway, settings.scheduler, workload, policy.label, progress)
-        )
+            run_workload(settings.gateway, settings.scheduler, workload, policy.label, progress,
+                         warmup=warmup)
+        )  # fmt: skip
     finally:
         stack.stop()
     result.config = {
