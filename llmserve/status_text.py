@@ -115,18 +115,38 @@ def explanation_text(s: dict) -> str:
             f"{w['reserved_unwritten']}  running {w['running']}"
             + (f"; reserved and unwritten by {held}" if held else "")
         )
+    if e.get("step_time_budget_ms"):
+        lines.append(time_budget_line(e))
     lines.append("  would admit it: " + "; ".join(counterfactuals(e)))
     return "\n".join(lines)
 
 
+def time_budget_line(e: dict) -> str:
+    """What the running work takes of the step-time budget on the head's worker."""
+    budget, planned = e["step_time_budget_ms"], e.get("step_predicted_ms", -1)
+    if planned < 0:
+        return f"  step-time budget {budget:g} ms; {e['worker']} has no step planned"
+    return (
+        f"  step-time budget {budget:g} ms; {e['worker']}'s step as planned, without the head, "
+        f"is predicted at {planned:.1f} ms ({planned / budget:.0%} of the budget)"
+    )
+
+
 def counterfactuals(e: dict) -> list[str]:
     after = e["after_request_id"]
-    return [
+    out = [
         f"{e['other_policy']}: {'yes, now' if e['admitted_under_other_policy'] else 'no'}",
         f"token budget {e['token_budget']}" if e["token_budget"] else "no token budget alone",
         f"running limit {e['running_limit']}" if e["running_limit"] else "no running limit alone",
-        f"{after} finishing (within {e['after_steps']} steps)" if after else "no single finish",
     ]
+    if e.get("step_time_budget_ms"):
+        out.append(
+            f"step-time budget {e['time_budget_ms']:g} ms"
+            if e.get("time_budget_ms")
+            else "no step-time budget alone"
+        )
+    after_text = f"{after} finishing (within {e['after_steps']} steps)" if after else ""
+    return [*out, after_text or "no single finish"]
 
 
 def prefix_cache_line(s: dict) -> str:

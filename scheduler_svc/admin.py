@@ -108,6 +108,9 @@ def explanation_message(why: Explanation) -> scheduler_pb2.HeadExplanation:
         running_limit=why.running_limit or 0,
         after_request_id=why.after.request_id if why.after else "",
         after_steps=why.after.steps if why.after else 0,
+        step_time_budget_ms=why.step_time_budget_ms,
+        step_predicted_ms=-1.0 if why.step_predicted_ms is None else why.step_predicted_ms,
+        time_budget_ms=why.time_budget_ms or 0.0,
     )
     for room in why.workers:
         out = msg.workers.add(

@@ -22,7 +22,10 @@ from scheduler_svc.core import Scheduler
 from scheduler_svc.output import WorkerKv
 from scheduler_svc.sequence import SeqStatus, Sequence
 from scheduler_svc.step import Step
+from scheduler_svc.step_cost import step_shape
 from scheduler_svc.worker_state import WorkerState
+
+TIME_STEPS_PER_MS = 10  # the smallest admitting step-time budget is found to 0.1 ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,12 @@ class Explanation:
     token_budget: int | None  # the smallest that admits it now (None: no budget does)
     running_limit: int | None  # the smallest running limit that admits it now
     after: Finisher | None  # None: no finish on its own admits it
+    # the step-time budget (ms; 0: off), the worker's planned step as its step-time model
+    # predicts it (what its running work takes of the budget; None: nothing planned), and the
+    # smallest budget that admits the head now (None: the budget is off, or no budget does)
+    step_time_budget_ms: float = 0.0
+    step_predicted_ms: float | None = None
+    time_budget_ms: float | None = None
 
 
 def explain(core: Scheduler) -> Explanation | None:
@@ -111,7 +120,32 @@ def explain_copy(base: Scheduler, now: float) -> Explanation:
             max(len(w.running) for w in base.workers) + 1,
         ),
         after=_finisher(base),
+        step_time_budget_ms=config.step_time_budget_ms,
+        step_predicted_ms=None if step is None else 1e3 * base.predict(worker, step_shape(step)),
+        time_budget_ms=_time_budget(base, config),
     )
+
+
+def _time_budget(base: Scheduler, config: CoreConfig) -> float | None:
+    """The smallest step-time budget (ms, to 0.1) that admits the head now; None when the
+    budget is off (time does not hold it) or when even no time budget would admit it (another
+    limit does). Bounded by the step planned without one: that step fits a budget of its
+    predicted time, and admission grows with the budget."""
+    if not config.step_time_budget_ms or base.static:
+        return None
+    untimed = dataclasses.replace(config, step_time_budget_ms=0.0)
+    core, worker, step = _plan(base, untimed)
+    head = core.seqs.get(base.waiting[0].request_id)
+    if step is None or head is None or head.status is not SeqStatus.RUNNING:
+        return None
+    bound = int(1e3 * TIME_STEPS_PER_MS * base.predict(worker, step_shape(step))) + 1
+    tenths = _smallest(
+        lambda n: _admits(
+            base, dataclasses.replace(config, step_time_budget_ms=n / TIME_STEPS_PER_MS)
+        ),
+        bound,
+    )
+    return None if tenths is None else tenths / TIME_STEPS_PER_MS
 
 
 def copy_of(core: Scheduler) -> Scheduler:

@@ -3,10 +3,15 @@ capacity 24, B reserves 6 + 14 = 20 positions, C's prompt is 6 tokens)."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+
 from scheduler_svc.config import CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.explain import Finisher, Holder, explain
 from tests.sim import check_invariants, ran, seq, step
+from tests.test_time_budget import FakeTimes
 
 
 def figure4(policy: KvPolicy = KvPolicy.RESERVE, **cfg) -> Scheduler:
@@ -127,3 +132,55 @@ def test_the_counterfactuals_predict_step_times_on_their_own_copy_of_the_model()
     asked = model.asked
     assert asked > 0 and explain(core).request_id == "C"
     assert model.asked == asked  # the copies asked their own
+
+
+def test_a_time_budget_stall_names_the_smallest_step_time_budget_that_admits() -> None:
+    """The seed's B in decode and C waiting, under paged (KV is no limit), with steps that cost
+    2 ms + 1 ms a token: B's decode alone is predicted at 3 ms. With a 3 ms budget C waits on
+    time; one token of C beside B's decode takes 4 ms, so 4 ms is the smallest budget that
+    admits it, and the worker's planned step (B's decode) is predicted at 3 ms."""
+    times = FakeTimes(fixed_ms=2.0, token_ms=1.0)
+    config = CoreConfig(token_budget=8, policy=KvPolicy.PAGED, step_time_budget_ms=3.0)
+    core = Scheduler(config, [WorkerSpec("w0", 24, 1, 4096)], clock=lambda: 10.0, predict=times)
+    core.add(seq("B", 6, max_tokens=14, arrival=1.0))
+    core.add(seq("C", 6, max_tokens=6, arrival=4.0))
+    while not core.seqs["B"].output_ids:  # B's prompt, chunk by chunk: then its decodes begin
+        step(core)
+    why = explain(core)
+    assert (why.request_id, why.reason) == ("C", "time_budget")
+    assert why.step_time_budget_ms == 3.0
+    assert why.step_predicted_ms == pytest.approx(3.0)
+    assert why.time_budget_ms == pytest.approx(4.0)
+    assert why.token_budget is None  # no token budget passes the time limit
+    core.reconfigure(dataclasses.replace(config, step_time_budget_ms=why.time_budget_ms))
+    assert "C" in ran(step(core))  # the answer admits it
+    check_invariants(core)
+
+
+def test_without_a_time_budget_there_is_no_time_counterfactual() -> None:
+    why = explain(figure4(KvPolicy.PAGED, token_budget=6, chunked_prefill=False))
+    assert why.step_time_budget_ms == 0.0 and why.time_budget_ms is None
+    assert why.step_predicted_ms is not None  # the planned step, as the prior predicts it
+
+
+def test_status_explain_prints_what_the_running_work_takes_of_the_time_budget() -> None:
+    """Through the wire form (HeadExplanation) into `llmserve status --explain`'s text."""
+    from llmserve.client import explanation_dict
+    from llmserve.status_text import explanation_text
+    from scheduler_svc.admin import explanation_message
+
+    times = FakeTimes(fixed_ms=2.0, token_ms=1.0)
+    config = CoreConfig(token_budget=8, policy=KvPolicy.PAGED, step_time_budget_ms=3.0)
+    core = Scheduler(config, [WorkerSpec("w0", 24, 1, 4096)], clock=lambda: 10.0, predict=times)
+    core.add(seq("B", 6, max_tokens=14, arrival=1.0))
+    core.add(seq("C", 6, max_tokens=6, arrival=4.0))
+    while not core.seqs["B"].output_ids:
+        step(core)
+    e = explanation_dict(explanation_message(explain(core)))
+    text = explanation_text({"explanation": e})
+    assert "time_budget" in text
+    planned = "w0's step as planned, without the head, is predicted at 3.0 ms (100% of the budget)"
+    assert "step-time budget 3 ms; " + planned in text
+    assert "would admit it: " in text and "step-time budget 4 ms" in text
+    untimed = explanation_dict(explanation_message(explain(figure4())))
+    assert "step-time budget" not in explanation_text({"explanation": untimed})
