@@ -54,3 +54,31 @@ def test_the_committed_model_says_where_it_was_measured() -> None:
     assert model.meta["machine"]["cpus"] >= 1 and model.fixed > 0 and model.per_token > 0
     shape = BatchShape(tokens=5, sampled=5, kv_read=50)
     assert model.scaled(10).seconds(shape) == pytest.approx(model.seconds(shape) / 10)
+
+
+def test_a_calibration_is_named_for_what_it_timed_and_none_keeps_the_simulators_file() -> None:
+    from llmserve.bench.calibrate import default_output
+
+    assert default_output("smollm2", "bf16", "none") == DEFAULT_COST_MODEL
+    assert default_output("smollm2", "bf16", "auto").name == "smollm2-bf16-auto-cpu.json"
+    assert default_output("tiny", "fp32", "none").name == "tiny-fp32-cpu.json"
+    assert default_output("/models/My-Model.Q4_1.gguf", "bf16", "int4").name == (
+        "My-Model.Q4_1-bf16-int4-cpu.json"
+    )
+
+
+def test_calibrate_times_the_worker_as_quantized_and_says_so(tmp_path, capsys) -> None:
+    """The tiny model as int4 (its values quantized at load): the file records the mode and
+    the command that reproduces it; the fit is usable (monotone: every coefficient >= 0)."""
+    from llmserve.cli import main as llmserve
+
+    out = tmp_path / "tiny.json"
+    with pytest.raises(SystemExit) as done:
+        llmserve(["bench", "calibrate", "--model", "tiny", "--quantization", "int4", "--quick",
+                  "--repeats", "1", "--threads", "1", "--output", str(out)])  # fmt: skip
+    assert done.value.code == 0
+    model = CostModel.load(out)
+    assert model.meta["quantization"] == "int4"
+    assert "--quantization int4" in model.meta["command"]
+    assert all(c >= 0 for c in model.coefficients()) and model.fixed + model.per_token > 0
+    assert "--quantization int4" in capsys.readouterr().out

@@ -9,8 +9,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-from llmserve.bench.cost_model import BatchShape, CostModel, fit
+from llmserve.bench.cost_model import DEFAULT_COST_MODEL, BatchShape, CostModel, fit
 from llmserve.bench.prompts import WORD_ID
 from llmserve.bench.report import machine
 
@@ -44,6 +45,15 @@ def default_grid(quick: bool = False) -> list[Probe]:
     return grid
 
 
+def default_output(model: str, dtype_name: str, quantization: str) -> Path:
+    """data/cost_models/MODEL-DTYPE[-QUANTIZATION]-cpu.json (none: no suffix, so that the
+    committed smollm2-bf16-cpu.json, the simulator's default, is the bf16 calibration); a model
+    given as a path is named by its file's stem."""
+    name = Path(model).stem if ("/" in model or model.endswith(".gguf")) else model
+    suffix = "" if quantization == "none" else f"-{quantization}"
+    return DEFAULT_COST_MODEL.with_name(f"{name}-{dtype_name}{suffix}-cpu.json")
+
+
 def measure(
     model: str,
     dtype_name: str,
@@ -51,6 +61,7 @@ def measure(
     grid: list[Probe],
     repeats: int = 5,
     log: Callable[[str], None] = print,
+    quantization: str = "none",
 ) -> tuple[list[BatchShape], list[float]]:
     import torch
 
@@ -61,7 +72,7 @@ def measure(
     if threads:
         torch.set_num_threads(threads)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
-    config, weights = load_model(model, dtype)
+    config, weights = load_model(model, dtype, quantization)
     blocks = max(p.positions for p in grid) // BLOCK + 1
     runner = ModelRunner(config, weights, blocks, BLOCK, dtype)
     batches = [_work(probe, WorkItem, lambda: GREEDY) for probe in grid]
@@ -108,19 +119,27 @@ def calibrate(
     quick: bool = False,
     repeats: int = 5,
     log: Callable[[str], None] = print,
+    quantization: str = "none",
 ) -> CostModel:
+    """quantization: the weights as the worker to be predicted runs them (`llmserve up` and the
+    worker default to auto: a GGUF's 4-bit matrices as int4 for a few rows)."""
     grid = default_grid(quick)
-    log(f"timing {len(grid)} batch shapes of {model} ({dtype_name}, threads {threads or 'all'})")
-    shapes, seconds = measure(model, dtype_name, threads, grid, repeats, log)
+    log(
+        f"timing {len(grid)} batch shapes of {model} ({dtype_name}, --quantization "
+        f"{quantization}, threads {threads or 'all'})"
+    )
+    shapes, seconds = measure(model, dtype_name, threads, grid, repeats, log, quantization)
     meta = {
         "model": model,
         "dtype": dtype_name,
+        "quantization": quantization,
         "threads": threads,
         "block_size": BLOCK,
         "measured": time.strftime("%Y-%m-%d %H:%M"),
         "machine": machine(),
         "command": f"llmserve bench calibrate --model {model} --dtype {dtype_name} "
-        f"--threads {threads} --repeats {repeats}" + (" --quick" if quick else ""),
+        f"--quantization {quantization} --threads {threads} --repeats {repeats}"
+        + (" --quick" if quick else ""),
         "points": [
             [s.tokens, s.sampled, s.kv_read, s.attention, round(t, 6)]
             for s, t in zip(shapes, seconds, strict=True)

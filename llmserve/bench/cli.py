@@ -190,10 +190,20 @@ def add_bench_parser(sub) -> None:
     cal.add_argument("--model", default="smollm2")
     cal.add_argument("--dtype", default="bf16")
     cal.add_argument("--threads", type=int, default=2)
+    cal.add_argument(
+        "--quantization",
+        choices=("none", "int8", "int4", "auto"),
+        default="auto",
+        help="the weights as the worker to be predicted runs them (the worker's default: auto)",
+    )
     cal.add_argument("--quick", action="store_true", help="a smaller grid")
     cal.add_argument("--repeats", type=int, default=5)
     cal.add_argument(
-        "--output", type=Path, default=None, help="default: data/cost_models/smollm2-bf16-cpu.json"
+        "--output",
+        type=Path,
+        default=None,
+        help="default: data/cost_models/MODEL-DTYPE-QUANTIZATION-cpu.json (without "
+        "-QUANTIZATION for none: the simulator's default file is smollm2-bf16-cpu.json)",
     )
     cal.set_defaults(func=_cmd_calibrate)
 
@@ -409,11 +419,13 @@ def _cmd_sim(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from llmserve.bench.calibrate import calibrate
-    from llmserve.bench.cost_model import DEFAULT_COST_MODEL
+    from llmserve.bench.calibrate import calibrate, default_output
 
-    model = calibrate(args.model, args.dtype, args.threads, args.quick, args.repeats)
-    path = args.output or DEFAULT_COST_MODEL
+    model = calibrate(
+        args.model, args.dtype, args.threads, args.quick, args.repeats,
+        quantization=args.quantization,
+    )  # fmt: skip
+    path = args.output or default_output(args.model, args.dtype, args.quantization)
     model.save(path)
     fit = model.meta["fit"]
     print(
