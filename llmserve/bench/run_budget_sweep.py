@@ -43,7 +43,7 @@ def run_budget_sweep(args: argparse.Namespace, command: str) -> int:
                 result.label = _label(budget, policy.label, len(policies))
                 summary = report.add(result)
                 rows.append(_budget_row(load, policy.label, budget, summary, result.counters))
-                _say(rows[-1])
+                say_row(rows[-1])
         report.write(args.out, f"{args.name}-budgets-load{load:g}")
     judged = verdicts(rows)
     out = {
@@ -78,12 +78,16 @@ def _budget_row(
     }
 
 
-def _say(r: dict[str, Any]) -> None:
+def say_row(r: dict[str, Any], group: str = "load") -> None:
+    """One run's line as it ends (group: load, or a served sweep's round)."""
     goodput = "" if r["goodput_rps"] is None else f", goodput {r['goodput_rps']:.2f} req/s"
+    error = r.get("error_p90")
+    error_text = "" if error is None else f", step-time error p90 {error:.0%}"
     print(
-        f"load ×{r['load']:g} {r['policy']} {r['budget']}: {r['ok']}/{r['requests']} ok, "
-        f"{r['output_tokens_per_s']:.0f} output tokens/s{goodput}, p99 TTFT "
-        f"{r['ttft_p99_s']:.2f} s, p99 inter-token {1000 * (r['itl_p99_s'] or 0):.1f} ms",
+        f"{group} {_group(group, r[group])} {r['policy']} {r['budget']}: {r['ok']}/"
+        f"{r['requests']} ok, {r['output_tokens_per_s']:.0f} output tokens/s{goodput}, p99 TTFT "
+        f"{r['ttft_p99_s']:.2f} s, p99 inter-token {1000 * (r['itl_p99_s'] or 0):.1f} ms"
+        + error_text,
         flush=True,
     )
 

@@ -22,7 +22,7 @@ from llmserve.bench.policy import parse_policies
 from llmserve.bench.prompts import check_with_tokenizer
 from llmserve.bench.records import RunResult
 from llmserve.bench.report import Report
-from llmserve.bench.run_budget_sweep import print_budget_table
+from llmserve.bench.run_budget_sweep import print_budget_table, say_row
 from llmserve.bench.run_serve import stack_settings
 from llmserve.bench.run_sim import summary_row
 from llmserve.bench.served import run_policy, run_workload
@@ -54,7 +54,7 @@ def run_serve_sweep(args: argparse.Namespace, workload: Workload, command: str) 
                 summary = report.add(result)
                 row = served_row(round_, budget, summary, result.counters)
                 rows.append(row | {"policy": policy})
-                _say(rows[-1])
+                say_row(rows[-1], group="round")
     judged = verdicts(rows, by=("round", "policy"))
     out = {
         "command": command,
@@ -117,14 +117,3 @@ def served_row(
         "step_model": errors,  # per worker, over its recent steps as the run ended
         "error_p90": max((e["error_p90"] for e in errors if e["steps"]), default=None),
     }
-
-
-def _say(r: dict[str, Any]) -> None:
-    goodput = "" if r["goodput_rps"] is None else f", goodput {r['goodput_rps']:.2f} req/s"
-    error = "" if r["error_p90"] is None else f", step-time error p90 {r['error_p90']:.0%}"
-    print(
-        f"round {r['round']} {r['policy']} {r['budget']}: {r['ok']}/{r['requests']} ok, "
-        f"{r['output_tokens_per_s']:.0f} output tokens/s{goodput}, p99 TTFT "
-        f"{r['ttft_p99_s']:.2f} s, p99 inter-token {1000 * (r['itl_p99_s'] or 0):.1f} ms{error}",
-        flush=True,
-    )
