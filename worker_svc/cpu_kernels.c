@@ -442,3 +442,46 @@ int decode_attention_bf16(const uint16_t *q, const uint16_t *k_pool, const uint1
 #undef ATTEND
     return status ? -2 : 0;
 }
+
+static inline float exact_dot(const uint16_t *a, const uint16_t *b, int64_t n) {
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; i++) sum += bf2f(a[i]) * bf2f(b[i]);
+    return sum;
+}
+
+/* Logits near each row's maximum made exact (near_ties.py): logits [rows, vocab] fp32 came from
+   hidden [rows, in] bf16 @ weight [vocab, in].T bf16 through a kernel that rounds its output to
+   bf16. Every entry within frac * max(|row max|, 1) of the row's maximum is replaced by its fp32
+   dot product. Two passes over each row; rows split over threads. */
+void refine_near_max_bf16(float *logits, int64_t rows, int64_t vocab, float frac,
+                          const uint16_t *hidden, const uint16_t *weight, int64_t in) {
+#pragma omp parallel for schedule(static) if (rows >= 4) num_threads(kernel_threads)
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = logits + r * vocab;
+        float top = row[0];
+        int64_t j = 0;
+#ifdef HAVE_AVX512_BF16
+        __m512 tops = _mm512_set1_ps(top);
+        for (; j + 16 <= vocab; j += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(row + j));
+        top = _mm512_reduce_max_ps(tops);
+#endif
+        for (; j < vocab; j++) top = row[j] > top ? row[j] : top;
+        const float scale = fabsf(top) > 1.f ? fabsf(top) : 1.f;
+        const float threshold = top - scale * frac;
+        const uint16_t *h = hidden + r * in;
+        j = 0;
+#ifdef HAVE_AVX512_BF16
+        const __m512 limit = _mm512_set1_ps(threshold);
+        for (; j + 16 <= vocab; j += 16) {
+            __mmask16 near = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j), limit, _CMP_GE_OQ);
+            while (near) {
+                const int bit = __builtin_ctz(near);
+                near &= near - 1;
+                row[j + bit] = exact_dot(h, weight + (j + bit) * in, in);
+            }
+        }
+#endif
+        for (; j < vocab; j++)
+            if (row[j] >= threshold) row[j] = exact_dot(h, weight + j * in, in);
+    }
+}

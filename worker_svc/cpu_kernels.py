@@ -97,6 +97,11 @@ class CpuKernels:
         if self._silu_mul is not None:
             self._silu_mul.argtypes = [_P, _I, _I, _P]
             self._silu_mul.restype = None
+        # absent from libraries built from older sources, as silu_mul
+        self._refine = getattr(library, "refine_near_max_bf16", None)
+        if self._refine is not None:
+            self._refine.argtypes = [_P, _I, _I, _F, _P, _P, _I]
+            self._refine.restype = None
         self._threads = library.set_threads
         self._threads.argtypes = [ctypes.c_int]
         self._threads.restype = None
@@ -126,6 +131,22 @@ class CpuKernels:
             raise NotImplementedError("this kernel library has no silu_mul")
         rows, inter = out.shape
         self._silu_mul(gate_up.data_ptr(), rows, inter, out.data_ptr())
+
+    def refine_near_max(
+        self,
+        logits: torch.Tensor,  # [rows, vocab] fp32, contiguous: updated in place
+        hidden: torch.Tensor,  # [rows, in] bf16
+        weight: torch.Tensor,  # [vocab, in] bf16
+        frac: float,
+    ) -> bool:
+        """near_ties.refine_near_max in one pass per row; False where this library lacks it."""
+        if self._refine is None:
+            return False
+        rows, vocab = logits.shape
+        h = hidden.contiguous()
+        self._refine(logits.data_ptr(), rows, vocab, frac, h.data_ptr(), weight.data_ptr(),
+                     h.shape[1])  # fmt: skip
+        return True
 
     def rope_store(
         self,

@@ -14,6 +14,7 @@ from worker_svc.cpu_features import OUTPUT_INT8_MAX_ROWS
 from worker_svc.kv_pool import KvPool
 from worker_svc.linear import Linear, QuantizedLinear, make_linear, packing_available
 from worker_svc.model_config import ModelConfig
+from worker_svc.near_ties import NEAR, refine_near_max
 from worker_svc.rope import RopeTable, apply_rope
 from worker_svc.weights import Weights
 
@@ -169,9 +170,9 @@ class LlamaModel:
             else:  # h: the next layer's input, or the final norm's output
                 kern.add_rms_norm(x, down, self.norm_after(layer_index), eps, h)
         if kern is not None:
-            return self.lm_head(h[logit_rows]).float()  # [rows, vocab]
+            return self.output(h[logit_rows])  # [rows, vocab]
         x = rms_norm(x[logit_rows], w.final_norm, eps)  # x: [rows, hidden]
-        return self.lm_head(x).float()  # [rows, vocab]
+        return self.output(x)  # [rows, vocab]
 
     def forward_small_decode(
         self,
@@ -212,7 +213,25 @@ class LlamaModel:
             down = self.mlp(lin, h)
             # h: the next layer's input, or the final norm's output
             kern.add_rms_norm(x, down, self.norm_after(layer_index), eps, h)
-        return self.lm_head(h[logit_rows]).float()  # [rows, vocab]
+        return self.output(h[logit_rows])  # [rows, vocab]
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] fp32 of the final hidden rows h. On the CPU in bf16 (or fp16)
+        the entries near each row's maximum are recomputed in fp32 (near_ties.py), so that
+        greedy does not pick between near-equal tokens by how the step's rounding fell. The GPU
+        path (forward_paged, CUDA graphs) keeps the kernel's logits."""
+        logits = self.lm_head(h).float()
+        if h.dtype == torch.float32 or h.device.type != "cpu":
+            return logits
+        head = self.weights.lm_head
+        kern = self.kernels
+        if (
+            kern is None
+            or not head.is_contiguous()
+            or not kern.refine_near_max(logits, h, head, NEAR)
+        ):
+            refine_near_max(logits, h, head)
+        return logits
 
     def mlp(self, lin: LayerLinears, h: torch.Tensor) -> torch.Tensor:
         """down(silu(gate) * up) of h [tokens, hidden]; with the kernels, silu and the product
