@@ -183,6 +183,7 @@ def status_dict(reply: scheduler_pb2.StatusReply) -> dict:
         "evictions",
         "cache_figures_withheld",
         "step_time_budget_ms",
+        "step_time_window",
         "explanation_withheld",
     ]
     out = {k: getattr(reply, k) for k in keys}

@@ -60,8 +60,11 @@ def format_status(s: dict, explain: bool = False) -> str:
 
 
 def time_budget_text(s: dict) -> str:
-    budget = s.get("step_time_budget_ms", 0.0)
-    return f"  step-time budget {budget:g} ms" if budget else ""
+    budget, window = s.get("step_time_budget_ms", 0.0), s.get("step_time_window", 1)
+    if not budget:
+        return ""
+    over = f" on average over {window} steps" if window > 1 else ""
+    return f"  step-time budget {budget:g} ms{over}"
 
 
 def step_time_text(w: dict) -> str:

@@ -18,6 +18,9 @@ class BatchMode(StrEnum):
     STATIC = "static"  # nothing joins until the whole batch has finished
 
 
+MAX_TIME_WINDOW = 64  # steps: --step-time-window's largest
+
+
 @dataclass(frozen=True, slots=True)
 class CoreConfig:
     token_budget: int = setting(256, "new tokens processed in one execution, per worker")
@@ -39,6 +42,12 @@ class CoreConfig:
         "decodes always run, admissions and prompt chunks join only while the prediction stays "
         "within it, a chunk is cut to fit; the token budget stays the cap; 0 = off",
     )
+    step_time_window: int = setting(
+        1,
+        "the steps of a worker over which the step-time budget holds on average, as predicted: "
+        "a step may take what the last window-1 steps left of window x budget (a long prompt "
+        "chunk after short decode steps); 1 = every step within the budget",
+    )
 
     def __post_init__(self) -> None:
         if self.token_budget < 1:
@@ -47,6 +56,10 @@ class CoreConfig:
             raise ValueError(f"max_running must be >= 1, got {self.max_running}")
         if self.step_time_budget_ms < 0:
             raise ValueError(f"step_time_budget_ms must be >= 0, got {self.step_time_budget_ms}")
+        if not 1 <= self.step_time_window <= MAX_TIME_WINDOW:
+            raise ValueError(
+                f"step_time_window must be 1 to {MAX_TIME_WINDOW}, got {self.step_time_window}"
+            )
         object.__setattr__(self, "policy", KvPolicy(self.policy))
         object.__setattr__(self, "mode", BatchMode(self.mode))
 

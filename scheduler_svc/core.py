@@ -219,7 +219,8 @@ class Scheduler:
                 ws.batch_closed = False
             step = steps[index] = Step(index, budget)
             if limit:
-                step.timer = StepTimer(partial(self.predict, index), limit)
+                window_limit = ws.time_limit(limit, self.config.step_time_window)
+                step.timer = StepTimer(partial(self.predict, index), window_limit)
             if ws.healthy:
                 self._prepare_running(ws, step)
         failed: list[Event] = []
@@ -241,6 +242,8 @@ class Scheduler:
             if step.has_work:  # an execution; release-only and empty steps are not
                 ws.steps += 1
                 self.steps += 1
+                if step.timer is not None:
+                    ws.planned_s.append(step.timer.predicted())
         return list(steps.values())
 
     def complete(self, step: Step, tokens: list[int]) -> Outputs:

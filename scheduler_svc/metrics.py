@@ -176,6 +176,11 @@ def _queue(snap: Snapshot, core: Scheduler) -> Iterator[Metric]:
         "Step-time budget: the longest a worker's step may be predicted to take (0 = off)",
         cfg.step_time_budget_ms / 1e3,
     )
+    yield _gauge(
+        "step_budget_window_steps",
+        "The steps of a worker over which the step-time budget holds on average (1 = each step)",
+        cfg.step_time_window,
+    )
     info = GaugeMetricFamily(
         PREFIX + "info",
         "1, with the scheduler's settings",

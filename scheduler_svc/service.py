@@ -227,6 +227,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             hit_tokens=sum(kv.hit_tokens for kv in snap.workers),
             evictions=sum(kv.evictions for kv in snap.workers),
             step_time_budget_ms=cfg.step_time_budget_ms,
+            step_time_window=cfg.step_time_window,
         )
         reply.stalls.update(snap.stalls)
         reply.refused.update(snap.refused)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
+from itertools import islice
 
-from scheduler_svc.config import WorkerSpec
+from scheduler_svc.config import MAX_TIME_WINDOW, WorkerSpec
 from scheduler_svc.kv import KeyMemo, KvManager
 from scheduler_svc.output import WorkerKv
 from scheduler_svc.sequence import Sequence
@@ -27,10 +28,20 @@ class WorkerState:
         self.gone = False  # left the stack; its index stays taken
         self.batch_closed = False  # static mode: the batch has started (a step planned for it)
         self.steps = 0
+        # the predicted seconds of its last planned steps (--step-time-window), newest last
+        self.planned_s: deque[float] = deque(maxlen=MAX_TIME_WINDOW)
         self.stalls: Counter[str] = Counter()
         self.prompt_tokens = 0  # tokens needing KV at admissions here
         self.hit_tokens = 0  # of those, found in the prefix cache
         self.lost_evictions = 0  # evictions counted by pools this worker had before
+
+    def time_limit(self, budget_s: float, window: int) -> float:
+        """The predicted seconds this worker's next step may take under a step-time budget held
+        on average over `window` steps: what its last window - 1 planned steps left of window x
+        budget (a window of 1: the budget itself)."""
+        if window <= 1:
+            return budget_s
+        return window * budget_s - sum(islice(reversed(self.planned_s), window - 1))
 
     @property
     def live(self) -> bool:

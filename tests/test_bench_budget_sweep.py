@@ -8,7 +8,14 @@ import json
 
 import pytest
 
-from llmserve.bench.budget_sweep import Budget, best, budgets, positive_list, verdicts
+from llmserve.bench.budget_sweep import (
+    Budget,
+    best,
+    budgets,
+    positive_list,
+    time_budget_list,
+    verdicts,
+)
 from llmserve.bench.run_serve import stack_settings
 from llmserve.bench.workload import fixed
 from llmserve.cli import build_parser
@@ -35,6 +42,20 @@ def test_time_budgets_run_under_the_token_cap_after_the_token_budgets() -> None:
     assert [b.label for b in swept] == ["tokens 64", "tokens 256", "time 10 ms"]
     assert [b.kind for b in swept] == ["tokens", "tokens", "time"]
     assert swept[-1].token_budget == 8192
+
+
+def test_a_time_budget_may_be_held_over_a_window_of_steps() -> None:
+    parsed = time_budget_list("50, 100x4")
+    assert parsed == [(50.0, 1), (100.0, 4)]
+    swept = budgets([], parsed, cap=1024)
+    assert [b.label for b in swept] == ["time 50 ms", "time 100 ms x4"]
+    assert [b.time_window for b in swept] == [1, 4]
+
+
+@pytest.mark.parametrize("text", ["", "100x", "100x0", "100x65", "0x4", "x4", "100y4"])
+def test_a_bad_time_budget_list_is_a_usage_error(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        time_budget_list(text)
 
 
 def test_the_best_of_a_kind_is_by_goodput_then_throughput() -> None:
@@ -96,3 +117,8 @@ def test_bench_serve_hands_the_time_budget_to_each_stacks_scheduler(tmp_path) ->
     settings = stack_settings(args, fixed(4, 16, 8, concurrency=2))
     flags = Stack(settings, tmp_path).commands()["scheduler"]
     assert flags[flags.index("--step-time-budget-ms") + 1] == "40.0"
+    assert flags[flags.index("--step-time-window") + 1] == "1"
+    args = build_parser().parse_args(["bench", "serve", "--step-time-budget-ms", "40",
+                                      "--step-time-window", "4"])  # fmt: skip
+    flags = Stack(stack_settings(args, fixed(4, 16, 8, concurrency=2)), tmp_path).commands()
+    assert flags["scheduler"][flags["scheduler"].index("--step-time-window") + 1] == "4"

@@ -81,11 +81,12 @@ class Record:
             self.client.runner.cost = FAST.scaled(0.5)
 
 
-def run_service(requests: int = 400) -> tuple[Record, dict]:
+def run_service(requests: int = 400, window: int = 1) -> tuple[Record, dict]:
     async def scenario() -> tuple[Record, dict]:
         client = VirtualClient()
         settings = SchedulerSettings(
             step_time_budget_ms=BUDGET_MS,
+            step_time_window=window,
             token_budget=512,
             max_running=256,
             overlap=False,
@@ -126,3 +127,25 @@ def test_a_worker_made_slower_takes_less_prompt_per_step_and_stays_near_the_budg
     assert status["step_time_budget_ms"] == BUDGET_MS
     assert worker["step_time_error_steps"] > 0 and worker["step_time_error_p90"] < 0.15
     assert "prediction error p50" in format_status(status)
+
+
+@pytest.mark.usefixtures("hang_guard")
+def test_held_over_a_window_single_steps_run_long_and_the_windows_average_the_budget() -> None:
+    """--step-time-window 4 through the service: steps with prompt run past the budget (up to 4x),
+    every 4 steps in a row stay within 4 budgets as planned and about that as they ran (the
+    worker's own model learns the virtual times, and follows the slow-down halfway)."""
+    window = 4
+    record, status = run_service(requests=200, window=window)
+    budget = BUDGET_MS / 1e3
+    steps = record.steps[50:]
+    assert len(steps) >= 100, len(record.steps)
+    assert max(pred for _, pred, _ in steps) > 1.5 * budget  # the window let a step run long
+    planned = [sum(pred for _, pred, _ in steps[i : i + window]) for i in range(len(steps) - 3)]
+    assert max(planned) <= window * budget * 1.05, max(planned)  # as planned (progress aside)
+    measured = sorted(
+        sum(meas for _, _, meas in steps[i : i + window]) / (window * budget)
+        for i in range(len(steps) - 3)
+    )
+    assert 0.8 <= statistics.median(measured) <= 1.05, measured
+    assert status["step_time_window"] == window
+    assert "on average over 4 steps" in format_status(status)

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler_svc.config import MAX_TIME_WINDOW
+
 
 @dataclass(frozen=True, slots=True)
 class Budget:
@@ -15,6 +17,7 @@ class Budget:
 
     token_budget: int
     time_budget_ms: float = 0.0  # 0: the token budget alone
+    time_window: int = 1  # the steps the time budget holds over on average (--step-time-window)
 
     @property
     def kind(self) -> str:
@@ -23,13 +26,42 @@ class Budget:
     @property
     def label(self) -> str:
         if self.time_budget_ms:
-            return f"time {self.time_budget_ms:g} ms"
+            over = f" x{self.time_window}" if self.time_window > 1 else ""
+            return f"time {self.time_budget_ms:g} ms{over}"
         return f"tokens {self.token_budget}"
 
 
-def budgets(token_budgets: list[int], time_budgets_ms: list[float], cap: int) -> list[Budget]:
-    """The token budgets, then the time budgets (each under the token budget `cap`)."""
-    return [Budget(n) for n in token_budgets] + [Budget(cap, t) for t in time_budgets_ms]
+def budgets(
+    token_budgets: list[int], time_budgets_ms: list[float | tuple[float, int]], cap: int
+) -> list[Budget]:
+    """The token budgets, then the time budgets (each under the token budget `cap`); a time
+    budget is T (ms) or (T, window)."""
+    timed = [t if isinstance(t, tuple) else (t, 1) for t in time_budgets_ms]
+    return [Budget(n) for n in token_budgets] + [Budget(cap, t, w) for t, w in timed]
+
+
+def time_budget_list(text: str) -> list[tuple[float, int]]:
+    """An argparse type: comma-separated step-time budgets, each T (ms, > 0) or TxW (held on
+    average over W steps, 1 to MAX_TIME_WINDOW), e.g. "50,100,100x4"."""
+    out = []
+    for item in (v.strip() for v in text.split(",")):
+        if not item:
+            continue
+        t, sep, w = item.partition("x")
+        try:
+            budget, window = float(t), int(w) if sep else 1
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected T or TxW (milliseconds, steps), e.g. 100 or 100x4"
+            ) from None
+        if not budget > 0 or not 1 <= window <= MAX_TIME_WINDOW:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: T must be > 0 and W 1 to {MAX_TIME_WINDOW}"
+            )
+        out.append((budget, window))
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more budgets")
+    return out
 
 
 def positive_list(kind: Callable[[str], float]) -> Callable[[str], list]:

@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from llmserve.bench.budget_sweep import positive_list
+from llmserve.bench.budget_sweep import positive_list, time_budget_list
 from llmserve.bench.goodput import SLO_FORMAT, slo_arg
 from llmserve.bench.trace import DEFAULT_TRACE
 from llmserve.runtime.flags import help_of
@@ -354,6 +354,12 @@ def _time_budget_flag(p: argparse.ArgumentParser, where: str) -> None:
         default=0.0,
         help=help_of(CoreConfig, "step_time_budget_ms") + where,
     )
+    p.add_argument(
+        "--step-time-window",
+        type=int,
+        default=1,
+        help=help_of(CoreConfig, "step_time_window"),
+    )
 
 
 def _sweep_flags(p: argparse.ArgumentParser, where: str) -> None:
@@ -367,10 +373,11 @@ def _sweep_flags(p: argparse.ArgumentParser, where: str) -> None:
     )
     p.add_argument(
         "--sweep-time-budgets-ms",
-        type=positive_list(float),
+        type=time_budget_list,
         default=None,
-        metavar="T,T,...",
-        help="sweep mode: one run per step-time budget, each under the cap --token-budget",
+        metavar="T,T,TxW,...",
+        help="sweep mode: one run per step-time budget, each under the cap --token-budget; TxW: "
+        "T held on average over W steps (--step-time-window)",
     )
 
 

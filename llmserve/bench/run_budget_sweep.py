@@ -38,6 +38,7 @@ def run_budget_sweep(args: argparse.Namespace, command: str) -> int:
                     base,
                     token_budget=budget.token_budget,
                     step_time_budget_ms=budget.time_budget_ms,
+                    step_time_window=budget.time_window,
                 )
                 result = Simulation(settings, policy, cost).run(workload, not args.no_progress)
                 result.label = _label(budget, policy.label, len(policies))
@@ -74,6 +75,7 @@ def _budget_row(
         "kind": budget.kind,
         "token_budget": budget.token_budget,
         "time_budget_ms": budget.time_budget_ms,
+        "time_window": budget.time_window,
         "step_model": counters.get("step_model"),  # per worker: prediction error, coefficients
     }
 

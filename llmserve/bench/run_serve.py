@@ -34,6 +34,7 @@ def stack_settings(args: argparse.Namespace, workload: Workload) -> StackSetting
         block_size=args.block_size,
         threads=args.threads,
         step_time_budget_ms=args.step_time_budget_ms,
+        step_time_window=args.step_time_window,
         cost_model=str(args.cost_model or ""),
     )
 

@@ -84,8 +84,9 @@ def _runs(args, base, budget: Budget, workload: Workload) -> list[tuple[str, Run
         )  # fmt: skip
         return [("served", result)]
     settings = replace(
-        base, token_budget=budget.token_budget, step_time_budget_ms=budget.time_budget_ms
-    )
+        base, token_budget=budget.token_budget, step_time_budget_ms=budget.time_budget_ms,
+        step_time_window=budget.time_window,
+    )  # fmt: skip
     out = []
     for policy in parse_policies(args.policies, args.prefix_caching):
         log_dir = args.out / "logs" / args.name / budget.label.replace(" ", "-")
@@ -98,7 +99,8 @@ def set_budget(target: str, key_file, budget: Budget) -> None:
     """The running stack's budgets, set live (both: a time budget of 0 turns it off)."""
     with client.Client(target, admin_key=admin_key(key_file)) as llm:
         llm.set_settings({"token_budget": str(budget.token_budget),
-                          "step_time_budget_ms": f"{budget.time_budget_ms:g}"})  # fmt: skip
+                          "step_time_budget_ms": f"{budget.time_budget_ms:g}",
+                          "step_time_window": str(budget.time_window)})  # fmt: skip
 
 
 def served_row(
@@ -112,6 +114,7 @@ def served_row(
         "kind": budget.kind,
         "token_budget": budget.token_budget,
         "time_budget_ms": budget.time_budget_ms,
+        "time_window": budget.time_window,
         "steps": steps,
         "step_ms": 1000 * counters.get("forward_seconds", 0.0) / max(1, steps),
         "step_model": errors,  # per worker, over its recent steps as the run ended

@@ -365,6 +365,7 @@ def _read_settings(args: argparse.Namespace) -> SimSettings:
         block_size=args.block_size,
         token_budget=args.token_budget,
         step_time_budget_ms=args.step_time_budget_ms,
+        step_time_window=args.step_time_window,
         max_running=args.max_running,
         max_context=args.max_context,
         speedup=args.speedup,

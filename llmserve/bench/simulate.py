@@ -48,6 +48,7 @@ class SimSettings:
     block_size: int = 16
     token_budget: int = 8192  # per worker per step
     step_time_budget_ms: float = 0.0  # the core's time budget per worker step (0: off)
+    step_time_window: int = 1  # the steps that budget holds over on average
     max_running: int = 256  # per worker
     max_context: int = 32768
     chunked_prefill: bool = True
@@ -69,6 +70,8 @@ class SimSettings:
         extra = {} if policy.prefix_caching is None else {"prefix_caching": policy.prefix_caching}
         if self.step_time_budget_ms:  # (a baseline revision's core may not know it)
             extra["step_time_budget_ms"] = self.step_time_budget_ms
+        if self.step_time_window != 1:
+            extra["step_time_window"] = self.step_time_window
         return CoreConfig(
             token_budget=self.token_budget,
             max_running=self.max_running,
