@@ -108,6 +108,7 @@ def verdicts(rows: list[dict[str, Any]], by: tuple[str, ...] = ("load", "policy"
                 "best_time_goodput_rps": timed and timed["goodput_rps"],
                 "goodput_ratio": _ratio(timed, tokens),
                 "itl_p99_over_budget": _itl_over_budget(timed),
+                "best_time_window": (timed or {}).get("time_window", 1),
             }
         )
     return out

@@ -135,8 +135,13 @@ def print_budget_table(
             f"{group} {_group(group, v[group])} {v['policy']}: best {v['best_time_budget']} "
             f"{v['best_time_goodput_rps']:.2f} req/s vs best {v['best_token_budget']} "
             f"{v['best_token_goodput_rps']:.2f} req/s = {v['goodput_ratio']:.2f}×; its p99 "
-            f"inter-token {v['itl_p99_over_budget']:.2f}× its budget"
+            f"inter-token {v['itl_p99_over_budget']:.2f}× its budget" + _window_note(v)
         )
+
+
+def _window_note(verdict: dict[str, Any]) -> str:
+    window = verdict.get("best_time_window", 1)
+    return f" (held over {window} steps: single gaps may reach {window}×)" if window > 1 else ""
 
 
 def _group(group: str, value: float) -> str:
