@@ -127,8 +127,18 @@ def explanation_text(s: dict) -> str:
 def time_budget_line(e: dict) -> str:
     """What the running work takes of the step-time budget on the head's worker."""
     budget, planned = e["step_time_budget_ms"], e.get("step_predicted_ms", -1)
+    window, limit = e.get("step_time_window", 1), e.get("step_limit_ms", -1)
+    held = f" on average over {window} steps" if window > 1 else ""
     if planned < 0:
-        return f"  step-time budget {budget:g} ms; {e['worker']} has no step planned"
+        return f"  step-time budget {budget:g} ms{held}; {e['worker']} has no step planned"
+    if window > 1:  # a step is planned: its limit is set
+        left = f"may take {limit:.1f} ms" if limit > 0 else "has no time left beyond its decodes"
+        before = "its last step" if window == 2 else f"its last {window - 1} steps"
+        return (
+            f"  step-time budget {budget:g} ms{held}: {e['worker']}'s next step {left} (what "
+            f"{before} left of {window * budget:g} ms); as planned, without the head, it is "
+            f"predicted at {planned:.1f} ms"
+        )
     return (
         f"  step-time budget {budget:g} ms; {e['worker']}'s step as planned, without the head, "
         f"is predicted at {planned:.1f} ms ({planned / budget:.0%} of the budget)"

@@ -111,6 +111,8 @@ def explanation_message(why: Explanation) -> scheduler_pb2.HeadExplanation:
         step_time_budget_ms=why.step_time_budget_ms,
         step_predicted_ms=-1.0 if why.step_predicted_ms is None else why.step_predicted_ms,
         time_budget_ms=why.time_budget_ms or 0.0,
+        step_limit_ms=-1.0 if why.step_limit_ms is None else why.step_limit_ms,
+        step_time_window=why.step_time_window,
     )
     for room in why.workers:
         out = msg.workers.add(

@@ -80,6 +80,10 @@ class Explanation:
     step_time_budget_ms: float = 0.0
     step_predicted_ms: float | None = None
     time_budget_ms: float | None = None
+    # that step's own limit (ms): the budget, or under --step-time-window what the worker's
+    # last steps left of window x budget (None: nothing planned, or the budget is off)
+    step_limit_ms: float | None = None
+    step_time_window: int = 1
 
 
 def explain(core: Scheduler) -> Explanation | None:
@@ -123,6 +127,8 @@ def explain_copy(base: Scheduler, now: float) -> Explanation:
         step_time_budget_ms=config.step_time_budget_ms,
         step_predicted_ms=None if step is None else 1e3 * base.predict(worker, step_shape(step)),
         time_budget_ms=_time_budget(base, config),
+        step_limit_ms=None if step is None or step.timer is None else 1e3 * step.timer.limit,
+        step_time_window=config.step_time_window,
     )
 
 

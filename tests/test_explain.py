@@ -184,3 +184,30 @@ def test_status_explain_prints_what_the_running_work_takes_of_the_time_budget() 
     assert "would admit it: " in text and "step-time budget 4 ms" in text
     untimed = explanation_dict(explanation_message(explain(figure4())))
     assert "step-time budget" not in explanation_text({"explanation": untimed})
+
+
+def test_under_a_window_the_explanation_gives_the_steps_own_limit() -> None:
+    """The budget held over 2 steps: B's decode step (3 ms predicted) leaves the next one 2 x 3
+    - 3 = 3 ms, and one token of C beside B's decode takes 4: C waits for time, and the smallest
+    budget that admits it is 3.5 ms (2 x 3.5 - 3 = 4)."""
+    from llmserve.client import explanation_dict
+    from llmserve.status_text import explanation_text
+    from scheduler_svc.admin import explanation_message
+
+    times = FakeTimes(fixed_ms=2.0, token_ms=1.0)
+    config = CoreConfig(token_budget=8, step_time_budget_ms=3.0, step_time_window=2)
+    core = Scheduler(config, [WorkerSpec("w0", 24, 1, 4096)], clock=lambda: 10.0, predict=times)
+    core.add(seq("B", 6, max_tokens=14, arrival=1.0))
+    core.add(seq("C", 6, max_tokens=6, arrival=4.0))
+    while not core.seqs["B"].output_ids:
+        step(core)
+    step(core)  # a decode step of B: 3 ms
+    why = explain(core)
+    assert (why.request_id, why.reason) == ("C", "time_budget")
+    assert why.step_limit_ms == pytest.approx(3.0) and why.step_time_window == 2
+    assert why.time_budget_ms == pytest.approx(3.5)
+    text = explanation_text({"explanation": explanation_dict(explanation_message(why))})
+    assert "step-time budget 3 ms on average over 2 steps: w0's next step may take 3.0 ms" in text
+    core.reconfigure(dataclasses.replace(config, step_time_budget_ms=why.time_budget_ms))
+    assert "C" in ran(step(core))
+    check_invariants(core)
