@@ -60,11 +60,15 @@ def format_status(s: dict, explain: bool = False) -> str:
 
 
 def time_budget_text(s: dict) -> str:
-    budget, window = s.get("step_time_budget_ms", 0.0), s.get("step_time_window", 1)
-    if not budget:
-        return ""
-    over = f" on average over {window} steps" if window > 1 else ""
-    return f"  step-time budget {budget:g} ms{over}"
+    budget = s.get("step_time_budget_ms", 0.0)
+    return f"  step-time budget {budget:g} ms{held_over(s)}" if budget else ""
+
+
+def held_over(s: dict) -> str:
+    """How the step-time budget holds, of a Status or an explanation: each step, or on average
+    over a window of steps (--step-time-window)."""
+    window = s.get("step_time_window", 1)
+    return f" on average over {window} steps" if window > 1 else ""
 
 
 def step_time_text(w: dict) -> str:
@@ -127,8 +131,7 @@ def explanation_text(s: dict) -> str:
 def time_budget_line(e: dict) -> str:
     """What the running work takes of the step-time budget on the head's worker."""
     budget, planned = e["step_time_budget_ms"], e.get("step_predicted_ms", -1)
-    window, limit = e.get("step_time_window", 1), e.get("step_limit_ms", -1)
-    held = f" on average over {window} steps" if window > 1 else ""
+    window, limit, held = e.get("step_time_window", 1), e.get("step_limit_ms", -1), held_over(e)
     if planned < 0:
         return f"  step-time budget {budget:g} ms{held}; {e['worker']} has no step planned"
     if window > 1:  # a step is planned: its limit is set
