@@ -184,6 +184,8 @@ def status_dict(reply: scheduler_pb2.StatusReply) -> dict:
         "cache_figures_withheld",
         "step_time_budget_ms",
         "step_time_window",
+        "decode_steps",
+        "run_steps",
         "explanation_withheld",
     ]
     out = {k: getattr(reply, k) for k in keys}

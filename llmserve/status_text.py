@@ -16,7 +16,9 @@ def format_status(s: dict, explain: bool = False) -> str:
         f"  max running {s['max_running']}  block size {s['block_size']}"
         f"  chunked prefill {'on' if s['chunked_prefill'] else 'off'}"
         f"  overlap {'on' if s['overlap'] else 'off'}"
-        f"  prefix caching {'on' if s['prefix_caching'] else 'off'}" + time_budget_text(s),
+        f"  prefix caching {'on' if s['prefix_caching'] else 'off'}"
+        + time_budget_text(s)
+        + decode_steps_text(s),
         f"steps {s['steps']}  admitted {s['admitted']}  finished {s['finished']}"
         f"  preemptions {s['preemptions']}",
         f"waiting {s['waiting']} ({s['waiting_tokens']} tokens, oldest {s['oldest_wait_s']:.2f} s)"
@@ -62,6 +64,14 @@ def format_status(s: dict, explain: bool = False) -> str:
 def time_budget_text(s: dict) -> str:
     budget = s.get("step_time_budget_ms", 0.0)
     return f"  step-time budget {budget:g} ms{held_over(s)}" if budget else ""
+
+
+def decode_steps_text(s: dict) -> str:
+    """--decode-steps: executions per step when a worker only decodes and nothing waits."""
+    runs = s.get("decode_steps", 1)
+    if runs <= 1:
+        return ""
+    return f"  decode steps up to {runs} per step ({s.get('run_steps', 0)} such steps)"
 
 
 def held_over(s: dict) -> str:

@@ -19,6 +19,7 @@ class BatchMode(StrEnum):
 
 
 MAX_TIME_WINDOW = 64  # steps: --step-time-window's largest
+MAX_DECODE_STEPS = 32  # executions: --decode-steps's largest
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,14 @@ class CoreConfig:
         "a step may take what the last window-1 steps left of window x budget (a long prompt "
         "chunk after short decode steps); 1 = every step within the budget",
     )
+    decode_steps: int = setting(
+        1,
+        "executions a worker runs in one step when its batch only decodes and no request "
+        "waits: each feeds the token it sampled to the next, and their tokens come back "
+        "together (less scheduling and messaging per token; a request arriving meanwhile "
+        "waits up to that many executions more; requests asking for logprobs or structured "
+        "output run one per step); 1 = one execution per step",
+    )
 
     def __post_init__(self) -> None:
         if self.token_budget < 1:
@@ -59,6 +68,10 @@ class CoreConfig:
         if not 1 <= self.step_time_window <= MAX_TIME_WINDOW:
             raise ValueError(
                 f"step_time_window must be 1 to {MAX_TIME_WINDOW}, got {self.step_time_window}"
+            )
+        if not 1 <= self.decode_steps <= MAX_DECODE_STEPS:
+            raise ValueError(
+                f"decode_steps must be 1 to {MAX_DECODE_STEPS}, got {self.decode_steps}"
             )
         object.__setattr__(self, "policy", KvPolicy(self.policy))
         object.__setattr__(self, "mode", BatchMode(self.mode))

@@ -92,6 +92,8 @@ class Scheduler:
         self.wakes: set[int] = set()  # workers that should plan: the head waits for them
         self.stop_ids: frozenset[int] = frozenset()  # every request's stop tokens, together
         self.setting_changes: Counter[str] = Counter()  # live changes applied, by setting
+        self.longest_run = 1  # the most executions a step has been planned with (--decode-steps)
+        self.run_steps = 0  # steps planned with several executions
 
     # ---- workers in and out --------------------------------------------------------------
 
@@ -169,6 +171,7 @@ class Scheduler:
         seq.status, seq.arrival = SeqStatus.WAITING, seq.arrival or self.clock()
         self.seqs[seq.request_id] = seq
         self.stop_ids |= seq.stop_ids
+        seq.stepwise = _stepwise(seq.sampling)
         self.waiting.append(seq)
         self.waiting_tokens += seq.num_pending
 
@@ -231,6 +234,9 @@ class Scheduler:
             self._note_time_left(steps)
         else:
             self.time_full.clear()
+        if self.config.decode_steps > 1 and not self.waiting:
+            for index, step in steps.items():
+                self._lengthen(self.workers[index], step)
         for index, step in steps.items():
             ws = self.workers[index]
             if self.static and step.has_work:  # the batch has started: nothing joins it now
@@ -239,11 +245,11 @@ class Scheduler:
             if ws.trims:  # those of requests released since are moot (the worker forgot them)
                 gone = set(step.released)
                 step.trims, ws.trims = [t for t in ws.trims if t[0] not in gone], []
-            if step.has_work:  # an execution; release-only and empty steps are not
-                ws.steps += 1
-                self.steps += 1
+            if step.has_work:  # executions; release-only and empty steps are not
+                ws.steps += step.repeat
+                self.steps += step.repeat
                 if step.timer is not None:
-                    ws.planned_s.append(step.timer.predicted())
+                    ws.planned_s.extend([step.timer.predicted()] * step.repeat)
         return list(steps.values())
 
     def complete(self, step: Step, tokens: list[int]) -> Outputs:
@@ -251,6 +257,8 @@ class Scheduler:
         then decodes). A request preempted, moved or finished since the step was planned has
         another handle (or none): its token is dropped, never emitted. Returns the tokens
         kept and the requests that finished."""
+        if step.repeat > 1:
+            return self._complete_run(step, tokens)
         sampling = [w for w in step.chunks if w.sample] if step.chunks else None
         decodes = step.decodes
         seqs = [w.seq for w in sampling] + decodes if sampling else decodes
@@ -278,6 +286,34 @@ class Scheduler:
             elif len(out) >= seq.max_out:
                 finishes.append(self._finish(seq, Finish.LENGTH))
         return outputs
+
+    def _complete_run(self, step: Step, tokens: list[int]) -> Outputs:
+        """A step of several executions of its decodes: `tokens` holds `repeat` groups of
+        them, execution by execution. A request keeps its tokens up to the one that finishes
+        it (a stop token, its length); the worker computed the rest, which are dropped."""
+        decodes, n = step.decodes, len(step.decodes)
+        if len(tokens) != n * step.repeat:
+            raise ValueError(f"{len(tokens)} tokens for {step.repeat} executions of {n} decodes")
+        live = [seq.handle == h for seq, h in zip(decodes, step.decode_handles, strict=True)]
+        kept_seqs: list[Sequence] = []
+        kept: list[int] = []
+        finishes: list[Event] = []
+        for first in range(0, len(tokens), n):
+            for i, token in enumerate(tokens[first : first + n]):
+                if not live[i]:
+                    continue
+                seq = decodes[i]
+                seq.output_ids.append(token)
+                kept_seqs.append(seq)
+                kept.append(token)
+                if token in seq.stop_ids:
+                    finishes.append(self._finish(seq, Finish.STOP))
+                    live[i] = False
+                elif len(seq.output_ids) >= seq.max_out:
+                    finishes.append(self._finish(seq, Finish.LENGTH))
+                    live[i] = False
+        self.generated += len(kept)
+        return Outputs(StepTokens(kept_seqs, kept), finishes=finishes)
 
     def _drop(self, emitted: StepTokens, seq: Sequence) -> None:
         self.generated -= 1
@@ -404,6 +440,45 @@ class Scheduler:
             ws.prefilling.discard(seq)
         else:
             ws.prefilling.add(seq)
+
+    def _lengthen(self, ws: WorkerState, step: Step) -> None:
+        """Nothing waits and the step only decodes: run its decodes up to --decode-steps times,
+        each execution feeding the next the token it sampled. As many as every request may
+        still sample (its length, its context) and hold KV for without preempting anyone; a
+        request whose tokens are taken one at a time (logprobs, a grammar) keeps the step
+        at one execution. The blocks taken stay granted even if the run comes out shorter."""
+        decodes = step.decodes
+        if step.chunks or not decodes:
+            return
+        runs = self.config.decode_steps
+        for seq in decodes:
+            if seq.stepwise:
+                return
+            runs = min(runs, seq.stop_at - seq.known + 1)
+        if runs < 2:
+            return
+        granted = {handle: i for i, (handle, _) in enumerate(step.grants)}
+        for seq in decodes:
+            need = seq.num_computed + runs - 1
+            if need <= seq.held:
+                continue
+            new = ws.kv.allocate(seq, need)
+            if new is None:
+                runs = min(runs, seq.held - seq.num_computed + 1)
+                continue
+            if seq.handle in granted:  # its table grew in this step already: one grant
+                i = granted[seq.handle]
+                step.grants[i] = (seq.handle, step.grants[i][1] + new)
+            else:
+                step.grants.append((seq.handle, new))
+        if runs < 2:
+            return
+        for seq in decodes:
+            seq.num_computed += runs - 1
+            seq.known += runs - 1
+        step.repeat = runs
+        self.longest_run = max(self.longest_run, runs)
+        self.run_steps += 1
 
     def _make_room(self, ws: WorkerState, seq: Sequence, positions: int, step: Step) -> bool:
         """Blocks for `seq` to hold `positions`, preempting the newest running requests until
@@ -726,6 +801,12 @@ class Scheduler:
             # FCFS: the head arrived first (preempted requests return to the front)
             oldest_wait=now - self.waiting[0].arrival if self.waiting else 0.0,
         )
+
+
+def _stepwise(sampling: object) -> bool:
+    """Does the request take its tokens one execution at a time (logprobs, a grammar)?"""
+    has = getattr(sampling, "HasField", None)
+    return has is not None and (has("logprobs") or has("grammar"))
 
 
 def _prior(worker: int, shape: BatchShape) -> float:

@@ -67,7 +67,7 @@ def check_invariants(core: Scheduler) -> None:
                 f"{s.request_id}: writes into block {shared[:1]} on {name}, which others hold",
             )
             _require(
-                0 <= s.num_inflight <= 2 and s.num_computed <= s.known,
+                0 <= s.num_inflight <= 2 * core.longest_run and s.num_computed <= s.known,
                 f"{s.request_id}: {s.known} tokens known, {s.num_tokens} + {s.num_inflight} "
                 f"in flight, {s.num_computed} computed",
             )

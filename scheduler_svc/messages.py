@@ -8,6 +8,8 @@ from scheduler_svc.step import Step
 
 def step_message(number: int, step: Step) -> worker_pb2.Step:
     msg = worker_pb2.Step(step=number, decodes=step.decode_handles, released=step.released)
+    if step.repeat > 1:
+        msg.repeat = step.repeat
     starts = {work.handle: work.start for work in step.chunks}
     shared = {handle for handle, blocks in step.shares if blocks}
     for seq in step.added:

@@ -181,6 +181,16 @@ def _queue(snap: Snapshot, core: Scheduler) -> Iterator[Metric]:
         "The steps of a worker over which the step-time budget holds on average (1 = each step)",
         cfg.step_time_window,
     )
+    yield _gauge(
+        "decode_steps",
+        "Executions per step when a worker only decodes and no request waits (1 = one)",
+        cfg.decode_steps,
+    )
+    yield _total(
+        "run_steps",
+        "Steps planned with several executions of their decodes (--decode-steps)",
+        core.run_steps,
+    )
     info = GaugeMetricFamily(
         PREFIX + "info",
         "1, with the scheduler's settings",
@@ -219,7 +229,9 @@ def _counters(snap: Snapshot) -> Iterator[Metric]:
     yield _total("preemptions", "Running requests preempted to free KV", snap.preemptions)
     yield _total("admissions", "Admissions to a batch (again after a preemption)", snap.admitted)
     yield _total("finished_requests", "Requests finished for any reason", snap.finished)
-    yield _total("steps", "Scheduling steps", snap.steps)
+    yield _total(
+        "steps", "Executions planned (a step of several executions counts each)", snap.steps
+    )
 
 
 def _workers(snap: Snapshot) -> Iterator[Metric]:

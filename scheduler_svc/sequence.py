@@ -57,6 +57,9 @@ class Sequence:
     cache_salt: bytes = b""  # seeds `block_keys`: only requests of equal salt share blocks
     suspect: bool = False  # a step computing its KV failed: cache none of it (until recomputed)
     cached_to: int = 0  # its chunks have cached its full blocks before this position
+    # its tokens are taken one execution at a time (logprobs, a grammar): never in a run of
+    # several executions (--decode-steps)
+    stepwise: bool = False
 
     def __post_init__(self) -> None:
         self.known = len(self.prompt_ids) + len(self.output_ids)

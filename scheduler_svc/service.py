@@ -228,6 +228,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             evictions=sum(kv.evictions for kv in snap.workers),
             step_time_budget_ms=cfg.step_time_budget_ms,
             step_time_window=cfg.step_time_window,
+            decode_steps=cfg.decode_steps,
+            run_steps=self.core.run_steps,
         )
         reply.stalls.update(snap.stalls)
         reply.refused.update(snap.refused)

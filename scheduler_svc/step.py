@@ -60,6 +60,9 @@ class Step:
     timer: StepTimer | None = None  # its predicted time, under --step-time-budget-ms
     # (handle, blocks kept): reserved, unwritten blocks dropped from the end of its table
     trims: list[tuple[int, int]] = field(default_factory=list)
+    # executions of the decodes in this step (--decode-steps): each feeds the token it sampled
+    # to the next; the worker answers with `repeat` groups of the decodes' tokens, in order
+    repeat: int = 1
 
     @property
     def has_work(self) -> bool:
@@ -75,14 +78,14 @@ class Step:
 
     @property
     def num_sampled(self) -> int:
-        return len(self.decodes) + sum(1 for w in self.chunks if w.sample)
+        return len(self.decodes) * self.repeat + sum(1 for w in self.chunks if w.sample)
 
     def sampled_seqs(self) -> list[Sequence]:
         """The requests whose tokens the worker returns, in its order."""
-        return [w.seq for w in self.chunks if w.sample] + self.decodes
+        return [w.seq for w in self.chunks if w.sample] + self.decodes * self.repeat
 
     def ran(self) -> dict[str, int]:
-        """request id -> tokens processed in this execution."""
-        out = {s.request_id: 1 for s in self.decodes}
+        """request id -> tokens processed in this step (all its executions)."""
+        out = {s.request_id: self.repeat for s in self.decodes}
         out.update((w.seq.request_id, w.num_tokens) for w in self.chunks)
         return out

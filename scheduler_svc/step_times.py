@@ -12,8 +12,8 @@ class StepTimes:
     forward_seconds: float = 0.0  # the worker's forward pass
     core_seconds: float = 0.0  # schedule() + complete()
 
-    def add(self, step: float, forward: float, complete: float) -> None:
-        self.executed_steps += 1
+    def add(self, step: float, forward: float, complete: float, executions: int = 1) -> None:
+        self.executed_steps += executions
         self.step_seconds += step
         self.forward_seconds += forward
         self.core_seconds += complete

@@ -175,8 +175,9 @@ class WorkerLoop:
         result = await self.answer(stream, inflight[0].running)
         done = inflight.popleft()
         self.events += self.complete(done.step, result, done.started)
-        if not (result.error or result.failed):  # the forward time of the step as planned
-            self.host.step_models.observe(self.index, done.shape, result.forward_seconds)
+        if not (result.error or result.failed):  # the forward time of one execution as planned
+            runs = done.step.repeat
+            self.host.step_models.observe(self.index, done.shape, result.forward_seconds / runs)
 
     async def answer(self, stream: StepStream, sent: float):
         """The oldest step's result. The worker is hung (WorkerLost) only when the answer is
@@ -238,9 +239,10 @@ class WorkerLoop:
         self.slowest = max(self.slowest, now - sent)
         if step.has_work:
             slot = now - max(sent, self.last_result)  # this step's share of the wall time
-            host.times.add(slot, result.forward_seconds, now - started)
-            if host.on_step is not None:
-                host.on_step(self.index, step, result.forward_seconds)
+            host.times.add(slot, result.forward_seconds, now - started, step.repeat)
+            if host.on_step is not None:  # once per execution
+                for _ in range(step.repeat):
+                    host.on_step(self.index, step, result.forward_seconds / step.repeat)
         self.last_result = now
         if owners:
             pairs = zip(owners, result.logprobs, strict=True)

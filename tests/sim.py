@@ -25,8 +25,15 @@ def seq(rid: str, prompt: int, max_tokens: int, **kw) -> Sequence:
 def sample(step: Step) -> list[int]:
     """What a worker would sample: the next token of each sampled request's whole context.
     With overlap the core does not know the token still in flight, the worker does; the fake
-    model's context is what the core knows when the step completes, which is the same."""
-    return [fake_token(s.tokens) for s in step.sampled_seqs()]
+    model's context is what the core knows when the step completes, which is the same. A step
+    of several executions (--decode-steps) feeds each execution's tokens to the next."""
+    out = [fake_token(w.seq.tokens) for w in step.chunks if w.sample]
+    contexts = [list(s.tokens) for s in step.decodes]
+    for _ in range(step.repeat):
+        for context in contexts:
+            context.append(fake_token(context))
+            out.append(context[-1])
+    return out
 
 
 def step(core: Scheduler) -> list[Step]:

@@ -24,7 +24,7 @@ from worker_svc.memory_profile import pool_positions, profile_blocks
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.quant import check_quantization
 from worker_svc.runner import ModelRunner
-from worker_svc.service import WorkerService
+from worker_svc.service import WorkerService, forward_thread
 from worker_svc.settings import ENV_PREFIX, WorkerSettings
 from worker_svc.sim import SimRunner, sim_config
 
@@ -37,8 +37,6 @@ async def serve(settings: WorkerSettings) -> None:
     log.info("settings: %s", dataclasses.asdict(settings))
     token = internal_token(settings.internal_token_file)
     log.info("internal token %s", "required" if token else "off")
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
     server = Server(
         settings.host,
         settings.port,
@@ -46,11 +44,12 @@ async def serve(settings: WorkerSettings) -> None:
         token=token,
     )
     started = time.perf_counter()
+    forward = forward_thread()  # loads the model and runs its steps: one OpenMP team
     try:
-        runner = make_runner(settings)
+        runner = await asyncio.get_running_loop().run_in_executor(forward, make_runner, settings)
     except ValueError as err:  # a device that is not there, no room for a pool, a bad model
         raise SystemExit(f"{settings.display_name}: {err}") from None
-    service = WorkerService(settings, runner, runner.config.name or settings.model)
+    service = WorkerService(settings, runner, runner.config.name or settings.model, forward)
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server.server)
     info = service.describe()
     log.info(
@@ -86,7 +85,10 @@ async def serve(settings: WorkerSettings) -> None:
 
 
 def make_runner(settings: WorkerSettings):
-    """The real model, or the simulated one; its context capped by --max-context."""
+    """The real model, or the simulated one; its context capped by --max-context. Called on
+    the forward thread (`forward_thread`): the thread that will run its steps."""
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
     if settings.model == "sim":
         config = sim_config()
     else:

@@ -46,12 +46,14 @@ QUANTIZED_MAX_ROWS: dict[str, int | None] = {
 OUTPUT_INT8_MAX_ROWS = 4
 
 # The tiers on which `llmserve up`, where its workers take every core, runs a worker's steps of a
-# few rows on one thread fewer (the gateway and the scheduler share those cores: a worker thread
-# waiting for one stalls the step). Measured through the stack at one stream, 2 threads on 2
-# vCPUs (docs/models.md "Threads per step"): avx512_bf16 on an AMD EPYC, 1 thread 1.31x the
-# output tok/s of 2; amx on an Intel Xeon, 0.77x (1 thread is much slower alone there: a one-row
-# decode 21.0 ms against 12.8). The tiers not measured keep every step on --threads.
-SMALL_STEPS_LEAVE_A_CORE = frozenset({"avx512_bf16"})
+# few rows on one thread fewer (--small-step-threads -1). None since 2026-12-02: the rule was
+# measured to gain on avx512_bf16 (an AMD EPYC, 2 vCPUs: 1 thread 1.31x the output tok/s of 2 at
+# one stream) while the worker's steps ran on a second OpenMP team (the model loaded on the main
+# thread, the steps on the forward thread), which slowed every two-thread step about 2x. With
+# one thread for both (worker_svc/service.py `forward_thread`) two threads win there: 120 against
+# 91 tok/s (docs/benchmarks.md, "One thread for the model"). The mechanism stays for a tier that
+# is measured to gain; --small-step-threads sets it by hand.
+SMALL_STEPS_LEAVE_A_CORE: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,14 +23,22 @@ END = object()
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, settings: WorkerSettings, runner, model_name: str) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        runner,
+        model_name: str,
+        forward: ThreadPoolExecutor | None = None,
+    ) -> None:
+        """`forward`: the one thread that runs the model (the one that loaded it, see
+        `forward_thread`); a new one if not given."""
         self.settings = settings
         self.runner = runner
         self.model_name = model_name
         self.grammars = grammar_cache(settings.model, runner)
         self.session = Session(runner, runner.num_blocks, self.grammars)
         self.last_call = 0.0
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self.executor = forward or forward_thread()
         self.on_execute = None  # metrics hook: (shape, seconds, report), also for releases only
         self.end_stream = lambda: None  # ends the current step stream (when the worker stops)
         self.driver: str | None = None  # the peer whose step stream drives this worker now
@@ -90,8 +98,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             result, shape, seconds = session.run(step)
             with self.shown:  # a stream that has ended shows nothing more (its KV is free)
                 if self.on_execute is not None and not session.closed:
-                    try:
-                        self.on_execute(shape, seconds, result.kv)
+                    try:  # once per execution (a step may repeat its decodes)
+                        for ran, took in session.executions or [(shape, seconds)]:
+                            self.on_execute(ran, took, result.kv)
                     except Exception:  # metrics must never cost a step its answer
                         log.exception("metrics hook failed")
             loop.call_soon_threadsafe(results.put_nowait, result)
@@ -123,6 +132,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """The pool as the metrics show it, also when no step runs (a stream ended)."""
         if self.on_execute is not None:
             self.on_execute(None, 0.0, kv)
+
+
+def forward_thread() -> ThreadPoolExecutor:
+    """The thread that runs every torch computation of the worker: loading, the kernel plan's
+    measurements, the memory profile, and the steps. One thread: every thread that enters a
+    parallel region gets an OpenMP team of its own, and a second team's threads slow the first
+    one's regions for good (a one-row SmolLM2 decode on two threads of a two-vCPU host: 7 ms
+    from one thread, 15 ms from a second one after the first had run; docs/benchmarks.md)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
 
 
 def grammar_cache(model: str, runner) -> GrammarCache | None:

@@ -14,6 +14,7 @@ from worker_svc.model_config import ModelConfig
 from worker_svc.step_checks import (
     blocks_problem,
     cached_problem,
+    repeat_problem,
     room_problem,
     sampling_problem,
     shared_problem,
@@ -61,6 +62,7 @@ class Session:
         self.own_written = 0  # positions the requests held wrote themselves
         self.closed = False  # another stream took over: execute nothing more
         self.last_end = 0.0  # when the last step finished (perf_counter)
+        self.executions: list[tuple[BatchShape, float]] = []  # the last step's: (shape, seconds)
 
     @property
     def used_blocks(self) -> int:
@@ -81,14 +83,16 @@ class Session:
         shape = None
         seconds = 0.0
         failed: dict[int, str] = {}
+        self.executions = []
         try:
+            why = repeat_problem(step.repeat, len(step.chunks))
+            if why:
+                raise ValueError(why)
             handles, batch = self.constrain(*self.apply(step, failed), failed)
             shape = shape_of(batch)
-            if batch:  # timed: what the shape drives (forward, sampling), as it is predicted
-                begun = time.perf_counter()
-                tokens = self.execute(handles, batch, failed)
-                seconds = time.perf_counter() - begun
-                sampled = self.advance(handles, batch, tokens, failed)
+            if batch:
+                sampled = self.executed(handles, batch, max(1, step.repeat), failed)
+                seconds = sum(took for _, took in self.executions)
                 result.tokens.extend(token for token, _ in sampled)
                 if any(lp is not None for _, lp in sampled):
                     result.logprobs.extend(logprobs_message(lp) for _, lp in sampled)
@@ -101,6 +105,44 @@ class Session:
         result.forward_seconds = seconds
         result.kv.CopyFrom(self.report())
         return result, shape, seconds
+
+    def executed(
+        self, handles: list[int], batch: list[WorkItem], runs: int, failed: dict[int, str]
+    ) -> list[tuple[int, TokenLogprobs | None]]:
+        """Execute the batch `runs` times (a decode-only step may repeat), each execution
+        feeding the next the tokens it sampled. Returns the sampled tokens, execution by
+        execution, of the requests that did not fail (one that fails in any execution fails
+        whole). Each execution is timed: what its shape drives (forward, sampling), as it is
+        predicted."""
+        first, by_handle = handles, {}
+        for run in range(runs):
+            if run:  # the same decodes again: each now holds the token it sampled
+                handles, batch = self.constrain(*self.again(handles, batch, failed), failed)
+                if not batch:
+                    break
+            shape = shape_of(batch)
+            begun = time.perf_counter()
+            tokens = self.execute(handles, batch, failed)
+            self.executions.append((shape, time.perf_counter() - begun))
+            for handle, token, lp in self.advance(handles, batch, tokens, failed):
+                by_handle.setdefault(handle, []).append((token, lp))
+        kept = [h for h in first if h not in failed and h in by_handle]
+        return [by_handle[h][run] for run in range(runs) for h in kept if run < len(by_handle[h])]
+
+    def again(
+        self, handles: list[int], batch: list[WorkItem], failed: dict[int, str]
+    ) -> tuple[list[int], list[WorkItem]]:
+        """The decodes of a repeated step that can run once more (room in their tables)."""
+        kept = []
+        for handle, item in zip(handles, batch, strict=True):
+            if handle in failed:
+                continue
+            why = self.decode_problem(handle, item)
+            if why:
+                failed.setdefault(handle, why)
+                continue
+            kept.append((handle, item))
+        return [h for h, _ in kept], [i for _, i in kept]
 
     def apply(self, step: worker_pb2.Step, failed: dict[int, str]) -> tuple[list[int], list]:
         """The step's changes, checked one request at a time (`failed` keeps each one's first
@@ -266,8 +308,9 @@ class Session:
 
     def advance(
         self, handles: list[int], batch: list[WorkItem], tokens: list, failed: dict[int, str]
-    ) -> list[tuple[int, TokenLogprobs | None]]:
-        """After the execution: each item's next input is the token it sampled."""
+    ) -> list[tuple[int, int, TokenLogprobs | None]]:
+        """After the execution: each item's next input is the token it sampled. Returns
+        (handle, token, logprobs) of each that sampled."""
         sampled = []
         for handle, item, token in zip(handles, batch, tokens, strict=True):
             if handle in failed:
@@ -283,7 +326,7 @@ class Session:
                 item.sample_index += 1
                 if item.grammar is not None:
                     item.grammar.advance(token)
-                sampled.append((token, item.logprobs))
+                sampled.append((handle, token, item.logprobs))
         return sampled
 
     def trim(self, handle: int, keep: int) -> str | None:

@@ -21,6 +21,18 @@ def sampling_problem(s: common_pb2.SamplingParams, vocab_size: int) -> str | Non
     return params.vocab_problem(vocab_size)
 
 
+MAX_REPEAT = 32  # executions of one step's decodes at most (the scheduler's --decode-steps)
+
+
+def repeat_problem(repeat: int, chunks: int) -> str | None:
+    """A step may run its decodes several times only if it holds nothing else to compute."""
+    if repeat > MAX_REPEAT:
+        return f"a step of {repeat} executions (at most {MAX_REPEAT})"
+    if repeat > 1 and chunks:
+        return f"a step of {repeat} executions carries prompt chunks; only decodes may repeat"
+    return None
+
+
 def blocks_problem(blocks: list[int], holders: dict[int, set[int]], num_blocks: int) -> str | None:
     """Granted blocks must be in the pool, distinct and free (held by no request here)."""
     outside = [b for b in blocks if b >= num_blocks]

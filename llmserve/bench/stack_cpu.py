@@ -13,8 +13,9 @@ processes start from there with PYTHONPATH=DIR), alternating base and this tree,
 the ratios new / base (`--new DIR`: another checkout as new, e.g. base plus one change, when
 this tree holds other work). `--small-step-threads -1,0` runs each checkout with each value of
 the stack's --small-step-threads (-1: one fewer than --threads where the worker takes every
-core; 0: --threads), alternating, one row each ("new s-1", "new s0"). Each run is a child
-process of its own (grpc.aio and several loops)."""
+core; 0: --threads), alternating, one row each ("new s-1", "new s0"); `--decode-steps 1,8`
+likewise with the scheduler's --decode-steps ("new d1", "new d8"). Each run is a child process
+of its own (grpc.aio and several loops)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class Config:
     max_tokens: int
     threads: int
     small_step_threads: int = -1  # the stack's --small-step-threads
+    decode_steps: int = 1  # the scheduler's --decode-steps
 
 
 @dataclass(slots=True)
@@ -230,6 +232,7 @@ def child(config: Config, rev: str, log_dir: Path) -> Row:
         workers=1,
         threads=config.threads,
         small_step_threads=config.small_step_threads,
+        **({"decode_steps": config.decode_steps} if config.decode_steps != 1 else {}),
         token_budget=max(256, c * 2),
         max_running=c,
         kv_capacity=max(4096, c * 16 * -(-(config.prompt_tokens + config.max_tokens + 32) // 16)),
@@ -251,6 +254,8 @@ def run_child(config: Config, rev: str, root: Path, out: Path) -> Row:
     fields = asdict(config)
     if fields["small_step_threads"] == -1:  # the default: a checkout from before it knows none
         del fields["small_step_threads"]
+    if fields["decode_steps"] == 1:
+        del fields["decode_steps"]
     command = [sys.executable, str(HERE), "--child", json.dumps(fields), rev, str(log_dir)]
     env = {**os.environ, "PYTHONPATH": str(root)}
     for attempt in (1, 2):
@@ -315,15 +320,24 @@ def main() -> int:
     p.add_argument(
         "--small-step-threads", default="-1", help="the stack's, comma-separated: one run each"
     )
+    p.add_argument(
+        "--decode-steps", default="1", help="the scheduler's, comma-separated: one run each"
+    )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("results/stack_cpu"))
     args = p.parse_args()
     roots = {"new": args.new.resolve()} | ({"base": args.base.resolve()} if args.base else {})
     smalls = [int(v) for v in args.small_step_threads.split(",")]
-    revs = {  # the variants run: a checkout, with one --small-step-threads value
-        (rev if len(smalls) == 1 else f"{rev} s{v}"): (root, v)
+    runs_per_step = [int(v) for v in args.decode_steps.split(",")]
+    revs = {  # the variants run: a checkout, with one --small-step-threads and --decode-steps
+        " ".join(
+            [rev]
+            + ([f"s{v}"] if len(smalls) > 1 else [])
+            + ([f"d{d}"] if len(runs_per_step) > 1 else [])
+        ): (root, v, d)
         for rev, root in roots.items()
         for v in smalls
+        for d in runs_per_step
     }
     rows: list[Row] = []
     for model, conc, api in itertools.product(
@@ -331,9 +345,9 @@ def main() -> int:
     ):
         runs: dict[str, list[Row]] = {rev: [] for rev in revs}
         for _ in range(args.repeats):
-            for rev, (root, small) in reversed(revs.items()):  # base first, then new: alternating
+            for rev, (root, small, d) in reversed(revs.items()):  # base first, then new
                 config = Config(model, conc, api, args.window, args.prompt_tokens,
-                                args.max_tokens, args.threads, small)  # fmt: skip
+                                args.max_tokens, args.threads, small, d)  # fmt: skip
                 row = run_child(config, rev, root, args.out.resolve())
                 runs[rev].append(row)
                 print(f"  {rev} {model} {api} c={conc}: {row.tok_s:.1f} tok/s, "
