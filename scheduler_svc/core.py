@@ -41,6 +41,7 @@ from scheduler_svc.time_budget import StepTimer
 from scheduler_svc.worker_state import WorkerState
 
 RUNNING, FINISHED = SeqStatus.RUNNING, SeqStatus.FINISHED
+RUN_LIMIT_S = 0.1  # the longest a step of several executions is predicted to take (--decode-steps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -446,7 +447,10 @@ class Scheduler:
         each execution feeding the next the token it sampled. As many as every request may
         still sample (its length, its context) and hold KV for without preempting anyone; a
         request whose tokens are taken one at a time (logprobs, a grammar) keeps the step
-        at one execution. The blocks taken stay granted even if the run comes out shorter."""
+        at one execution. A run is predicted to last at most RUN_LIMIT_S: where one execution
+        takes longer (a large batch on a CPU) a run would hold a new arrival back for long and
+        save little (the control plane's cost per token is small there). The blocks taken stay
+        granted even if the run comes out shorter."""
         decodes = step.decodes
         if step.chunks or not decodes:
             return
@@ -457,6 +461,11 @@ class Scheduler:
             runs = min(runs, seq.stop_at - seq.known + 1)
         if runs < 2:
             return
+        one = self.predict(ws.index, step_shape(step))  # an execution, as the worker's model says
+        if one > 0:
+            runs = min(runs, max(1, int(RUN_LIMIT_S / one)))
+            if runs < 2:
+                return
         granted = {handle: i for i, (handle, _) in enumerate(step.grants)}
         for seq in decodes:
             need = seq.num_computed + runs - 1

@@ -14,19 +14,19 @@ import pytest
 from llmserve.status_text import decode_steps_text
 from llmserve.v1 import common_pb2
 from scheduler_svc.config import MAX_DECODE_STEPS, CoreConfig, KvPolicy, WorkerSpec
-from scheduler_svc.core import Scheduler
+from scheduler_svc.core import RUN_LIMIT_S, Scheduler
 from scheduler_svc.live_settings import SettingError, apply
 from scheduler_svc.sequence import Finish
 from tests.inproc import run_all
 from tests.sim import Overlapped, Recording, check_invariants, fake_token, sample, seq, step
 
 
-def make(capacity: int = 24, block_size: int = 1, **cfg) -> Scheduler:
-    """The seed's worker: KV capacity 24 positions, token budget 8."""
+def make(capacity: int = 24, block_size: int = 1, step_s: float = 0.001, **cfg) -> Scheduler:
+    """The seed's worker: KV capacity 24 positions, token budget 8; each execution predicted
+    to take `step_s`."""
     cfg.setdefault("token_budget", 8)
-    return Recording(
-        CoreConfig(**cfg), [WorkerSpec("w0", capacity // block_size, block_size, 4096)]
-    )
+    spec = WorkerSpec("w0", capacity // block_size, block_size, 4096)
+    return Recording(CoreConfig(**cfg), [spec], predict=lambda worker, shape: step_s)
 
 
 def drive(core: Scheduler, limit: int = 200) -> list[tuple[dict[str, int], int]]:
@@ -82,6 +82,16 @@ def test_a_stop_token_inside_a_run_ends_the_request_there() -> None:
         assert b.finish is Finish.STOP and b.output_ids == p.output_ids[:4]
         assert core.generated == 4
         assert core.workers[0].kv.pool.num_free == 24
+
+
+@pytest.mark.parametrize(("step_s", "runs"), [(0.03, 3), (0.06, 1), (0.0, 8)])
+def test_a_run_lasts_at_most_the_run_limit_as_predicted(step_s: float, runs: int) -> None:
+    """Executions predicted at 30 ms: runs of 3 (within RUN_LIMIT_S, 100 ms); at 60 ms one
+    per step; a model that predicts nothing bounds nothing."""
+    core = make(decode_steps=8, step_s=step_s)
+    core.add(seq("B", 3, max_tokens=20))
+    history = drive(core)
+    assert history[1][1] == runs and RUN_LIMIT_S == 0.1
 
 
 def test_a_waiting_request_keeps_steps_at_one_execution() -> None:
