@@ -7,7 +7,8 @@ connection is guarded (`GuardedH11Protocol`): its request head must arrive withi
 --http-header-timeout of the connection (or of its previous response), its body within
 --http-body-timeout of its head, or it is closed; and beyond --http-max-connections open at once a
 new connection is answered 503 and closed, so that slow clients can neither hold the gateway's
-file descriptors (the gRPC API needs them too) nor its memory."""
+file descriptors (the gRPC API needs them too) nor its memory. A connection is refused only
+once accepted, so one pass of the loop accepts at most `accept_batch` of them."""
 
 from __future__ import annotations
 
@@ -55,6 +56,19 @@ def connection_cap(wanted: int, open_files: int) -> int:
     """At most half the process's file descriptors (`open_files`, its RLIMIT_NOFILE; negative:
     unlimited) go to HTTP connections: the gRPC API and the scheduler's channel need the rest."""
     return wanted if open_files < 0 else max(1, min(wanted, open_files // 2))
+
+
+ACCEPT_BATCH = 256  # the most connections accepted in one pass of the event loop
+
+
+def accept_batch(open_files: int) -> int:
+    """The listen backlog, which asyncio also takes as the most connections it accepts in one
+    pass of the loop, before any of them runs: those over the cap are answered and closed only
+    after. uvicorn's 2,048 let a flood of pending connections take every file descriptor at
+    once (EMFILE: accepting paused, gRPC's accepts failing too); at most a quarter of
+    `open_files` (RLIMIT_NOFILE; negative: unlimited) and ACCEPT_BATCH keeps the rest free.
+    A connection past the backlog waits in the kernel until a pass makes room."""
+    return ACCEPT_BATCH if open_files < 0 else max(16, min(ACCEPT_BATCH, open_files // 4))
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -129,6 +143,28 @@ def guards_of(settings: GatewaySettings) -> ConnectionGuards:
     return ConnectionGuards(settings.http_header_timeout, settings.http_body_timeout, cap)
 
 
+def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
+    """asyncio logs an accept that failed for want of a resource (EMFILE: the process's files
+    are all open) with a traceback, once per connection pending, then pauses accepting for a
+    second: one warning line a pause instead; every other error goes on as before."""
+    previous = loop.get_exception_handler()
+    last = [float("-inf")]
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        if context.get("message") != "socket.accept() out of system resource":
+            if previous is not None:
+                previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        if loop.time() - last[0] >= 1.0:
+            last[0] = loop.time()
+            log.warning("HTTP: cannot accept a connection (%s); accepting again in 1 s",
+                        context.get("exception"))  # fmt: skip
+
+    loop.set_exception_handler(handle)
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A socket bound to host:port, listening only once served; SystemExit if the port is taken
     (SO_REUSEADDR only outlives a previous run's closed connections, never shares a port)."""
@@ -146,10 +182,12 @@ def bind(host: str, port: int) -> socket.socket:
 class HttpServer(uvicorn.Server):
     def __init__(self, app: Starlette, settings: GatewaySettings) -> None:
         cert, key = settings.tls or (None, None)
+        open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         super().__init__(
             uvicorn.Config(
                 app,
                 http=guarded(guards_of(settings)),  # type: ignore[arg-type]
+                backlog=accept_batch(open_files),
                 log_config=None,  # the gateway's logging
                 access_log=False,  # as gRPC calls, requests are counted in metrics, not logged
                 lifespan="off",
@@ -166,6 +204,7 @@ class HttpServer(uvicorn.Server):
         return contextlib.nullcontext()  # the gateway's SIGTERM handler stops it: see drain()
 
     def start(self, sock: socket.socket) -> None:
+        quiet_accept_errors(asyncio.get_running_loop())
         self.task = asyncio.create_task(self.serve(sockets=[sock]))
         host, port = sock.getsockname()[:2]
         log.info("OpenAI-compatible API on %s://%s:%d/v1", self.scheme, host, port)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import resource
+import signal
 import socket
 import urllib.request
 from dataclasses import replace
@@ -106,16 +108,27 @@ def test_past_the_connection_cap_http_is_refused_while_grpc_generate_succeeds(st
 
 def test_1100_idle_partial_heads_leave_a_gateway_of_1024_files_serving_grpc(stack) -> None:
     """The slowloris of the issue: before the cap, the HTTP side took every file descriptor and
-    every new gRPC client timed out."""
+    every new gRPC client timed out. The gateway is stopped while the 1,100 connect, so that
+    they all wait for it at once on any host: uvicorn's backlog of 2,048 then let one pass of
+    its loop accept every one of them before any was refused and closed (EMFILE: accepting
+    paused, gRPC's accepts failing too, a traceback a connection in its log)."""
     gateway = stack.procs["gateway"].pid
     limits = resource.prlimit(gateway, resource.RLIMIT_NOFILE)
     resource.prlimit(gateway, resource.RLIMIT_NOFILE, (1024, limits[1]))
     heads: list[socket.socket] = []
     try:
-        for _ in range(1100):
-            heads.append(connect(stack))
+        os.kill(gateway, signal.SIGSTOP)
+        try:
+            for _ in range(1100):  # each connects in the kernel, or waits there for room
+                heads.append(socket.socket())
+                heads[-1].setblocking(False)
+                heads[-1].connect_ex(("127.0.0.1", stack.settings.http_port))
+        finally:
+            os.kill(gateway, signal.SIGCONT)
+        for sock in heads:
+            sock.settimeout(BOUND_S)
             try:
-                heads[-1].sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
             except OSError:  # refused and closed already: it still holds its socket here
                 pass
         request = client.make_request(prompt="Hello", max_tokens=4, temperature=0.0)
@@ -126,6 +139,9 @@ def test_1100_idle_partial_heads_leave_a_gateway_of_1024_files_serving_grpc(stac
             sock.close()
         resource.prlimit(gateway, resource.RLIMIT_NOFILE, limits)
     wait_for(lambda: models_status(stack) == 200, BOUND_S, "HTTP served again once freed")
+    log = stack.log("gateway").read_text()
+    ran_out = ("out of system resource", "cannot accept", "File descriptor limit", "Traceback")
+    assert not [words for words in ran_out if words in log], log[-2000:]
 
 
 def test_a_client_gone_mid_body_is_a_cancellation_not_a_server_error(stack) -> None:

@@ -13,7 +13,7 @@ from starlette.requests import Request
 
 from gateway.http_api import _time_remaining
 from gateway.http_errors import ApiError
-from gateway.http_server import connection_cap
+from gateway.http_server import ACCEPT_BATCH, accept_batch, connection_cap
 from gateway.openai_requests import ChatCompletionRequest, CompletionRequest
 from gateway.stops import StopMatcher
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -99,3 +99,10 @@ def test_http_connections_get_at_most_half_the_open_file_limit() -> None:
     assert connection_cap(900, 1024) == 512
     assert connection_cap(512, 20) == 10
     assert connection_cap(512, -1) == 512  # unlimited
+
+
+def test_one_pass_of_accepts_takes_at_most_a_quarter_of_the_open_file_limit() -> None:
+    assert accept_batch(1024) == ACCEPT_BATCH == 256
+    assert accept_batch(400) == 100
+    assert accept_batch(20) == 16  # a floor: a gateway that few files may have serves slowly
+    assert accept_batch(1 << 20) == accept_batch(-1) == ACCEPT_BATCH  # large, or unlimited
