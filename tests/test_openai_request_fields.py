@@ -1,11 +1,13 @@
 """Request fields of the HTTP API as the gateway reads them (no stack): logit_bias keys are token
 ids in ASCII digits only; a single stop string is one stop, matched whole; chat `logprobs: true`
-alone asks for logprobs; x-request-timeout past what gRPC can hold is no deadline."""
+alone asks for logprobs; x-request-timeout past what gRPC can hold is no deadline; the HTTP
+port's file-descriptor guards (connections, accepts at once, a failed accept logged once)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import grpc
 import pytest
@@ -13,7 +15,7 @@ from starlette.requests import Request
 
 from gateway.http_api import _time_remaining
 from gateway.http_errors import ApiError
-from gateway.http_server import ACCEPT_BATCH, accept_batch, connection_cap
+from gateway.http_server import ACCEPT_BATCH, accept_batch, connection_cap, quiet_accept_errors
 from gateway.openai_requests import ChatCompletionRequest, CompletionRequest
 from gateway.stops import StopMatcher
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -106,3 +108,23 @@ def test_one_pass_of_accepts_takes_at_most_a_quarter_of_the_open_file_limit() ->
     assert accept_batch(400) == 100
     assert accept_batch(20) == 16  # a floor: a gateway that few files may have serves slowly
     assert accept_batch(1 << 20) == accept_batch(-1) == ACCEPT_BATCH  # large, or unlimited
+
+
+def test_a_failed_accept_is_one_warning_a_pause_and_other_loop_errors_go_on(caplog) -> None:
+    loop = asyncio.new_event_loop()
+    seen: list[str] = []
+    loop.set_exception_handler(lambda _, context: seen.append(context["message"]))
+    try:
+        quiet_accept_errors(loop)
+        emfile = OSError(24, "Too many open files")
+        with caplog.at_level(logging.WARNING, logger="gateway"):
+            for _ in range(50):  # one pass of asyncio's accept loop: an error a connection
+                loop.call_exception_handler(
+                    {"message": "socket.accept() out of system resource", "exception": emfile}
+                )
+            loop.call_exception_handler({"message": "something else"})
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and "cannot accept" in lines[0] and "open files" in lines[0]
+        assert seen == ["something else"]  # the handler before it still gets the rest
+    finally:
+        loop.close()
