@@ -73,6 +73,9 @@ CORE_TESTS = (
     "tests/test_core_pins.py",
     "tests/test_kv_pins.py",
     "tests/test_blocks_pins.py",
+    # decode runs (--decode-steps) and the step-time window (--step-time-window)
+    "tests/test_decode_steps.py",
+    "tests/test_time_window.py",
 )
 GROUPS = {
     "core": Group(
@@ -109,6 +112,20 @@ GROUPS = {
             ),
             "scheduler_svc.worker_state.xǁWorkerStateǁreset_pool__mutmut_*",
             "scheduler_svc.worker_state.xǁWorkerStateǁreport__mutmut_*",
+        ),
+    ),
+    # decode runs and the step-time window alone: a quick run after changing them
+    "runs": Group(
+        ("scheduler_svc/core.py", "scheduler_svc/worker_state.py"),
+        CORE_TESTS,
+        part_of="core",
+        functions=(
+            *(
+                f"scheduler_svc.core.xǁSchedulerǁ{name}__mutmut_*"
+                for name in "_lengthen _complete_run complete schedule_workers".split()
+            ),
+            "scheduler_svc.core.x__stepwise__mutmut_*",
+            "scheduler_svc.worker_state.xǁWorkerStateǁtime_limit__mutmut_*",
         ),
     ),
     "sampling": Group(

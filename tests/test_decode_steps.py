@@ -286,3 +286,109 @@ def test_a_repeat_the_worker_cannot_run_is_an_error(repeat: int, chunks: bool, m
         step.chunks.add(handle=2, token_ids=[3], start_position=3, sample=True)
     result, _, _ = session.run(step)
     assert message in result.error and not result.tokens
+
+
+def test_a_run_hands_out_the_events_of_single_steps() -> None:
+    """What the service streams, not only what the core keeps: B stops on its 3rd token inside
+    a run while D, after it in the batch, runs on. The events (each token by request, in order,
+    then each finish) are those of one execution per step, B's tokens after its stop are not
+    handed out, and D's tokens of that execution are."""
+    probe = make()
+    probe.add(p := seq("B", 3, max_tokens=9))
+    drive(probe)
+    stop = p.output_ids[2]
+    logs = {}
+    for runs in (1, 4):
+        core = make(decode_steps=runs)
+        core.add(seq("B", 3, max_tokens=9, eos_ids=frozenset({stop})))
+        core.add(seq("D", 2, max_tokens=7))
+        history = drive(core)
+        events = core.take_events()
+        tokens = {
+            rid: [e.token_id for e in events if e.request_id == rid and e.token_id is not None]
+            for rid in ("B", "D")
+        }
+        finishes = [(e.request_id, e.finish) for e in events if e.finish is not None]
+        logs[runs] = (tokens, finishes)
+        assert len(tokens["B"]) == 3 and len(tokens["D"]) == 7
+    assert max(r for _, r in history) > 1  # B stopped inside a run of D's
+    assert logs[4] == logs[1]
+
+
+def test_a_run_answered_with_the_wrong_number_of_tokens_is_refused_by_name() -> None:
+    core = make(decode_steps=4)
+    core.add(seq("B", 3, max_tokens=9))
+    step(core)
+    planned = core.schedule(0)
+    assert planned.repeat == 4
+    with pytest.raises(ValueError, match="^3 tokens for 4 executions of 1 decodes$"):
+        core.complete(planned, sample(planned)[:3])
+
+
+def test_each_worker_bounds_its_runs_by_its_own_model() -> None:
+    """Two workers, one predicted at 30 ms an execution (runs of 3 within RUN_LIMIT_S) and one
+    at 10 ms (runs of 8, the setting): one request on each."""
+    speeds = {0: 0.03, 1: 0.01}
+    core = Recording(
+        CoreConfig(token_budget=8, decode_steps=8),
+        [WorkerSpec("w0", 24, 1, 4096), WorkerSpec("w1", 24, 1, 4096)],
+        predict=lambda worker, shape: speeds[worker],
+    )
+    core.add(seq("B", 3, max_tokens=20))
+    core.add(seq("D", 3, max_tokens=20))
+    runs: dict[int, set[int]] = {0: set(), 1: set()}
+    for _ in range(50):
+        for s in step(core):
+            if s.decodes:
+                runs[s.worker].add(s.repeat)
+        check_invariants(core)
+    assert max(runs[0]) == 3 and max(runs[1]) == 8
+
+
+def test_a_run_takes_the_kv_it_needs_and_no_more() -> None:
+    """B (prompt 3, 9 tokens) on a worker of the 12 positions admission asks of it (its last
+    two runs write positions 3-6 and 7-10): runs of 4 fit to the end, tokens 2-5 then 6-9; a
+    run that took a position or two more than it writes would come out shorter."""
+    core = make(capacity=12, decode_steps=4)
+    core.add(b := seq("B", 3, max_tokens=9))
+    assert drive(core) == [({"B": 3}, 1), ({"B": 4}, 4), ({"B": 4}, 4)]
+    assert b.finish is Finish.LENGTH and core.preemptions == 0
+
+
+def test_a_run_short_of_blocks_runs_to_the_end_of_what_it_holds() -> None:
+    """Blocks of 4, three of them: B (prompt 1) holds one, C (prompt 5) two. A run of 6 (C's
+    remaining tokens) would need 7 positions of B, and no block is free: the run stops at the
+    end of B's block (positions 1-3, 3 executions); C's fits in its own blocks."""
+    core = make(capacity=12, block_size=4, decode_steps=8)
+    core.add(seq("B", 1, max_tokens=11))
+    core.add(seq("C", 5, max_tokens=7))
+    history = drive(core)
+    assert history[:2] == [({"B": 1, "C": 5}, 1), ({"B": 3, "C": 3}, 3)]
+
+
+def test_every_request_of_a_run_gets_the_kv_it_needs_after_one_that_has_it() -> None:
+    """Blocks of 4: B (prompt 1) holds room for a run of 3 in its block; D (prompt 3), after it
+    in the batch, needs a block more. The invariants (every running request holds the KV its
+    computed positions need) hold after every step."""
+    core = make(block_size=4, decode_steps=3, token_budget=16)
+    core.add(seq("B", 1, max_tokens=10))
+    core.add(seq("D", 3, max_tokens=10))
+    history = drive(core)  # check_invariants after every step
+    assert history[1] == ({"B": 3, "D": 3}, 3)
+
+
+def test_a_setting_of_two_makes_runs_of_two() -> None:
+    core = make(decode_steps=2)
+    core.add(seq("B", 3, max_tokens=5))
+    assert drive(core) == [({"B": 3}, 1), ({"B": 2}, 2), ({"B": 2}, 2)]
+
+
+def test_a_request_after_one_short_of_blocks_still_gets_the_kv_of_the_shorter_run() -> None:
+    """Blocks of 4, three of them: B (prompt 1) would need two more blocks for a run of 8 and
+    one is free, so the run comes out at what B holds (3 executions); D (prompt 3), after B in
+    the batch, takes the free block for those 3. Invariants after every step."""
+    core = make(capacity=12, block_size=4, decode_steps=8, token_budget=16)
+    core.add(seq("B", 1, max_tokens=11))
+    core.add(seq("D", 3, max_tokens=9))
+    history = drive(core)
+    assert history[1] == ({"B": 3, "D": 3}, 3)

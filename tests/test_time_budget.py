@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.config import CoreConfig, WorkerSpec
+from scheduler_svc.config import BatchMode, CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.reasons import StallReason
 from scheduler_svc.step_cost import BatchShape, CostModel, step_shape
@@ -291,3 +291,13 @@ def test_a_cut_under_a_linear_model_takes_a_few_predictions_not_a_bisection() ->
         predict.calls = 0
         assert 0 < timer.cut(0, 3_000, False) < 3_000
         assert predict.calls <= 8
+
+
+def test_a_static_batch_is_not_cut_by_a_step_time_budget() -> None:
+    """Static batching (the baseline) has no token budget and no time budget: its batch runs
+    whole prompts in one step even where each token is predicted at 100 ms against 5 ms."""
+    times = FakeTimes(token_ms=100.0)
+    core = make(times, budget_ms=5.0, mode=BatchMode.STATIC)
+    core.add(seq("B", 40, max_tokens=2))
+    core.add(seq("C", 30, max_tokens=2))
+    assert checked_step(core) == {"B": 40, "C": 30}

@@ -56,6 +56,21 @@ def test_a_window_of_one_is_the_per_step_budget() -> None:
     assert [run_planned(core, times)[0][0] for _ in range(3)] == [{"B": 1, "C": 4}] * 3
 
 
+def test_a_window_of_two_gives_a_step_what_the_one_before_left() -> None:
+    """W = 2, 5 ms: after B's 1 ms decode step the next may take 9 ms (8 of C's tokens beside
+    B's decode), the one after it 1 ms (the one token of progress), then 9 again."""
+    times = FakeTimes(token_ms=0.0)
+    core = make(times, budget_ms=5.0, step_time_window=2, token_budget=64)
+    core.add(seq("B", 3, max_tokens=40))
+    run_planned(core, times)
+    times.set(0, 0.0, 1.0)
+    run_planned(core, times)
+    core.add(seq("C", 40, max_tokens=3))
+    history = [run_planned(core, times)[0] for _ in range(3)]
+    assert [ran for ran, _ in history] == [{"B": 1, "C": 8}, {"B": 1, "C": 1}, {"B": 1, "C": 7}]
+    assert [ms for _, ms in history] == pytest.approx([9.0, 2.0, 8.0])
+
+
 def test_the_average_holds_over_every_window_under_arrivals() -> None:
     """Requests arriving over 60 steps on two workers, 2 ms fixed + 0.5 ms a token, 10 ms held
     over 3 steps: every 3 consecutive steps of a worker are predicted within 30 ms (the decodes
