@@ -128,6 +128,22 @@ GROUPS = {
             "scheduler_svc.worker_state.xǁWorkerStateǁtime_limit__mutmut_*",
         ),
     ),
+    # the worker's side of a decode run: a step executed several times
+    "session": Group(
+        ("worker_svc/session.py",),
+        (
+            "tests/test_decode_steps.py",
+            "tests/test_worker_session_run.py",
+            "tests/test_worker_step_time.py",
+            "tests/test_structured_worker.py",
+            "tests/test_step_checks.py",
+            "tests/test_prefix_worker.py",
+        ),
+        functions=tuple(
+            f"worker_svc.session.xǁSessionǁ{name}__mutmut_*"
+            for name in "run executed again advance".split()
+        ),
+    ),
     "sampling": Group(
         ("worker_svc/sampling.py",),
         (
