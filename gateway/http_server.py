@@ -129,8 +129,8 @@ def guarded(guards: ConnectionGuards) -> type[GuardedH11Protocol]:
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guards": guards})
 
 
-def guards_of(settings: GatewaySettings) -> ConnectionGuards:
-    open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+def guards_of(settings: GatewaySettings, open_files: int) -> ConnectionGuards:
+    """The guards of every connection; `open_files`: the process's RLIMIT_NOFILE."""
     cap = connection_cap(settings.http_max_connections, open_files)
     if cap < settings.http_max_connections:
         log.warning(
@@ -148,17 +148,18 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
     are all open) with a traceback, once per connection pending, then pauses accepting for a
     second: one warning line a pause instead; every other error goes on as before."""
     previous = loop.get_exception_handler()
-    last = [float("-inf")]
+    last = float("-inf")  # when the last warning was logged (loop time)
 
     def handle(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        nonlocal last
         if context.get("message") != "socket.accept() out of system resource":
             if previous is not None:
                 previous(loop, context)
             else:
                 loop.default_exception_handler(context)
             return
-        if loop.time() - last[0] >= 1.0:
-            last[0] = loop.time()
+        if loop.time() - last >= 1.0:
+            last = loop.time()
             log.warning("HTTP: cannot accept a connection (%s); accepting again in 1 s",
                         context.get("exception"))  # fmt: skip
 
@@ -186,7 +187,7 @@ class HttpServer(uvicorn.Server):
         super().__init__(
             uvicorn.Config(
                 app,
-                http=guarded(guards_of(settings)),  # type: ignore[arg-type]
+                http=guarded(guards_of(settings, open_files)),  # type: ignore[arg-type]
                 backlog=accept_batch(open_files),
                 log_config=None,  # the gateway's logging
                 access_log=False,  # as gRPC calls, requests are counted in metrics, not logged

@@ -8,19 +8,12 @@ from __future__ import annotations
 import pytest
 
 from llmserve.v1 import common_pb2, worker_pb2
+from tests.test_worker_step_time import FakeClock
 from worker_svc import session as session_module
 from worker_svc.session import Session
 from worker_svc.sim import SimRunner, sim_config
 
 BLOCKS, BS = 16, 4
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
