@@ -17,16 +17,17 @@ RUN pip install -r requirements.txt \
 
 COPY pyproject.toml ./
 COPY protos ./protos
+COPY llmcommon ./llmcommon
 COPY llmserve ./llmserve
 COPY scheduler_svc ./scheduler_svc
 COPY worker_svc ./worker_svc
 COPY gateway ./gateway
-RUN mkdir -p llmserve/v1 \
+RUN mkdir -p llmcommon/v1 \
     && python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
-        protos/llmserve/v1/*.proto \
-    && touch llmserve/v1/__init__.py \
+        protos/llmcommon/v1/*.proto \
+    && touch llmcommon/v1/__init__.py \
     && pip install --no-deps -e . \
-    && python -c "from llmserve.runtime.model_files import default_gguf_path; print(default_gguf_path())"
+    && python -c "from llmcommon.model_files import default_gguf_path; print(default_gguf_path())"
 # the worker's fused CPU kernels: built once here for x86-64 CPUs with AVX2 (x86-64-v3); on an
 # older CPU the worker sees the missing features and runs its torch path. gcc is removed again
 # afterwards.

@@ -3,9 +3,9 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
-STUBS   := llmserve/v1/__init__.py
+STUBS   := llmcommon/v1/__init__.py
 KERNELS := .stamp-kernels
-PROTOS  := $(wildcard protos/llmserve/v1/*.proto)
+PROTOS  := $(wildcard protos/llmcommon/v1/*.proto)
 
 .PHONY: all setup stubs demo test test-fast mutation up lint bench bench-sim bench-worker bench-overhead clean prometheus internal-token admin-key gpu-check gpu-carry
 
@@ -20,7 +20,7 @@ $(VENV)/.installed: requirements.txt requirements-bench.txt requirements-dev.txt
 	touch $@
 
 $(STUBS): $(VENV)/.installed $(PROTOS)
-	mkdir -p llmserve/v1
+	mkdir -p llmcommon/v1
 	$(PYTHON) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 	touch $@
 
@@ -134,4 +134,4 @@ bench-sim: setup
 	$(BIN)/llmserve bench core --baseline-rev $(CORE_BASELINE) --out results/bench
 
 clean:
-	rm -rf $(VENV) llmserve/v1 results .pytest_cache
+	rm -rf $(VENV) llmcommon/v1 results .pytest_cache

@@ -1,4 +1,4 @@
-"""Building the package generates the gRPC stubs (protos/ -> llmserve/v1), so a wheel or
+"""Building the package generates the gRPC stubs (protos/ -> llmcommon/v1), so a wheel or
 `pip install .` brings a working `llmserve.client`; the stubs are never committed."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ PROTOS = ROOT / "protos"
 
 
 def generate_stubs(out: Path) -> None:
-    """grpc_tools.protoc over protos/llmserve/v1/*.proto into out/llmserve/v1 (as `make stubs`)."""
+    """protoc over protos/llmcommon/v1/*.proto into out/llmcommon/v1 (as `make stubs`)."""
     from importlib.resources import files
 
     from grpc_tools import protoc
 
-    protos = sorted(str(p.relative_to(PROTOS)) for p in (PROTOS / "llmserve/v1").glob("*.proto"))
-    (out / "llmserve/v1").mkdir(parents=True, exist_ok=True)
+    protos = sorted(str(p.relative_to(PROTOS)) for p in (PROTOS / "llmcommon/v1").glob("*.proto"))
+    (out / "llmcommon/v1").mkdir(parents=True, exist_ok=True)
     args = [
         "grpc_tools.protoc",
         f"-I{PROTOS}",
@@ -31,7 +31,7 @@ def generate_stubs(out: Path) -> None:
     ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {protos}")
-    (out / "llmserve/v1/__init__.py").touch()
+    (out / "llmcommon/v1/__init__.py").touch()
 
 
 class BuildWithStubs(build_py):

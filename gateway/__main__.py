@@ -26,13 +26,13 @@ from gateway.served_model import (
 from gateway.service import GatewayService
 from gateway.settings import ENV_PREFIX, GatewaySettings
 from gateway.tokenizer_files import load_tokenizer
-from llmserve.runtime.admin_auth import AdminKeyInterceptor, admin_key
-from llmserve.runtime.auth import internal_token
-from llmserve.runtime.flags import add_flags, from_args
-from llmserve.runtime.health import check_health
-from llmserve.runtime.metrics_http import metrics_host
-from llmserve.runtime.server import Server, die_with_parent, internal_channel, setup_logging
-from llmserve.v1 import (
+from llmcommon.admin_auth import AdminKeyInterceptor, admin_key
+from llmcommon.auth import internal_token
+from llmcommon.flags import add_flags, from_args
+from llmcommon.health import check_health
+from llmcommon.metrics_http import metrics_host
+from llmcommon.server import Server, die_with_parent, internal_channel, setup_logging
+from llmcommon.v1 import (
     gateway_pb2,
     gateway_pb2_grpc,
     scheduler_pb2,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import grpc
 
-from llmserve.runtime.admin_auth import ADMIN_KEY_HEADER, FORWARDED_FOR, admin_key_of
-from llmserve.v1 import scheduler_pb2_grpc
+from llmcommon.admin_auth import ADMIN_KEY_HEADER, FORWARDED_FOR, admin_key_of
+from llmcommon.v1 import scheduler_pb2_grpc
 
 TIMEOUT_S = 30.0  # an explanation plans the core a few dozen times
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 
-from llmserve.runtime.auth import Metadata, TokenInterceptor
+from llmcommon.auth import Metadata, TokenInterceptor
 
 PROTECTED_SERVICE = "llmserve.v1.Gateway"
 API_KEY_REFUSAL = "missing or wrong API key: send `authorization: Bearer KEY`"

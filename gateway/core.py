@@ -33,11 +33,11 @@ from gateway.tokenizer import Tokenizer
 from gateway.trim import trim_after
 from gateway.usage import Tally
 from gateway.validation import InputLimits, ValidatedParams, validate
-from llmserve.runtime.protocol import ACCEPTED_KEY
-from llmserve.runtime.request_checks import context_problem
-from llmserve.runtime.sampling import SamplingParams
-from llmserve.runtime.sampling_wire import to_wire
-from llmserve.v1 import common_pb2, scheduler_pb2
+from llmcommon.protocol import ACCEPTED_KEY
+from llmcommon.request_checks import context_problem
+from llmcommon.sampling import SamplingParams
+from llmcommon.sampling_wire import to_wire
+from llmcommon.v1 import common_pb2, scheduler_pb2
 
 log = logging.getLogger("gateway")
 RESUBMIT_PERIOD_S = 0.25  # a resubmission waiting for the scheduler tries again this often

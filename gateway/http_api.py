@@ -39,8 +39,8 @@ from gateway.openai_requests import (
     TokenizeRequest,
 )
 from gateway.openai_responses import DONE, Reply, event, logprobs_body, running_usage
-from llmserve.runtime.auth import internal_token, internal_token_of
-from llmserve.v1 import scheduler_pb2
+from llmcommon.auth import internal_token, internal_token_of
+from llmcommon.v1 import scheduler_pb2
 
 T = TypeVar("T")
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}

@@ -24,8 +24,8 @@ from prometheus_client import (
     Histogram,
 )
 
-from llmserve.runtime.metrics_http import LATENCY_BUCKETS, TOKEN_GAP_BUCKETS, serve_metrics
-from llmserve.v1 import common_pb2
+from llmcommon.metrics_http import LATENCY_BUCKETS, TOKEN_GAP_BUCKETS, serve_metrics
+from llmcommon.v1 import common_pb2
 
 if TYPE_CHECKING:
     from gateway.core import GatewayCore

@@ -17,8 +17,8 @@ from gateway.http_errors import ApiError
 from gateway.structured import StructuredFields, checked
 from gateway.tools import ToolPlan, ToolsProblem
 from gateway.tools import tool_plan as plan_of
-from llmserve.runtime.sampling import MAX_LOGPROBS, SamplingParams
-from llmserve.runtime.sampling_wire import grammar_of
+from llmcommon.sampling import MAX_LOGPROBS, SamplingParams
+from llmcommon.sampling_wire import grammar_of
 
 U32_MAX = 2**32 - 1
 TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union members
@@ -157,7 +157,7 @@ class Sampling(StructuredFields, Body):
     ignore_eos: bool = False  # an extension, as in vLLM
     cache_salt: str | None = None  # vLLM's: only requests of equal salt share cached KV blocks
 
-    # ranges are checked with the gRPC API's (llmserve/runtime/sampling.py)
+    # ranges are checked with the gRPC API's (llmcommon/sampling.py)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # an extension, as in vLLM

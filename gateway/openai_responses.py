@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from gateway.core import Finish
 from gateway.tools import ToolPlan
-from llmserve.v1 import common_pb2
+from llmcommon.v1 import common_pb2
 
 FINISH_REASONS = {common_pb2.FINISH_REASON_LENGTH: "length"}  # anything else that ends: "stop"
 DONE = b"data: [DONE]\n\n"

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from llmserve.runtime.protocol import ACCEPTED_KEY
-from llmserve.v1 import common_pb2, scheduler_pb2
+from llmcommon.protocol import ACCEPTED_KEY
+from llmcommon.v1 import common_pb2, scheduler_pb2
 
 _CANCELLED = object()  # queued by cancel(): the reader raises CancelledError, as a call's does
 _END = object()

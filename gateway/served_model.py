@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmserve.runtime.model_files import DEFAULT_GGUF_NAME, display_name
+from llmcommon.model_files import DEFAULT_GGUF_NAME, display_name
 
 PACKAGED = ("smollm2", "tiny", "sim")  # all three tokenize with SmolLM2's packaged GGUF
 

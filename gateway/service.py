@@ -14,9 +14,9 @@ from gateway.admin import forwarded_metadata
 from gateway.choices import choice_inputs, choices_problem, merged
 from gateway.core import Delta, Finish, GatewayCore, GenerateInput, GenerationError
 from gateway.usage import Tally
-from llmserve.runtime.auth import internal_token, internal_token_of
-from llmserve.runtime.sampling_wire import params_of
-from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
+from llmcommon.auth import internal_token, internal_token_of
+from llmcommon.sampling_wire import params_of
+from llmcommon.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 
 __all__ = ["GatewayService", "Tally", "generate_input"]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from llmserve.runtime.admin_auth import ADMIN_KEY_HELP
-from llmserve.runtime.auth import INTERNAL_TOKEN_HELP, read_secret_file
-from llmserve.runtime.flags import setting
-from llmserve.runtime.metrics_http import METRICS_HOST_HELP
+from llmcommon.admin_auth import ADMIN_KEY_HELP
+from llmcommon.auth import INTERNAL_TOKEN_HELP, read_secret_file
+from llmcommon.flags import setting
+from llmcommon.metrics_http import METRICS_HOST_HELP
 
 ENV_PREFIX = "LLMSERVE_GATEWAY_"  # $LLMSERVE_GATEWAY_HTTP_PORT=8000 = --http-port 8000
 

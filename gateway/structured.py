@@ -20,7 +20,7 @@ try:
 except ImportError:  # e.g. the GPU machine's own packages (the GPU check): grammars refused
     llguidance = None
 
-from llmserve.v1 import common_pb2
+from llmcommon.v1 import common_pb2
 
 Grammar = common_pb2.Grammar
 GRAMMAR_CACHE_SIZE = 1024

@@ -476,6 +476,6 @@ class Tokenizer:
 @cache
 def load_default_tokenizer() -> Tokenizer:
     """The tokenizer of the default model (SmolLM2-135M-Instruct), loaded once per process."""
-    from llmserve.runtime.model_files import default_gguf_path
+    from llmcommon.model_files import default_gguf_path
 
     return Tokenizer.from_gguf(default_gguf_path())

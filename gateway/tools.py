@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmserve.v1 import common_pb2
+from llmcommon.v1 import common_pb2
 
 Grammar = common_pb2.Grammar
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name

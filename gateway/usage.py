@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from llmserve.v1 import common_pb2
+from llmcommon.v1 import common_pb2
 
 
 @dataclass(slots=True)

@@ -12,11 +12,11 @@ Decisions:
   gateway/tokenizer.py); content must be a str and MAY be empty (an empty system or assistant
   turn is legitimate and renders fine).
 * every refusal names the field at fault (`InvalidRequest.param`), as the HTTP API's `param`.
-* sampling: the request's `SamplingParams` (llmserve/runtime/sampling.py), checked there, the
-  same check the scheduler and the worker run (one set of ranges: llmserve/runtime/ranges.py);
+* sampling: the request's `SamplingParams` (llmcommon/sampling.py), checked there, the
+  same check the scheduler and the worker run (one set of ranges: llmcommon/ranges.py);
   a refusal names the field. `max_tokens` unset -> `min(default_max_tokens, max_context)`;
   set -> 1..max_context. The prompt's length is known only after tokenizing: it must leave
-  room for one token (`llmserve.runtime.request_checks.context_problem`, the scheduler's check
+  room for one token (`llmcommon.request_checks.context_problem`, the scheduler's check
   too); generation stops at the context (finish reason length). A temperature below
   MIN_TEMPERATURE counts as 0, as in vLLM.
 * size: `InputLimits` checks run first, on counts alone, before anything is built from the request
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from llmserve.runtime.sampling import (
+from llmcommon.sampling import (
     MAX_STOP_CHARS,
     MAX_STOPS,
     MIN_TEMPERATURE,

@@ -15,10 +15,10 @@ from typing import NoReturn
 
 import grpc
 
+from llmcommon.admin_auth import admin_key
+from llmcommon.flags import add_flags, from_args
 from llmserve import client
 from llmserve.prometheus import DASHBOARD, Prometheus, start_for_stack
-from llmserve.runtime.admin_auth import admin_key
-from llmserve.runtime.flags import add_flags, from_args
 from llmserve.stack import Stack, StackSettings
 from llmserve.status_text import format_status
 from scheduler_svc.live_settings import NAMES, SettingError, parse_pairs

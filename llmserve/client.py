@@ -17,10 +17,10 @@ from typing import Any
 
 import grpc
 
-from llmserve.runtime.admin_auth import admin_metadata
-from llmserve.runtime.auth import token_metadata
-from llmserve.runtime.server import CHANNEL_OPTIONS
-from llmserve.v1 import (
+from llmcommon.admin_auth import admin_metadata
+from llmcommon.auth import token_metadata
+from llmcommon.server import CHANNEL_OPTIONS
+from llmcommon.v1 import (
     common_pb2,
     gateway_pb2,
     gateway_pb2_grpc,

@@ -15,8 +15,8 @@ from typing import Literal
 
 from gateway.served_model import PACKAGED
 from gateway.settings import GatewaySettings
-from llmserve.runtime.flags import help_of, setting, to_flags
-from llmserve.runtime.server import PARENT_PID_VAR, wait_healthy
+from llmcommon.flags import help_of, setting, to_flags
+from llmcommon.server import PARENT_PID_VAR, wait_healthy
 from scheduler_svc.config import CoreConfig
 from scheduler_svc.settings import SchedulerSettings
 from worker_svc.cpu_features import host_features

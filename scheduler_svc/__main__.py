@@ -8,12 +8,12 @@ import dataclasses
 
 import grpc
 
-from llmserve.runtime.admin_auth import AdminKeyInterceptor, admin_key
-from llmserve.runtime.auth import internal_token
-from llmserve.runtime.flags import add_flags, from_args
-from llmserve.runtime.metrics_http import metrics_host
-from llmserve.runtime.server import Server, die_with_parent, setup_logging
-from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from llmcommon.admin_auth import AdminKeyInterceptor, admin_key
+from llmcommon.auth import internal_token
+from llmcommon.flags import add_flags, from_args
+from llmcommon.metrics_http import metrics_host
+from llmcommon.server import Server, die_with_parent, setup_logging
+from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.settings import ENV_PREFIX, SchedulerSettings

@@ -1,7 +1,7 @@
 """The Admin service of the scheduler: the live settings and the head's explanation, protobuf
 in and out around the pure parts (scheduler_svc/live_settings.py, scheduler_svc/explain.py).
 
-The admin key is checked before a handler runs (llmserve/runtime/admin_auth.py). Every change
+The admin key is checked before a handler runs (llmcommon/admin_auth.py). Every change
 is logged with who made it (the peer, the gateway's client when forwarded, the key's id) and
 what changed; the core counts it per setting (`Scheduler.setting_changes`, the metrics'
 `llmserve_scheduler_setting_changes_total`)."""
@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import grpc
 
-from llmserve.runtime.admin_auth import FORWARDED_FOR, admin_key_of, admin_refusal, key_id
-from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from llmcommon.admin_auth import FORWARDED_FOR, admin_key_of, admin_refusal, key_id
+from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.core import Scheduler
 from scheduler_svc.explain import Explanation, copy_of, explain_copy
 from scheduler_svc.live_settings import SettingError, apply, changed, current

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from llmserve.runtime.flags import setting
+from llmcommon.flags import setting
 
 
 class KvPolicy(StrEnum):

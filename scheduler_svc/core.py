@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from functools import partial
 
-from llmserve.runtime.request_checks import context_problem
+from llmcommon.request_checks import context_problem
 from scheduler_svc.blocks import blocks_for
 from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.kv import FailedWork, KeyMemo

@@ -11,7 +11,7 @@ import enum
 from collections.abc import Iterable
 from typing import Any
 
-from llmserve.runtime.flags import parse_field
+from llmcommon.flags import parse_field
 from scheduler_svc.config import BatchMode, CoreConfig
 from scheduler_svc.sequence import Sequence
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmserve.v1 import worker_pb2
+from llmcommon.v1 import worker_pb2
 from scheduler_svc.step import Step
 
 

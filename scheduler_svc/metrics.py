@@ -19,7 +19,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from llmserve.runtime.metrics_http import (
+from llmcommon.metrics_http import (
     REQUEST_COUNT_BUCKETS,
     STEP_SECONDS_BUCKETS,
     TOKEN_COUNT_BUCKETS,

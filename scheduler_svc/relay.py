@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 
-from llmserve.v1 import common_pb2, scheduler_pb2
+from llmcommon.v1 import common_pb2, scheduler_pb2
 from scheduler_svc.output import Event, StepLogprobs, StepTokens
 from scheduler_svc.sequence import Finish
 

@@ -13,9 +13,9 @@ from dataclasses import replace
 
 import grpc
 
-from llmserve.runtime.protocol import ACCEPTED_KEY
-from llmserve.runtime.sampling_wire import from_wire, to_wire
-from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from llmcommon.protocol import ACCEPTED_KEY
+from llmcommon.sampling_wire import from_wire, to_wire
+from llmcommon.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.admin import AdminService
 from scheduler_svc.core import Scheduler
 from scheduler_svc.invariants import ENV_VAR, check_invariants, check_step
@@ -47,7 +47,7 @@ REFUSED_CODE = {  # one for every RefusalReason (a test checks)
 
 def work_sampling(s: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
     """The worker's sampling settings of a request: the request's, checked, with their defaults
-    (the one conversion: llmserve/runtime/sampling_wire.py), without the stop strings (the
+    (the one conversion: llmcommon/sampling_wire.py), without the stop strings (the
     gateway's); stop_token_ids are the caller's: every id that ends the request."""
     return to_wire(replace(from_wire(s), stop=(), stop_token_ids=()))
 

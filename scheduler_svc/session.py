@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from llmserve.v1 import common_pb2, scheduler_pb2
+from llmcommon.v1 import common_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
     from scheduler_svc.service import SchedulerService

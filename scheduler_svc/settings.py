@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from llmserve.runtime.admin_auth import ADMIN_KEY_HELP
-from llmserve.runtime.auth import INTERNAL_TOKEN_HELP
-from llmserve.runtime.flags import setting
-from llmserve.runtime.metrics_http import METRICS_HOST_HELP
+from llmcommon.admin_auth import ADMIN_KEY_HELP
+from llmcommon.auth import INTERNAL_TOKEN_HELP
+from llmcommon.flags import setting
+from llmcommon.metrics_http import METRICS_HOST_HELP
 from scheduler_svc.config import CoreConfig
 
 ENV_PREFIX = "LLMSERVE_SCHEDULER_"  # $LLMSERVE_SCHEDULER_TOKEN_BUDGET=512 = --token-budget 512

@@ -1,12 +1,12 @@
 """What the scheduler checks in a Submit: the gateway is a caller like any other, and one bad
 request must never reach a batch where it would fail the others. The sampling settings' checks
-are the gateway's and the worker's too (SamplingParams, llmserve/runtime/sampling.py)."""
+are the gateway's and the worker's too (SamplingParams, llmcommon/sampling.py)."""
 
 from __future__ import annotations
 
-from llmserve.runtime.sampling import InvalidSampling
-from llmserve.runtime.sampling_wire import from_wire
-from llmserve.v1 import common_pb2
+from llmcommon.sampling import InvalidSampling
+from llmcommon.sampling_wire import from_wire
+from llmcommon.v1 import common_pb2
 
 
 def submit_problem(

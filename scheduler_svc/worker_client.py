@@ -6,10 +6,10 @@ import asyncio
 
 import grpc
 
-from llmserve.runtime.auth import token_metadata
-from llmserve.runtime.health import SERVING, check_health
-from llmserve.runtime.server import CHANNEL_OPTIONS
-from llmserve.v1 import worker_pb2, worker_pb2_grpc
+from llmcommon.auth import token_metadata
+from llmcommon.health import SERVING, check_health
+from llmcommon.server import CHANNEL_OPTIONS
+from llmcommon.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.config import WorkerSpec
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build" / "mutation"
 OUT = ROOT / "results" / "mutation"
-PACKAGES = ("gateway", "llmserve", "scheduler_svc", "worker_svc")
+PACKAGES = ("gateway", "llmcommon", "llmserve", "scheduler_svc", "worker_svc")
 DATA = ("docs", "data")  # read by tests (the metrics tables: tests/test_metrics_docs.py; the
 # committed cost model: tests/test_bench_cost_model.py)
 KILLED = {"killed", "timeout", "caught by type check", "segfault"}
@@ -161,12 +161,12 @@ GROUPS = {
     "validation": Group(
         (
             "gateway/validation.py",
-            "llmserve/runtime/sampling.py",
-            "llmserve/runtime/sampling_wire.py",
+            "llmcommon/sampling.py",
+            "llmcommon/sampling_wire.py",
         ),
         ("tests/test_validation.py", "tests/test_sampling_params.py", "tests/test_ranges.py"),
     ),
-    "auth": Group(("gateway/auth.py", "llmserve/runtime/auth.py"), ("tests/test_auth.py",)),
+    "auth": Group(("gateway/auth.py", "llmcommon/auth.py"), ("tests/test_auth.py",)),
     # the label mapping: finish reasons and status codes (gateway), the families built from the
     # core's snapshot (scheduler), with their help text (docs/observability.md quotes it)
     "metrics": Group(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.runtime.sampling import Grammar, SamplingParams
+from llmcommon.sampling import Grammar, SamplingParams
 
 GRAMMAR = Grammar(kind=2, spec="x")  # the sampler reads only that there is one
 

@@ -56,7 +56,7 @@ class InProcessClient:
     the scheduler service's loops run against it without gRPC (tests)."""
 
     def __init__(self, spec, eos_ids=(2,), static: bool = True) -> None:
-        from llmserve.v1 import worker_pb2
+        from llmcommon.v1 import worker_pb2
 
         self.target = f"inproc:{spec.name}"
         self.static = static

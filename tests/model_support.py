@@ -57,7 +57,7 @@ def hf(source: str, dtype: torch.dtype = torch.float32):
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from llmserve.runtime.model_files import default_gguf_path
+    from llmcommon.model_files import default_gguf_path
 
     path = default_gguf_path()
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

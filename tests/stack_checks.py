@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from llmcommon.v1 import scheduler_pb2
 from llmserve import client
 from llmserve.stack import Stack
-from llmserve.v1 import scheduler_pb2
 
 
 def is_idle(status: scheduler_pb2.StatusReply) -> bool:

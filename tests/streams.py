@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from llmcommon.server import CHANNEL_OPTIONS
+from llmcommon.v1 import gateway_pb2_grpc
 from llmserve import client
-from llmserve.runtime.server import CHANNEL_OPTIONS
-from llmserve.v1 import gateway_pb2_grpc
 
 
 @dataclass

@@ -7,11 +7,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from llmcommon.admin_auth import admin_metadata
+from llmcommon.server import CHANNEL_OPTIONS
+from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc
 from llmserve import client
 from llmserve.cli import build_parser
-from llmserve.runtime.admin_auth import admin_metadata
-from llmserve.runtime.server import CHANNEL_OPTIONS
-from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.stack_checks import wait_for
 from tests.stacks import running_stack, tiny_settings
 from tests.streams import Streams

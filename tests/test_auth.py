@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from gateway.auth import PROTECTED_SERVICE, ApiKeyInterceptor, key_from_metadata
-from llmserve.runtime.auth import (
+from llmcommon.auth import (
     INTERNAL_REFUSAL,
     INTERNAL_TOKEN_HEADER,
     INTERNAL_TOKEN_VAR,

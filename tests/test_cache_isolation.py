@@ -16,11 +16,11 @@ import urllib.request
 import grpc
 import pytest
 
+from llmcommon.auth import INTERNAL_TOKEN_HEADER
+from llmcommon.server import wait_healthy
+from llmcommon.v1 import gateway_pb2_grpc, scheduler_pb2
 from llmserve import client
-from llmserve.runtime.auth import INTERNAL_TOKEN_HEADER
-from llmserve.runtime.server import wait_healthy
 from llmserve.status_text import CACHE_WITHHELD, format_status
-from llmserve.v1 import gateway_pb2_grpc, scheduler_pb2
 from tests.stacks import free_port, free_run, running_stack, tiny_settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hang_guard")]

@@ -16,8 +16,8 @@ from collections import Counter
 import grpc
 import pytest
 
+from llmcommon.v1 import common_pb2
 from llmserve import client
-from llmserve.v1 import common_pb2
 from tests.stack_checks import greedy_request, stop_cleanly, wait_idle
 from tests.stacks import running_stack, tiny_settings
 from tests.test_faults import baseline

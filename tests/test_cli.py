@@ -15,9 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from llmcommon.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from llmserve import client
 from llmserve.cli import build_parser
-from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from scheduler_svc.config import BatchMode, KvPolicy
 
 ROOT = Path(__file__).resolve().parent.parent

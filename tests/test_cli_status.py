@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from llmcommon.v1 import scheduler_pb2
 from llmserve.client import status_dict
 from llmserve.status_text import format_status
-from llmserve.v1 import scheduler_pb2
 
 
 def test_status_lists_each_worker_with_its_pool_context_and_stalls() -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from llmcommon.model_files import display_name
 from llmserve import AsyncClient, Client
-from llmserve.runtime.model_files import display_name
 from tests.stacks import running_stack, tiny_settings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,8 +11,8 @@ import random
 
 import pytest
 
+from llmcommon.v1 import common_pb2
 from llmserve.status_text import decode_steps_text
-from llmserve.v1 import common_pb2
 from scheduler_svc.config import MAX_DECODE_STEPS, CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.core import RUN_LIMIT_S, Scheduler
 from scheduler_svc.live_settings import SettingError, apply
@@ -227,7 +227,7 @@ def tiny_session():
 
 
 def prompt_step(blocks: list[int], seed: int | None = None) -> object:
-    from llmserve.v1 import worker_pb2
+    from llmcommon.v1 import worker_pb2
 
     first = worker_pb2.Step(step=0)
     sampling = common_pb2.SamplingParams(temperature=0.0 if seed is None else 0.9)
@@ -245,7 +245,7 @@ def prompt_step(blocks: list[int], seed: int | None = None) -> object:
 def test_the_worker_runs_a_repeated_step_as_single_steps_in_a_row(seed: int | None) -> None:
     """Two requests, greedy or seeded: one step of 4 executions returns, execution by
     execution, the tokens of 4 single decode steps; its forward time is the executions'."""
-    from llmserve.v1 import worker_pb2
+    from llmcommon.v1 import worker_pb2
 
     singles, repeated = tiny_session(), tiny_session()
     for s in (singles, repeated):
@@ -261,7 +261,7 @@ def test_the_worker_runs_a_repeated_step_as_single_steps_in_a_row(seed: int | No
 def test_a_repeated_step_without_room_fails_that_request_alone() -> None:
     """Request 2's table (2 blocks of 4) ends at position 8: a run of 6 from position 3 would
     write past it, so it fails alone; request 1 (4 blocks) runs all 6 executions."""
-    from llmserve.v1 import worker_pb2
+    from llmcommon.v1 import worker_pb2
 
     session = tiny_session()
     first = prompt_step([0, 1, 2, 3])
@@ -277,7 +277,7 @@ def test_a_repeated_step_without_room_fails_that_request_alone() -> None:
     [(MAX_DECODE_STEPS + 1, False, "at most"), (2, True, "only decodes may repeat")],
 )
 def test_a_repeat_the_worker_cannot_run_is_an_error(repeat: int, chunks: bool, message: str):
-    from llmserve.v1 import worker_pb2
+    from llmcommon.v1 import worker_pb2
 
     session = tiny_session()
     session.run(prompt_step([0, 1, 2, 3]))

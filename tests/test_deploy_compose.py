@@ -103,7 +103,7 @@ def test_compose_publishes_the_plain_process_ports_with_grpc_health_checks(compo
         published = {p.removesuffix("/tcp") for p in service["ports"]}
         assert published == {f"127.0.0.1:{p}:{p}" for p in ports if p}, name
         check = service["healthcheck"]["test"]
-        assert check == ["CMD", "python", "-m", "llmserve.runtime.healthcheck", f"127.0.0.1:{port}"]
+        assert check == ["CMD", "python", "-m", "llmcommon.healthcheck", f"127.0.0.1:{port}"]
         assert service["build"]["context"] == str(ROOT)
     needs = {n: set(compose["services"][n].get("depends_on", {})) for n in LLMSERVE}
     assert needs == {
@@ -185,7 +185,7 @@ def test_the_health_check_command_exits_0_only_while_serving() -> None:
     server.start()
 
     def check(target: str) -> int:
-        command = [sys.executable, "-m", "llmserve.runtime.healthcheck", target, "--timeout", "2"]
+        command = [sys.executable, "-m", "llmcommon.healthcheck", target, "--timeout", "2"]
         return subprocess.run(command, cwd=ROOT, capture_output=True, timeout=30).returncode
 
     try:

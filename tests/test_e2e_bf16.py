@@ -11,9 +11,9 @@ import grpc
 import pytest
 import torch
 
+from llmcommon.server import CHANNEL_OPTIONS
+from llmcommon.v1 import gateway_pb2_grpc
 from llmserve import client
-from llmserve.runtime.server import CHANNEL_OPTIONS
-from llmserve.v1 import gateway_pb2_grpc
 from tests.model_support import model, one_torch_thread, prompt_ids, run_alone  # noqa: F401
 from tests.stacks import running_stack, tiny_settings
 from worker_svc import cpu_kernels

@@ -9,9 +9,9 @@ import time
 import grpc
 import pytest
 
+from llmcommon.server import CHANNEL_OPTIONS
+from llmcommon.v1 import gateway_pb2, gateway_pb2_grpc
 from llmserve import client
-from llmserve.runtime.server import CHANNEL_OPTIONS
-from llmserve.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.stack_checks import wait_for
 from tests.stacks import running_stack, tiny_settings
 from tests.streams import Held

@@ -11,9 +11,9 @@ import urllib.request
 import grpc
 import pytest
 
+from llmcommon.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from llmserve import client
 from llmserve.ports import free_run
-from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.stacks import running_stack, tiny_settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hang_guard")]

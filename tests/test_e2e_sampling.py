@@ -14,7 +14,13 @@ import grpc
 import pytest
 import torch
 
-from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from llmcommon.v1 import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from tests.model_support import hf, model
 from tests.stacks import free_port, running_stack, tiny_settings
 

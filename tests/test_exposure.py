@@ -17,15 +17,15 @@ import pytest
 
 from gateway.auth import ApiKeyInterceptor
 from gateway.settings import GatewaySettings
+from llmcommon.server import Server, wait_healthy
 from llmserve.ports import free_ports
-from llmserve.runtime.server import Server, wait_healthy
 from llmserve.stack import Stack
 from scheduler_svc.settings import SchedulerSettings
 from tests.stacks import free_run, running_stack, tiny_settings
 from worker_svc.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ["llmserve", "gateway", "scheduler_svc", "worker_svc"]
+PACKAGES = ["llmcommon", "llmserve", "gateway", "scheduler_svc", "worker_svc"]
 LISTEN = "0A"
 
 

@@ -19,10 +19,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmcommon.server import CHANNEL_OPTIONS
+from llmcommon.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from llmserve import client
-from llmserve.runtime.server import CHANNEL_OPTIONS
 from llmserve.stack import StackSettings
-from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.stack_checks import (
     generate,
     greedy_request,

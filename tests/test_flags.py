@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from gateway.settings import GatewaySettings
-from llmserve.runtime.flags import add_flags, from_args, to_flags
+from llmcommon.flags import add_flags, from_args, to_flags
 from scheduler_svc.config import CoreConfig, KvPolicy
 from scheduler_svc.settings import ENV_PREFIX as SCHEDULER_ENV
 from scheduler_svc.settings import SchedulerSettings

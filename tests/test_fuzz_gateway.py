@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmserve.runtime.server import CHANNEL_OPTIONS
-from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from llmcommon.server import CHANNEL_OPTIONS
+from llmcommon.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.stack_checks import stop_cleanly, wait_idle
 from tests.stacks import running_stack, tiny_settings
 

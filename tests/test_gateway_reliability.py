@@ -18,8 +18,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmcommon.v1 import gateway_pb2, gateway_pb2_grpc
 from llmserve import client
-from llmserve.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.stack_checks import rss_kib, wait_for
 from tests.stacks import free_run, running_stack, tiny_settings
 

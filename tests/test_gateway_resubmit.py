@@ -13,9 +13,9 @@ import pytest
 from gateway.core import Delta, Finish, GatewayCore, GenerateInput
 from gateway.settings import GatewaySettings
 from gateway.tokenizer_files import load_tokenizer
-from llmserve.runtime.protocol import ACCEPTED_KEY
-from llmserve.runtime.sampling import SamplingParams
-from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from llmcommon.protocol import ACCEPTED_KEY
+from llmcommon.sampling import SamplingParams
+from llmcommon.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 LOST = "lost"  # the scheduler dies after the tokens: no finish reaches the gateway
 STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH

@@ -16,9 +16,9 @@ from gateway.core import GatewayCore, GenerateInput, GenerationError
 from gateway.scheduler_watch import SilenceBound, Verdict
 from gateway.settings import GatewaySettings
 from gateway.tokenizer_files import load_tokenizer
-from llmserve.runtime.protocol import ACCEPTED_KEY
-from llmserve.runtime.sampling import SamplingParams
-from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from llmcommon.protocol import ACCEPTED_KEY
+from llmcommon.sampling import SamplingParams
+from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.stack_checks import generate, greedy_request, stop_cleanly, wait_for
 from tests.stacks import running_stack
 from tests.streams import Streams

@@ -64,7 +64,7 @@ def test_making_portable_twice_changes_nothing_more() -> None:
 def test_every_carried_generated_file_is_portable_and_compiles(carry: Path) -> None:
     files = sorted(carry.rglob("*_pb2*.py"))
     names = {f.relative_to(carry).as_posix() for f in files}
-    assert {"llmserve/v1/worker_pb2_grpc.py", "site/grpc_health/v1/health_pb2.py"} <= names
+    assert {"llmcommon/v1/worker_pb2_grpc.py", "site/grpc_health/v1/health_pb2.py"} <= names
     for file in files:
         text = file.read_text()
         compile(text, str(file), "exec")

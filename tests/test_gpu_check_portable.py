@@ -132,7 +132,7 @@ def make_machine(root: Path) -> dict:
 def test_the_copy_with_its_carry_fits_what_a_device_run_takes(machine) -> None:
     tree = sum(p.stat().st_size for p in tree_files(ROOT))
     carried = folder_bytes(machine["carry"])
-    assert carried > 0 and (machine["carry"] / "llmserve" / "v1" / "worker_pb2_grpc.py").is_file()
+    assert carried > 0 and (machine["carry"] / "llmcommon" / "v1" / "worker_pb2_grpc.py").is_file()
     assert tree + carried < LIMIT_BYTES, f"{(tree + carried) / 2**20:.1f} MiB"
 
 

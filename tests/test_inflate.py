@@ -9,7 +9,7 @@ import zlib
 import pytest
 
 from gateway.inflate import TooLarge, inflate
-from llmserve.v1 import gateway_pb2
+from llmcommon.v1 import gateway_pb2
 
 LIMIT = 1 << 20
 REQUEST = gateway_pb2.GenerateRequest(request_id="r", prompt="hello " * 100).SerializeToString()

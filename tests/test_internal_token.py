@@ -16,9 +16,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from llmcommon.auth import INTERNAL_REFUSAL, INTERNAL_TOKEN_HEADER, INTERNAL_TOKEN_VAR
+from llmcommon.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from llmserve import client
-from llmserve.runtime.auth import INTERNAL_REFUSAL, INTERNAL_TOKEN_HEADER, INTERNAL_TOKEN_VAR
-from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.stack_checks import is_idle, wait_for
 from tests.stacks import free_port, running_stack, tiny_settings
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from llmserve.v1 import common_pb2
+from llmcommon.v1 import common_pb2
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.invariants import InvariantError, check_invariants, check_step

@@ -3,7 +3,7 @@ scheduler switched from reserve to paged): another request may be granted them n
 
 from __future__ import annotations
 
-from llmserve.v1 import common_pb2, worker_pb2
+from llmcommon.v1 import common_pb2, worker_pb2
 from worker_svc.session import Session
 from worker_svc.sim import SimRunner, sim_config
 

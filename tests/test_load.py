@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from llmcommon.server import CHANNEL_OPTIONS
+from llmcommon.v1 import common_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from llmserve import client
-from llmserve.runtime.server import CHANNEL_OPTIONS
-from llmserve.v1 import common_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.stack_checks import (
     generate,
     greedy_request,

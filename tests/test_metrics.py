@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.metrics import GatewayMetrics
 from gateway.service import Tally
-from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2
+from llmcommon.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2
 from scheduler_svc.config import CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.metrics import SchedulerMetrics

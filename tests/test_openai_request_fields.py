@@ -18,7 +18,7 @@ from gateway.http_errors import ApiError
 from gateway.http_server import ACCEPT_BATCH, accept_batch, connection_cap, quiet_accept_errors
 from gateway.openai_requests import ChatCompletionRequest, CompletionRequest
 from gateway.stops import StopMatcher
-from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
 def completion(**fields) -> CompletionRequest:

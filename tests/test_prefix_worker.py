@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.v1 import common_pb2, worker_pb2
+from llmcommon.v1 import common_pb2, worker_pb2
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.sequence import Sequence

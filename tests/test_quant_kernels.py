@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
-from llmserve.runtime.model_files import default_gguf_path
+from llmcommon.model_files import default_gguf_path
 from worker_svc.linear import Linear, QuantizedLinear, make_linear
 from worker_svc.loader import load_model, unpermute_rope
 from worker_svc.memory_profile import weights_bytes

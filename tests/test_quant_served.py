@@ -7,9 +7,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from llmcommon.server import CHANNEL_OPTIONS
+from llmcommon.v1 import gateway_pb2_grpc
 from llmserve import client
-from llmserve.runtime.server import CHANNEL_OPTIONS
-from llmserve.v1 import gateway_pb2_grpc
 from tests.stacks import running_stack, tiny_settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hang_guard")]

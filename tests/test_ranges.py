@@ -1,4 +1,4 @@
-"""One range per sampling setting (llmserve/runtime/ranges.py), applied by the gateway's
+"""One range per sampling setting (llmcommon/ranges.py), applied by the gateway's
 validation, the scheduler's submit checks and the worker's step checks alike: a value one layer
 takes, every layer takes, and a value that sampling cannot do (a repetition penalty that
 overflows the logits) is refused at the door, not failed by the worker's batch."""
@@ -10,7 +10,7 @@ import math
 import pytest
 
 from gateway.validation import InvalidRequest, validate
-from llmserve.runtime.ranges import (
+from llmcommon.ranges import (
     FREQUENCY_PENALTY,
     LOGIT_BIAS,
     MIN_P,
@@ -20,8 +20,8 @@ from llmserve.runtime.ranges import (
     TOP_P,
     Range,
 )
-from llmserve.runtime.sampling import SamplingParams
-from llmserve.v1 import common_pb2
+from llmcommon.sampling import SamplingParams
+from llmcommon.v1 import common_pb2
 from scheduler_svc.submit_checks import submit_problem
 from worker_svc.step_checks import sampling_problem as step_problem
 

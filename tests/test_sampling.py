@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from llmserve.runtime.sampling import GREEDY, Grammar, SamplingParams
+from llmcommon.sampling import GREEDY, Grammar, SamplingParams
 from tests.model_support import one_torch_thread  # noqa: F401  (autouse fixture)
 from worker_svc.grammar import RowMasks
 from worker_svc.sampling import (

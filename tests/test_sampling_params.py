@@ -1,4 +1,4 @@
-"""One sampling type end to end (llmserve/runtime/sampling.py): every field walks from a gRPC
+"""One sampling type end to end (llmcommon/sampling.py): every field walks from a gRPC
 request through the gateway's validation, the wire, the scheduler and the worker's session, and
 back; each check refuses what its range refuses, naming the field; unset is the default."""
 
@@ -15,7 +15,7 @@ import pytest
 from gateway.openai_requests import CompletionRequest
 from gateway.service import generate_input
 from gateway.validation import InvalidRequest, validate
-from llmserve.runtime.sampling import (
+from llmcommon.sampling import (
     CHECKS,
     GREEDY,
     MIN_TEMPERATURE,
@@ -24,8 +24,8 @@ from llmserve.runtime.sampling import (
     SamplingParams,
     f32,
 )
-from llmserve.runtime.sampling_wire import from_wire, params_of, to_wire
-from llmserve.v1 import common_pb2, gateway_pb2, worker_pb2
+from llmcommon.sampling_wire import from_wire, params_of, to_wire
+from llmcommon.v1 import common_pb2, gateway_pb2, worker_pb2
 from scheduler_svc.service import work_sampling
 from worker_svc.session import Session
 from worker_svc.sim import SimRunner, sim_config

@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 import torch
 
-from llmserve.runtime.sampling import SamplingParams
+from llmcommon.sampling import SamplingParams
 from tests import grammar_rows
 from tests.grammar_rows import constrained
 from tests.model_support import one_torch_thread  # noqa: F401  (autouse fixture)

@@ -16,8 +16,8 @@ from transformers import (
     TemperatureLogitsWarper,
 )
 
-from llmserve.runtime.sampling import GREEDY, SamplingParams
-from llmserve.v1 import common_pb2, worker_pb2
+from llmcommon.sampling import GREEDY, SamplingParams
+from llmcommon.v1 import common_pb2, worker_pb2
 from tests.model_support import hf, model, one_torch_thread  # noqa: F401  (autouse fixture)
 from worker_svc.runner import ModelRunner
 from worker_svc.sampling import fresh_generator, sample_one, sample_tokens, shape_logits

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from llmserve.v1 import common_pb2
+from llmcommon.v1 import common_pb2
 from scheduler_svc.output import Event, StepTokens
 from scheduler_svc.relay import SLICES, EventRelay
 from scheduler_svc.sequence import Finish

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from gateway.scheduler_session import SchedulerSession
-from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from llmcommon.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.output import Event
 from scheduler_svc.relay import EventRelay
 from scheduler_svc.sequence import Finish

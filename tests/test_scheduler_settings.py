@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from llmserve.runtime.flags import add_flags, from_args
+from llmcommon.flags import add_flags, from_args
 from llmserve.stack import Stack, StackSettings
 from scheduler_svc.settings import SchedulerSettings
 

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from llmserve.v1 import worker_pb2
+from llmcommon.v1 import worker_pb2
 from scheduler_svc.config import WorkerSpec
 from scheduler_svc.run_clock import STALL_AFTER_S, RunClock
 from scheduler_svc.service import SchedulerService

@@ -11,8 +11,8 @@ import time
 import grpc
 import pytest
 
+from llmcommon.server import wait_healthy
 from llmserve import client
-from llmserve.runtime.server import wait_healthy
 from tests.stacks import free_port, running_stack, tiny_settings
 
 

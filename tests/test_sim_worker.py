@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from llmserve.runtime.sampling import GREEDY, SamplingParams
+from llmcommon.sampling import GREEDY, SamplingParams
 from worker_svc.sim import FIRST_TOKEN, SPREAD, SimRunner, sim_config, sim_token
 from worker_svc.work import WorkItem
 

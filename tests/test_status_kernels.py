@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from llmcommon.v1 import scheduler_pb2
 from llmserve import client
 from llmserve.client import status_dict
 from llmserve.status_text import format_status
-from llmserve.v1 import scheduler_pb2
 from tests.stack_checks import wait_for
 from tests.stacks import running_stack, tiny_settings
 from worker_svc.cpu_features import host_features

@@ -17,8 +17,8 @@ import time
 import grpc
 import pytest
 
-from llmserve.runtime.server import KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, wait_healthy
-from llmserve.v1 import worker_pb2, worker_pb2_grpc
+from llmcommon.server import KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS, wait_healthy
+from llmcommon.v1 import worker_pb2, worker_pb2_grpc
 from tests.stacks import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hang_guard")]
@@ -28,7 +28,7 @@ TAKEOVER_BOUND_S = 15.0  # generous: a dead peer's socket is closed by its kerne
 HOLDER = """
 import sys, threading, time
 import grpc
-from llmserve.v1 import worker_pb2, worker_pb2_grpc
+from llmcommon.v1 import worker_pb2, worker_pb2_grpc
 steps = iter([worker_pb2.Step(step=1)])
 gate = threading.Event()
 def requests():

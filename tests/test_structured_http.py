@@ -15,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from llmcommon.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.stacks import running_stack, tiny_settings, with_http_port
 
 pytestmark = pytest.mark.usefixtures("hang_guard")

@@ -68,7 +68,7 @@ def test_one_bitmask_holds_each_rows_own_mask(grammars) -> None:
 def test_rows_masked_in_one_op_draw_only_what_their_grammar_allows() -> None:
     """Grammar-only rows (greedy, seeded, unseeded in the batched draw) and a row whose grammar
     comes with a penalty (masked on its own) beside a free row: each draws from its own mask."""
-    from llmserve.runtime.sampling import Grammar, SamplingParams
+    from llmcommon.sampling import Grammar, SamplingParams
     from worker_svc.grammar import RowMasks
     from worker_svc.sampling import fresh_generator, sample_tokens
 

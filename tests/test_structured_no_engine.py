@@ -4,7 +4,7 @@ grammar is refused with a message that names the missing package, never served u
 import pytest
 
 from gateway import structured
-from llmserve.v1 import common_pb2
+from llmcommon.v1 import common_pb2
 from worker_svc import grammar
 
 SCHEMA = common_pb2.Grammar(kind=common_pb2.Grammar.JSON_SCHEMA, spec='{"type": "object"}')

@@ -13,7 +13,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.tokenizer import load_default_tokenizer
-from llmserve.v1 import common_pb2, worker_pb2
+from llmcommon.v1 import common_pb2, worker_pb2
 from tests.model_support import model, one_torch_thread  # noqa: F401  (autouse fixture)
 from worker_svc.grammar import GrammarCache, TokenTable, model_tokenizer, spec_of
 from worker_svc.runner import ModelRunner

@@ -11,9 +11,9 @@ import statistics
 
 import pytest
 
+from llmcommon.v1 import scheduler_pb2
 from llmserve.client import status_dict
 from llmserve.status_text import format_status
-from llmserve.v1 import scheduler_pb2
 from scheduler_svc.config import WorkerSpec
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.settings import SchedulerSettings

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.tokenizer import ChatTemplateError, Tokenizer, load_default_tokenizer
-from llmserve.runtime.model_files import default_gguf_path
+from llmcommon.model_files import default_gguf_path
 
 TEXTS = [
     "Hello, world!",

@@ -14,7 +14,7 @@ from gateway.validation import (
     ValidatedParams,
     validate,
 )
-from llmserve.runtime.sampling import SamplingParams
+from llmcommon.sampling import SamplingParams
 
 MAX_CONTEXT = 2048
 DEFAULT_MAX = 256

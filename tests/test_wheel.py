@@ -16,7 +16,7 @@ import pytest
 from tests.stacks import running_stack, tiny_settings
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ["llmserve", "gateway", "scheduler_svc", "worker_svc", "protos"]
+SOURCES = ["llmcommon", "llmserve", "gateway", "scheduler_svc", "worker_svc", "protos"]
 FILES = ["pyproject.toml", "setup.py", "README.md"]
 UNBUILT = shutil.ignore_patterns("__pycache__", "*.so", "*.egg-info")
 
@@ -29,14 +29,14 @@ def readme_example() -> str:
 
 
 def build_wheel(tmp: Path) -> Path:
-    """A wheel from a copy of the sources without llmserve/v1, built with this venv's setuptools
+    """A wheel from a copy of the sources without llmcommon/v1, built with this venv's setuptools
     and grpcio-tools (nothing downloaded)."""
     src = tmp / "src"
     for name in SOURCES:
         shutil.copytree(ROOT / name, src / name, ignore=UNBUILT)
     for name in FILES:
         shutil.copy(ROOT / name, src / name)
-    shutil.rmtree(src / "llmserve" / "v1", ignore_errors=True)  # a fresh checkout has no stubs
+    shutil.rmtree(src / "llmcommon" / "v1", ignore_errors=True)  # a fresh checkout has no stubs
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
     subprocess.run(
         [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp / "dist", src],
@@ -68,7 +68,7 @@ def fresh_venv(tmp: Path, wheel: Path) -> Path:
 def test_the_readme_client_example_runs_from_the_wheel_in_a_fresh_venv(tmp_path) -> None:
     wheel = build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
-    assert "llmserve/v1/gateway_pb2_grpc.py" in names and "llmserve/client.py" in names
+    assert "llmcommon/v1/gateway_pb2_grpc.py" in names and "llmserve/client.py" in names
     python = fresh_venv(tmp_path, wheel)
     settings = tiny_settings()
     script = readme_example().replace("127.0.0.1:50051", settings.gateway)

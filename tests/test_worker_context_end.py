@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from llmserve.runtime.sampling import GREEDY
-from llmserve.v1 import common_pb2, worker_pb2
+from llmcommon.sampling import GREEDY
+from llmcommon.v1 import common_pb2, worker_pb2
 from worker_svc.__main__ import make_runner
 from worker_svc.loader import tiny_model
 from worker_svc.runner import ModelRunner

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.v1 import common_pb2, worker_pb2
+from llmcommon.v1 import common_pb2, worker_pb2
 from tests.test_worker_step_time import FakeClock
 from worker_svc import session as session_module
 from worker_svc.session import Session

@@ -4,7 +4,7 @@ scheduler's step-time model predicts from the batch's shape), not the bookkeepin
 
 from __future__ import annotations
 
-from llmserve.v1 import common_pb2, worker_pb2
+from llmcommon.v1 import common_pb2, worker_pb2
 from worker_svc import session as session_module
 from worker_svc.session import Session
 from worker_svc.sim import SimRunner, sim_config

@@ -11,11 +11,11 @@ import time
 import grpc
 import torch
 
-from llmserve.runtime.auth import internal_token
-from llmserve.runtime.flags import add_flags, from_args
-from llmserve.runtime.metrics_http import metrics_host
-from llmserve.runtime.server import Server, die_with_parent, internal_channel, setup_logging
-from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from llmcommon.auth import internal_token
+from llmcommon.flags import add_flags, from_args
+from llmcommon.metrics_http import metrics_host
+from llmcommon.server import Server, die_with_parent, internal_channel, setup_logging
+from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_svc.cpu_features import host_features
 from worker_svc.device import resolve_device
 from worker_svc.kernel_plan import plan_kernels, threads_for

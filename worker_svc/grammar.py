@@ -33,7 +33,7 @@ try:
 except ImportError:  # e.g. the GPU machine's own packages (the GPU check): grammars refused
     llguidance = None
 
-from llmserve.v1 import common_pb2
+from llmcommon.v1 import common_pb2
 
 GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept (each a matcher to copy)
 TABLE_WAIT_SECONDS = 120.0  # the first constrained request waits this long for the table
@@ -135,7 +135,7 @@ def model_tokenizer(source: str, vocab_size: int, eos_ids: Sequence[int]) -> llg
         text = (path / "tokenizer.json").read_text()
         return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos)
     if not (path.is_file() and path.suffix == ".gguf"):
-        from llmserve.runtime.model_files import default_gguf_path
+        from llmcommon.model_files import default_gguf_path
 
         path = default_gguf_path()
     vocab = gguf_vocab(path, eos[0])

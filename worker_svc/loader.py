@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmserve.runtime.model_files import display_name
+from llmcommon.model_files import display_name
 from worker_svc.hf_dir import load_hf_dir
 from worker_svc.model_config import ModelConfig, tiny_config
 from worker_svc.quant import QUANTIZATIONS, Int4Codes, Source, quantize_int8
@@ -27,7 +27,7 @@ def load_model(
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} is not one of {QUANTIZATIONS}")
     if source == "smollm2":
-        from llmserve.runtime.model_files import default_gguf_path
+        from llmcommon.model_files import default_gguf_path
 
         return load_gguf(default_gguf_path(), dtype, quantization)
     path = Path(source).expanduser()

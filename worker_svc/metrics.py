@@ -13,8 +13,8 @@ from prometheus_client import (
     Histogram,
 )
 
-from llmserve.runtime.metrics_http import STEP_SECONDS_BUCKETS, TOKEN_COUNT_BUCKETS, serve_metrics
-from llmserve.v1 import worker_pb2
+from llmcommon.metrics_http import STEP_SECONDS_BUCKETS, TOKEN_COUNT_BUCKETS, serve_metrics
+from llmcommon.v1 import worker_pb2
 from worker_svc.work import BatchShape
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llmserve.runtime.sampling import SamplingParams
+from llmcommon.sampling import SamplingParams
 from worker_svc.work import TokenLogprobs
 
 if TYPE_CHECKING:

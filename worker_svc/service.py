@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from llmserve.v1 import worker_pb2, worker_pb2_grpc
+from llmcommon.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.grammar import GrammarCache, TokenTable, model_tokenizer
 from worker_svc.kernel_plan import describe_fields
 from worker_svc.session import Session

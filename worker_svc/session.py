@@ -7,8 +7,8 @@ import logging
 import time
 from typing import Protocol
 
-from llmserve.runtime.sampling_wire import from_wire
-from llmserve.v1 import common_pb2, worker_pb2
+from llmcommon.sampling_wire import from_wire
+from llmcommon.v1 import common_pb2, worker_pb2
 from worker_svc.grammar import GrammarCache, GrammarState
 from worker_svc.model_config import ModelConfig
 from worker_svc.step_checks import (

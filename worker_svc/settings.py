@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from llmserve.runtime.auth import INTERNAL_TOKEN_HELP
-from llmserve.runtime.flags import setting
-from llmserve.runtime.metrics_http import METRICS_HOST_HELP
+from llmcommon.auth import INTERNAL_TOKEN_HELP
+from llmcommon.flags import setting
+from llmcommon.metrics_http import METRICS_HOST_HELP
 
 ENV_PREFIX = "LLMSERVE_WORKER_"  # $LLMSERVE_WORKER_DEVICE=cuda:1 = --device cuda:1
 

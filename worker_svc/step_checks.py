@@ -5,14 +5,14 @@ alone, the rest of its step runs."""
 
 from __future__ import annotations
 
-from llmserve.runtime.sampling import InvalidSampling
-from llmserve.runtime.sampling_wire import from_wire
-from llmserve.v1 import common_pb2
+from llmcommon.sampling import InvalidSampling
+from llmcommon.sampling_wire import from_wire
+from llmcommon.v1 import common_pb2
 from worker_svc.work import WorkItem
 
 
 def sampling_problem(s: common_pb2.SamplingParams, vocab_size: int) -> str | None:
-    """SamplingParams' checks (llmserve/runtime/sampling.py), as the gateway and the scheduler
+    """SamplingParams' checks (llmcommon/sampling.py), as the gateway and the scheduler
     run them, and its token ids within the vocabulary."""
     try:
         params = from_wire(s)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmserve.runtime.sampling import GREEDY, SamplingParams
+from llmcommon.sampling import GREEDY, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

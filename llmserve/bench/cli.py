@@ -7,10 +7,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from llmcommon.flags import help_of
 from llmserve.bench.budget_sweep import positive_list, time_budget_list
 from llmserve.bench.goodput import SLO_FORMAT, slo_arg
 from llmserve.bench.trace import DEFAULT_TRACE
-from llmserve.runtime.flags import help_of
 from scheduler_svc.config import CoreConfig
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.step_cost import SMALL_ROWS

@@ -1,7 +1,7 @@
 """What the GPU check carries to a machine that has no registry, no internet and no project venv
 (docs/gpu.md): one folder, `build/gpu-carry` (`make gpu-carry`), holding
 
-- `llmserve/v1/`: the gRPC stubs generated here from protos/, made portable (the generated
+- `llmcommon/v1/`: the gRPC stubs generated here from protos/, made portable (the generated
   version checks warn instead of refusing a machine's older grpcio or protobuf);
 - `site/`: the pure-Python packages the services import that such a machine lacks
   (grpcio-health-checking, grpcio-reflection), their generated files made portable the same way;
@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CARRY = ROOT / "build" / "gpu-carry"
-STUBS = Path("llmserve") / "v1"
+STUBS = Path("llmcommon") / "v1"
 LIMIT_BYTES = 64 * 2**20  # what the device machine's copy takes in all: the tree and the carry
 # the services' pure-Python imports missing from the GPU machine (distribution: packages)
 CARRIED_DISTRIBUTIONS = {
@@ -81,7 +81,7 @@ def make_portable(folder: Path) -> int:
 
 
 def generate_stubs(dest: Path) -> None:
-    """protoc (grpcio-tools, where it is installed) from protos/ into dest/llmserve/v1."""
+    """protoc (grpcio-tools, where it is installed) from protos/ into dest/llmcommon/v1."""
     protos = sorted(str(p.relative_to(ROOT / "protos")) for p in (ROOT / "protos").rglob("*.proto"))
     dest.mkdir(parents=True, exist_ok=True)
     subprocess.run(

@@ -27,7 +27,7 @@ def load_hf_model(dtype_name: str = "bf16", attention: str = "eager"):
     from transformers import AutoConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from llmserve.runtime.model_files import default_gguf_path
+    from llmcommon.model_files import default_gguf_path
 
     path = default_gguf_path()
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)

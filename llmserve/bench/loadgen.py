@@ -13,12 +13,12 @@ from collections.abc import Callable
 
 import grpc
 
+from llmcommon.server import CHANNEL_OPTIONS
+from llmcommon.v1 import gateway_pb2_grpc
 from llmserve import client
 from llmserve.bench.prompts import prompt_text
 from llmserve.bench.records import RequestRecord
 from llmserve.bench.workload import RequestSpec, Workload
-from llmserve.runtime.server import CHANNEL_OPTIONS
-from llmserve.v1 import gateway_pb2_grpc
 
 OnDone = Callable[[RequestRecord], None]
 

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import grpc
 
+from llmcommon.auth import internal_token
+from llmcommon.server import internal_channel
+from llmcommon.v1 import gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from llmserve import client
 from llmserve.bench.prompts import prompt_text
 from llmserve.ports import free_ports, free_run
-from llmserve.runtime.auth import internal_token
-from llmserve.runtime.server import internal_channel
 from llmserve.stack import Stack, StackSettings
-from llmserve.v1 import gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 PROMPT_TOKENS = 16
 

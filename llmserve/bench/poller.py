@@ -8,10 +8,10 @@ from typing import Any
 
 import grpc
 
+from llmcommon.auth import internal_token
+from llmcommon.server import internal_channel
+from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc
 from llmserve.bench.records import StatusSample
-from llmserve.runtime.auth import internal_token
-from llmserve.runtime.server import internal_channel
-from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.output import Snapshot
 
 COUNTERS = [

@@ -16,6 +16,7 @@ import json
 from dataclasses import asdict, replace
 from typing import Any
 
+from llmcommon.admin_auth import admin_key
 from llmserve import client
 from llmserve.bench.budget_sweep import Budget, budgets, verdicts
 from llmserve.bench.policy import parse_policies
@@ -27,7 +28,6 @@ from llmserve.bench.run_serve import stack_settings
 from llmserve.bench.run_sim import summary_row
 from llmserve.bench.served import run_policy, run_workload
 from llmserve.bench.workload import Workload
-from llmserve.runtime.admin_auth import admin_key
 
 WARMUP = 8  # requests before each run: the step-time model sees the worker before the first row
 

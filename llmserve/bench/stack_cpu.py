@@ -105,9 +105,9 @@ class ClosedLoop:
     async def grpc_stream(self, i: int) -> None:
         import grpc
 
+        from llmcommon.v1 import gateway_pb2_grpc
         from llmserve import client
         from llmserve.bench.prompts import prompt_text
-        from llmserve.v1 import gateway_pb2_grpc
 
         async with grpc.aio.insecure_channel(self.target) as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -160,9 +160,9 @@ class ClosedLoop:
 
 
 async def status(target: str):
-    from llmserve.runtime.auth import internal_token
-    from llmserve.runtime.server import internal_channel
-    from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+    from llmcommon.auth import internal_token
+    from llmcommon.server import internal_channel
+    from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     async with internal_channel(target, internal_token()) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)

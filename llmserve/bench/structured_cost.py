@@ -197,7 +197,7 @@ def _medians(runs: list[tuple[float, float]]) -> tuple[float, float]:
 def compile_times() -> tuple[float, float]:
     """ms to compile the schema cold (a new schema text) and cached (the same text again)."""
     from gateway.structured import grammar_problem
-    from llmserve.v1 import common_pb2
+    from llmcommon.v1 import common_pb2
 
     spec = json.dumps(SCHEMA | {"title": f"t{time.time_ns()}"})
     kind = common_pb2.Grammar.JSON_SCHEMA
@@ -218,10 +218,10 @@ def step_costs(
     states advance with the schema rows' tokens, through whole answers."""
     import torch
 
+    from llmcommon.sampling import SamplingParams
+    from llmcommon.sampling_wire import from_wire
+    from llmcommon.v1 import common_pb2
     from llmserve.bench.worker_forward import Ours
-    from llmserve.runtime.sampling import SamplingParams
-    from llmserve.runtime.sampling_wire import from_wire
-    from llmserve.v1 import common_pb2
     from worker_svc.grammar import (
         GrammarCache,
         GrammarState,

@@ -1,6 +1,6 @@
 """One request's sampling settings, from the gateway's validation to the worker's sampler: one
-frozen dataclass, its defaults, its checks (the ranges of llmserve/runtime/ranges.py) and what
-the sampler derives from it. The wire form is llmserve/runtime/sampling_wire.py (by name).
+frozen dataclass, its defaults, its checks (the ranges of llmcommon/ranges.py) and what
+the sampler derives from it. The wire form is llmcommon/sampling_wire.py (by name).
 
 Adding a field: a field here (its default is the unset value), its check in `CHECKS`,
 the field of the same name in common.proto's SamplingParams, and its OpenAI name in
@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from llmserve.runtime.ranges import (
+from llmcommon.ranges import (
     FREQUENCY_PENALTY,
     LOGIT_BIAS,
     MIN_P,

@@ -1,5 +1,5 @@
 """The allowed range of each sampling setting, defined once: SamplingParams' checks
-(llmserve/runtime/sampling.py), which the gateway's validation, the scheduler's submit checks
+(llmcommon/sampling.py), which the gateway's validation, the scheduler's submit checks
 and the worker's step checks all run, test a value with these, so that a value one of them
 takes is never refused by another (nor the other way round).
 

@@ -14,8 +14,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from llmserve.runtime.auth import TokenInterceptor, token_interceptors
-from llmserve.runtime.health import SERVING, HealthServicer, check_health
+from llmcommon.auth import TokenInterceptor, token_interceptors
+from llmcommon.health import SERVING, HealthServicer, check_health
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # On SIGTERM, in-flight calls get this long to finish (--drain-timeout): a request of the

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from llmserve.runtime.auth import (
+from llmcommon.auth import (
     Metadata,
     metadata_secret,
     metadata_value,

@@ -1,4 +1,5 @@
-"""The runtime the three services share: serving (server, health, flags), internal and client
+"""llmcommon: the library the three services and the application share, apart from both:
+serving (server, health, flags), internal and client
 authentication, the wire protocol's metadata, the model-file lookup, the request checks that the
 gateway and the scheduler both apply, and the metrics endpoint.
 
@@ -9,7 +10,8 @@ The layers, as `make lint` checks them (import-linter, pyproject.toml; docs/arch
     llmserve.prometheus                             a Prometheus server for a stack
     llmserve.stack | llmserve.client | ...          a stack of processes; the Python client
     gateway | scheduler_svc | worker_svc            the services (independent of each other)
-    llmserve.runtime                                this package
-    llmserve.v1                                     the generated gRPC stubs
+    llmcommon                                       this package
+    llmcommon.v1                                    the generated gRPC stubs
 
-A layer imports only the layers below it: a service never imports the application."""
+A layer imports only the layers below it: no service and nothing here imports `llmserve`,
+the application package."""

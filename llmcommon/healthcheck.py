@@ -1,4 +1,4 @@
-"""python -m llmserve.runtime.healthcheck HOST:PORT: exit 0 when the server is SERVING.
+"""python -m llmcommon.healthcheck HOST:PORT: exit 0 when the server is SERVING.
 
 For container health checks: one Check call on the standard grpc.health.v1 service, exit 1 with
 the reason on stderr otherwise.
@@ -12,7 +12,7 @@ import sys
 
 import grpc
 
-from llmserve.runtime.health import Status, check_health
+from llmcommon.health import Status, check_health
 
 
 def check(target: str, service: str = "", timeout: float = 3.0) -> str:
@@ -26,7 +26,7 @@ def check(target: str, service: str = "", timeout: float = 3.0) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    prog = "python -m llmserve.runtime.healthcheck"
+    prog = "python -m llmcommon.healthcheck"
     parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("target", help="HOST:PORT of a gateway, scheduler or worker")
     parser.add_argument("--service", default="", help="a service name; '' = the whole server")

@@ -1,11 +1,11 @@
 """Checks of a request where it enters: the gateway (for its clients) and the scheduler (a caller
 like any other) apply the same ones. The sampling settings' checks are SamplingParams'
-(llmserve/runtime/sampling.py); token ids are checked against the vocabulary by the scheduler,
+(llmcommon/sampling.py); token ids are checked against the vocabulary by the scheduler,
 which knows it."""
 
 from __future__ import annotations
 
-from llmserve.runtime.sampling import MAX_LOGPROBS
+from llmcommon.sampling import MAX_LOGPROBS
 
 __all__ = ["MAX_LOGPROBS", "context_problem"]
 

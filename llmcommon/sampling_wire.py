@@ -1,4 +1,4 @@
-"""The one conversion of SamplingParams (llmserve/runtime/sampling.py) to and from the wire's
+"""The one conversion of SamplingParams (llmcommon/sampling.py) to and from the wire's
 common.SamplingParams, field by field by name: the gateway's gRPC requests, its Submit to the
 scheduler and the scheduler's Added to a worker all carry that message. An unset optional field
 (proto3 `optional`) is the dataclass's default."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import fields
 
-from llmserve.runtime.sampling import Grammar, SamplingParams
-from llmserve.v1 import common_pb2
+from llmcommon.sampling import Grammar, SamplingParams
+from llmcommon.v1 import common_pb2
 
 __all__ = ["from_wire", "grammar_of", "params_of", "to_wire"]
 
