@@ -58,7 +58,7 @@ class RecordingGrammars:
     def __init__(self) -> None:
         self.asked: list[object] = []
 
-    def matcher(self, grammar: object) -> object:
+    def state(self, grammar: object, vocab_size: int) -> object:
         self.asked.append(grammar)
         return object()
 

@@ -7,6 +7,8 @@ same files. Building it takes seconds (the GGUF reader), so it starts in the bac
 worker starts (`TokenTable.start`) and the first constrained request waits for it.
 
 Compiled grammars are cached by (kind, spec): a request takes a copy of the compiled matcher.
+A JSON schema's comes with a second matcher, the bound on its numbers' digits (json_numbers.py):
+a row's mask is what both allow.
 A matcher's state is a function of the tokens it consumed, so a request recomputed after a
 preemption, a failover or a resubmission rebuilds it from its generated tokens (`sync`).
 
@@ -34,6 +36,7 @@ except ImportError:  # e.g. the GPU machine's own packages (the GPU check): gram
     llguidance = None
 
 from llmcommon.v1 import common_pb2
+from worker_svc.json_numbers import DigitBounds, digit_bounds
 
 GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept (each a matcher to copy)
 TABLE_WAIT_SECONDS = 120.0  # the first constrained request waits this long for the table
@@ -170,53 +173,104 @@ class TokenTable:
         return self.future.result(timeout=TABLE_WAIT_SECONDS)
 
 
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    """A grammar's compiled matcher, and for a JSON schema the bound on its numbers."""
+
+    matcher: llguidance.LLMatcher
+    bound: llguidance.LLMatcher | None
+
+    def state(self, vocab_size: int) -> GrammarState:
+        bound = None if self.bound is None else self.bound.deep_copy()
+        return GrammarState(self.matcher.deep_copy(), vocab_size, bound)
+
+
 class GrammarCache:
-    """Compiled grammars by (kind, spec): a compiled matcher per grammar, copied per request."""
+    """Compiled grammars by (kind, spec): a compiled matcher per grammar, copied per request;
+    the number bounds' matchers by their bounds (nearly always one: the defaults)."""
 
     def __init__(self, table: TokenTable, size: int = GRAMMAR_CACHE_SIZE) -> None:
         self.table = table
         self.size = size
-        self.compiled: OrderedDict[tuple[int, str], llguidance.LLMatcher] = OrderedDict()
+        self.compiled: OrderedDict[tuple[int, str], Compiled] = OrderedDict()
+        self.bounds: dict[DigitBounds, llguidance.LLMatcher] = {}
         self.lock = threading.Lock()
 
     def matcher(self, grammar: common_pb2.Grammar) -> llguidance.LLMatcher:
         """A fresh matcher (no token consumed). Raises ValueError on a grammar that fails."""
+        return self.compiled_of(grammar).matcher.deep_copy()
+
+    def state(self, grammar: common_pb2.Grammar, vocab_size: int) -> GrammarState:
+        """A request's fresh state: its matcher, and its number bound for a JSON schema."""
+        return self.compiled_of(grammar).state(vocab_size)
+
+    def compiled_of(self, grammar: common_pb2.Grammar) -> Compiled:
         key = (grammar.kind, grammar.spec)
         with self.lock:
-            template = self.compiled.get(key)
-            if template is not None:
+            compiled = self.compiled.get(key)
+            if compiled is not None:
                 self.compiled.move_to_end(key)
-                return template.deep_copy()
-        template = llguidance.LLMatcher(self.table.get(), grammar_text(grammar), log_level=0)
-        if template.is_error():
-            raise ValueError(f"the grammar does not compile: {template.get_error()}")
+                return compiled
+        compiled = Compiled(self.compile(grammar_text(grammar)), self.bound(grammar))
         with self.lock:
-            self.compiled[key] = template
+            self.compiled[key] = compiled
             while len(self.compiled) > self.size:
                 self.compiled.popitem(last=False)
-        return template.deep_copy()
+        return compiled
+
+    def compile(self, text: str) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(self.table.get(), text, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
+        return matcher
+
+    def bound(self, grammar: common_pb2.Grammar) -> llguidance.LLMatcher | None:
+        """The number bound of a JSON schema (its text compiled already), None for the rest."""
+        if grammar.kind != common_pb2.Grammar.JSON_SCHEMA:
+            return None
+        bounds = digit_bounds(json.loads(grammar.spec))
+        with self.lock:
+            matcher = self.bounds.get(bounds)
+        if matcher is None:
+            matcher = self.compile(llguidance.LLMatcher.grammar_from_regex(bounds.regex()))
+            with self.lock:
+                self.bounds[bounds] = matcher
+        return matcher
 
 
 class GrammarState:
-    """One request's matcher, and how many of its generated tokens it has consumed."""
+    """One request's matcher, its number bound (None: none, or stepped aside), and how many of
+    its generated tokens they have consumed."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(
+        self,
+        matcher: llguidance.LLMatcher,
+        vocab_size: int,
+        bound: llguidance.LLMatcher | None = None,
+    ) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.bound = bound
         self.consumed = 0
 
     def sync(self, tokens: Sequence[int], generated: int) -> None:
         """Catch up with the request's generated tokens: the last `generated` of `tokens`
         (prompt + output), of which `consumed` are consumed. After a recompute (preemption,
-        failover, resubmission) the matcher starts from nothing and consumes them all."""
+        failover, resubmission) the matcher starts from nothing and consumes them all. The
+        bound steps aside at the token where it stepped aside before (one it refuses)."""
         missing = generated - self.consumed
         if missing > 0:
-            self.matcher.consume_tokens(list(tokens[len(tokens) - missing :]))
+            new = list(tokens[len(tokens) - missing :])
+            self.matcher.consume_tokens(new)
+            if self.bound is not None and not self.bound.consume_tokens(new):
+                self.bound = None
             self.consumed = generated
         self.check()
 
     def advance(self, token: int) -> None:
         self.matcher.consume_token(token)
+        if self.bound is not None and not self.bound.consume_token(token):
+            self.bound = None
         self.consumed += 1
 
     def allowed(self) -> torch.Tensor:
@@ -246,21 +300,47 @@ def row_masks(states: Sequence[GrammarState | None], vocab_size: int) -> RowMask
 
 def allowed_rows(states: Sequence[GrammarState], vocab_size: int) -> torch.Tensor:
     """[rows, vocab] bool: each state's next tokens, from one bitmask [rows, words] that
-    llguidance fills in place, unpacked in one op (numpy's, a byte per token viewed as bool)."""
+    llguidance fills in place (the number bounds' rows after the states'), unpacked in one op
+    (numpy's, a byte per token viewed as bool)."""
     for state in states:
         state.check()
     words = (vocab_size + 31) // 32
-    bitmask = torch.zeros((len(states), words), dtype=torch.int32)  # [rows, words]
-    if len(states) == 1:
-        states[0].matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
-    elif states:
-        if not _executor:
-            _executor.append(llguidance.LLExecutor())
-        rows = [(state.matcher, row) for row, state in enumerate(states)]
-        _executor[0].unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, len(states))
-    packed = bitmask.numpy().view(np.uint8)  # [rows, words * 4], each word little-endian
+    bounded = [row for row, state in enumerate(states) if state.bound is not None]
+    matchers = [state.matcher for state in states] + [states[row].bound for row in bounded]
+    bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)  # [matchers, words]
+    fill_masks(matchers, bitmask)
+    words_of = bitmask.numpy()  # the same memory
+    if bounded:
+        within_bounds(states, bounded, words_of)
+    packed = words_of[: len(states)].view(np.uint8)  # [rows, words * 4], each little-endian
     bits = np.unpackbits(packed, axis=-1, count=vocab_size, bitorder="little")  # [rows, vocab]
     return torch.from_numpy(bits).view(torch.bool)  # 0 or 1 bytes: a view, no copy
+
+
+def fill_masks(matchers: Sequence[llguidance.LLMatcher], bitmask: torch.Tensor) -> None:
+    """Row k of `bitmask` [matchers, words]: what matcher k allows (several in parallel)."""
+    size = bitmask.shape[1] * 4
+    if len(matchers) == 1:
+        matchers[0].unsafe_compute_mask_ptr(bitmask.data_ptr(), size)
+    elif matchers:
+        if not _executor:
+            _executor.append(llguidance.LLExecutor())
+        rows = [(matcher, row) for row, matcher in enumerate(matchers)]
+        _executor[0].unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), size, len(matchers))
+
+
+def within_bounds(states: Sequence[GrammarState], bounded: list[int], bitmask: np.ndarray) -> None:
+    """The rows `bounded` of `bitmask` ANDed with their bounds' masks (the rows after the
+    states'). Where nothing is left, the schema needs a digit the bound refuses: the schema's
+    mask alone, and that state's bound steps aside. In numpy, on one thread: torch's pool
+    would wait here for the cores llguidance's executor threads still spin on."""
+    schema = bitmask[bounded]  # [bounded, words]
+    both = schema & bitmask[len(states) :]
+    kept = both.any(axis=1)  # [bounded]
+    bitmask[bounded] = np.where(kept[:, None], both, schema)
+    for row, keep in zip(bounded, kept.tolist(), strict=True):
+        if not keep:
+            states[row].bound = None
 
 
 def spec_of(kind: str, value: object) -> common_pb2.Grammar:

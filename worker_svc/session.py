@@ -9,7 +9,7 @@ from typing import Protocol
 
 from llmcommon.sampling_wire import from_wire
 from llmcommon.v1 import common_pb2, worker_pb2
-from worker_svc.grammar import GrammarCache, GrammarState
+from worker_svc.grammar import GrammarCache
 from worker_svc.model_config import ModelConfig
 from worker_svc.step_checks import (
     blocks_problem,
@@ -215,14 +215,14 @@ class Session:
         return handles, batch
 
     def attach_grammar(self, item: WorkItem) -> str | None:
-        """The request's matcher, fresh: `constrain` brings it up to its generated tokens."""
+        """The request's grammar state, fresh: `constrain` brings it up to its generated tokens."""
         if self.grammars is None:
             return "structured output is not available on this worker"
         try:
-            matcher = self.grammars.matcher(item.sampling.grammar)
+            state = self.grammars.state(item.sampling.grammar, self.vocab_size)
         except Exception as err:  # a grammar that fails to compile, a table that failed
             return f"{type(err).__name__}: {err}"
-        item.grammar = GrammarState(matcher, self.vocab_size)
+        item.grammar = state
         return None
 
     def constrain(

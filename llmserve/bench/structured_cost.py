@@ -224,7 +224,6 @@ def step_costs(
     from llmserve.bench.worker_forward import Ours
     from worker_svc.grammar import (
         GrammarCache,
-        GrammarState,
         TokenTable,
         model_tokenizer,
         row_masks,
@@ -242,7 +241,7 @@ def step_costs(
     items = [
         WorkItem(str(i), [100 + i], context, ours.tables[i], sample_index=1) for i in range(rows)
     ]
-    states = [GrammarState(cache.matcher(grammar), vocab) for _ in range(rows)]
+    states = [cache.state(grammar, vocab) for _ in range(rows)]
     free = [SamplingParams(temperature=1.0, seed=i) for i in range(rows)]
     constrained = [
         from_wire(common_pb2.SamplingParams(temperature=1.0, seed=i, grammar=grammar))
@@ -267,7 +266,7 @@ def step_costs(
         for row, token in enumerate(tokens):
             states[row].advance(token)
             if states[row].matcher.is_stopped():
-                states[row] = GrammarState(cache.matcher(grammar), vocab)
+                states[row] = cache.state(grammar, vocab)
     return {name: statistics.median(t) * 1000 for name, t in times.items()}
 
 
