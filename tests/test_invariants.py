@@ -51,7 +51,7 @@ def drop_kv(core: Scheduler) -> None:
 
 def waiting_with_worker(core: Scheduler) -> None:
     core.add(seq("d", 6, 4))
-    core.waiting[-1].worker = 0
+    core.seqs["d"].worker = 0
 
 
 @pytest.mark.parametrize("corrupt", [steal_block, free_owned, drop_kv, waiting_with_worker])
