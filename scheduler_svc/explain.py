@@ -221,7 +221,11 @@ def _positions(core: Scheduler, ws: WorkerState, head: Sequence) -> int:
     otherwise its first chunk (its prompt within the full token budget)."""
     if core.config.policy is KvPolicy.RESERVE:
         return head.max_length(ws.spec.max_context)
-    return min(head.known, core.config.token_budget) if core.config.chunked_prefill else head.known
+    return (
+        min(head.num_planned, core.config.token_budget)
+        if core.config.chunked_prefill
+        else head.num_planned
+    )
 
 
 def _rooms(core: Scheduler) -> list[WorkerRoom]:
@@ -230,7 +234,7 @@ def _rooms(core: Scheduler) -> list[WorkerRoom]:
 
 
 def _room(kv: WorkerKv, ws: WorkerState) -> WorkerRoom:
-    holders = [Holder(s.request_id, s.held - s.num_computed) for s in ws.running]
+    holders = [Holder(s.request_id, ws.kv.held(s) - s.num_computed) for s in ws.running]
     holders = sorted((h for h in holders if h.unwritten > 0), key=lambda h: -h.unwritten)
     return WorkerRoom(kv.name, kv.free, kv.written, kv.reserved_unwritten, kv.running, holders)
 
@@ -253,7 +257,7 @@ def _smallest(admits: Callable[[int], bool], bound: int) -> int | None:
 def _budget_bound(core: Scheduler, head: Sequence) -> int:
     """A token budget beyond which more budget cannot help: every running request's next work
     and the head's whole prompt in one step."""
-    running = sum(max(1, s.known - s.num_computed) for w in core.workers for s in w.running)
+    running = sum(max(1, s.num_planned - s.num_computed) for w in core.workers for s in w.running)
     return max(core.config.token_budget, running + head.num_pending)
 
 
@@ -262,7 +266,7 @@ def steps_left(seq: Sequence, budget: int) -> int:
     sooner): its prompt chunks still to compute, then a decode per token."""
     pending = len(seq.prompt_ids) - seq.num_computed
     chunks = -(-pending // budget) if pending > 0 else 0
-    return chunks + max(0, seq.stop_at - seq.known - (1 if chunks else 0))
+    return chunks + max(0, seq.max_planned - seq.num_planned - (1 if chunks else 0))
 
 
 def _finisher(base: Scheduler) -> Finisher | None:

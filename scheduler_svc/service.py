@@ -14,7 +14,8 @@ from dataclasses import replace
 import grpc
 
 from llmcommon.protocol import ACCEPTED_KEY
-from llmcommon.sampling_wire import from_wire, to_wire
+from llmcommon.sampling import SamplingParams
+from llmcommon.sampling_wire import from_wire
 from llmcommon.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.admin import AdminService
 from scheduler_svc.core import Scheduler
@@ -45,11 +46,11 @@ REFUSED_CODE = {  # one for every RefusalReason (a test checks)
 }
 
 
-def work_sampling(s: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
+def work_sampling(s: common_pb2.SamplingParams) -> SamplingParams:
     """The worker's sampling settings of a request: the request's, checked, with their defaults
     (the one conversion: llmcommon/sampling_wire.py), without the stop strings (the
     gateway's); stop_token_ids are the caller's: every id that ends the request."""
-    return to_wire(replace(from_wire(s), stop=(), stop_token_ids=()))
+    return replace(from_wire(s), stop=(), stop_token_ids=())
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -174,7 +175,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         )
         eos_ids = seq.eos_ids = self.workers.eos_ids
         seq.stop_ids = (frozenset() if seq.ignore_eos else eos_ids) | set(s.stop_token_ids)
-        seq.sampling.stop_token_ids.extend(sorted(seq.stop_ids))  # masked under min_tokens
+        seq.sampling = replace(seq.sampling, stop_token_ids=tuple(sorted(seq.stop_ids)))
         if resumed and resumed[-1] in seq.stop_ids:
             return rid, False
         try:

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from llmcommon.v1 import common_pb2
+from llmcommon.sampling import SamplingParams
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.invariants import InvariantError, check_invariants, check_step
@@ -21,7 +21,7 @@ from tests.inproc import InProcessClient
 from tests.sim import seq, step
 
 SPEC = WorkerSpec("w0", num_blocks=8, block_size=4, max_context=64)
-SAMPLING = common_pb2.SamplingParams(temperature=0.0)
+SAMPLING = SamplingParams(temperature=0.0)
 
 
 def busy_core() -> Scheduler:

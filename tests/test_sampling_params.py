@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import fields
+from dataclasses import fields, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -73,9 +73,8 @@ def wire_request() -> gateway_pb2.GenerateRequest:
 
 def scheduler_forwards(submitted: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
     """What the scheduler's Submit hands the worker: every id that ends the request."""
-    out = work_sampling(submitted)
-    out.stop_token_ids.extend(sorted({EOS, *submitted.stop_token_ids}))
-    return out
+    ends = tuple(sorted({EOS, *submitted.stop_token_ids}))
+    return to_wire(replace(work_sampling(submitted), stop_token_ids=ends))
 
 
 def worker_receives(message: common_pb2.SamplingParams) -> tuple[SamplingParams, list[object]]:
@@ -130,7 +129,7 @@ def test_unset_fields_are_the_defaults_on_every_hop() -> None:
     assert to_wire(SamplingParams()) == common_pb2.SamplingParams(
         temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0
     )  # None is unset; the rest is sent as it is
-    forwarded = work_sampling(common_pb2.SamplingParams(max_tokens=3, stop=["x"]))
+    forwarded = to_wire(work_sampling(common_pb2.SamplingParams(max_tokens=3, stop=["x"])))
     assert from_wire(forwarded) == SamplingParams(max_tokens=3)  # no stop strings sent on
 
 

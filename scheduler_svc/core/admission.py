@@ -62,7 +62,7 @@ class Admission(CoreState):
                 if n == 0:
                     return self._stall(ws, StallReason.TIME_BUDGET)
             waiting.pop()
-            self.waiting_tokens -= seq.known
+            self.waiting_tokens -= seq.num_planned
             self._start(ws, seq, step, n, hit)
 
     def _cut_to_time(self, seq: Sequence, step: Step, start: int, n: int) -> int:
@@ -70,7 +70,7 @@ class Admission(CoreState):
         with nothing else, at least one (its whole prompt, without chunking)."""
         assert step.timer is not None
         return step.timer.cut(
-            start, n, start + n == seq.known, least=int(not step.has_work),
+            start, n, start + n == seq.num_planned, least=int(not step.has_work),
             whole=not self._divisible(seq),
         )  # fmt: skip
 
@@ -136,7 +136,7 @@ class Admission(CoreState):
             if ws.gone or (live and not ws.live):
                 continue
             spec = ws.spec
-            if seq.known >= spec.max_context:
+            if seq.num_planned >= spec.max_context:
                 continue
             if blocks_for(min(want, spec.max_context), spec.block_size) > spec.num_blocks:
                 continue
@@ -166,17 +166,15 @@ class Admission(CoreState):
     def _start(self, ws: WorkerState, seq: Sequence, step: Step, n: int, hit: list[int]) -> None:
         seq.status, seq.worker = RUNNING, ws.index
         seq.handle, ws.next_handle = ws.next_handle, ws.next_handle + 1
-        seq.stop_at = seq.max_length(ws.spec.max_context)
-        seq.max_out = seq.stop_at - len(seq.prompt_ids)
-        seq.suspect = False  # what it computes from here is computed anew
+        seq.max_planned = seq.max_length(ws.spec.max_context)
+        seq.output_limit = seq.max_planned - len(seq.prompt_ids)
+        ws.kv.place(seq, hit)
         if hit:
-            ws.kv.share(seq, hit)
             step.shares.append((seq.handle, hit))
             seq.num_computed = len(hit) * ws.spec.block_size
-        seq.cached_to = seq.num_computed  # shared blocks are cached; its own, not yet
-        ws.prompt_tokens += seq.known
+        ws.prompt_tokens += seq.num_planned
         ws.hit_tokens += seq.num_computed
-        new = ws.kv.allocate(seq, seq.stop_at if self.reserve else seq.num_computed + n)
+        new = ws.kv.allocate(seq, seq.max_planned if self.reserve else seq.num_computed + n)
         assert new is not None, "admitted without room"  # `_why_not` found it
         step.grants.append((seq.handle, new))
         step.added.append(seq)

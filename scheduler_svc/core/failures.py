@@ -68,7 +68,7 @@ class Failures(CoreState):
         others = [s for s in ws.running if s.handle not in handles]
         for seq in ws.kv.distrust(failed, others):
             if seq.is_finished:
-                seq.suspect = True
+                ws.kv.mark_suspect(seq)
             else:
                 self._preempt(ws, seq, cache=False)
 

@@ -23,13 +23,14 @@ class Planning(CoreState):
             return self._prepare_within_budget(ws, step)
         decodes, handles = step.decodes, step.decode_handles
         add_decode, add_handle = decodes.append, handles.append
+        held = ws.kv.held
         for seq in ws.running:  # a preemption removes from the end: safe to iterate
-            computed, known = seq.num_computed, seq.known
-            if known >= seq.stop_at:
+            computed, planned = seq.num_computed, seq.num_planned
+            if planned >= seq.max_planned:
                 continue  # finished, or its last token is in flight: nothing to compute
-            if computed >= seq.held and not self._make_room(ws, seq, computed + 1, step):
+            if computed >= held(seq) and not self._make_room(ws, seq, computed + 1, step):
                 continue  # it preempted itself
-            seq.num_computed, seq.known = computed + 1, known + 1
+            seq.num_computed, seq.num_planned = computed + 1, planned + 1
             add_decode(seq)
             add_handle(seq.handle)
         step.budget -= len(decodes)
@@ -41,27 +42,29 @@ class Planning(CoreState):
         otherwise its next tokens are prompt (or recompute) tokens, sent as a chunk. Under a
         step-time budget the decodes are counted first (they always run) and a chunk is cut to
         the time left, the first one of the step to at least one token."""
-        timer, ahead = step.timer, 0
+        timer, ahead, held = step.timer, 0, ws.kv.held
         if timer is not None:
-            decoding = [s for s in ws.running if s not in ws.prefilling and s.known < s.stop_at]
+            decoding = [
+                s for s in ws.running if s not in ws.prefilling and s.num_planned < s.max_planned
+            ]
             timer.add_decodes(sum(s.num_computed + 1 for s in decoding), len(decoding))
             ahead = len(decoding)
         for seq in ws.running:
-            computed, known = seq.num_computed, seq.known
-            if known >= seq.stop_at or step.budget == 0:
+            computed, planned = seq.num_computed, seq.num_planned
+            if planned >= seq.max_planned or step.budget == 0:
                 continue  # finished, its last token in flight, or no budget left
             if seq not in ws.prefilling:
-                if computed >= seq.held and not self._make_room(ws, seq, computed + 1, step):
+                if computed >= held(seq) and not self._make_room(ws, seq, computed + 1, step):
                     continue
-                seq.num_computed, seq.known = computed + 1, known + 1
+                seq.num_computed, seq.num_planned = computed + 1, planned + 1
                 step.decodes.append(seq)
                 step.decode_handles.append(seq.handle)
                 step.budget -= 1
                 continue
             n = self._chunk(seq, step.budget)
             if n and timer is not None:
-                n = timer.cut(computed, n, computed + n == known, least=int(not step.chunks))
-            if n and (computed + n <= seq.held or self._make_room(ws, seq, computed + n, step)):
+                n = timer.cut(computed, n, computed + n == planned, least=int(not step.chunks))
+            if n and (computed + n <= held(seq) or self._make_room(ws, seq, computed + n, step)):
                 step.budget -= n
                 self._plan_chunk(ws, step, seq, n)
         if timer is not None and len(step.decodes) != ahead:  # a decode was cut (preempted, or

@@ -48,7 +48,7 @@ class Runs(CoreState):
             out.append(token)
             if check_stops and token in seq.stop_ids:
                 finishes.append(self._finish(seq, Finish.STOP))
-            elif len(out) >= seq.max_out:
+            elif len(out) >= seq.output_limit:
                 finishes.append(self._finish(seq, Finish.LENGTH))
         return outputs
 
@@ -74,7 +74,7 @@ class Runs(CoreState):
                 if token in seq.stop_ids:
                     finishes.append(self._finish(seq, Finish.STOP))
                     live[i] = False
-                elif len(seq.output_ids) >= seq.max_out:
+                elif len(seq.output_ids) >= seq.output_limit:
                     finishes.append(self._finish(seq, Finish.LENGTH))
                     live[i] = False
         self.generated += len(kept)
@@ -91,7 +91,7 @@ class Runs(CoreState):
         seq.output_ids.append(token)
         if token in seq.stop_ids:
             finishes.append(self._finish(seq, Finish.STOP))
-        elif len(seq.output_ids) >= seq.max_out:
+        elif len(seq.output_ids) >= seq.output_limit:
             finishes.append(self._finish(seq, Finish.LENGTH))
 
     def _lengthen(self, ws: WorkerState, step: Step) -> None:
@@ -110,7 +110,7 @@ class Runs(CoreState):
         for seq in decodes:
             if seq.stepwise:
                 return
-            runs = min(runs, seq.stop_at - seq.known + 1)
+            runs = min(runs, seq.max_planned - seq.num_planned + 1)
         if runs < 2:
             return
         one = self.predict(ws.index, step_shape(step))  # an execution, as the worker's model says
@@ -120,12 +120,12 @@ class Runs(CoreState):
                 return
         granted = {handle: i for i, (handle, _) in enumerate(step.grants)}
         for seq in decodes:
-            need = seq.num_computed + runs - 1
-            if need <= seq.held:
+            need, held = seq.num_computed + runs - 1, ws.kv.held(seq)
+            if need <= held:
                 continue
             new = ws.kv.allocate(seq, need)
             if new is None:
-                runs = min(runs, seq.held - seq.num_computed + 1)
+                runs = min(runs, held - seq.num_computed + 1)
                 continue
             if seq.handle in granted:  # its table grew in this step already: one grant
                 i = granted[seq.handle]
@@ -136,7 +136,7 @@ class Runs(CoreState):
             return
         for seq in decodes:
             seq.num_computed += runs - 1
-            seq.known += runs - 1
+            seq.num_planned += runs - 1
         step.repeat = runs
         self.longest_run = max(self.longest_run, runs)
         self.run_steps += 1

@@ -7,6 +7,7 @@ import sys
 from functools import partial
 
 from llmcommon.request_checks import context_problem
+from llmcommon.sampling import SamplingParams
 from scheduler_svc.core.admission import Admission
 from scheduler_svc.core.failures import Failures
 from scheduler_svc.core.membership import Membership
@@ -141,7 +142,6 @@ class Scheduler(Membership, Admission, Planning, Runs, Failures):
         )
 
 
-def _stepwise(sampling: object) -> bool:
+def _stepwise(sampling: SamplingParams) -> bool:
     """Does the request take its tokens one execution at a time (logprobs, a grammar)?"""
-    has = getattr(sampling, "HasField", None)
-    return has is not None and (has("logprobs") or has("grammar"))
+    return sampling.logprobs is not None or sampling.grammar is not None

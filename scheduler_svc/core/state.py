@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, WorkerSpec
-from scheduler_svc.kv import KeyMemo
+from scheduler_svc.kv_records import KvRecords
 from scheduler_svc.output import Event
 from scheduler_svc.reasons import StallReason
 from scheduler_svc.request_queue import RequestQueue, create_request_queue
@@ -42,7 +42,7 @@ class CoreState:
         self.reserve = config.policy is KvPolicy.RESERVE
         self.static = config.mode is BatchMode.STATIC
         self.caching = config.prefix_caching and not self.reserve
-        self.key_memo = KeyMemo()  # shared by the workers' KV managers
+        self.kv_records = KvRecords()  # what the KV layer keeps per request, for every worker
         self.workers: list[WorkerState] = []
         for spec in workers:
             self.add_worker(spec)
@@ -64,7 +64,7 @@ class CoreState:
     def add_worker(self, spec: WorkerSpec) -> int:
         """A worker joins: it takes admissions from its first step."""
         index = len(self.workers)
-        self.workers.append(WorkerState(spec, index, self.caching, self.key_memo))
+        self.workers.append(WorkerState(spec, index, self.caching, self.kv_records))
         return index
 
     def take_wakes(self) -> set[int]:
@@ -92,7 +92,7 @@ class CoreState:
         self.finished += 1
         if seq.worker is not None and seq.handle != NO_HANDLE:
             self.workers[seq.worker].done.append((seq, seq.handle))
-            seq.handle, seq.stop_at = NO_HANDLE, 0
+            seq.handle, seq.max_planned = NO_HANDLE, 0
         return Event(seq.request_id, finish=finish, error=error, preemptions=seq.preemptions)
 
     def _preempt(self, ws: WorkerState, seq: Sequence, cache: bool = True) -> None:
@@ -102,12 +102,12 @@ class CoreState:
         ws.kv.free(seq, keep_cache=cache)  # its recompute (or another request) may find these
         ws.released.append(seq.handle)
         seq.status, seq.worker, seq.handle = SeqStatus.WAITING, None, NO_HANDLE
-        seq.num_computed = seq.held = 0
-        seq.known = seq.num_tokens
+        seq.num_computed = 0
+        seq.num_planned = seq.num_tokens
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.prepend(seq)
-        self.waiting_tokens += seq.known
+        self.waiting_tokens += seq.num_planned
 
     def _reap(self, ws: WorkerState) -> None:
         if not ws.done:
@@ -134,7 +134,7 @@ class CoreState:
     def _chunk(self, seq: Sequence, budget: int, start: int = 0) -> int:
         """Tokens `seq` can process within `budget`: 1 in decode, a prompt (chunk) in prefill;
         a request being admitted with `start` positions cached computes from there."""
-        pending = seq.known - max(seq.num_computed, start)
+        pending = seq.num_planned - max(seq.num_computed, start)
         if self._divisible(seq):
             return min(pending, budget)
         return pending if pending <= budget else 0
@@ -145,7 +145,7 @@ class CoreState:
 
     def _plan_chunk(self, ws: WorkerState, step: Step, seq: Sequence, n: int) -> None:
         start = seq.num_computed
-        sample = start + n == seq.known
+        sample = start + n == seq.num_planned
         work = Work(seq, seq.handle, start, n, sample)
         step.chunks.append(work)
         if step.timer is not None:
@@ -155,7 +155,7 @@ class CoreState:
             work.blocks = ws.kv.blocks(seq, start, start + n)
             ws.kv.commit(seq, start, start + n)
         if sample:
-            seq.known += 1
+            seq.num_planned += 1
             ws.prefilling.discard(seq)
         else:
             ws.prefilling.add(seq)
