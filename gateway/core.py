@@ -33,6 +33,7 @@ from gateway.tokenizer import Tokenizer
 from gateway.trim import trim_after
 from gateway.usage import Tally
 from gateway.validation import InputLimits, ValidatedParams, validate
+from llmcommon.errors import RequestProblem
 from llmcommon.protocol import ACCEPTED_KEY
 from llmcommon.request_checks import context_problem
 from llmcommon.sampling import SamplingParams
@@ -83,12 +84,13 @@ class Finish:
     error: str = ""
 
 
-class GenerationError(Exception):
-    """The request ends without a result: `code` says why, `message` what to do."""
+class GenerationError(RequestProblem):
+    """The request ends without a result: `code` says why, `message` what to do, `param` the
+    field at fault."""
 
     def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.message, self.param = code, message, param  # param: the field at fault
+        super().__init__(message, param)
+        self.code = code
 
 
 class ContextLengthExceeded(GenerationError):
