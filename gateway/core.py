@@ -24,6 +24,7 @@ import grpc
 from gateway.auth import cache_salt, tenant_of
 from gateway.context_fit import completion_budget, completion_overflow, prompt_overflow
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.generation_errors import ContextLengthExceeded, GenerationError, QueueFull
 from gateway.queue_limits import QueueLimits
 from gateway.scheduler_session import SchedulerSession, SessionCall
 from gateway.settings import GatewaySettings
@@ -33,7 +34,6 @@ from gateway.tokenizer import Tokenizer
 from gateway.trim import trim_after
 from gateway.usage import Tally
 from gateway.validation import InputLimits, ValidatedParams, validate
-from llmcommon.errors import RequestProblem
 from llmcommon.protocol import ACCEPTED_KEY
 from llmcommon.request_checks import context_problem
 from llmcommon.sampling import SamplingParams
@@ -82,29 +82,6 @@ class Finish:
     reason: int  # common_pb2.FinishReason
     usage: common_pb2.Usage
     error: str = ""
-
-
-class GenerationError(RequestProblem):
-    """The request ends without a result: `code` says why, `message` what to do, `param` the
-    field at fault."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
-        super().__init__(message, param)
-        self.code = code
-
-
-class ContextLengthExceeded(GenerationError):
-    """The prompt, or the prompt and max_tokens, do not fit the model's context."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message, param)
-
-
-class QueueFull(GenerationError):
-    """The gateway's queue limits refuse the request now; it may succeed later."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
 
 @dataclass(slots=True)

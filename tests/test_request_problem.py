@@ -3,7 +3,7 @@
 import grpc
 import pytest
 
-from gateway.core import GenerationError
+from gateway.generation_errors import GenerationError
 from gateway.http_errors import ApiError
 from gateway.tools import ToolsProblem
 from gateway.validation import InvalidRequest
