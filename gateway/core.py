@@ -24,6 +24,7 @@ import grpc
 from gateway.auth import cache_salt, tenant_of
 from gateway.context_fit import completion_budget, completion_overflow, prompt_overflow
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.generation_errors import ContextLengthExceeded, GenerationError, QueueFull
 from gateway.queue_limits import QueueLimits
 from gateway.scheduler_session import SchedulerSession, SessionCall
 from gateway.settings import GatewaySettings
@@ -81,28 +82,6 @@ class Finish:
     reason: int  # common_pb2.FinishReason
     usage: common_pb2.Usage
     error: str = ""
-
-
-class GenerationError(Exception):
-    """The request ends without a result: `code` says why, `message` what to do."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.message, self.param = code, message, param  # param: the field at fault
-
-
-class ContextLengthExceeded(GenerationError):
-    """The prompt, or the prompt and max_tokens, do not fit the model's context."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message, param)
-
-
-class QueueFull(GenerationError):
-    """The gateway's queue limits refuse the request now; it may succeed later."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
 
 @dataclass(slots=True)

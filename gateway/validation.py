@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from llmcommon.errors import RequestProblem
 from llmcommon.sampling import (
     MAX_STOP_CHARS,
     MAX_STOPS,
@@ -51,12 +52,8 @@ __all__ = [
 ALLOWED_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
-class InvalidRequest(ValueError):
+class InvalidRequest(RequestProblem, ValueError):
     """The request is malformed; the message says what to change, `param` which field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True, slots=True)

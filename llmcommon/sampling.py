@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from llmcommon.errors import RequestProblem
 from llmcommon.ranges import (
     FREQUENCY_PENALTY,
     LOGIT_BIAS,
@@ -48,12 +49,8 @@ MIN_TEMPERATURE = 1e-5
 U64_MAX = 2**64 - 1
 
 
-class InvalidSampling(ValueError):
+class InvalidSampling(RequestProblem, ValueError):
     """A setting out of its range; the message says what is allowed, `param` which field."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import ctypes
 import ipaddress
@@ -9,12 +10,14 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from llmcommon.auth import TokenInterceptor, token_interceptors
+from llmcommon.flags import add_flags, from_args
 from llmcommon.health import SERVING, HealthServicer, check_health
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -47,6 +50,22 @@ CHANNEL_OPTIONS = [
 
 log = logging.getLogger("llmserve")
 PARENT_PID_VAR = "LLMSERVE_PARENT_PID"  # set by `llmserve up` for the processes it starts
+S = TypeVar("S")
+
+
+def run_service(
+    prog: str,
+    settings: type[S],
+    env_prefix: str,
+    serve: Callable[[S], Awaitable[None]],
+    argv: list[str] | None = None,
+) -> None:
+    """`python -m <prog>`: the `settings` dataclass from the command line (and $<env_prefix>*
+    variables), then `serve` with it until the service stops."""
+    die_with_parent()  # when started by `llmserve up`
+    parser = argparse.ArgumentParser(prog=prog)
+    add_flags(parser, settings, env_prefix=env_prefix)
+    asyncio.run(serve(from_args(settings, parser.parse_args(argv))))
 
 
 def die_with_parent() -> None:

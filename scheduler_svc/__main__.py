@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 
@@ -10,9 +9,8 @@ import grpc
 
 from llmcommon.admin_auth import AdminKeyInterceptor, admin_key
 from llmcommon.auth import internal_token
-from llmcommon.flags import add_flags, from_args
 from llmcommon.metrics_http import metrics_host
-from llmcommon.server import Server, die_with_parent, setup_logging
+from llmcommon.server import Server, run_service, setup_logging
 from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.service import SchedulerService
@@ -107,10 +105,7 @@ async def serve(settings: SchedulerSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    die_with_parent()  # when started by `llmserve up`
-    parser = argparse.ArgumentParser(prog="scheduler_svc")
-    add_flags(parser, SchedulerSettings, env_prefix=ENV_PREFIX)
-    asyncio.run(serve(from_args(SchedulerSettings, parser.parse_args(argv))))
+    run_service("scheduler_svc", SchedulerSettings, ENV_PREFIX, serve, argv)
 
 
 if __name__ == "__main__":
