@@ -15,7 +15,7 @@ import grpc
 from starlette.responses import Response
 
 from gateway.context_fit import CONTEXT_CODE
-from gateway.core import ContextLengthExceeded, GenerationError, QueueFull
+from gateway.errors import ContextLengthExceeded, GenerationError, QueueFull
 
 # gRPC status -> HTTP status. A RESOURCE_EXHAUSTED from the scheduler is a request that can never
 # fit (larger than the KV pool): 400, for the client must change it; only the gateway's queue
