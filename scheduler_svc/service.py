@@ -20,6 +20,7 @@ from llmcommon.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.admin import AdminService
 from scheduler_svc.core import Scheduler
 from scheduler_svc.invariants import ENV_VAR, check_invariants, check_step
+from scheduler_svc.kv_rows import add_row
 from scheduler_svc.output import Refused
 from scheduler_svc.reasons import RefusalReason
 from scheduler_svc.relay import EventRelay, next_message
@@ -235,25 +236,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         by_name = {c.spec().name: c for c in clients if c.info is not None}
         for kv in snap.workers:
             client = by_name.get(kv.name)
-            out = reply.workers.add(
-                name=kv.name,
-                capacity=kv.capacity,
-                written=kv.written,
-                reserved_unwritten=kv.reserved_unwritten,
-                free=kv.free,
-                running=kv.running,
-                healthy=kv.healthy,
-                draining=kv.draining,
-                block_size=kv.block_size,
-                max_context=kv.max_context,
-                steps=kv.steps,
-                cached_blocks=kv.cached_blocks,
-                evictable_blocks=kv.evictable_blocks,
-                evictions=kv.evictions,
-                prompt_tokens=kv.prompt_tokens,
-                hit_tokens=kv.hit_tokens,
-            )
-            out.stalls.update(kv.stalls)
+            out = add_row(reply.workers, kv)  # every figure, stalls too
             if client is not None:
                 out.address = client.target
                 out.forward_seconds = client.forward_seconds
