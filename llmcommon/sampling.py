@@ -119,10 +119,22 @@ class SamplingParams:
             message = CHECKS[f.name](getattr(self, f.name))
             if message is not None:
                 return InvalidSampling(message, f.name)
+        return self._min_tokens_problem()
+
+    def _min_tokens_problem(self) -> InvalidSampling | None:
         if isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens:
             message = f"min_tokens {self.min_tokens} is more than max_tokens {self.max_tokens}"
             return InvalidSampling(message, "min_tokens")
         return None
+
+    def limited_to(self, max_tokens: int) -> SamplingParams:
+        """These settings, checked, with max_tokens resolved by the gateway (its default, or the
+        rest of the context: 1 or more); what that leaves to check is min_tokens within it."""
+        limited = replace(self, max_tokens=max_tokens)
+        invalid = limited._min_tokens_problem()
+        if invalid is not None:
+            raise invalid
+        return limited
 
     def vocab_problem(self, vocab_size: int) -> str | None:
         """A token id (of logit_bias or stop_token_ids) outside the vocabulary, or None."""
