@@ -28,7 +28,7 @@ from gateway.tokenizer_files import load_tokenizer
 from llmcommon.admin_auth import AdminKeyInterceptor, admin_key
 from llmcommon.auth import internal_token
 from llmcommon.health import check_health
-from llmcommon.metrics_http import metrics_host
+from llmcommon.metrics_http import start_metrics
 from llmcommon.server import Server, internal_channel, run_service, setup_logging
 from llmcommon.v1 import (
     gateway_pb2,
@@ -203,9 +203,7 @@ async def serve(settings: GatewaySettings) -> None:
     scheduler_pb2_grpc.add_AdminServicer_to_server(admin, server.server)
     if metrics:
         metrics.attach(core)
-        where = metrics_host(settings.host, settings.metrics_host)
-        metrics.serve(where, settings.metrics_port)
-        log.info("metrics on http://%s:%d/metrics", where, settings.metrics_port)
+        start_metrics(metrics, settings, log)
     follower = asyncio.create_task(follow_workers(stub, core, server, token))
     watcher = asyncio.create_task(watch_scheduler(channel, core, server))
     http = None

@@ -44,7 +44,7 @@ MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit)
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 # Below this a temperature counts as 0, as in vLLM: greedy in effect, and logits divided by a
-# subnormal temperature overflow to inf, which made the worker's sampling fail for the batch.
+# subnormal temperature overflow to inf, which would fail the worker's sampling for the batch.
 MIN_TEMPERATURE = 1e-5
 U64_MAX = 2**64 - 1
 

@@ -9,7 +9,7 @@ import grpc
 
 from llmcommon.admin_auth import AdminKeyInterceptor, admin_key
 from llmcommon.auth import internal_token
-from llmcommon.metrics_http import metrics_host
+from llmcommon.metrics_http import start_metrics
 from llmcommon.server import Server, run_service, setup_logging
 from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.metrics import SchedulerMetrics
@@ -97,9 +97,7 @@ async def serve(settings: SchedulerSettings) -> None:
         if settings.metrics_port:
             metrics = SchedulerMetrics()
             metrics.attach(service)
-            where = metrics_host(settings.host, settings.metrics_host)
-            metrics.serve(where, settings.metrics_port)
-            log.info("metrics on http://%s:%d/metrics", where, settings.metrics_port)
+            start_metrics(metrics, settings, log)
 
     await server.run(ready, grace=settings.drain_timeout)
 

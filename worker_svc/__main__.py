@@ -11,7 +11,7 @@ import grpc
 import torch
 
 from llmcommon.auth import internal_token
-from llmcommon.metrics_http import metrics_host
+from llmcommon.metrics_http import start_metrics
 from llmcommon.server import Server, internal_channel, run_service, setup_logging
 from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_svc.cpu_features import host_features
@@ -65,9 +65,7 @@ async def serve(settings: WorkerSettings) -> None:
     if settings.metrics_port:
         metrics = WorkerMetrics(settings.display_name)
         metrics.attach(service)
-        where = metrics_host(settings.host, settings.metrics_host)
-        metrics.serve(where, settings.metrics_port)
-        log.info("metrics on http://%s:%d/metrics", where, settings.metrics_port)
+        start_metrics(metrics, settings, log)
     registering: list[asyncio.Task] = []
 
     async def ready() -> None:

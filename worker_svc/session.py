@@ -353,7 +353,7 @@ class Session:
         return None
 
     def _let_go(self, handle: int, blocks: list[int]) -> None:
-        """`handle` no longer holds nor writes `blocks`."""
+        """`handle` neither holds nor writes `blocks` from here on."""
         for block in blocks:
             holders = self.holders.get(block, set())
             holders.discard(handle)
