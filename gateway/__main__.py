@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import logging
@@ -28,10 +27,9 @@ from gateway.settings import ENV_PREFIX, GatewaySettings
 from gateway.tokenizer_files import load_tokenizer
 from llmcommon.admin_auth import AdminKeyInterceptor, admin_key
 from llmcommon.auth import internal_token
-from llmcommon.flags import add_flags, from_args
 from llmcommon.health import check_health
-from llmcommon.metrics_http import metrics_host
-from llmcommon.server import Server, die_with_parent, internal_channel, setup_logging
+from llmcommon.metrics_http import start_metrics
+from llmcommon.server import Server, internal_channel, run_service, setup_logging
 from llmcommon.v1 import (
     gateway_pb2,
     gateway_pb2_grpc,
@@ -205,9 +203,7 @@ async def serve(settings: GatewaySettings) -> None:
     scheduler_pb2_grpc.add_AdminServicer_to_server(admin, server.server)
     if metrics:
         metrics.attach(core)
-        where = metrics_host(settings.host, settings.metrics_host)
-        metrics.serve(where, settings.metrics_port)
-        log.info("metrics on http://%s:%d/metrics", where, settings.metrics_port)
+        start_metrics(metrics, settings, log)
     follower = asyncio.create_task(follow_workers(stub, core, server, token))
     watcher = asyncio.create_task(watch_scheduler(channel, core, server))
     http = None
@@ -230,10 +226,7 @@ async def serve(settings: GatewaySettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    die_with_parent()  # when started by `llmserve up`
-    parser = argparse.ArgumentParser(prog="gateway")
-    add_flags(parser, GatewaySettings, env_prefix=ENV_PREFIX)
-    asyncio.run(serve(from_args(GatewaySettings, parser.parse_args(argv))))
+    run_service("gateway", GatewaySettings, ENV_PREFIX, serve, argv)
 
 
 if __name__ == "__main__":

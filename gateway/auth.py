@@ -46,8 +46,8 @@ def tenant_of(api_key: str) -> bytes:
 
 
 def cache_salt(tenant: bytes, request_salt: str) -> bytes:
-    """The salt the scheduler seeds the request's block keys with: b"" (shared with every
-    request without one, as before) when there is neither a tenant nor a request salt; else a
+    """The salt the scheduler seeds the request's block keys with: b"" (shared by every request
+    with neither) when there is neither a tenant nor a request salt; else a
     keyed digest, so that equal (tenant, salt) pairs, and only those, share cached blocks."""
     if not tenant and not request_salt:
         return b""

@@ -1,5 +1,6 @@
-"""The gateway's generation path, whatever the protocol: validate, tokenize, apply the queue
-limits, submit to the scheduler (resubmitting to a restarted one), stream text deltas back.
+"""The gateway's generation path, whatever the protocol: the request checked and tokenized at
+the gateway's door (gateway/intake.py), then trusted: the queue limits, the submission to the
+scheduler (resubmitting to a restarted one), text deltas streamed back.
 
 `GatewayCore.generate` yields `Delta`s and one `Finish`, or raises `GenerationError` with a gRPC
 status code (the vocabulary of the scheduler's answers): the gRPC service passes it on as is, the
@@ -16,55 +17,37 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+from dataclasses import dataclass, field
 
 import grpc
 
 from gateway.auth import cache_salt, tenant_of
-from gateway.context_fit import completion_budget, completion_overflow, prompt_overflow
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.generation_errors import ContextLengthExceeded, GenerationError, QueueFull
+from gateway.intake import GenerateInput, Intake
 from gateway.queue_limits import QueueLimits
 from gateway.scheduler_session import SchedulerSession, SessionCall
 from gateway.settings import GatewaySettings
 from gateway.stops import StopMatcher
-from gateway.structured import grpc_grammar_problem
 from gateway.tokenizer import Tokenizer
-from gateway.trim import trim_after
 from gateway.usage import Tally
-from gateway.validation import InputLimits, ValidatedParams, validate
+from gateway.validation import ValidatedParams
 from llmcommon.protocol import ACCEPTED_KEY
-from llmcommon.request_checks import context_problem
-from llmcommon.sampling import SamplingParams
 from llmcommon.sampling_wire import to_wire
 from llmcommon.v1 import common_pb2, scheduler_pb2
 
+__all__ = [  # the door's request and the errors too, as the generation path's callers know them
+    "ContextLengthExceeded",
+    "Delta",
+    "Finish",
+    "GatewayCore",
+    "GenerateInput",
+    "GenerationError",
+    "QueueFull",
+]
+
 log = logging.getLogger("gateway")
 RESUBMIT_PERIOD_S = 0.25  # a resubmission waiting for the scheduler tries again this often
-
-
-class ChatTurn(Protocol):
-    """A chat message: a gRPC ChatMessage, or the HTTP API's."""
-
-    role: str
-    content: str
-
-
-@dataclass(frozen=True, slots=True)
-class GenerateInput:
-    """What a client asks for, as sent: `validate` checks it and fills defaults. Messages are
-    converted only after their count and size are checked."""
-
-    prompt: str | None = None
-    messages: Sequence[ChatTurn] | None = None
-    sampling: SamplingParams = SamplingParams()  # as sent, not checked (max_tokens None: unset)
-    cache_salt: str = ""  # only requests of equal salt (and API key) share cached KV blocks
-    # The HTTP API's (vLLM's) rules: prompt + max_tokens must fit the context (else
-    # ContextLengthExceeded), max_tokens unset is the rest of it (gateway/context_fit.py)
-    fit_context: bool = False
-    include_stop: bool = False  # the stop string that ended the text stays in it
-    skip_special_tokens: bool = True
-    tools: Sequence[dict] = ()  # offered (tool_choice auto): the chat template describes them
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,28 +64,6 @@ class Finish:
     reason: int  # common_pb2.FinishReason
     usage: common_pb2.Usage
     error: str = ""
-
-
-class GenerationError(Exception):
-    """The request ends without a result: `code` says why, `message` what to do."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.message, self.param = code, message, param  # param: the field at fault
-
-
-class ContextLengthExceeded(GenerationError):
-    """The prompt, or the prompt and max_tokens, do not fit the model's context."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message, param)
-
-
-class QueueFull(GenerationError):
-    """The gateway's queue limits refuse the request now; it may succeed later."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
 
 @dataclass(slots=True)
@@ -146,92 +107,14 @@ class GatewayCore:
         self.tenant = tenant_of(settings.api_key())  # its clients' share of the prefix cache
         self.queue = QueueLimits(settings.max_queued_requests, settings.max_queued_tokens)
         self.pool = ThreadPoolExecutor(settings.tokenize_threads, thread_name_prefix="tokenize")
+        self.intake = Intake(settings, tokenizer, max_context, self.pool)  # the door: what is sent
         self.observer = None  # metrics hook, set by the metrics module
         self.on_tokens = None  # metrics hook: (tally, count, now) before the tally counts them
 
-    def _limits(self) -> InputLimits:
-        s = self.settings
-        return InputLimits.for_context(
-            self.max_context, self.tokenizer.longest_token_chars, s.max_messages, s.max_prompt_chars
-        )
-
     async def prepare(self, job: GenerateInput) -> tuple[ValidatedParams, list[int]]:
-        """Bound the request on counts alone, then validate, render and tokenize it in the pool:
-        that work grows with the request, and the event loop serves every other stream.
-        Raises ValueError (InvalidRequest, a template's refusal, invalid Unicode)."""
-        limits = self._limits()
-        if job.messages is not None:
-            limits.check_messages(len(job.messages))
-            limits.check_chars(sum(len(m.content) for m in job.messages), chat=True)
-        elif job.prompt is not None:
-            limits.check_chars(len(job.prompt))
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, self._validate_and_tokenize, job)
-
-    def _validate_and_tokenize(self, job: GenerateInput) -> tuple[ValidatedParams, list[int]]:
-        params = self._validate(job)
-        if job.sampling.grammar is not None:  # compiled once per grammar (cached)
-            problem = grpc_grammar_problem(job.sampling.grammar)
-            if problem:
-                raise ValueError(problem)
-        return params, self._tokenize(params, job.messages, job.tools)
-
-    def _validate(self, job: GenerateInput) -> ValidatedParams:
-        messages = None
-        if job.messages is not None:
-            messages = [(m.role, m.content) for m in job.messages]
-        sampling = job.sampling
-        max_tokens = sampling.max_tokens
-        if job.fit_context and isinstance(max_tokens, int) and max_tokens > self.max_context:
-            # refused once the prompt is counted, in vLLM's words (_check_fit)
-            sampling = replace(sampling, max_tokens=None)
-        return validate(
-            prompt=job.prompt,
-            messages=messages,
-            sampling=sampling,
-            max_context=self.max_context,
-            default_max_tokens=self.settings.default_max_tokens,
-        )
-
-    def _tokenize(
-        self,
-        params: ValidatedParams,
-        turns: Sequence[ChatTurn] | None = None,
-        tools: Sequence[dict] = (),
-    ) -> list[int]:
-        if params.messages is not None:
-            messages = _template_messages(params.messages, turns)
-            text = self.tokenizer.apply_chat_template(messages, tools)
-        else:
-            text = params.prompt or ""
-        # a rendered chat spells its special tokens (BOS too); a plain prompt gets the tokenizer's
-        ids = self.tokenizer.encode(text, add_special_tokens=params.messages is None)
-        trim_after(len(text))
-        return ids
-
-    def _check_admission(self, prompt_ids: list[int], job: GenerateInput) -> None:
-        """Raise unless the prompt can run and the queue limits take it now."""
-        if not prompt_ids:
-            raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt has no tokens")
-        if job.fit_context:
-            self._check_fit(len(prompt_ids), job)
-        too_long = context_problem(len(prompt_ids), self.max_context)
-        if too_long:  # before the queue limit: it can never run
-            raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, too_long)
-        refusal = self.queue.refusal(len(prompt_ids))
-        if refusal:
-            raise QueueFull(refusal)
-
-    def _check_fit(self, prompt_tokens: int, job: GenerateInput) -> None:
-        """The HTTP API's rule: prompt + max_tokens within the context (gateway/context_fit)."""
-        prompt_param = "prompt" if job.messages is None else "messages"
-        too_long = prompt_overflow(prompt_tokens, self.max_context)
-        if too_long:
-            raise ContextLengthExceeded(too_long, prompt_param)
-        if job.sampling.max_tokens is not None:
-            too_long = completion_overflow(prompt_tokens, job.sampling.max_tokens, self.max_context)
-            if too_long:
-                raise ContextLengthExceeded(too_long, "max_tokens")
+        """The request checked, its defaults resolved and its prompt tokenized (gateway/intake.py);
+        raises ValueError."""
+        return await self.intake.prepare(job)
 
     async def generate(
         self,
@@ -259,16 +142,11 @@ class GatewayCore:
             invalid = None
         if invalid is not None:
             raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, invalid, param)
-        self._check_admission(prompt_ids, job)
+        sampling = self.intake.fitted(prompt_ids, job, params.sampling)  # trusted from here on
+        refusal = self.queue.refusal(len(prompt_ids))
+        if refusal:
+            raise QueueFull(refusal)
         tally.prompt_tokens = len(prompt_ids)
-        sampling = params.sampling
-        if job.fit_context:
-            asked = job.sampling.max_tokens
-            budget = completion_budget(len(prompt_ids), asked, self.max_context)
-            sampling = replace(sampling, max_tokens=budget)
-        invalid = sampling.problem()  # min_tokens within the max_tokens now resolved
-        if invalid is not None:
-            raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, str(invalid), invalid.param)
         submit = scheduler_pb2.SubmitRequest(
             request_id=rid,
             prompt_token_ids=prompt_ids,
@@ -411,15 +289,6 @@ class GatewayCore:
         leaving cancels the task)?"""
         task = asyncio.current_task()
         return self.scheduler_hung is not None and task is not None and not task.cancelling()
-
-
-def _template_messages(
-    checked: Sequence[tuple[str, str]], turns: Sequence[ChatTurn] | None
-) -> list[dict]:
-    """The checked (role, content) pairs with what else each turn carries for the chat template
-    (`extra`: an HTTP message's tool_calls, tool_call_id, name; gRPC's carry none)."""
-    extras = [getattr(t, "extra", None) or {} for t in turns] if turns else [{}] * len(checked)
-    return [{"role": r, "content": c} | x for (r, c), x in zip(checked, extras, strict=True)]
 
 
 def _known_end(streamed: list[int], max_tokens: int, stop_token_ids: Sequence[int]) -> int:

@@ -28,7 +28,8 @@ from starlette.routing import Route
 
 from gateway.auth import API_KEY_REFUSAL, key_from_metadata
 from gateway.choices import merged
-from gateway.core import Delta, Finish, GatewayCore, GenerationError
+from gateway.core import Delta, Finish, GatewayCore
+from gateway.generation_errors import GenerationError
 from gateway.http_errors import DEADLINE_HEADER, ApiError, from_generation
 from gateway.metrics import HTTP_CHAT, HTTP_COMPLETIONS, GatewayMetrics, HttpCall
 from gateway.openai_requests import (

@@ -15,7 +15,8 @@ import grpc
 from starlette.responses import Response
 
 from gateway.context_fit import CONTEXT_CODE
-from gateway.core import ContextLengthExceeded, GenerationError, QueueFull
+from gateway.generation_errors import ContextLengthExceeded, GenerationError, QueueFull
+from llmcommon.errors import RequestProblem
 
 # gRPC status -> HTTP status. A RESOURCE_EXHAUSTED from the scheduler is a request that can never
 # fit (larger than the KV pool): 400, for the client must change it; only the gateway's queue
@@ -38,7 +39,7 @@ DEADLINE_HEADER = "x-request-timeout"  # a request's deadline in seconds (gRPC's
 ERROR_TYPE = {401: "authentication_error", 429: "rate_limit_error", 504: "timeout_error"}
 
 
-class ApiError(Exception):
+class ApiError(RequestProblem):
     """A refusal of the HTTP API: `code` as the gRPC API would answer it; `status` the HTTP
     status (by default the one `code` maps to); `param` the request field at fault;
     `openai_code` the body's `code` where it is OpenAI's own rather than the gRPC status name."""
@@ -51,8 +52,8 @@ class ApiError(Exception):
         status: int | None = None,
         openai_code: str | None = None,
     ) -> None:
-        super().__init__(message)
-        self.code, self.message, self.param = code, message, param
+        super().__init__(message, param)
+        self.code = code
         self.status = status or HTTP_STATUS.get(code, 500)
         self.openai_code = openai_code or code.name.lower()
 

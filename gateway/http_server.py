@@ -146,7 +146,7 @@ def guards_of(settings: GatewaySettings, open_files: int) -> ConnectionGuards:
 def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
     """asyncio logs an accept that failed for want of a resource (EMFILE: the process's files
     are all open) with a traceback, once per connection pending, then pauses accepting for a
-    second: one warning line a pause instead; every other error goes on as before."""
+    second: one warning line a pause instead; every other error goes to the previous handler."""
     previous = loop.get_exception_handler()
     last = float("-inf")  # when the last warning was logged (loop time)
 

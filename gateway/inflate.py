@@ -1,9 +1,9 @@
 """Compressed requests, inflated with a bound.
 
 gRPC core inflates a compressed message whole and only then compares its size with
-`grpc.max_receive_message_length`: a 0.2 MB gzip of 200 MB passed the wire limit and was refused
-only after 200 MB and most of a second of inflating (the event loop stalled 0.8 s meanwhile).
-The gateway's server turns core's inflating off (`SERVER_OPTIONS`: compressed bytes reach the
+`grpc.max_receive_message_length`: a small gzip of a huge message passes the wire limit and stalls
+the event loop while it inflates, only to be refused (the figures: docs/figures.md). The gateway's
+server turns core's inflating off (`SERVER_OPTIONS`: compressed bytes reach the
 deserializer as they came) and inflates here, never more than the limit and one byte.
 
 A message carries no flag the deserializer can see, so compression is known by its header: gzip

@@ -12,8 +12,8 @@ import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.choices import U64_MAX, choice_inputs, choices_problem
-from gateway.core import GenerateInput
 from gateway.http_errors import ApiError
+from gateway.intake import GenerateInput
 from gateway.structured import StructuredFields, checked
 from gateway.tools import ToolPlan, ToolsProblem
 from gateway.tools import tool_plan as plan_of

@@ -12,7 +12,8 @@ import grpc
 
 from gateway.admin import forwarded_metadata
 from gateway.choices import choice_inputs, choices_problem, merged
-from gateway.core import Delta, Finish, GatewayCore, GenerateInput, GenerationError
+from gateway.core import Delta, Finish, GatewayCore, GenerateInput
+from gateway.generation_errors import GenerationError
 from gateway.usage import Tally
 from llmcommon.auth import internal_token, internal_token_of
 from llmcommon.sampling_wire import params_of

@@ -85,8 +85,8 @@ def checked(grammar: common_pb2.Grammar, param: str) -> common_pb2.Grammar:
 
 
 def invalid(message: str, param: str) -> Exception:
-    """ApiError 400 naming `param` (imported here: gateway.core, which http_errors imports,
-    imports this module)."""
+    """ApiError 400 naming `param` (imported here: http_errors imports starlette, which a
+    gateway without its HTTP API never loads, and gateway.core imports this module)."""
     from gateway.http_errors import ApiError
 
     return ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param=param)

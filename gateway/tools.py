@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmcommon.errors import RequestProblem
 from llmcommon.v1 import common_pb2
 
 Grammar = common_pb2.Grammar
@@ -44,12 +45,8 @@ CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 NEXT_HEAD = re.compile(r'\s*[\[,]?\s*\{"name": "([A-Za-z0-9_-]+)", "arguments": ')
 
 
-class ToolsProblem(ValueError):
+class ToolsProblem(RequestProblem, ValueError):
     """A malformed `tools` or `tool_choice`: the message, and the field at fault."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True, slots=True)

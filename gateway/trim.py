@@ -1,10 +1,9 @@
 """Give the memory that a long text took to tokenize back to the operating system.
 
 The tokenizer's Rust code allocates tens of MB for a long text, in the pool's threads; glibc
-keeps what they free in per-thread arenas, so the gateway's resident memory stayed at the
-high-water mark of its largest requests (72 -> 181 MiB after 8 concurrent prompts of 160k
-characters, and there when idle). `malloc_trim` returns the free pages (1 to 17 ms, measured in
-the pool's thread, which ctypes runs without the GIL).
+keeps what they free in per-thread arenas, so without a trim the gateway's resident memory stays
+at the high-water mark of its largest requests, also when idle. `malloc_trim` returns the free
+pages, in the pool's thread (ctypes runs it without the GIL; the figures: docs/figures.md).
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ Decisions:
 * sampling: the request's `SamplingParams` (llmcommon/sampling.py), checked there, the
   same check the scheduler and the worker run (one set of ranges: llmcommon/ranges.py);
   a refusal names the field. `max_tokens` unset -> `min(default_max_tokens, max_context)`;
-  set -> 1..max_context. The prompt's length is known only after tokenizing: it must leave
+  set -> 1..max_context (the HTTP API's rule, `fit_context`, resolves it once the prompt is
+  counted: GatewayCore). The settings are checked here once; what the gateway does with them
+  after trusts them. The prompt's length is known only after tokenizing: it must leave
   room for one token (`llmcommon.request_checks.context_problem`, the scheduler's check
   too); generation stops at the context (finish reason length). A temperature below
   MIN_TEMPERATURE counts as 0, as in vLLM.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from llmcommon.errors import RequestProblem
 from llmcommon.sampling import (
     MAX_STOP_CHARS,
     MAX_STOPS,
@@ -51,12 +54,8 @@ __all__ = [
 ALLOWED_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
-class InvalidRequest(ValueError):
+class InvalidRequest(RequestProblem, ValueError):
     """The request is malformed; the message says what to change, `param` which field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +124,10 @@ def validate(
     sampling: SamplingParams,
     max_context: int,
     default_max_tokens: int,
+    fit_context: bool = False,
 ) -> ValidatedParams:
-    """Check a generate request and resolve its defaults; raise InvalidRequest if it is bad."""
+    """Check a generate request and resolve its defaults; raise InvalidRequest if it is bad.
+    `fit_context`: the HTTP API's rule, max_tokens left to resolve once the prompt is counted."""
     if max_context <= 0 or default_max_tokens <= 0:
         raise ValueError("server misconfigured: max_context and default_max_tokens must be > 0")
 
@@ -145,15 +146,34 @@ def validate(
         checked_messages = _check_messages(messages)
 
     try:
-        checked = sampling.checked()
+        if fit_context:
+            checked = _unresolved(sampling, max_context)
+        else:
+            checked = _resolved(sampling, max_context, default_max_tokens)
     except InvalidSampling as err:
         raise InvalidRequest(str(err), err.param) from None
+    return ValidatedParams(prompt=prompt, messages=checked_messages, sampling=checked)
+
+
+def _resolved(sent: SamplingParams, max_context: int, default_max_tokens: int) -> SamplingParams:
+    """The gRPC API's rule: max_tokens unset is the default, set it is within the context."""
+    checked = sent.checked()
     if checked.max_tokens is None:
-        checked = replace(checked, max_tokens=min(default_max_tokens, max_context))
-    elif checked.max_tokens > max_context:
-        raise InvalidRequest(
+        return checked.limited_to(min(default_max_tokens, max_context))
+    if checked.max_tokens > max_context:
+        raise InvalidSampling(
             f"max_tokens is {checked.max_tokens}; it must be at most the model's context of "
             f"{max_context} tokens",
             "max_tokens",
         )
-    return ValidatedParams(prompt=prompt, messages=checked_messages, sampling=checked)
+    return checked
+
+
+def _unresolved(sent: SamplingParams, max_context: int) -> SamplingParams:
+    """The HTTP API's rule: max_tokens is resolved, or refused in vLLM's words, once the prompt
+    is counted (gateway/context_fit.py); one beyond the context is refused then, whatever
+    min_tokens says."""
+    asked = sent.max_tokens
+    if isinstance(asked, int) and asked > max_context:
+        return replace(replace(sent, max_tokens=None).checked(), max_tokens=asked)
+    return sent.checked()

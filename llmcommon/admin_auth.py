@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable
 
 import grpc
 
 from llmcommon.auth import (
     Metadata,
+    Refusal,
+    ServiceGuard,
     metadata_secret,
     metadata_value,
     read_secret_file,
-    refused,
 )
 
 ADMIN_SERVICE = "llmserve.v1.Admin"
@@ -55,7 +55,7 @@ def key_id(key: str) -> str:
     return hashlib.blake2b(key.encode(), digest_size=4, person=b"llmserve-admin").hexdigest()
 
 
-def admin_refusal(key: str, metadata: Metadata) -> tuple[grpc.StatusCode, str] | None:
+def admin_refusal(key: str, metadata: Metadata) -> Refusal | None:
     """Why a call with `metadata` may not use the Admin service of a server whose key is
     `key`; None if it may."""
     given = admin_key_of(metadata)
@@ -68,19 +68,13 @@ def admin_refusal(key: str, metadata: Metadata) -> tuple[grpc.StatusCode, str] |
     return None
 
 
-class AdminKeyInterceptor(grpc.aio.ServerInterceptor):
+class AdminKeyInterceptor(ServiceGuard):
     """Every call of the Admin service must carry the admin key; other services pass."""
+
+    services = frozenset({ADMIN_SERVICE})
 
     def __init__(self, key: str) -> None:
         self.key = key
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or details.method.split("/")[1] != ADMIN_SERVICE:
-            return handler
-        why = admin_refusal(self.key, details.invocation_metadata)
-        return handler if why is None else refused(handler, why[1], why[0])
+    def refusal_of(self, metadata: Metadata) -> Refusal | None:
+        return admin_refusal(self.key, metadata)

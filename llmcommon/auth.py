@@ -80,10 +80,34 @@ def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return ((INTERNAL_TOKEN_HEADER, token),) if token else ()
 
 
-class TokenInterceptor(grpc.aio.ServerInterceptor):
+Refusal = tuple[grpc.StatusCode, str]  # the status a refused call is answered with, and why
+
+
+class ServiceGuard(grpc.aio.ServerInterceptor):
+    """A call of `services` goes on only where `refusal_of` its metadata is None, else it is
+    answered with that refusal (its request never parsed). Other services (health, reflection)
+    stay open."""
+
+    services: frozenset[str]
+
+    def refusal_of(self, metadata: Metadata) -> Refusal | None:
+        raise NotImplementedError
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method.split("/")[1] not in self.services:
+            return handler
+        why = self.refusal_of(details.invocation_metadata)
+        return handler if why is None else refused(handler, why[1], why[0])
+
+
+class TokenInterceptor(ServiceGuard):
     """Every call of `services` must carry `token` (found by `token_of`), compared in constant
-    time over the whole token, else UNAUTHENTICATED with `refusal`. Other services (health,
-    reflection) stay open."""
+    time over the whole token, else UNAUTHENTICATED with `refusal`."""
 
     def __init__(
         self,
@@ -97,18 +121,10 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         self.token_of = token_of
         self.refusal = refusal
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or details.method.split("/")[1] not in self.services:
-            return handler
-        given = self.token_of(details.invocation_metadata).encode()
-        if hmac.compare_digest(given, self.token):
-            return handler
-        return refused(handler, self.refusal)
+    def refusal_of(self, metadata: Metadata) -> Refusal | None:
+        if hmac.compare_digest(self.token_of(metadata).encode(), self.token):
+            return None
+        return grpc.StatusCode.UNAUTHENTICATED, self.refusal
 
 
 def refused(

@@ -1,8 +1,8 @@
 """grpc.health.v1 Check and Watch for our servers, with Watch streams that end at shutdown.
 
 grpcio's aio HealthServicer keeps a Watch stream open until the server's grace period runs out,
-so one load balancer watching a server made every graceful stop last the whole grace period
-(10 s) even when no request was in flight. Here `close()` sets every service NOT_SERVING; each
+so one load balancer watching a server makes every graceful stop last the whole grace period,
+even when no request is in flight. Here `close()` sets every service NOT_SERVING; each
 Watch stream sends that status and then ends, so the stop waits only for real calls.
 """
 

@@ -4,9 +4,11 @@ the services share."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from socketserver import ThreadingMixIn
+from typing import Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
@@ -30,9 +32,26 @@ METRICS_HOST_HELP = (
 )
 
 
+class MetricsSettings(Protocol):
+    host: str
+    metrics_host: str
+    metrics_port: int
+
+
+class ServesMetrics(Protocol):
+    def serve(self, host: str, port: int) -> WSGIServer: ...
+
+
 def metrics_host(host: str, metrics_host: str) -> str:
     """Where /metrics listens: --metrics-host, else the service's --host."""
     return metrics_host or host
+
+
+def start_metrics(metrics: ServesMetrics, settings: MetricsSettings, log: logging.Logger) -> None:
+    """A service's /metrics on --metrics-host (else --host) and --metrics-port, logged."""
+    where = metrics_host(settings.host, settings.metrics_host)
+    metrics.serve(where, settings.metrics_port)
+    log.info("metrics on http://%s:%d/metrics", where, settings.metrics_port)
 
 
 class _Server(ThreadingMixIn, WSGIServer):

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from llmcommon.errors import RequestProblem
 from llmcommon.ranges import (
     FREQUENCY_PENALTY,
     LOGIT_BIAS,
@@ -43,17 +44,13 @@ MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit)
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 # Below this a temperature counts as 0, as in vLLM: greedy in effect, and logits divided by a
-# subnormal temperature overflow to inf, which made the worker's sampling fail for the batch.
+# subnormal temperature overflow to inf, which would fail the worker's sampling for the batch.
 MIN_TEMPERATURE = 1e-5
 U64_MAX = 2**64 - 1
 
 
-class InvalidSampling(ValueError):
+class InvalidSampling(RequestProblem, ValueError):
     """A setting out of its range; the message says what is allowed, `param` which field."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,10 +119,22 @@ class SamplingParams:
             message = CHECKS[f.name](getattr(self, f.name))
             if message is not None:
                 return InvalidSampling(message, f.name)
+        return self._min_tokens_problem()
+
+    def _min_tokens_problem(self) -> InvalidSampling | None:
         if isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens:
             message = f"min_tokens {self.min_tokens} is more than max_tokens {self.max_tokens}"
             return InvalidSampling(message, "min_tokens")
         return None
+
+    def limited_to(self, max_tokens: int) -> SamplingParams:
+        """These settings, checked, with max_tokens resolved by the gateway (its default, or the
+        rest of the context: 1 or more); what that leaves to check is min_tokens within it."""
+        limited = replace(self, max_tokens=max_tokens)
+        invalid = limited._min_tokens_problem()
+        if invalid is not None:
+            raise invalid
+        return limited
 
     def vocab_problem(self, vocab_size: int) -> str | None:
         """A token id (of logit_bias or stop_token_ids) outside the vocabulary, or None."""

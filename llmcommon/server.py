@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import ctypes
 import ipaddress
@@ -9,18 +10,20 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from llmcommon.auth import TokenInterceptor, token_interceptors
+from llmcommon.flags import add_flags, from_args
 from llmcommon.health import SERVING, HealthServicer, check_health
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-# On SIGTERM, in-flight calls get this long to finish (--drain-timeout): a request of the
-# default 128 tokens at CPU decode speed (~70 ms a step at batch 32) needs ~10 s, 512 tokens
-# ~40 s; on a GPU far less. Kubernetes' terminationGracePeriodSeconds must exceed it.
+# On SIGTERM, in-flight calls get this long to finish (--drain-timeout): enough for a request of
+# 512 tokens at CPU decode speed (docs/figures.md). Kubernetes' terminationGracePeriodSeconds
+# must exceed it.
 DRAIN_SECONDS = 60.0
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -37,8 +40,8 @@ KEEPALIVE_OPTIONS = [
     ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # else a ping waits 60 s for its ack
     ("grpc.http2.max_pings_without_data", 0),  # an idle step stream sends no data for long
 ]
-# Reconnect within a second of a peer coming back: gRPC's default backoff grows to 120 s, and a
-# scheduler polling a restarted worker (or a gateway whose scheduler restarted) waited that long.
+# Reconnect within a second of a peer coming back: gRPC's default backoff grows to 120 s, which a
+# scheduler polling a restarted worker (or a gateway whose scheduler restarted) would wait.
 CHANNEL_OPTIONS = [
     *SERVER_OPTIONS,
     ("grpc.initial_reconnect_backoff_ms", 200),
@@ -47,6 +50,22 @@ CHANNEL_OPTIONS = [
 
 log = logging.getLogger("llmserve")
 PARENT_PID_VAR = "LLMSERVE_PARENT_PID"  # set by `llmserve up` for the processes it starts
+S = TypeVar("S")
+
+
+def run_service(
+    prog: str,
+    settings: type[S],
+    env_prefix: str,
+    serve: Callable[[S], Awaitable[None]],
+    argv: list[str] | None = None,
+) -> None:
+    """`python -m <prog>`: the `settings` dataclass from the command line (and $<env_prefix>*
+    variables), then `serve` with it until the service stops."""
+    die_with_parent()  # when started by `llmserve up`
+    parser = argparse.ArgumentParser(prog=prog)
+    add_flags(parser, settings, env_prefix=env_prefix)
+    asyncio.run(serve(from_args(settings, parser.parse_args(argv))))
 
 
 def die_with_parent() -> None:

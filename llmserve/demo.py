@@ -30,8 +30,8 @@ console = Console(highlight=False, width=None if Console().is_terminal else 120)
 
 def native_bf16() -> bool:
     """Does this CPU compute bf16 natively (AVX-512 BF16)? Without it torch emulates bf16
-    matmuls with another rounding: slower, and SmolLM2's greedy answers drift (on such a host
-    it answered "L'Étoile, la Marseillaise" to the capital of France in bf16, Paris in fp32)."""
+    matmuls with another rounding: slower, and SmolLM2's greedy answers drift from fp32's
+    (docs/figures.md)."""
     try:
         with open("/proc/cpuinfo") as f:
             return "avx512_bf16" in f.read()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 
@@ -10,9 +9,8 @@ import grpc
 
 from llmcommon.admin_auth import AdminKeyInterceptor, admin_key
 from llmcommon.auth import internal_token
-from llmcommon.flags import add_flags, from_args
-from llmcommon.metrics_http import metrics_host
-from llmcommon.server import Server, die_with_parent, setup_logging
+from llmcommon.metrics_http import start_metrics
+from llmcommon.server import Server, run_service, setup_logging
 from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.service import SchedulerService
@@ -99,18 +97,13 @@ async def serve(settings: SchedulerSettings) -> None:
         if settings.metrics_port:
             metrics = SchedulerMetrics()
             metrics.attach(service)
-            where = metrics_host(settings.host, settings.metrics_host)
-            metrics.serve(where, settings.metrics_port)
-            log.info("metrics on http://%s:%d/metrics", where, settings.metrics_port)
+            start_metrics(metrics, settings, log)
 
     await server.run(ready, grace=settings.drain_timeout)
 
 
 def main(argv: list[str] | None = None) -> None:
-    die_with_parent()  # when started by `llmserve up`
-    parser = argparse.ArgumentParser(prog="scheduler_svc")
-    add_flags(parser, SchedulerSettings, env_prefix=ENV_PREFIX)
-    asyncio.run(serve(from_args(SchedulerSettings, parser.parse_args(argv))))
+    run_service("scheduler_svc", SchedulerSettings, ENV_PREFIX, serve, argv)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from llmcommon.admin_auth import FORWARDED_FOR, admin_key_of, admin_refusal, key
 from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.core import Scheduler
 from scheduler_svc.explain import Explanation, copy_of, explain_copy
+from scheduler_svc.kv_rows import add_row
 from scheduler_svc.live_settings import SettingError, apply, changed, current
 
 log = logging.getLogger("scheduler")
@@ -115,13 +116,5 @@ def explanation_message(why: Explanation) -> scheduler_pb2.HeadExplanation:
         step_time_window=why.step_time_window,
     )
     for room in why.workers:
-        out = msg.workers.add(
-            name=room.name,
-            free=room.free,
-            written=room.written,
-            reserved_unwritten=room.reserved_unwritten,
-            running=room.running,
-        )
-        for holder in room.holders:
-            out.holders.add(request_id=holder.request_id, unwritten=holder.unwritten)
+        add_row(msg.workers, room)  # its holders too, largest first
     return msg

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -95,7 +94,7 @@ def explain(core: Scheduler) -> Explanation | None:
 
 def explain_copy(base: Scheduler, now: float) -> Explanation:
     """`explain` on a copy of the core that nobody else uses (it stays as it was)."""
-    head = base.waiting[0]
+    head = base.waiting.peek()
     config = base.config
     planned, worker, step = _plan(base, config)
     ws = base.workers[worker]
@@ -141,7 +140,7 @@ def _time_budget(base: Scheduler, config: CoreConfig) -> float | None:
         return None
     untimed = dataclasses.replace(config, step_time_budget_ms=0.0)
     core, worker, step = _plan(base, untimed)
-    head = core.seqs.get(base.waiting[0].request_id)
+    head = core.seqs.get(base.waiting.peek().request_id)
     if step is None or head is None or head.status is not SeqStatus.RUNNING:
         return None
     bound = int(1e3 * TIME_STEPS_PER_MS * base.predict(worker, step_shape(step))) + 1
@@ -158,15 +157,17 @@ def copy_of(core: Scheduler) -> Scheduler:
     """A deep copy sharing what the planning only reads (sampling messages, the clock); the
     step-time predictor is copied with its models (a prediction may refit a model, which the
     copy must do on its own, off the real one); of the waiting queue only the head, since
-    strict FCFS admits nobody behind it before it, and the rest would be most of the copy's
-    cost on a long queue."""
+    admission stops at the head (nobody behind it starts before it), and the rest would be
+    most of the copy's cost on a long queue."""
     memo: dict[int, object] = {id(core.clock): core.clock}
     for seq in core.seqs.values():
         memo[id(seq.sampling)] = seq.sampling
     if len(core.waiting) > 1:
-        head = copy.deepcopy(core.waiting[0], memo)
-        behind = {id(s) for s in core.waiting} - {id(core.waiting[0])}
-        memo[id(core.waiting)] = deque([head])
+        first = core.waiting.peek()
+        head = copy.deepcopy(first, memo)
+        behind = {id(s) for s in core.waiting} - {id(first)}
+        queue = memo[id(core.waiting)] = core.waiting.emptied()
+        queue.add(head)
         memo[id(core.seqs)] = {
             rid: copy.deepcopy(s, memo) for rid, s in core.seqs.items() if id(s) not in behind
         }
@@ -187,7 +188,7 @@ def _plan(
         core.abort(rid)
     stalls = [w.stalls.copy() for w in core.workers]
     steps = core.schedule_workers([w.index for w in core.workers if w.healthy])
-    head = core.seqs.get(base.waiting[0].request_id)
+    head = core.seqs.get(base.waiting.peek().request_id)
     if head is not None and head.worker is not None:
         worker = head.worker
     else:
@@ -201,7 +202,7 @@ def _admits(base: Scheduler, config: CoreConfig, finished: tuple[str, ...] = ())
         core, _, _ = _plan(base, config, finished)
     except ValueError:  # a setting no request may be left under
         return False
-    head = core.seqs.get(base.waiting[0].request_id)
+    head = core.seqs.get(base.waiting.peek().request_id)
     return head is not None and head.status is SeqStatus.RUNNING
 
 
@@ -220,7 +221,11 @@ def _positions(core: Scheduler, ws: WorkerState, head: Sequence) -> int:
     otherwise its first chunk (its prompt within the full token budget)."""
     if core.config.policy is KvPolicy.RESERVE:
         return head.max_length(ws.spec.max_context)
-    return min(head.known, core.config.token_budget) if core.config.chunked_prefill else head.known
+    return (
+        min(head.num_planned, core.config.token_budget)
+        if core.config.chunked_prefill
+        else head.num_planned
+    )
 
 
 def _rooms(core: Scheduler) -> list[WorkerRoom]:
@@ -229,7 +234,7 @@ def _rooms(core: Scheduler) -> list[WorkerRoom]:
 
 
 def _room(kv: WorkerKv, ws: WorkerState) -> WorkerRoom:
-    holders = [Holder(s.request_id, s.held - s.num_computed) for s in ws.running]
+    holders = [Holder(s.request_id, ws.kv.held(s) - s.num_computed) for s in ws.running]
     holders = sorted((h for h in holders if h.unwritten > 0), key=lambda h: -h.unwritten)
     return WorkerRoom(kv.name, kv.free, kv.written, kv.reserved_unwritten, kv.running, holders)
 
@@ -252,7 +257,7 @@ def _smallest(admits: Callable[[int], bool], bound: int) -> int | None:
 def _budget_bound(core: Scheduler, head: Sequence) -> int:
     """A token budget beyond which more budget cannot help: every running request's next work
     and the head's whole prompt in one step."""
-    running = sum(max(1, s.known - s.num_computed) for w in core.workers for s in w.running)
+    running = sum(max(1, s.num_planned - s.num_computed) for w in core.workers for s in w.running)
     return max(core.config.token_budget, running + head.num_pending)
 
 
@@ -261,7 +266,7 @@ def steps_left(seq: Sequence, budget: int) -> int:
     sooner): its prompt chunks still to compute, then a decode per token."""
     pending = len(seq.prompt_ids) - seq.num_computed
     chunks = -(-pending // budget) if pending > 0 else 0
-    return chunks + max(0, seq.stop_at - seq.known - (1 if chunks else 0))
+    return chunks + max(0, seq.max_planned - seq.num_planned - (1 if chunks else 0))
 
 
 def _finisher(base: Scheduler) -> Finisher | None:

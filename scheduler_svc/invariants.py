@@ -56,9 +56,9 @@ def check_invariants(core: Scheduler) -> None:
             _require(s.status is not SeqStatus.WAITING, f"{s.request_id}: running and waiting")
             held = pool.allocated(s.request_id)
             _require(
-                held >= blocks_for(s.num_computed, bs) and s.held == held * bs,
+                held >= blocks_for(s.num_computed, bs),
                 f"{s.request_id}: needs {s.num_computed} positions on {name} but holds {held} "
-                f"blocks (it counts {s.held} positions)",
+                f"blocks",
             )
             table = pool.table(s.request_id)
             shared = [b for b in table[s.num_computed // bs :] if pool.refs[b] > 1]
@@ -67,8 +67,8 @@ def check_invariants(core: Scheduler) -> None:
                 f"{s.request_id}: writes into block {shared[:1]} on {name}, which others hold",
             )
             _require(
-                0 <= s.num_inflight <= 2 * core.longest_run and s.num_computed <= s.known,
-                f"{s.request_id}: {s.known} tokens known, {s.num_tokens} + {s.num_inflight} "
+                0 <= s.num_inflight <= 2 * core.longest_run and s.num_computed <= s.num_planned,
+                f"{s.request_id}: {s.num_planned} tokens known, {s.num_tokens} + {s.num_inflight} "
                 f"in flight, {s.num_computed} computed",
             )
         live = [s.handle for s in ws.running if s.status is SeqStatus.RUNNING]
@@ -80,7 +80,7 @@ def check_invariants(core: Scheduler) -> None:
             s.status is SeqStatus.WAITING
             and s.worker is None
             and s.num_computed == 0
-            and s.known == s.num_tokens
+            and s.num_planned == s.num_tokens
             and s.handle == NO_HANDLE,
             f"{s.request_id}: waiting with status {s.status}, worker {s.worker}, "
             f"{s.num_computed} positions written",

@@ -5,21 +5,20 @@ dropping its cache), distrust what a failed step wrote. The block pool (blocks.p
 prefix keys stay behind it: the core never touches a block table, and this never sees the core
 or its per-worker state.
 
-A request's keys (`Sequence.block_keys`, for `key_block_size`) are per-request data that only
-this module reads or writes.
+What it keeps of each request (its keys, how far it is cached, whether it is suspect) is a
+record of its own (kv_records.py), shared by every worker's manager; the core never reads one.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
-from scheduler_svc.blocks import BlockPool, block_keys, blocks_for, common_blocks
+from scheduler_svc.blocks import BlockPool, blocks_for
+from scheduler_svc.kv_records import KvRecords
 from scheduler_svc.reasons import StallReason
 from scheduler_svc.sequence import Sequence
 
 HIT_BATCH = 32  # blocks hashed at a time past a request's known keys to look up its cache hit
-KEY_MEMO = 64  # recent requests, by first block key, whose prompt keys a new request may reuse
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,65 +44,17 @@ class FailedWork:
     owns_table: bool
 
 
-def keys_of(seq: Sequence, upto: int, bs: int) -> list[bytes]:
-    """The keys of `seq`'s first `upto` full blocks (kept on it, extended as needed; only the
-    tokens of the blocks still to hash are read)."""
-    if seq.key_block_size != bs:
-        seq.block_keys, seq.key_block_size = [], bs
-    keys = seq.block_keys
-    if len(keys) < upto:
-        prompt, salt = seq.prompt_ids, seq.cache_salt
-        if upto * bs <= len(prompt):
-            block_keys(prompt, bs, keys, upto, salt)
-        else:
-            at = len(keys) * bs
-            tail = prompt[at:] + seq.output_ids[max(0, at - len(prompt)) :]
-            block_keys(tail, bs, keys, upto, salt, offset=at)
-    return keys
-
-
-class KeyMemo:
-    """The latest requests, by (first block key, block size), whose keys a new request whose
-    first blocks equal theirs may take instead of hashing them. Shared by every worker's
-    manager: keys do not depend on the worker."""
-
-    def __init__(self, size: int = KEY_MEMO) -> None:
-        self.size = size
-        self.latest: OrderedDict[tuple[bytes, int], Sequence] = OrderedDict()
-
-    def reuse(self, seq: Sequence, bs: int, upto: int) -> None:
-        """A request about to look up its hit: where its prompt's first blocks equal, token for
-        token, those of the latest request whose first key is its own (same first block, same
-        salt), take that one's keys instead of hashing them (keys are a function of the salt
-        and the tokens: equal tokens, equal keys). Comparing ids costs far less than hashing
-        them, and a long cached prefix (a document, a conversation's history) is what most
-        admissions of a Mooncake-shaped load look up."""
-        keys = keys_of(seq, 1, bs)
-        memo, at = self.latest, (keys[0], bs)
-        other = memo.get(at)
-        memo[at] = seq
-        memo.move_to_end(at)
-        if len(memo) > self.size:
-            memo.popitem(last=False)
-        if other is None or other is seq or other.key_block_size != bs:
-            return
-        theirs = other.block_keys
-        limit = min(upto, len(theirs), len(seq.prompt_ids) // bs, len(other.prompt_ids) // bs)
-        same = common_blocks(seq.prompt_ids, other.prompt_ids, bs, limit)
-        keys += theirs[1:same]
-
-
 class KvManager:
     """One worker's blocks and prefix cache. With `caching` off, nothing is looked up, cached
     or distrusted: only allocation."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, caching: bool, memo: KeyMemo | None = None
+        self, num_blocks: int, block_size: int, caching: bool, records: KvRecords | None = None
     ) -> None:
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
         self.caching = caching
-        self.memo = memo if memo is not None else KeyMemo()
+        self.records = records if records is not None else KvRecords()
 
     # ---- what is free ----------------------------------------------------------------------
 
@@ -127,10 +78,11 @@ class KvManager:
         if not self.caching:
             return []
         bs, match = self.block_size, self.pool.match
-        upto = (seq.known - 1) // bs
+        upto = (seq.num_planned - 1) // bs
+        keys_of = self.records.keys_of
         keys = keys_of(seq, 0, bs)
         if not keys and upto > 1:
-            self.memo.reuse(seq, bs, upto)
+            self.records.reuse(seq, bs, upto)
         if not self.pool.cached:  # nothing cached yet: nothing to look up
             return []
         hit: list[int] = []
@@ -161,21 +113,32 @@ class KvManager:
             return StallReason.KV_RESERVED
         return StallReason.KV_CAPACITY
 
-    def share(self, seq: Sequence, hit: list[int]) -> None:
-        """`seq`, placed here, starts its table with these cached blocks."""
-        self.pool.share(seq.request_id, hit)
+    def place(self, seq: Sequence, hit: list[int]) -> None:
+        """`seq`, placed here, starts its table with these cached blocks (maybe none): they are
+        cached; its own are not yet, and what it computes from here is computed anew."""
+        record = self.records.of(seq)
+        record.suspect, record.cached_to = False, len(hit) * self.block_size
+        if hit:
+            self.pool.share(seq.request_id, hit)
+
+    def held(self, seq: Sequence) -> int:
+        """Positions its allocated blocks here cover."""
+        table = self.pool.tables.get(seq.request_id)
+        return len(table) * self.block_size if table else 0
+
+    def mark_suspect(self, seq: Sequence) -> None:
+        """A failed step's KV is under `seq`'s: it caches nothing of it when it leaves."""
+        self.records.of(seq).suspect = True
 
     # ---- allocation ------------------------------------------------------------------------
 
     def allocate(self, seq: Sequence, positions: int) -> list[int] | None:
         """The new blocks that let `seq` hold `positions` positions (none if it does), or None
-        if the pool has not enough free ones. `seq.held` follows."""
+        if the pool has not enough free ones."""
         pool = self.pool
         if not pool.can_grow(seq.request_id, positions):
             return None
-        new = pool.grow(seq.request_id, positions)
-        seq.held = len(pool.tables[seq.request_id]) * self.block_size
-        return new
+        return pool.grow(seq.request_id, positions)
 
     def blocks(self, seq: Sequence, start: int, end: int) -> list[int]:
         """The blocks positions start..end of `seq` are written into."""
@@ -187,7 +150,7 @@ class KvManager:
         its chunks did not cache (those its decodes filled) are cached first, as far as its
         tokens are known."""
         if self.caching and keep_cache:
-            self.commit(seq, seq.cached_to, min(seq.num_computed, seq.num_tokens))
+            self.commit(seq, self.records.of(seq).cached_to, min(seq.num_computed, seq.num_tokens))
         self.pool.release(seq.request_id)
 
     def owed(self, running: list[Sequence]) -> int:
@@ -195,15 +158,14 @@ class KvManager:
         those reserved whole, some for those admitted under paged and still growing (the
         policy changed to reserve since)."""
         bs, allocated = self.block_size, self.pool.allocated
-        return sum(max(0, blocks_for(s.stop_at, bs) - allocated(s.request_id)) for s in running)
+        return sum(max(0, blocks_for(s.max_planned, bs) - allocated(s.request_id)) for s in running)
 
     def trim(self, seq: Sequence) -> int | None:
         """Release `seq`'s blocks beyond those its planned KV needs (reserved, unwritten): the
-        blocks it keeps, or None if it held none beyond them. `seq.held` follows."""
+        blocks it keeps, or None if it held none beyond them."""
         keep = blocks_for(seq.num_computed, self.block_size)
         if not self.pool.shrink(seq.request_id, keep):
             return None
-        seq.held = keep * self.block_size
         return keep
 
     def set_caching(self, on: bool) -> None:
@@ -239,13 +201,14 @@ class KvManager:
         full blocks among them, under its tokens' keys."""
         bs = self.block_size
         first, last = start // bs, end // bs
-        if last <= first or seq.suspect:
+        record = self.records.of(seq)
+        if last <= first or record.suspect:
             return
-        keys = keys_of(seq, last, bs)
+        keys = self.records.keys_of(seq, last, bs)
         pool = self.pool
         table = pool.tables[seq.request_id]
         pool.cache_all(table[first:last], keys[first:last])
-        seq.cached_to = max(seq.cached_to, last * bs)
+        record.cached_to = max(record.cached_to, last * bs)
 
     def distrust(self, failed: list[FailedWork], others: list[Sequence]) -> list[Sequence]:
         """This work failed: the KV it wrote, and everything computed over it since, is not to
@@ -270,12 +233,13 @@ class KvManager:
         bad: set[int] = set()
         for work in failed:
             seq, start = work.seq, work.start
-            seq.suspect = True
+            record = self.records.of(seq)
+            record.suspect = True
             bad.update(work.blocks)
             if work.owns_table:
                 bad.update(pool.table(seq.request_id)[start // bs :])
-            if seq.key_block_size == bs:
-                keys = seq.block_keys[start // bs :]
+            if record.key_block_size == bs:
+                keys = record.keys[start // bs :]
                 bad.update(b for b in map(pool.cached.get, keys) if b is not None)
         return bad
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llmcommon.sampling_wire import to_wire
 from llmcommon.v1 import worker_pb2
 from scheduler_svc.step import Step
 
@@ -16,7 +17,7 @@ def step_message(number: int, step: Step) -> worker_pb2.Step:
         added = msg.added.add(
             handle=seq.handle,
             request_id=seq.request_id,
-            sampling=seq.sampling,
+            sampling=to_wire(seq.sampling),
             sample_index=len(seq.output_ids),
         )
         if seq.handle in shared:  # its first chunk starts after the cached prefix

@@ -73,7 +73,7 @@ class StepLogprobs:
         chunks = [(w.seq, w.handle) for w in step.chunks if w.sample]
         pairs = chunks + list(zip(step.decodes, step.decode_handles, strict=True))
         return [
-            seq.request_id if seq.handle == handle and seq.sampling.HasField("logprobs") else None
+            seq.request_id if seq.handle == handle and seq.sampling.logprobs is not None else None
             for seq, handle in pairs
         ]
 

@@ -99,7 +99,7 @@ async def next_message(queue: asyncio.Queue[scheduler_pb2.TokenEvent]) -> schedu
     """A request stream's next message: the first event waiting, with every event queued
     behind it merged in (tokens and logprobs appended in order, the admission and the finish
     kept). A stream that fell behind the steps catches up in one message, not one per step;
-    one that keeps up sends each step's news at once, as before."""
+    one that keeps up sends each step's news at once."""
     event = await queue.get()
     while not queue.empty():
         event.MergeFrom(queue.get_nowait())

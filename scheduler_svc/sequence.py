@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
-from typing import Any
+
+from llmcommon.sampling import SamplingParams
 
 NO_HANDLE = -1
 
@@ -22,29 +23,35 @@ class Finish(StrEnum):
     ERROR = "error"
 
 
-@dataclass(slots=True, eq=False)  # identity: list.remove() must not compare every field
+# identity: list.remove() must not compare every field; weakly referenced by the KV records
+@dataclass(slots=True, eq=False, weakref_slot=True)
 class Sequence:
     """Counts are kept as plain fields (not properties) because the step loop reads them for
     every running request in every step.
 
     `num_computed` counts the positions whose KV is written once the steps already sent have run;
-    `known` = prompt + output + the tokens those steps will sample, which the scheduler does not
-    know yet (with overlap, one step ahead)."""
+    `num_planned` = prompt + output + the tokens those steps will sample (with overlap, one step
+    ahead): the scheduler has planned them, but learns the sampled ones only when their step
+    completes. What the KV layer keeps of a request (its blocks, prefix keys, how far it is
+    cached) is the KV layer's own record (kv_records.py), not here."""
 
     request_id: str
     prompt_ids: list[int]
     max_tokens: int
     eos_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
-    sampling: Any = None  # passed through to the worker untouched
+    # the worker's sampling settings, checked at the scheduler's door (stop strings are the
+    # gateway's; stop_token_ids every id that ends the request)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
-    known: int = 0  # set from the prompt in __post_init__
-    stop_at: int = 0  # `known` at which nothing more is sampled on its worker; 0 once finished
-    max_out: int = 0  # tokens it may generate on its worker (max_tokens, or less by context)
+    num_planned: int = 0  # set from the prompt in __post_init__
+    # on its worker: `num_planned` at which nothing more is sampled (0 once finished), and the
+    # tokens it may generate (max_tokens, or fewer where the worker's context ends first)
+    max_planned: int = 0
+    output_limit: int = 0
     stop_ids: frozenset[int] = frozenset()  # tokens that end it: eos_ids unless ignore_eos
-    held: int = 0  # positions its allocated blocks cover
     status: SeqStatus = SeqStatus.WAITING
     finish: Finish | None = None
     error: str = ""
@@ -52,23 +59,19 @@ class Sequence:
     handle: int = NO_HANDLE  # its id on the worker's step stream; changes with every placement
     admitted_at: float | None = None  # first admission (queue time ends)
     preemptions: int = 0
-    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full blocks
-    key_block_size: int = 0  # the block size `block_keys` are for
-    cache_salt: bytes = b""  # seeds `block_keys`: only requests of equal salt share blocks
-    suspect: bool = False  # a step computing its KV failed: cache none of it (until recomputed)
-    cached_to: int = 0  # its chunks have cached its full blocks before this position
+    cache_salt: bytes = b""  # seeds its prefix-cache keys: only requests of equal salt share
     # its tokens are taken one execution at a time (logprobs, a grammar): never in a run of
     # several executions (--decode-steps)
     stepwise: bool = False
 
     def __post_init__(self) -> None:
-        self.known = len(self.prompt_ids) + len(self.output_ids)
+        self.num_planned = len(self.prompt_ids) + len(self.output_ids)
         self.stop_ids = frozenset() if self.ignore_eos else self.eos_ids
 
     @property
     def num_inflight(self) -> int:
         """Tokens sampled by steps sent but not yet completed."""
-        return self.known - len(self.prompt_ids) - len(self.output_ids)
+        return self.num_planned - len(self.prompt_ids) - len(self.output_ids)
 
     @property
     def tokens(self) -> list[int]:
@@ -82,7 +85,7 @@ class Sequence:
     @property
     def num_pending(self) -> int:
         """Tokens whose KV is not written yet: the whole prompt at first, 1 in decode."""
-        return self.known - self.num_computed
+        return self.num_planned - self.num_computed
 
     def max_length(self, max_context: int) -> int:
         """The most positions this request can ever hold: what `reserve` sets aside."""

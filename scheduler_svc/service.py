@@ -8,17 +8,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import uuid
+from collections.abc import Iterable
 from dataclasses import replace
 
 import grpc
 
 from llmcommon.protocol import ACCEPTED_KEY
-from llmcommon.sampling_wire import from_wire, to_wire
+from llmcommon.sampling import SamplingParams
 from llmcommon.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.admin import AdminService
 from scheduler_svc.core import Scheduler
 from scheduler_svc.invariants import ENV_VAR, check_invariants, check_step
+from scheduler_svc.kv_rows import add_row
 from scheduler_svc.output import Refused
 from scheduler_svc.reasons import RefusalReason
 from scheduler_svc.relay import EventRelay, next_message
@@ -29,7 +30,7 @@ from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.step import Step
 from scheduler_svc.step_model import StepModels, prior_of
 from scheduler_svc.step_times import StepTimes
-from scheduler_svc.submit_checks import submit_problem
+from scheduler_svc.submit_checks import InvalidSubmission, submission_of
 from scheduler_svc.supervision import Supervisor, TokenMismatch
 from scheduler_svc.worker_client import WorkerClient
 from scheduler_svc.worker_loop import WorkerLoop
@@ -45,11 +46,11 @@ REFUSED_CODE = {  # one for every RefusalReason (a test checks)
 }
 
 
-def work_sampling(s: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
-    """The worker's sampling settings of a request: the request's, checked, with their defaults
-    (the one conversion: llmcommon/sampling_wire.py), without the stop strings (the
-    gateway's); stop_token_ids are the caller's: every id that ends the request."""
-    return to_wire(replace(from_wire(s), stop=(), stop_token_ids=()))
+def work_sampling(params: SamplingParams, stop_ids: Iterable[int]) -> SamplingParams:
+    """The worker's sampling settings of a request: the request's, as checked at the door,
+    without the stop strings (the gateway's), and with every id that ends it as its
+    stop_token_ids (the worker masks them under min_tokens)."""
+    return replace(params, stop=(), stop_token_ids=tuple(sorted(stop_ids)))
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -157,25 +158,23 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         tokens end in a stop id had already ended, only its finish was lost. Raises Rejected."""
         if self.stopping is not None and self.stopping.is_set():  # as a new call is refused
             raise Rejected(grpc.StatusCode.UNAVAILABLE, "the scheduler is stopping")
-        rid = request.request_id or uuid.uuid4().hex
-        s = request.sampling
-        prompt, resumed = list(request.prompt_token_ids), list(request.resume_token_ids)
-        problem = submit_problem(prompt, resumed, s, self.vocab_size())
-        if problem:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        try:
+            sub = submission_of(request, self.vocab_size())  # converted and checked once
+        except InvalidSubmission as err:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        rid, params, eos_ids = sub.request_id, sub.sampling, self.workers.eos_ids
+        stop_ids = (frozenset() if params.ignore_eos else eos_ids) | set(params.stop_token_ids)
         seq = Sequence(
             request_id=rid,
-            prompt_ids=prompt,
-            output_ids=resumed,
-            max_tokens=s.max_tokens,
-            ignore_eos=s.ignore_eos,
-            sampling=work_sampling(s),
-            cache_salt=request.cache_salt,
+            prompt_ids=sub.prompt_ids,
+            output_ids=sub.resume_ids,
+            max_tokens=sub.max_tokens,
+            ignore_eos=params.ignore_eos,
+            sampling=work_sampling(params, stop_ids),
+            cache_salt=sub.cache_salt,
         )
-        eos_ids = seq.eos_ids = self.workers.eos_ids
-        seq.stop_ids = (frozenset() if seq.ignore_eos else eos_ids) | set(s.stop_token_ids)
-        seq.sampling.stop_token_ids.extend(sorted(seq.stop_ids))  # masked under min_tokens
-        if resumed and resumed[-1] in seq.stop_ids:
+        seq.eos_ids, seq.stop_ids = eos_ids, stop_ids
+        if sub.resume_ids and sub.resume_ids[-1] in stop_ids:
             return rid, False
         try:
             self.core.add(seq)
@@ -236,25 +235,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         by_name = {c.spec().name: c for c in clients if c.info is not None}
         for kv in snap.workers:
             client = by_name.get(kv.name)
-            out = reply.workers.add(
-                name=kv.name,
-                capacity=kv.capacity,
-                written=kv.written,
-                reserved_unwritten=kv.reserved_unwritten,
-                free=kv.free,
-                running=kv.running,
-                healthy=kv.healthy,
-                draining=kv.draining,
-                block_size=kv.block_size,
-                max_context=kv.max_context,
-                steps=kv.steps,
-                cached_blocks=kv.cached_blocks,
-                evictable_blocks=kv.evictable_blocks,
-                evictions=kv.evictions,
-                prompt_tokens=kv.prompt_tokens,
-                hit_tokens=kv.hit_tokens,
-            )
-            out.stalls.update(kv.stalls)
+            out = add_row(reply.workers, kv)  # every figure, stalls too
             if client is not None:
                 out.address = client.target
                 out.forward_seconds = client.forward_seconds

@@ -11,11 +11,8 @@ scheduler (its online model, the time budget) and the simulator (`llmserve bench
 - min(tokens, SMALL_ROWS): the step's first rows, which cost more each than the rest where a
   step of a few rows is bound by reading the weights and above by computing (a CPU worker under
   `--quantization auto`: the int4 kernel's time grows by row up to its row figure, 8, oneDNN's
-  bf16 above is flat to 16 rows, then linear). Concave in tokens, still monotone. On the AMX
-  Xeon, 70 shapes mixing decodes (1 to 64, contexts 32 to 600) and prompt chunks (16 to 512
-  tokens), fitted on half and scored on the other half (`python -m llmserve.bench.shape_fit`):
-  held-out p90 |error| 35-38% without it, 26-32% with it, in two runs (docs/benchmarks.md
-  section 9, "A sixth feature").
+  bf16 above is flat to 16 rows, then linear). Concave in tokens, still monotone; what it gains
+  in prediction error (`python -m llmserve.bench.shape_fit`) is in docs/figures.md.
 
 Every coefficient is >= 0, so the model is monotone in every feature (more work never takes
 less time). Pure: no grpc, no torch, no numpy.

@@ -1,31 +1,69 @@
-"""What the scheduler checks in a Submit: the gateway is a caller like any other, and one bad
-request must never reach a batch where it would fail the others. The sampling settings' checks
-are the gateway's and the worker's too (SamplingParams, llmcommon/sampling.py)."""
+"""The scheduler's door: a Submit converted from the wire once and checked, for the gateway is a
+caller like any other and one bad request must never reach a batch where it would fail the
+others. The sampling settings' checks are the gateway's and the worker's too (SamplingParams,
+llmcommon/sampling.py); what the scheduler adds is its own: max_tokens is set, resumed tokens
+leave room, token ids are within the vocabulary. After `submission_of` nothing in the scheduler
+checks the request again."""
 
 from __future__ import annotations
 
-from llmcommon.sampling import InvalidSampling
+import uuid
+from dataclasses import dataclass
+
+from llmcommon.sampling import InvalidSampling, SamplingParams
 from llmcommon.sampling_wire import from_wire
-from llmcommon.v1 import common_pb2
+from llmcommon.v1 import scheduler_pb2
+
+__all__ = ["InvalidSubmission", "Submission", "submission_of"]
 
 
-def submit_problem(
-    prompt_ids: list[int], resume_ids: list[int], s: common_pb2.SamplingParams, vocab_size: int
-) -> str | None:
-    """What is wrong with a submitted request (a message for INVALID_ARGUMENT), or None.
-    `vocab_size` 0 = not known (no worker said)."""
-    if not prompt_ids:
-        return "the prompt has no tokens"
-    if s.max_tokens < 1:
-        return f"max_tokens must be >= 1, got {s.max_tokens}"
-    if len(resume_ids) >= s.max_tokens:
-        return f"{len(resume_ids)} resumed tokens leave nothing of max_tokens {s.max_tokens}"
-    if vocab_size:
-        worst = max(max(prompt_ids), max(resume_ids, default=0))
-        if worst >= vocab_size:
-            return f"token id {worst} is outside the vocabulary of {vocab_size} tokens"
+class InvalidSubmission(ValueError):
+    """A Submit the scheduler refuses (INVALID_ARGUMENT); the message says what is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """A Submit as the scheduler takes it: checked, its settings canonical, max_tokens set."""
+
+    request_id: str
+    prompt_ids: list[int]
+    resume_ids: list[int]
+    sampling: SamplingParams
+    cache_salt: bytes
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_tokens or 0  # set: submission_of checks it
+
+
+def submission_of(request: scheduler_pb2.SubmitRequest, vocab_size: int) -> Submission:
+    """The request converted once and checked; raises InvalidSubmission. `vocab_size` 0 = not
+    known (no worker said). A request without an id gets a new one."""
+    prompt, resumed = list(request.prompt_token_ids), list(request.resume_token_ids)
+    if not prompt:
+        raise InvalidSubmission("the prompt has no tokens")
     try:
-        params = from_wire(s)
+        sampling = from_wire(request.sampling)
     except InvalidSampling as err:
-        return str(err)
-    return params.vocab_problem(vocab_size) if vocab_size else None
+        raise InvalidSubmission(str(err)) from None
+    problem = _problem(prompt, resumed, sampling, vocab_size)
+    if problem:
+        raise InvalidSubmission(problem)
+    rid = request.request_id or uuid.uuid4().hex
+    return Submission(rid, prompt, resumed, sampling, request.cache_salt)
+
+
+def _problem(
+    prompt_ids: list[int], resume_ids: list[int], sampling: SamplingParams, vocab_size: int
+) -> str | None:
+    """What the scheduler adds to the settings' own checks, or None."""
+    if sampling.max_tokens is None:
+        return "max_tokens is not set; the scheduler needs it (1 or more)"
+    if len(resume_ids) >= sampling.max_tokens:
+        return f"{len(resume_ids)} resumed tokens leave nothing of max_tokens {sampling.max_tokens}"
+    if not vocab_size:
+        return None
+    worst = max(max(prompt_ids), max(resume_ids, default=0))
+    if worst >= vocab_size:
+        return f"token id {worst} is outside the vocabulary of {vocab_size} tokens"
+    return sampling.vocab_problem(vocab_size)

@@ -6,17 +6,20 @@ from collections import Counter, deque
 from itertools import islice
 
 from scheduler_svc.config import MAX_TIME_WINDOW, WorkerSpec
-from scheduler_svc.kv import KeyMemo, KvManager
+from scheduler_svc.kv import KvManager
+from scheduler_svc.kv_records import KvRecords
 from scheduler_svc.output import WorkerKv
 from scheduler_svc.sequence import Sequence
 
 
 class WorkerState:
-    def __init__(self, spec: WorkerSpec, index: int, caching: bool, memo: KeyMemo | None) -> None:
+    def __init__(
+        self, spec: WorkerSpec, index: int, caching: bool, records: KvRecords | None
+    ) -> None:
         self.index = index
         self.spec = spec
-        self.caching, self.memo = caching, memo
-        self.kv = KvManager(spec.num_blocks, spec.block_size, caching, memo)
+        self.caching, self.records = caching, records
+        self.kv = KvManager(spec.num_blocks, spec.block_size, caching, records)
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.prefilling: set[Sequence] = set()  # running, with prompt (chunks) still to compute
         self.done: list[tuple[Sequence, int]] = []  # finished while running: leave next step
@@ -56,7 +59,7 @@ class WorkerState:
         """A fresh view of the pool (a replacement worker may bring another size)."""
         self.spec = spec or self.spec
         self.lost_evictions += self.kv.pool.evictions
-        self.kv = KvManager(self.spec.num_blocks, self.spec.block_size, self.caching, self.memo)
+        self.kv = KvManager(self.spec.num_blocks, self.spec.block_size, self.caching, self.records)
         self.released.clear()
         self.trims.clear()
         self.prefilling.clear()

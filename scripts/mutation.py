@@ -47,6 +47,11 @@ class Group:
     part_of: str = ""  # a quick run over part of that group: only when named
 
 
+# the core's modules, one concern each (scheduler_svc/core/__init__.py only re-exports)
+CORE = tuple(
+    f"scheduler_svc/core/{name}.py"
+    for name in "state membership admission planning runs failures scheduler".split()
+)
 CORE_TESTS = (
     "tests/test_core_behaviour.py",
     "tests/test_core_rules.py",
@@ -76,11 +81,13 @@ CORE_TESTS = (
     # decode runs (--decode-steps) and the step-time window (--step-time-window)
     "tests/test_decode_steps.py",
     "tests/test_time_window.py",
+    "tests/test_request_queue.py",
 )
 GROUPS = {
     "core": Group(
         (
-            "scheduler_svc/core.py",
+            *CORE,
+            "scheduler_svc/request_queue.py",
             "scheduler_svc/kv.py",
             "scheduler_svc/blocks.py",
             "scheduler_svc/worker_state.py",
@@ -95,7 +102,7 @@ GROUPS = {
         (
             "scheduler_svc/blocks.py",
             "scheduler_svc/kv.py",
-            "scheduler_svc/core.py",
+            *CORE,
             "scheduler_svc/worker_state.py",
         ),
         CORE_TESTS,
@@ -104,7 +111,7 @@ GROUPS = {
             "scheduler_svc.blocks.*",
             "scheduler_svc.kv.*",
             *(
-                f"scheduler_svc.core.xǁSchedulerǁ{name}__mutmut_*"
+                f"scheduler_svc.core.*.xǁ*ǁ{name}__mutmut_*"
                 for name in (
                     "_distrust _failed_work _place _why_not _start _reap _preempt _admit "
                     "_chunk _plan_chunk _make_room schedule_workers"
@@ -116,15 +123,15 @@ GROUPS = {
     ),
     # decode runs and the step-time window alone: a quick run after changing them
     "runs": Group(
-        ("scheduler_svc/core.py", "scheduler_svc/worker_state.py"),
+        (*CORE, "scheduler_svc/worker_state.py"),
         CORE_TESTS,
         part_of="core",
         functions=(
             *(
-                f"scheduler_svc.core.xǁSchedulerǁ{name}__mutmut_*"
+                f"scheduler_svc.core.*.xǁ*ǁ{name}__mutmut_*"
                 for name in "_lengthen _complete_run complete schedule_workers".split()
             ),
-            "scheduler_svc.core.x__stepwise__mutmut_*",
+            "scheduler_svc.core.scheduler.x__stepwise__mutmut_*",
             "scheduler_svc.worker_state.xǁWorkerStateǁtime_limit__mutmut_*",
         ),
     ),

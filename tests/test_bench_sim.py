@@ -64,7 +64,10 @@ def test_reserve_waits_on_reservations_that_paged_does_not_make(trace_slice) -> 
     assert "kv_reserved" not in paged["stalls"]
     assert reserve["kv"]["peak_running"] < paged["kv"]["peak_running"]
     assert reserve["ttft_s"]["p99"] > paged["ttft_s"]["p99"]
-    assert runs["continuous+reserve"].wall_s >= runs["continuous+paged"].wall_s  # virtual end
+    # both end with the trace's last requests (virtual time; paged ended sooner only while the
+    # trace's prompts were one repeated word, every one a prefix hit): the cost is the waits
+    ends = (runs["continuous+reserve"].wall_s, runs["continuous+paged"].wall_s)
+    assert ends[0] == pytest.approx(ends[1], rel=1e-3)
 
 
 def test_closed_loop_keeps_the_concurrency() -> None:

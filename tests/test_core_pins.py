@@ -27,7 +27,7 @@ def finish_all(core: Scheduler, limit: int = 200) -> None:
 
 def cached_start(core: Scheduler, rid: str, prompt: list[int]) -> int:
     """Add a request with this prompt; the position its first chunk starts from."""
-    core.add(dataclasses.replace(seq(rid, 1, 2), prompt_ids=list(prompt), known=len(prompt)))
+    core.add(dataclasses.replace(seq(rid, 1, 2), prompt_ids=list(prompt), num_planned=len(prompt)))
     [planned] = core.schedule_all()
     [work] = [w for w in planned.chunks if w.seq.request_id == rid]
     core.complete(planned, sample(planned))
@@ -121,7 +121,7 @@ def test_a_failed_steps_chunk_leaves_nothing_cached_for_the_next_request() -> No
     core = Scheduler(
         CoreConfig(token_budget=64, prefix_caching=True), [WorkerSpec("w0", 64, 4, 4096)]
     )
-    core.add(dataclasses.replace(seq("A", 1, 2), prompt_ids=list(PROMPT), known=len(PROMPT)))
+    core.add(dataclasses.replace(seq("A", 1, 2), prompt_ids=list(PROMPT), num_planned=len(PROMPT)))
     [planned] = core.schedule_all()  # A's prompt, its four full blocks cached as planned
     core.fail_step(planned, "boom")
     check_invariants(core)

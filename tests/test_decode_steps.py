@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from llmcommon.sampling import Grammar, SamplingParams
 from llmcommon.v1 import common_pb2
 from llmserve.status_text import decode_steps_text
 from scheduler_svc.config import MAX_DECODE_STEPS, CoreConfig, KvPolicy, WorkerSpec
@@ -127,12 +128,10 @@ def test_no_request_is_preempted_to_make_a_run(c_tokens: int, preempted: int) ->
 
 @pytest.mark.parametrize("field", ["logprobs", "grammar"])
 def test_requests_taking_tokens_one_at_a_time_keep_steps_at_one_execution(field: str) -> None:
-    sampling = common_pb2.SamplingParams()
     if field == "logprobs":
-        sampling.logprobs = 0
+        sampling = SamplingParams(logprobs=0)
     else:
-        sampling.grammar.kind = common_pb2.Grammar.REGEX
-        sampling.grammar.spec = "a+"
+        sampling = SamplingParams(grammar=Grammar(kind=common_pb2.Grammar.REGEX, spec="a+"))
     core = make(decode_steps=4)
     core.add(seq("B", 3, max_tokens=6, sampling=sampling))
     assert all(r == 1 for _, r in drive(core))

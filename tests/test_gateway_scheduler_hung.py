@@ -12,7 +12,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.core import GatewayCore, GenerateInput, GenerationError
+from gateway.core import GatewayCore, GenerateInput
+from gateway.generation_errors import GenerationError
 from gateway.scheduler_watch import SilenceBound, Verdict
 from gateway.settings import GatewaySettings
 from gateway.tokenizer_files import load_tokenizer

@@ -21,7 +21,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.core import GenerationError, QueueFull
+from gateway.generation_errors import GenerationError, QueueFull
 from gateway.http_errors import from_generation
 from llmserve import client
 from tests.stack_checks import wait_for, wait_idle

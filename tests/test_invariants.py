@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from llmcommon.v1 import common_pb2
+from llmcommon.sampling import SamplingParams
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.invariants import InvariantError, check_invariants, check_step
@@ -21,7 +21,7 @@ from tests.inproc import InProcessClient
 from tests.sim import seq, step
 
 SPEC = WorkerSpec("w0", num_blocks=8, block_size=4, max_context=64)
-SAMPLING = common_pb2.SamplingParams(temperature=0.0)
+SAMPLING = SamplingParams(temperature=0.0)
 
 
 def busy_core() -> Scheduler:
@@ -51,7 +51,7 @@ def drop_kv(core: Scheduler) -> None:
 
 def waiting_with_worker(core: Scheduler) -> None:
     core.add(seq("d", 6, 4))
-    core.waiting[-1].worker = 0
+    core.seqs["d"].worker = 0
 
 
 @pytest.mark.parametrize("corrupt", [steal_block, free_owned, drop_kv, waiting_with_worker])

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from scheduler_svc.blocks import block_keys
-from scheduler_svc.kv import FailedWork, KeyMemo, KvManager
+from scheduler_svc.kv import FailedWork, KvManager
+from scheduler_svc.kv_records import KvRecords
 from scheduler_svc.reasons import StallReason
 from scheduler_svc.sequence import Sequence
 
@@ -26,9 +27,9 @@ def written(kv: KvManager, seq: Sequence, positions: int) -> None:
 def test_allocate_answers_the_new_blocks_then_none_once_the_pool_is_full() -> None:
     kv = KvManager(4, BS, caching=False)
     a, b = req("a", [1] * 8), req("b", [2] * 8)
-    assert kv.allocate(a, 6) == [0, 1] and a.held == 8
-    assert kv.allocate(a, 8) == [] and a.held == 8  # it holds them already
-    assert kv.allocate(b, 9) is None and b.held == 0  # three blocks, two free
+    assert kv.allocate(a, 6) == [0, 1] and kv.held(a) == 8
+    assert kv.allocate(a, 8) == [] and kv.held(a) == 8  # it holds them already
+    assert kv.allocate(b, 9) is None and kv.held(b) == 0  # three blocks, two free
     assert kv.allocate(b, 8) == [2, 3] and kv.num_free == 0
     assert kv.allocate(a, 9) is None
 
@@ -62,9 +63,9 @@ def test_free_keeps_the_cache_of_what_it_wrote_or_drops_it() -> None:
 def test_a_suspect_request_commits_nothing() -> None:
     kv = KvManager(8, BS, caching=True)
     a = req("a", list(range(8)))
-    a.suspect = True
+    kv.mark_suspect(a)
     written(kv, a, 8)
-    assert kv.pool.cached == {} and a.cached_to == 0
+    assert kv.pool.cached == {} and kv.records.of(a).cached_to == 0
 
 
 def test_admission_counts_the_hit_the_evictable_and_what_the_running_reserved() -> None:
@@ -97,7 +98,7 @@ def test_usage_counts_a_shared_block_once_and_each_requests_unwritten_tail() -> 
     kv.sent()
     b = req("b", prompt + [8])
     hit = kv.hit(b)
-    kv.share(b, hit)
+    kv.place(b, hit)
     b.num_computed = 8
     assert kv.allocate(b, 12) is not None  # one block more, nothing written in it
     usage = kv.usage([a, b])
@@ -112,30 +113,30 @@ def test_distrust_spreads_to_whoever_filled_a_block_over_a_distrusted_one() -> N
     written(kv, a, 8)  # its two full blocks, committed by the failed chunk
     kv.sent()
     b = req("b", prompt + [2, 3, 4, 5, 6])  # admitted over a's blocks before the failure
-    kv.share(b, kv.hit(b))
+    kv.place(b, kv.hit(b))
     b.num_computed = 8
     written(kv, b, 12)
     c = req("c", [7] * 8)  # unrelated
     written(kv, c, 8)
     failed = [FailedWork(a, 0, kv.pool.table("a"), owns_table=True)]
     assert kv.distrust(failed, [b, c]) == [b]
-    assert a.suspect and not b.suspect  # the caller decides b's fate
+    assert kv.records.of(a).suspect and not kv.records.of(b).suspect  # the caller decides b's fate
     assert kv.pool.cached.keys() == set(block_keys(c.prompt_ids, BS, [], 2))
     assert KvManager(4, BS, caching=False).distrust(failed, [b]) == []
 
 
 def test_a_new_prompt_takes_the_equal_leading_keys_of_the_latest_with_its_first_block() -> None:
-    memo = KeyMemo(size=1)
+    memo = KvRecords(size=1)
     document = list(range(200, 200 + 8 * BS))
     a = req("a", document + [1] * BS)
     memo.reuse(a, BS, 8)
-    assert len(a.block_keys) == 1  # nothing to reuse yet: its first key only
-    a.block_keys = block_keys(a.prompt_ids, BS, [], 9)
+    assert len(memo.of(a).keys) == 1  # nothing to reuse yet: its first key only
+    memo.of(a).keys = block_keys(a.prompt_ids, BS, [], 9)
     b = req("b", document[: 5 * BS] + [2] * (4 * BS))
     memo.reuse(b, BS, 8)
-    assert b.block_keys == a.block_keys[:5]  # five equal blocks, none hashed but the first
+    assert memo.of(b).keys == memo.of(a).keys[:5]  # five equal blocks, none hashed but the first
     other = req("c", [3] * (9 * BS))
     memo.reuse(other, BS, 8)  # pushes the others out of a memo of one
     d = req("d", list(document))
     memo.reuse(d, BS, 7)
-    assert len(d.block_keys) == 1
+    assert len(memo.of(d).keys) == 1

@@ -6,7 +6,8 @@ follow keys or go round the running requests more than once."""
 from __future__ import annotations
 
 from scheduler_svc.blocks import block_keys
-from scheduler_svc.kv import FailedWork, KeyMemo, KvManager
+from scheduler_svc.kv import FailedWork, KvManager
+from scheduler_svc.kv_records import KvRecords
 from scheduler_svc.reasons import StallReason
 from scheduler_svc.sequence import Sequence
 
@@ -53,14 +54,14 @@ def test_a_short_prompt_decoded_past_two_blocks_is_found_by_its_resent_conversat
 
 
 def test_a_recompute_with_output_reuses_only_the_keys_of_its_prompts_full_blocks() -> None:
-    memo = KeyMemo()
+    memo = KvRecords()
     document = list(range(300, 300 + 10 * BS))
     a = req("a", document + [1])
     memo.reuse(a, BS, 10)  # the first to start so: its first key only
-    theirs = block_keys(a.prompt_ids, BS, a.block_keys, 10)
+    theirs = block_keys(a.prompt_ids, BS, memo.of(a).keys, 10)
     b = req("b", document[: 5 * BS + 2], output=list(range(900, 910)))  # 22 + 10 known
-    memo.reuse(b, BS, (b.known - 1) // BS)
-    assert b.block_keys == theirs[:5]
+    memo.reuse(b, BS, (b.num_planned - 1) // BS)
+    assert memo.of(b).keys == theirs[:5]
 
 
 def test_requests_looked_up_again_after_others_with_their_first_block_keep_their_own_keys() -> None:
@@ -88,7 +89,7 @@ def test_requests_looked_up_again_after_others_with_their_first_block_keep_their
 def test_a_reservation_fits_exactly_beside_a_request_reserved_whole() -> None:
     kv = KvManager(8, BS, caching=False)
     r = req("r", [1] * 4)
-    r.stop_at = 16
+    r.max_planned = 16
     assert kv.allocate(r, 16) is not None  # its whole reservation: it owes nothing
     assert kv.owed([r]) == 0
     assert kv.why_not_admit([], 4, 16, [r]) is None  # the 4 blocks left
@@ -98,7 +99,7 @@ def test_a_reservation_fits_exactly_beside_a_request_reserved_whole() -> None:
 def test_a_reservation_waits_for_the_blocks_a_paged_request_may_still_take() -> None:
     kv = KvManager(8, BS, caching=False)
     p = req("p", [1] * 4)
-    p.stop_at = 16
+    p.max_planned = 16
     assert kv.allocate(p, 4) is not None  # admitted paged: 1 block of the 4 it may reach
     assert kv.owed([p]) == 3
     assert kv.why_not_admit([], 4, 16, [p]) is None  # 4 + 3 of the 7 free
@@ -120,7 +121,7 @@ def test_a_trim_leaves_the_request_holding_exactly_the_blocks_it_keeps() -> None
     r = req("r", [1] * 4)
     assert kv.allocate(r, 16) is not None
     r.num_computed = 5
-    assert kv.trim(r) == 2 and r.held == 2 * BS and kv.num_free == 6
+    assert kv.trim(r) == 2 and kv.held(r) == 2 * BS and kv.num_free == 6
     assert kv.allocate(r, 8) == [] and kv.trim(r) is None
 
 
@@ -166,7 +167,7 @@ def test_distrust_reaches_a_request_through_one_looked_at_after_it() -> None:
     kv.sent()
     [f0], [x0] = kv.pool.table("f"), kv.pool.table("x")
     t, p, q = req("t", [3] * 5), req("p", [4] * 5), req("q", [5] * 9)
-    kv.share(t, [f0])
-    kv.share(p, [x0])
-    kv.share(q, [f0, x0])
+    kv.place(t, [f0])
+    kv.place(p, [x0])
+    kv.place(q, [f0, x0])
     assert kv.distrust([FailedWork(f, 0, [f0], owns_table=True)], [t, p, q]) == [q, p, t]

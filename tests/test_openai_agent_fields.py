@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from gateway.context_fit import completion_budget, completion_overflow, prompt_overflow
-from gateway.core import ContextLengthExceeded, QueueFull
+from gateway.generation_errors import ContextLengthExceeded, QueueFull
 from gateway.http_errors import ApiError, from_generation
 from gateway.openai_requests import ChatCompletionRequest, CompletionRequest
 from gateway.stops import StopMatcher

@@ -108,7 +108,7 @@ def test_a_request_admitted_onto_a_failed_chunk_caches_nothing_it_filled_over_it
     pool = core.workers[0].kv.pool
     [(_, shared)] = second.shares
     filled = pool.table("B")[2]
-    assert shared == pool.table("X")[:2] and pool.key_of[filled] == b.block_keys[2]
+    assert shared == pool.table("X")[:2] and pool.key_of[filled] == core.kv_records.of(b).keys[2]
     core.fail_items(first, {first.chunks[0].handle: "boom"}, "w")
     check_invariants(core)
     assert pool.cached == {} and filled not in pool.key_of
@@ -122,7 +122,10 @@ def test_a_request_admitted_onto_a_failed_chunk_caches_nothing_it_filled_over_it
     core.add(req("D", b.prompt_ids + [6], 3))
     driver.tick()
     d_table = pool.table("D")
-    assert d_table[:3] == [pool.cached[k] for k in b.block_keys[:3]] and filled not in d_table
+    assert (
+        d_table[:3] == [pool.cached[k] for k in core.kv_records.of(b).keys[:3]]
+        and filled not in d_table
+    )
     assert not driver.truth.wrong & set(d_table)
 
 
@@ -143,7 +146,7 @@ def test_distrust_is_transitive_through_blocks_other_requests_filled() -> None:
     assert [s.seq.request_id for s in steps[2].chunks] == ["D"]
     assert steps[2].shares[0][1] == pool.table("B")[:3]  # X's two blocks and B's own
     d_own = pool.table("D")[3]
-    assert pool.key_of[d_own] == d.block_keys[3]
+    assert pool.key_of[d_own] == core.kv_records.of(d).keys[3]
     core.fail_items(steps[0], {steps[0].chunks[0].handle: "boom"}, "w")
     assert pool.cached == {} and not pool.evictable
     assert list(core.waiting) == [b, d] and b.preemptions == d.preemptions == 1

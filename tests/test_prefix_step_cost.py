@@ -150,7 +150,8 @@ def test_a_prompt_that_repeats_a_recent_ones_prefix_reuses_its_keys_unhashed(
     core.schedule_all()
     hashes, _ = counts.take()
     assert hashes <= 1 + 3 + 1  # its first block, its own three, the last one's lookup
-    assert second.block_keys == block_keys(second.prompt_ids, BS, [], len(second.block_keys))
+    keys = core.kv_records.of(second).keys
+    assert keys == block_keys(second.prompt_ids, BS, [], len(keys))
     assert core.snapshot().workers[0].hit_tokens >= 100 * BS
     # another salt shares nothing: every block hashed anew
     third = Sequence("c", document + [2] * (3 * BS), 2, arrival=1.0, cache_salt=b"tenant")

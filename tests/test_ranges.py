@@ -21,9 +21,10 @@ from llmcommon.ranges import (
     Range,
 )
 from llmcommon.sampling import SamplingParams
-from llmcommon.v1 import common_pb2
-from scheduler_svc.submit_checks import submit_problem
-from worker_svc.step_checks import sampling_problem as step_problem
+from llmcommon.v1 import common_pb2, scheduler_pb2, worker_pb2
+from scheduler_svc.submit_checks import InvalidSubmission, submission_of
+from worker_svc.session import Session
+from worker_svc.sim import SimRunner, sim_config
 
 VOCAB = 64
 PROBES = [
@@ -47,6 +48,28 @@ def gateway_takes(name: str, value: float, **others: object) -> bool:
     except InvalidRequest:
         return False
     return True
+
+
+def submit_problem(
+    prompt: list[int], resumed: list[int], sampling: common_pb2.SamplingParams, vocab: int
+) -> str | None:
+    """What the scheduler's door says of a Submit (None: it takes it)."""
+    submit = scheduler_pb2.SubmitRequest(
+        prompt_token_ids=prompt, resume_token_ids=resumed, sampling=sampling
+    )
+    try:
+        submission_of(submit, vocab)
+    except InvalidSubmission as err:
+        return str(err)
+    return None
+
+
+def step_problem(sampling: common_pb2.SamplingParams, vocab: int) -> str | None:
+    """What the worker's door says of a request placed with these settings (None: it takes
+    it); its vocabulary is the simulated model's, larger than `vocab`."""
+    session = Session(SimRunner(sim_config(64), 4, 16, 0.0), 4)
+    assert session.vocab_size >= vocab
+    return session.add(worker_pb2.Added(handle=1, request_id="r", sampling=sampling))
 
 
 def scheduler_takes(name: str, value: float) -> bool:

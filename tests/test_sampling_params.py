@@ -25,8 +25,9 @@ from llmcommon.sampling import (
     f32,
 )
 from llmcommon.sampling_wire import from_wire, params_of, to_wire
-from llmcommon.v1 import common_pb2, gateway_pb2, worker_pb2
+from llmcommon.v1 import common_pb2, gateway_pb2, scheduler_pb2, worker_pb2
 from scheduler_svc.service import work_sampling
+from scheduler_svc.submit_checks import submission_of
 from worker_svc.session import Session
 from worker_svc.sim import SimRunner, sim_config
 
@@ -71,11 +72,16 @@ def wire_request() -> gateway_pb2.GenerateRequest:
     )
 
 
+def scheduler_takes(submitted: common_pb2.SamplingParams) -> SamplingParams:
+    """The settings as the scheduler's door converts them."""
+    submit = scheduler_pb2.SubmitRequest(prompt_token_ids=[1], sampling=submitted)
+    return submission_of(submit, 0).sampling
+
+
 def scheduler_forwards(submitted: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
     """What the scheduler's Submit hands the worker: every id that ends the request."""
-    out = work_sampling(submitted)
-    out.stop_token_ids.extend(sorted({EOS, *submitted.stop_token_ids}))
-    return out
+    params = scheduler_takes(submitted)
+    return to_wire(work_sampling(params, {EOS, *params.stop_token_ids}))
 
 
 def worker_receives(message: common_pb2.SamplingParams) -> tuple[SamplingParams, list[object]]:
@@ -130,7 +136,8 @@ def test_unset_fields_are_the_defaults_on_every_hop() -> None:
     assert to_wire(SamplingParams()) == common_pb2.SamplingParams(
         temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0
     )  # None is unset; the rest is sent as it is
-    forwarded = work_sampling(common_pb2.SamplingParams(max_tokens=3, stop=["x"]))
+    sent = common_pb2.SamplingParams(max_tokens=3, stop=["x"])
+    forwarded = to_wire(work_sampling(scheduler_takes(sent), ()))
     assert from_wire(forwarded) == SamplingParams(max_tokens=3)  # no stop strings sent on
 
 

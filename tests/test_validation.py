@@ -20,7 +20,7 @@ MAX_CONTEXT = 2048
 DEFAULT_MAX = 256
 
 
-REQUEST = ("prompt", "messages", "max_context", "default_max_tokens")
+REQUEST = ("prompt", "messages", "max_context", "default_max_tokens", "fit_context")
 
 
 def call(**overrides: Any) -> ValidatedParams:
@@ -180,3 +180,26 @@ def test_size_limits_refuse_past_them_and_say_the_limit() -> None:
         limits.check_chars(101)
     with pytest.raises(InvalidRequest, match="the chat's messages have 101 characters"):
         limits.check_chars(101, chat=True)
+
+
+def test_min_tokens_is_held_within_the_default_max_tokens() -> None:
+    assert call(min_tokens=DEFAULT_MAX).sampling.max_tokens == DEFAULT_MAX
+    with pytest.raises(InvalidRequest) as info:
+        call(min_tokens=DEFAULT_MAX + 1)
+    assert info.value.param == "min_tokens"
+    assert str(info.value) == f"min_tokens {DEFAULT_MAX + 1} is more than max_tokens {DEFAULT_MAX}"
+
+
+def test_under_the_http_rule_max_tokens_waits_for_the_prompt_to_be_counted() -> None:
+    """fit_context: unset stays unset (the rest of the context, once the prompt is counted), set
+    beyond the context is kept for the context check to refuse in vLLM's words, even with a
+    min_tokens above it; within the context min_tokens is held within it here."""
+    assert call(fit_context=True, min_tokens=DEFAULT_MAX + 1).sampling.max_tokens is None
+    beyond = call(fit_context=True, max_tokens=MAX_CONTEXT + 1, min_tokens=MAX_CONTEXT + 2)
+    assert beyond.sampling.max_tokens == MAX_CONTEXT + 1
+    with pytest.raises(InvalidRequest) as info:
+        call(fit_context=True, max_tokens=4, min_tokens=5)
+    assert info.value.param == "min_tokens"
+    with pytest.raises(InvalidRequest) as info:
+        call(fit_context=True, max_tokens=0)
+    assert str(info.value) == "max_tokens is 0; it must be at least 1"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import logging
@@ -12,9 +11,8 @@ import grpc
 import torch
 
 from llmcommon.auth import internal_token
-from llmcommon.flags import add_flags, from_args
-from llmcommon.metrics_http import metrics_host
-from llmcommon.server import Server, die_with_parent, internal_channel, setup_logging
+from llmcommon.metrics_http import start_metrics
+from llmcommon.server import Server, internal_channel, run_service, setup_logging
 from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_svc.cpu_features import host_features
 from worker_svc.device import resolve_device
@@ -67,9 +65,7 @@ async def serve(settings: WorkerSettings) -> None:
     if settings.metrics_port:
         metrics = WorkerMetrics(settings.display_name)
         metrics.attach(service)
-        where = metrics_host(settings.host, settings.metrics_host)
-        metrics.serve(where, settings.metrics_port)
-        log.info("metrics on http://%s:%d/metrics", where, settings.metrics_port)
+        start_metrics(metrics, settings, log)
     registering: list[asyncio.Task] = []
 
     async def ready() -> None:
@@ -162,10 +158,7 @@ async def register(settings: WorkerSettings, token: str, log, period: float = 2.
 
 
 def main(argv: list[str] | None = None) -> None:
-    die_with_parent()  # when started by `llmserve up`
-    parser = argparse.ArgumentParser(prog="worker_svc")
-    add_flags(parser, WorkerSettings, env_prefix=ENV_PREFIX)
-    asyncio.run(serve(from_args(WorkerSettings, parser.parse_args(argv))))
+    run_service("worker_svc", WorkerSettings, ENV_PREFIX, serve, argv)
 
 
 if __name__ == "__main__":

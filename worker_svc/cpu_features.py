@@ -20,13 +20,9 @@ TIERS = ("amx", "avx512_bf16", "avx512_vnni", "avx512", "avx2", "baseline")
 # Rows (tokens of one matmul) up to which a 4-bit layer under --quantization auto runs the int4
 # kernel (0.625 bytes read per weight: wins while the step is bound by memory bandwidth); above,
 # its bf16 values (oneDNN, compute-bound). None: the int4 kernel at every size (no bf16 dot
-# products: oneDNN's bf16 loses at every size), no bf16 copy kept. Measured with SmolLM2-135M at
-# 2 threads (docs/benchmarks.md "Quantized weights"): avx512_bf16 on an AMD EPYC; avx512_vnni
-# and avx2 on the same host with oneDNN and ATen capped (ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI /
-# AVX2, ATEN_CPU_CAPABILITY=avx512 / avx2): int4 1.5-2.4x bf16 at every size; amx on an Intel
-# Xeon (AMX's bf16 tiles take about the same time from 1 to 16 rows: int4 1.4-1.6x at 8 rows,
-# about level at 10-12, 0.7-0.9x at 16). avx512 is avx512_vnni's case (VNNI is int8 only) and
-# baseline avx2's.
+# products: oneDNN's bf16 loses at every size), no bf16 copy kept. The row figures per tier are
+# measured (docs/figures.md); avx512 is avx512_vnni's case (VNNI is int8 only) and baseline
+# avx2's.
 QUANTIZED_MAX_ROWS: dict[str, int | None] = {
     "amx": 8,
     "avx512_bf16": 8,
@@ -39,20 +35,16 @@ QUANTIZED_MAX_ROWS: dict[str, int | None] = {
 # Logit rows up to which the output matrix (vocab x hidden: SmolLM2's is 49,152 x 576, 57 MB in
 # bf16, 46% of what a one-row decode step under auto reads) runs as int8 where the weights carry
 # it so (Weights.lm_head_int8): a step samples one row per decode and one per prompt that ends,
-# so nearly every step is in range. Measured on the AMX Xeon, 2 threads, the one matrix: 1 row
-# int8 2.4 ms against bf16 5.0 ms, 4 rows 3.5 against 5.0, 8 rows 6.9 against 5.3 (the int8
-# kernel's time grows with the rows, oneDNN's bf16 does not). The same on every tier: at a few
-# rows the product is bound by reading the weights.
+# so nearly every step is in range. The int8 kernel's time grows with the rows, oneDNN's bf16
+# does not: at a few rows the product is bound by reading the weights, on every tier
+# (docs/figures.md).
 OUTPUT_INT8_MAX_ROWS = 4
 
 # The tiers on which `llmserve up`, where its workers take every core, runs a worker's steps of a
-# few rows on one thread fewer (--small-step-threads -1). None since 2026-12-02: the rule was
-# measured to gain on avx512_bf16 (an AMD EPYC, 2 vCPUs: 1 thread 1.31x the output tok/s of 2 at
-# one stream) while the worker's steps ran on a second OpenMP team (the model loaded on the main
-# thread, the steps on the forward thread), which slowed every two-thread step about 2x. With
-# one thread for both (worker_svc/service.py `forward_thread`) two threads win there: 120 against
-# 91 tok/s (docs/benchmarks.md, "One thread for the model"). The mechanism stays for a tier that
-# is measured to gain; --small-step-threads sets it by hand.
+# few rows on one thread fewer (--small-step-threads -1). None: with the model loaded and its
+# steps run on one thread (worker_svc/service.py `forward_thread`), two threads beat one at one
+# stream on both tiers measured, avx512_bf16 and amx (docs/figures.md). The mechanism stays for
+# a tier that gains from it; --small-step-threads sets it by hand.
 SMALL_STEPS_LEAVE_A_CORE: frozenset[str] = frozenset()
 
 

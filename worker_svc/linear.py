@@ -1,7 +1,7 @@
 """Linear layers with oneDNN-prepacked weights for bf16/fp16 on CPU.
 
 F.linear in bf16 reorders the weight into oneDNN's blocked layout on every call; packing once
-makes batch-1 decode matmuls about 2x faster (same kernel, bit-identical results). fp32 stays on
+saves that reorder (same kernel, bit-identical results; the figures: docs/figures.md). fp32 stays on
 F.linear (MKL), which keeps fp32 results identical to transformers'. Quantized weights (int8,
 int4) run by PyTorch's weight-only CPU kernels instead (QuantizedLinear, worker_svc/quant.py);
 one kept also as dense values (--quantization auto) runs the quantized kernel for matmuls of up
@@ -19,11 +19,9 @@ from worker_svc.quant import Int4Weight, QuantizedWeight, dense_values, is_quant
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
 # The rows oneDNN is told to expect when it lays a weight out. Packed for 1 row, it picks a layout
-# whose kernels were slower at every size measured (AMX Xeon, 2 threads, SmolLM2's 30 layers of
-# matrices: 1 row 21.9 -> 15.9 ms, 64 rows 37.2 -> 23.9, 1,024 rows 229 -> 169) and that, from 64
-# rows on, sums in another order than F.linear. Packed for 16, 64 or 256 rows the times are alike
-# and the results F.linear's, bit for bit, at every size. Without AMX (oneDNN capped at
-# AVX512_CORE_BF16 or AVX512_CORE on the same host) the two layouts time alike.
+# whose kernels are slower on AMX at every size and that, from 64 rows on, sums in another order
+# than F.linear. Packed for 64 rows the results are F.linear's, bit for bit, at every size
+# (the figures: docs/figures.md).
 PACK_ROWS = 64
 
 

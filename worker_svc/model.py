@@ -103,8 +103,8 @@ class LlamaModel:
         """Returns logits: [rows, vocab] fp32."""
         num_tokens = token_ids.shape[0]
         backend = attention_backend(pool.k.device, self.attention_choice)
-        # decode-only steps take the fused-kernel path (bf16): measured faster than the torch
-        # path from 1 to 128 requests (1.4x at 16 and 64) and level with it at 256
+        # decode-only steps take the fused-kernel path (bf16), no slower than the torch path at
+        # any batch (docs/figures.md)
         if self.kernels is not None and backend == "torch" and plan.num_decode == num_tokens:
             return self.forward_small_decode(token_ids, positions, slots, plan, pool, logit_rows)
         if backend == "triton":
@@ -295,8 +295,8 @@ class LlamaModel:
     ) -> None:
         """The decodes of a step with prompt chunks, by the fused kernel (their K/V is in the
         pool already): it reads the blocks in place, where the torch path gathers every
-        request's context into one padded batch first (measured: a step of 64 decodes at ~600
-        positions and a 256-token chunk 723 ms, against ~380 predicted from the two alone)."""
+        request's context into one padded batch first, which makes a mixed step cost far more
+        than its decodes and its chunk apart (docs/figures.md)."""
         assert self.kernels is not None
         cfg = self.config
         layer_bytes = pool.k.stride(0) * pool.k.element_size()  # run_layers set the threads

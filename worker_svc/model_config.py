@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 ROPE_SCALING_KINDS = ("linear", "llama3")
 
@@ -82,62 +82,61 @@ def smollm2_135m_config() -> ModelConfig:
 
 def tiny_config() -> ModelConfig:
     """A tiny random model of the SmolLM2 architecture and vocabulary, for fast tests."""
-    return ModelConfig(
-        vocab_size=49152,
+    return replace(
+        smollm2_135m_config(),
         hidden_size=64,
         intermediate_size=128,
         num_layers=2,
         num_heads=4,
         num_kv_heads=2,
         head_dim=16,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
         max_context=2048,
-        tie_embeddings=True,
-        bos_token_id=1,
-        eos_token_ids=(2,),
         name="tiny",
+    )
+
+
+def llama3_family(name: str, rope_factor: float, **shape) -> ModelConfig:
+    """A Llama 3 model's shape: what the family shares (vocabulary, special tokens, RoPE and its
+    llama3 scaling, context) with the model's own sizes in `shape`."""
+    return ModelConfig(
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        max_context=131072,
+        bos_token_id=128000,
+        eos_token_ids=(128001,),
+        name=name,
+        rope_scaling=RopeScaling("llama3", rope_factor, 1.0, 4.0, 8192),
+        **shape,
     )
 
 
 def llama32_1b_config() -> ModelConfig:
     """Llama-3.2-1B's shape (its config.json): random weights of this shape time like the real
     ones (the GPU check builds them from this config; nothing is downloaded)."""
-    return ModelConfig(
-        vocab_size=128256,
+    return llama3_family(
+        "Llama-3.2-1B-shape",
+        32.0,
         hidden_size=2048,
         intermediate_size=8192,
         num_layers=16,
         num_heads=32,
         num_kv_heads=8,
         head_dim=64,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        max_context=131072,
         tie_embeddings=True,
-        bos_token_id=128000,
-        eos_token_ids=(128001,),
-        name="Llama-3.2-1B-shape",
-        rope_scaling=RopeScaling("llama3", 32.0, 1.0, 4.0, 8192),
     )
 
 
 def llama31_8b_config() -> ModelConfig:
     """Llama-3.1-8B's shape (its config.json), for sizing the KV pool from a GPU's memory."""
-    return ModelConfig(
-        vocab_size=128256,
+    return llama3_family(
+        "Llama-3.1-8B-shape",
+        8.0,
         hidden_size=4096,
         intermediate_size=14336,
         num_layers=32,
         num_heads=32,
         num_kv_heads=8,
         head_dim=128,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        max_context=131072,
         tie_embeddings=False,
-        bos_token_id=128000,
-        eos_token_ids=(128001,),
-        name="Llama-3.1-8B-shape",
-        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
     )

@@ -2,12 +2,10 @@
 
 The output matrix's product comes out in bf16 (oneDNN's dense kernel, or the int8 one for a few
 rows): at a logit of 25 its step is 0.125, so two tokens within a step read as equal, and which
-one greedy takes turns on which rounding the step's batch happened to get. Measured: the demo's
-"What is the capital of France?" has "The" and "L" within 0.01 of each other in fp32; computed
-with a cached prefix both read 25.375 in bf16 and greedy took "L" (a French ramble) in 3 of 8
-fresh stacks. So every entry within NEAR of its row's maximum is recomputed in fp32 from the
-same hidden row and the dense output matrix (a handful of dot products a row), and the rest of
-the row, further down, keeps its rounded value.
+one greedy takes turns on which rounding the step's batch gets (the demo's question about the
+capital of France is such a case: docs/figures.md). So every entry within NEAR of its row's
+maximum is recomputed in fp32 from the same hidden row and the dense output matrix (a handful of
+dot products a row), and the rest of the row, further down, keeps its rounded value.
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ def dense_dtype(weight: QuantizedWeight) -> torch.dtype:
 def dense_values(weight: QuantizedWeight, chunk: int = 512) -> torch.Tensor:
     """[out, in] in the activations' dtype: the values the kernel computes with. Handed over
     from the load where there (Int4Weight.handover), else read back through the kernel itself
-    (identity rows in, the weight's columns out), a chunk at a time (slower: ~1 s a model)."""
+    (identity rows in, the weight's columns out), a chunk at a time (slower than the handover)."""
     if isinstance(weight, Int4Weight) and weight.handover:
         return weight.handover.pop()
     dtype = dense_dtype(weight)

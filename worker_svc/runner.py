@@ -64,7 +64,7 @@ class ModelRunner:
         rows = sum(len(item.token_ids) for item in items)
         wanted = small_threads if rows <= small_rows else self.threads
         if torch.get_num_threads() != wanted:
-            torch.set_num_threads(wanted)  # ~35 us, only where a step crosses the line
+            torch.set_num_threads(wanted)  # only where a step crosses the line
 
     def make_pool(self, num_blocks: int, dtype: torch.dtype) -> KvPool:
         """With graphs, one block more: the scratch block that padded decode rows write."""

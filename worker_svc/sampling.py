@@ -15,7 +15,7 @@ most 1/NARROW_SHARE of the vocabulary (a key, an enum, a digit: most of a JSON a
 is drawn over those ids alone, a draw of a few (or no) numbers rather than one over the whole
 vocabulary: the same distribution, and seeded it depends only on (seed, sample_index, the
 allowed ids' logits). A token the grammar forces is taken without a draw. The wider rows are
-masked in one op and drawn as a row masked alone (the same draws as before).
+masked in one op and drawn as each would be masked alone (the same draws).
 """
 
 from __future__ import annotations

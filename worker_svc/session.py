@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Protocol
 
+from llmcommon.sampling import InvalidSampling
 from llmcommon.sampling_wire import from_wire
 from llmcommon.v1 import common_pb2, worker_pb2
 from worker_svc.grammar import GrammarCache
@@ -16,7 +17,6 @@ from worker_svc.step_checks import (
     cached_problem,
     repeat_problem,
     room_problem,
-    sampling_problem,
     shared_problem,
     tokens_problem,
     write_problem,
@@ -155,31 +155,9 @@ class Session:
             if why:
                 failed.setdefault(trim.handle, why)
         for added in step.added:
-            cached = list(added.cached_token_ids)
-            why = sampling_problem(added.sampling, self.vocab_size)
-            why = why or (tokens_problem(cached, self.vocab_size) if cached else None)
-            if added.handle in items:
-                why = "its handle is already in use"
+            why = self.add(added)
             if why:
                 failed.setdefault(added.handle, why)
-                continue
-            item = items[added.handle] = WorkItem(
-                added.request_id,
-                [],
-                len(cached),
-                [],
-                sample=False,
-                sampling=from_wire(added.sampling),  # checked above
-                sample_index=added.sample_index,
-                cached=len(cached),
-            )
-            if item.sampling.grammar is not None:
-                why = self.attach_grammar(item)
-                if why:
-                    failed.setdefault(added.handle, why)
-                    continue
-            if item.sampling.needs_history:  # the cached prefix is part of what it has processed
-                item.history.extend(cached)
         self.share(step, failed)
         for grant in step.grants:
             item = items.get(grant.handle)
@@ -213,6 +191,38 @@ class Session:
             kept = [(h, i) for h, i in zip(handles, batch, strict=True) if h not in failed]
             handles, batch = [h for h, _ in kept], [i for _, i in kept]
         return handles, batch
+
+    def add(self, added: worker_pb2.Added) -> str | None:
+        """Place a request, its sampling settings converted from the wire here, once, and
+        checked (the worker's door: nothing after checks them again); what is wrong, or None."""
+        if added.handle in self.items:
+            return "its handle is already in use"
+        try:
+            sampling = from_wire(added.sampling)
+        except InvalidSampling as err:
+            return str(err)
+        cached = list(added.cached_token_ids)
+        why = sampling.vocab_problem(self.vocab_size)
+        why = why or (tokens_problem(cached, self.vocab_size) if cached else None)
+        if why:
+            return why
+        item = self.items[added.handle] = WorkItem(
+            added.request_id,
+            [],
+            len(cached),
+            [],
+            sample=False,
+            sampling=sampling,
+            sample_index=added.sample_index,
+            cached=len(cached),
+        )
+        if sampling.grammar is not None:
+            why = self.attach_grammar(item)
+            if why:
+                return why
+        if sampling.needs_history:  # the cached prefix is part of what it has processed
+            item.history.extend(cached)
+        return None
 
     def attach_grammar(self, item: WorkItem) -> str | None:
         """The request's grammar state, fresh: `constrain` brings it up to its generated tokens."""
@@ -343,7 +353,7 @@ class Session:
         return None
 
     def _let_go(self, handle: int, blocks: list[int]) -> None:
-        """`handle` no longer holds nor writes `blocks`."""
+        """`handle` neither holds nor writes `blocks` from here on."""
         for block in blocks:
             holders = self.holders.get(block, set())
             holders.discard(handle)

@@ -1,25 +1,14 @@
 """What a worker checks in a step before running it: the scheduler is a caller like any other.
+A new request's sampling settings are converted and checked once where it is placed
+(`Session.add`: SamplingParams' checks, llmcommon/sampling.py, and its token ids within the
+vocabulary).
 
 Each check returns what is wrong (a message) or None; a request with something wrong fails
 alone, the rest of its step runs."""
 
 from __future__ import annotations
 
-from llmcommon.sampling import InvalidSampling
-from llmcommon.sampling_wire import from_wire
-from llmcommon.v1 import common_pb2
 from worker_svc.work import WorkItem
-
-
-def sampling_problem(s: common_pb2.SamplingParams, vocab_size: int) -> str | None:
-    """SamplingParams' checks (llmcommon/sampling.py), as the gateway and the scheduler
-    run them, and its token ids within the vocabulary."""
-    try:
-        params = from_wire(s)
-    except InvalidSampling as err:
-        return str(err)
-    return params.vocab_problem(vocab_size)
-
 
 MAX_REPEAT = 32  # executions of one step's decodes at most (the scheduler's --decode-steps)
 

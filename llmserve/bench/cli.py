@@ -10,7 +10,7 @@ from pathlib import Path
 from llmcommon.flags import help_of
 from llmserve.bench.budget_sweep import positive_list, time_budget_list
 from llmserve.bench.goodput import SLO_FORMAT, slo_arg
-from llmserve.bench.trace import DEFAULT_TRACE
+from llmserve.bench.workload_args import add_workload_flags
 from scheduler_svc.config import CoreConfig
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.step_cost import SMALL_ROWS
@@ -25,7 +25,7 @@ def add_bench_parser(sub) -> None:
         help="load-generate against stacks, one per policy, and "
         "against transformers on the same prompts",
     )
-    _workload_flags(serve, requests=64, concurrency=32)
+    add_workload_flags(serve, requests=64, concurrency=32)
     serve.add_argument(
         "--policies",
         default="continuous+paged,continuous+reserve,static+reserve",
@@ -131,7 +131,7 @@ def add_bench_parser(sub) -> None:
         help="the real scheduler core on a virtual clock with a "
         "calibrated cost model (the whole trace in minutes)",
     )
-    _workload_flags(sim, requests=0, concurrency=0, workload="trace")
+    add_workload_flags(sim, requests=0, concurrency=0, workload="trace")
     sim.add_argument("--policies", default="continuous+paged,continuous+reserve,static+reserve")
     sim.add_argument(
         "--loads",
@@ -268,83 +268,6 @@ def add_bench_parser(sub) -> None:
     )
     _out_flags(core, "core")
     core.set_defaults(func=_cmd_core)
-
-
-def _workload_flags(
-    p: argparse.ArgumentParser, requests: int, concurrency: int, workload: str = "fixed"
-) -> None:
-    g = p.add_argument_group("workload")
-    g.add_argument(
-        "--workload",
-        choices=["fixed", "poisson", "trace", "multiturn", "hash-trace"],
-        default=workload,
-        help="multiturn: chat conversations resending their history; hash-trace: a JSONL trace "
-        "with per-block content hashes (--trace, default data/traces/hash_sample.jsonl)",
-    )
-    g.add_argument(
-        "--requests",
-        type=int,
-        default=requests,
-        help="fixed/poisson: how many; trace: at most this many (0 = all)",
-    )
-    g.add_argument(
-        "--concurrency",
-        type=int,
-        default=concurrency,
-        help="closed loop with this many clients; 0 = open loop",
-    )
-    g.add_argument("--prompt-tokens", type=int, default=16)
-    g.add_argument("--output-tokens", type=int, default=64)
-    g.add_argument("--rate", type=float, default=1.0, help="poisson: requests/s")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    g.add_argument("--length-scale", type=float, default=1.0)
-    g.add_argument(
-        "--time-scale", type=float, default=1.0, help="arrival offsets x this (>1: slower arrivals)"
-    )
-    g.add_argument("--start", type=float, default=0.0, help="trace slice start, seconds")
-    g.add_argument("--duration", type=float, default=0.0, help="trace slice length (0 = all)")
-    g.add_argument("--max-prompt-tokens", type=int, default=0)
-    g.add_argument("--max-output-tokens", type=int, default=0)
-    g.add_argument(
-        "--max-tokens",
-        type=int,
-        default=0,
-        help="requests' max_tokens when above the output length (outputs still end "
-        "at their length); 0 = exactly the output length",
-    )
-    m = p.add_argument_group("multiturn workload")
-    m.add_argument("--conversations", type=int, default=8)
-    m.add_argument("--turns", type=int, default=6, help="per conversation")
-    m.add_argument("--system-prompts", type=int, default=2, help="shared by the conversations")
-    m.add_argument("--system-tokens", type=int, default=256)
-    m.add_argument("--user-tokens", type=int, default=64, help="each user message")
-    m.add_argument("--answer-tokens", type=int, default=32, help="each answer (max_tokens)")
-    m.add_argument(
-        "--think-time",
-        type=float,
-        default=2.0,
-        help="mean seconds between an answer and the next turn (exponential, from --seed)",
-    )
-    m.add_argument(
-        "--conversation-rate",
-        type=float,
-        default=0.5,
-        help="conversations started per second (Poisson, from --seed); 0 = all at once",
-    )
-    h = p.add_argument_group("hash-trace workload")
-    h.add_argument(
-        "--hash-block-tokens",
-        type=int,
-        default=512,
-        help="tokens per hash id; below 512 every length is scaled by this / 512",
-    )
-    p.add_argument(
-        "--prefix-caching",
-        default="",
-        help="on, off, or on,off (each policy twice, same arrivals, side by side with ratios); "
-        "default: the stack's default (on under paged)",
-    )
 
 
 def _time_budget_flag(p: argparse.ArgumentParser, where: str) -> None:

@@ -138,6 +138,13 @@ class HashContent:
         self.prompts = prompts
         self.text = text  # word-token ids -> text; None: the simulation only
 
+    @property
+    def label(self) -> str:
+        return (
+            f"from the trace's hash_ids (block size {self.prompts.block_tokens} tokens: equal "
+            "ids, equal content)"
+        )
+
     def prompt_ids(self, spec: RequestSpec, history: list[int]) -> list[int]:
         return self.prompts.ids(self.rows[spec.index])
 

@@ -19,6 +19,13 @@ from llmserve.bench.workload import RequestSpec, Workload
 PAD_ID = 2
 
 
+def _ids(workload: Workload, spec: RequestSpec) -> list[int]:
+    """The token ids the served stack gets for `spec` (the workload's content, or one word)."""
+    if workload.content is None:
+        return prompt_ids(spec.prompt_tokens)
+    return workload.content.prompt_ids(spec, [])
+
+
 def load_hf_model(dtype_name: str = "bf16", attention: str = "eager"):
     """SmolLM2 from the same GGUF as the served stack, read by transformers' own GGUF reader,
     with the given attention implementation. (from_pretrained(gguf_file=...) needs accelerate.)"""
@@ -69,7 +76,7 @@ def run_static(model, workload: Workload, batch_size: int) -> RunResult:
         batch = specs[first : first + batch_size]
         longest = max(s.prompt_tokens for s in batch)
         ids = torch.tensor(
-            [[PAD_ID] * (longest - s.prompt_tokens) + prompt_ids(s.prompt_tokens) for s in batch]
+            [[PAD_ID] * (longest - s.prompt_tokens) + _ids(workload, s) for s in batch]
         )
         mask = torch.tensor(
             [[0] * (longest - s.prompt_tokens) + [1] * s.prompt_tokens for s in batch]
@@ -120,7 +127,7 @@ def run_generate_batch(model, workload: Workload, max_per_batch: int) -> RunResu
         max_new_tokens=lengths[0], do_sample=False, eos_token_id=-1, pad_token_id=PAD_ID
     )
     cb = ContinuousBatchingConfig(max_requests_per_batch=max_per_batch)
-    inputs = [prompt_ids(s.prompt_tokens) for s in workload.requests]
+    inputs = [_ids(workload, s) for s in workload.requests]
     t0 = time.perf_counter()
     outputs = model.generate_batch(
         inputs, generation_config=gen, continuous_batching_config=cb, record_timestamps=True

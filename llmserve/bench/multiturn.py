@@ -84,6 +84,14 @@ class MultiTurnContent:
         self.source = source
         self.text = text
 
+    @property
+    def label(self) -> str:
+        s = self.shape
+        return (
+            f"multi-turn chat: {s.system_prompts} shared system prompt(s) of {s.system_tokens} "
+            "tokens, each turn resending its conversation's history, user messages distinct"
+        )
+
     def system_ids(self, conversation: int) -> list[int]:
         k = conversation % self.shape.system_prompts
         return self.source.ids("system", k, n=self.shape.system_tokens)

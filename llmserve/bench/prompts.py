@@ -6,6 +6,11 @@ import functools
 
 WORD = " a"  # token 253 in SmolLM2's vocabulary; " a" * n encodes to exactly n tokens
 WORD_ID = 253
+# what a workload without its own content sends, as every report states it
+ONE_WORD = (
+    "one repeated word (every request's prompt is the same text, so a prefix cache hits across "
+    "requests)"
+)
 
 
 def prompt_text(tokens: int) -> str:

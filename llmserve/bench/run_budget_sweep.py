@@ -32,6 +32,7 @@ def run_budget_sweep(args: argparse.Namespace, command: str) -> int:
         workload = build_workload(args, time_scale=args.time_scale / load)
         title = f"budget sweep, load ×{load:g}: {workload.name}"
         report = Report(title, workload.describe(), command, slo=args.slo)
+        print(f"{title}; prompts: {workload.prompts}", flush=True)
         for policy in policies:
             for budget in sweep:
                 settings = replace(

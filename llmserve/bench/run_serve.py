@@ -160,6 +160,7 @@ def ratios(summaries: list[dict[str, Any]]) -> dict[str, dict[str, float | None]
 def _notes(report: Report, described: dict[str, Any]) -> list[str]:
     load = report.machine_start.get("load_average_1m")
     notes = [
+        f"prompts: {described['prompts']}",
         f"workload: {described}",
         f"machine: {report.machine_start.get('cpus')} CPUs, 1-min load average at start "
         f"{load:.1f} (other work on the machine makes these figures noisy)"

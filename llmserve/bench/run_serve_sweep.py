@@ -43,6 +43,7 @@ def run_serve_sweep(args: argparse.Namespace, workload: Workload, command: str) 
                     base.token_budget)  # fmt: skip
     title = f"llmserve bench serve, budget sweep: {workload.name}"
     report = Report(title, workload.describe(), command, slo=args.slo)
+    print(f"{title}; prompts: {workload.prompts}", flush=True)
     rows: list[dict[str, Any]] = []
     for round_ in range(1, args.sweep_rounds + 1):
         order = sweep if round_ % 2 else sweep[::-1]

@@ -59,6 +59,7 @@ def run_sim(args: argparse.Namespace, command: str) -> int:
         notes = [
             f"times are virtual seconds: cost model {described['cost_model_source']} "
             f"divided by speedup {settings.speedup:g}",
+            f"prompts: {workload.prompts}",
             f"workload: {workload.describe()}",
         ]
         print_table(report.title, summaries, None, notes)

@@ -6,6 +6,8 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from llmserve.bench.prompts import ONE_WORD
+from llmserve.bench.tokens import TextOf, TokenSource
 from llmserve.bench.trace import TraceRow, TraceScale, load_trace, scale_trace
 
 
@@ -29,6 +31,11 @@ class Content(Protocol):
     """What requests say when it is more than `prompt_tokens` x one word (prefix caching needs
     content that repeats where the workload says so, and only there)."""
 
+    @property
+    def label(self) -> str:
+        """What the prompts are made of, as every report states it."""
+        ...
+
     def prompt_ids(self, spec: RequestSpec, history: list[int]) -> list[int]:
         """The prompt's token ids (simulation). `history`: the prompt and output ids of the
         request this one follows, [] when none."""
@@ -40,6 +47,37 @@ class Content(Protocol):
         """A prompt text or chat messages (real processes). `history`: the messages of the
         request this one follows with its answer as the last ("assistant", text); [] when none."""
         ...
+
+
+class DistinctPrompts:
+    """A length-only trace's prompts: each request its own token ids, from `source` keyed by
+    its index, so a prefix cache finds nothing one request shares with another; with
+    `shared_prefix` > 0 every prompt starts with the same that many tokens (a stated model of
+    a shared system prompt, never the default)."""
+
+    def __init__(
+        self, source: TokenSource, text: TextOf | None = None, shared_prefix: int = 0
+    ) -> None:
+        if shared_prefix < 0:
+            raise ValueError("shared_prefix must be >= 0")
+        self.source = source
+        self.text = text  # word-token ids -> text; None: the simulation only
+        self.shared = source.ids("shared-prefix", n=shared_prefix)
+
+    @property
+    def label(self) -> str:
+        own = f"distinct per request (length-only trace; seeded ids, seed {self.source.seed})"
+        return f"a shared prefix of {len(self.shared)} tokens, then {own}" if self.shared else own
+
+    def prompt_ids(self, spec: RequestSpec, history: list[int]) -> list[int]:
+        shared = self.shared[: spec.prompt_tokens]
+        rest = spec.prompt_tokens - len(shared)
+        return shared + self.source.ids("request", spec.index, n=rest)
+
+    def served_input(self, spec: RequestSpec, history: list[tuple[str, str]]) -> str:
+        if self.text is None:
+            raise RuntimeError("trace prompts for real processes need a text vocabulary")
+        return self.text(self.prompt_ids(spec, []))
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +101,11 @@ class Workload:
         return {r.follows: r for r in self.requests if r.follows >= 0}
 
     @property
+    def prompts(self) -> str:
+        """What the prompts are made of (a replay's figures mean nothing without it)."""
+        return ONE_WORD if self.content is None else self.content.label
+
+    @property
     def prompt_tokens(self) -> int:
         return sum(r.prompt_tokens for r in self.requests)
 
@@ -78,6 +121,7 @@ class Workload:
             "requests": len(self.requests),
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
+            "prompts": self.prompts,
             **self.params,
         }
 
@@ -123,10 +167,12 @@ def from_trace(
     rows: list[TraceRow] | None = None,
     concurrency: int = 0,
     max_tokens: int = 0,
+    content: Content | None = None,
 ) -> Workload:
     """The trace's lengths, scaled; its own timestamps (open loop) or `concurrency` clients.
     `max_tokens` > output length emulates requests that stop early (end-of-sequence) under a
-    larger max_tokens, which is what `reserve` reserves for."""
+    larger max_tokens, which is what `reserve` reserves for. The trace has lengths only, so
+    each request gets its own prompt content (`content`, default `DistinctPrompts` of seed 0)."""
     scaled = scale_trace(rows if rows is not None else load_trace(), scale)
     specs = [
         RequestSpec(
@@ -154,7 +200,8 @@ def from_trace(
         }
     span = specs[-1].arrival_s if specs and not concurrency else 0.0
     name = f"trace-len{scale.length_scale:g}-time{scale.time_scale:g}"
-    return Workload(name, specs, concurrency, params | {"span_s": round(span or 0.0, 1)})
+    params |= {"span_s": round(span or 0.0, 1)}
+    return Workload(name, specs, concurrency, params, content or DistinctPrompts(TokenSource()))
 
 
 def with_max_tokens(workload: Workload, max_tokens: int) -> Workload:

@@ -1,71 +1,97 @@
-"""The workload that `bench serve` / `bench sim`'s workload flags describe (the flags themselves
-are declared with the parser, in `bench/cli.py`)."""
+"""The workload flags of `bench serve` / `bench sim`, and the workload they describe."""
 
 from __future__ import annotations
 
 import argparse
 import functools
 from dataclasses import replace
+from pathlib import Path
 
 from llmserve.bench import hash_trace as ht
 from llmserve.bench import workload as w
 from llmserve.bench.multiturn import MultiTurn, multiturn
-from llmserve.bench.tokens import TokenSource
+from llmserve.bench.tokens import TextOf, TokenSource
 from llmserve.bench.trace import DEFAULT_TRACE, TraceScale, load_trace
 
 
 def build_workload(
     args: argparse.Namespace, time_scale: float | None = None, served: bool = False
 ) -> w.Workload:
-    """`served`: prompts go through the gateway's tokenizer (multiturn and hash-trace content
-    is then text of single-token words); else token ids for the simulation."""
-    if args.workload in ("multiturn", "hash-trace"):
-        made = _content_workload(args, time_scale or args.time_scale, served)
-    elif args.workload == "fixed":
-        made = w.fixed(args.requests, args.prompt_tokens, args.output_tokens, args.concurrency or 1)
-    elif args.workload == "poisson":
-        made = w.poisson(
-            args.requests, args.rate, args.prompt_tokens, args.output_tokens, args.seed
-        )
+    """`served`: prompts go through the gateway's tokenizer (trace, multiturn and hash-trace
+    content is then text of single-token words); else token ids for the simulation."""
+    if args.shared_prefix_tokens and args.workload != "trace":
+        raise SystemExit("--shared-prefix-tokens is for --workload trace (a length-only trace)")
+    if args.workload in ("fixed", "poisson"):
+        made = _fixed_or_poisson(args)
     else:
-        scale = TraceScale(
-            args.length_scale,
-            time_scale or args.time_scale,
-            args.start,
-            args.duration,
-            args.requests,
-            args.max_prompt_tokens,
-            args.max_output_tokens,
-        )
-        made = w.from_trace(scale, load_trace(args.trace), args.concurrency)
+        source, text = _vocabulary(args, served)
+        time_scale = time_scale or args.time_scale
+        if args.workload == "trace":
+            made = _trace_workload(
+                args, time_scale, w.DistinctPrompts(source, text, args.shared_prefix_tokens)
+            )
+        elif args.workload == "multiturn":
+            made = _multiturn_workload(args, time_scale, source, text)
+        else:
+            made = _hash_workload(args, time_scale, source, text)
     return w.with_max_tokens(made, args.max_tokens) if args.max_tokens else made
 
 
-def _content_workload(args: argparse.Namespace, time_scale: float, served: bool) -> w.Workload:
-    source, text = TokenSource(seed=args.seed), None
-    if served:
-        # the tokenizer's libraries load only for served runs (the simulation needs ids only)
-        from gateway.tokenizer_files import load_tokenizer
-        from llmserve.bench.tokens import checked_word_vocab, word_text
+def _fixed_or_poisson(args: argparse.Namespace) -> w.Workload:
+    if args.workload == "fixed":
+        return w.fixed(args.requests, args.prompt_tokens, args.output_tokens, args.concurrency or 1)
+    return w.poisson(args.requests, args.rate, args.prompt_tokens, args.output_tokens, args.seed)
 
-        # the gateway's tokenizer: the packaged models (and --target) use SmolLM2's
-        packaged = args.target or args.model in ("smollm2", "tiny", "sim")
-        tokenizer = load_tokenizer("" if packaged else args.model)
-        source = TokenSource(checked_word_vocab(tokenizer), args.seed)
-        text = functools.partial(word_text, tokenizer=tokenizer)
-    if args.workload == "multiturn":
-        shape = MultiTurn(
-            args.conversations,
-            args.turns,
-            args.system_prompts,
-            args.system_tokens,
-            args.user_tokens,
-            args.answer_tokens,
-            args.think_time,
-            args.conversation_rate / (time_scale / args.time_scale),
-            args.seed,
-        )
-        return multiturn(shape, source, text)
+
+def _vocabulary(args: argparse.Namespace, served: bool) -> tuple[TokenSource, TextOf | None]:
+    """Token ids from --seed: over the simulation's ids, or (served) over the tokenizer's
+    single-token words, with the function that makes their text."""
+    if not served:
+        return TokenSource(seed=args.seed), None
+    # the tokenizer's libraries load only for served runs (the simulation needs ids only)
+    from gateway.tokenizer_files import load_tokenizer
+    from llmserve.bench.tokens import checked_word_vocab, word_text
+
+    # the gateway's tokenizer: the packaged models (and --target) use SmolLM2's
+    packaged = args.target or args.model in ("smollm2", "tiny", "sim")
+    tokenizer = load_tokenizer("" if packaged else args.model)
+    text = functools.partial(word_text, tokenizer=tokenizer)
+    return TokenSource(checked_word_vocab(tokenizer), args.seed), text
+
+
+def _trace_workload(args: argparse.Namespace, time_scale: float, content: w.Content) -> w.Workload:
+    scale = TraceScale(
+        args.length_scale,
+        time_scale,
+        args.start,
+        args.duration,
+        args.requests,
+        args.max_prompt_tokens,
+        args.max_output_tokens,
+    )
+    return w.from_trace(scale, load_trace(args.trace), args.concurrency, content=content)
+
+
+def _multiturn_workload(
+    args: argparse.Namespace, time_scale: float, source: TokenSource, text: TextOf | None
+) -> w.Workload:
+    shape = MultiTurn(
+        args.conversations,
+        args.turns,
+        args.system_prompts,
+        args.system_tokens,
+        args.user_tokens,
+        args.answer_tokens,
+        args.think_time,
+        args.conversation_rate / (time_scale / args.time_scale),
+        args.seed,
+    )
+    return multiturn(shape, source, text)
+
+
+def _hash_workload(
+    args: argparse.Namespace, time_scale: float, source: TokenSource, text: TextOf | None
+) -> w.Workload:
     path = ht.SAMPLE_TRACE if args.trace == DEFAULT_TRACE else args.trace
     rows = ht.load_hash_trace(path)
     prompts = ht.HashPrompts(source, args.hash_block_tokens)
@@ -73,3 +99,88 @@ def _content_workload(args: argparse.Namespace, time_scale: float, served: bool)
         rows, prompts, text, time_scale, args.requests, args.concurrency, args.max_output_tokens
     )
     return replace(made, params=made.params | {"trace": str(path)})
+
+
+def add_workload_flags(
+    p: argparse.ArgumentParser, requests: int, concurrency: int, workload: str = "fixed"
+) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument(
+        "--workload",
+        choices=["fixed", "poisson", "trace", "multiturn", "hash-trace"],
+        default=workload,
+        help="multiturn: chat conversations resending their history; hash-trace: a JSONL trace "
+        "with per-block content hashes (--trace, default data/traces/hash_sample.jsonl)",
+    )
+    g.add_argument(
+        "--requests",
+        type=int,
+        default=requests,
+        help="fixed/poisson: how many; trace: at most this many (0 = all)",
+    )
+    g.add_argument(
+        "--concurrency",
+        type=int,
+        default=concurrency,
+        help="closed loop with this many clients; 0 = open loop",
+    )
+    g.add_argument("--prompt-tokens", type=int, default=16)
+    g.add_argument("--output-tokens", type=int, default=64)
+    g.add_argument("--rate", type=float, default=1.0, help="poisson: requests/s")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    g.add_argument("--length-scale", type=float, default=1.0)
+    g.add_argument(
+        "--time-scale", type=float, default=1.0, help="arrival offsets x this (>1: slower arrivals)"
+    )
+    g.add_argument("--start", type=float, default=0.0, help="trace slice start, seconds")
+    g.add_argument("--duration", type=float, default=0.0, help="trace slice length (0 = all)")
+    g.add_argument("--max-prompt-tokens", type=int, default=0)
+    g.add_argument("--max-output-tokens", type=int, default=0)
+    g.add_argument(
+        "--shared-prefix-tokens",
+        type=int,
+        default=0,
+        help="trace: every prompt starts with the same this many tokens (a stated model of a "
+        "shared system prompt); 0 = each request's prompt its own content, the trace carrying "
+        "lengths only",
+    )
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="requests' max_tokens when above the output length (outputs still end "
+        "at their length); 0 = exactly the output length",
+    )
+    m = p.add_argument_group("multiturn workload")
+    m.add_argument("--conversations", type=int, default=8)
+    m.add_argument("--turns", type=int, default=6, help="per conversation")
+    m.add_argument("--system-prompts", type=int, default=2, help="shared by the conversations")
+    m.add_argument("--system-tokens", type=int, default=256)
+    m.add_argument("--user-tokens", type=int, default=64, help="each user message")
+    m.add_argument("--answer-tokens", type=int, default=32, help="each answer (max_tokens)")
+    m.add_argument(
+        "--think-time",
+        type=float,
+        default=2.0,
+        help="mean seconds between an answer and the next turn (exponential, from --seed)",
+    )
+    m.add_argument(
+        "--conversation-rate",
+        type=float,
+        default=0.5,
+        help="conversations started per second (Poisson, from --seed); 0 = all at once",
+    )
+    h = p.add_argument_group("hash-trace workload")
+    h.add_argument(
+        "--hash-block-tokens",
+        type=int,
+        default=512,
+        help="tokens per hash id; below 512 every length is scaled by this / 512",
+    )
+    p.add_argument(
+        "--prefix-caching",
+        default="",
+        help="on, off, or on,off (each policy twice, same arrivals, side by side with ratios); "
+        "default: the stack's default (on under paged)",
+    )

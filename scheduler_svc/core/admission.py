@@ -1,0 +1,214 @@
+"""Admission from the queue's head: which worker it goes to and the cached blocks it reuses
+there, or why it waits (a stall reason); the step-time budget's part in it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_svc.blocks import blocks_for
+from scheduler_svc.core.state import CoreState
+from scheduler_svc.output import Event
+from scheduler_svc.reasons import StallReason
+from scheduler_svc.sequence import Finish, SeqStatus, Sequence
+from scheduler_svc.step import Step
+from scheduler_svc.worker_state import WorkerState
+
+RUNNING, FINISHED = SeqStatus.RUNNING, SeqStatus.FINISHED
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """The head of the queue goes to `worker`, starting from the cached blocks `hit`."""
+
+    worker: WorkerState
+    hit: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """The head of the queue waits: `reason`, on its best worker."""
+
+    worker: WorkerState
+    reason: StallReason
+
+
+class Admission(CoreState):
+    """Admission from the head of the waiting queue, in its order, until the head must wait."""
+
+    def _admit(self, steps: dict[int, Step], failed: list[Event]) -> None:
+        """Admit from the queue's head, in order, until it must wait. A request that no live
+        worker can ever hold fails (its finish into `failed`), never waits."""
+        self.head_reason = None
+        waiting = self.waiting
+        while waiting:
+            seq = waiting.peek()
+            place = self._place(seq, steps)
+            if place is None:
+                failed += self.abort(seq.request_id, Finish.ERROR, self._no_worker_message(seq))
+                continue
+            if type(place) is Stall:
+                return self._stall(place.worker, place.reason)
+            ws, hit = place.worker, place.hit
+            step = steps.get(ws.index)
+            if step is None:
+                self.wakes.add(ws.index)  # its place is on a worker not planning now
+                return
+            start = len(hit) * ws.spec.block_size
+            n = self._chunk(seq, step.budget, start)
+            if n == 0:
+                return self._stall(ws, StallReason.TOKEN_BUDGET)
+            if step.timer is not None:
+                n = self._cut_to_time(seq, step, start, n)
+                if n == 0:
+                    return self._stall(ws, StallReason.TIME_BUDGET)
+            waiting.pop()
+            self.waiting_tokens -= seq.num_planned
+            self._start(ws, seq, step, n, hit)
+
+    def _cut_to_time(self, seq: Sequence, step: Step, start: int, n: int) -> int:
+        """Of the head's `n` tokens from `start`, those that fit the step's time left; in a step
+        with nothing else, at least one (its whole prompt, without chunking)."""
+        assert step.timer is not None
+        return step.timer.cut(
+            start, n, start + n == seq.num_planned, least=int(not step.has_work),
+            whole=not self._divisible(seq),
+        )  # fmt: skip
+
+    def _note_time_left(self, steps: dict[int, Step]) -> None:
+        """Remember which of the planned workers have no time left for another token: while
+        their loops run that step, the head goes to a worker that has (`_out_of_time`)."""
+        for index, step in steps.items():
+            if step.timer is not None and step.has_work and not step.timer.cut(0, 1, False):
+                self.time_full.add(index)
+            else:
+                self.time_full.discard(index)
+
+    def _out_of_time(self, ws: WorkerState, steps: dict[int, Step]) -> StallReason | None:
+        """TIME_BUDGET when `ws`'s step (being planned, or its last) has no time left for the
+        head; an empty step always has (it must make progress)."""
+        step = steps.get(ws.index)
+        if step is None:
+            return StallReason.TIME_BUDGET if ws.index in self.time_full else None
+        if step.timer is None or not step.has_work or step.timer.cut(0, 1, False):
+            return None
+        return StallReason.TIME_BUDGET
+
+    def _place(self, seq: Sequence, steps: dict[int, Step]) -> Placement | Stall | None:
+        """The worker for the head of the queue and the cached blocks it would reuse there:
+        among the live workers that can ever hold it, the best one whose running limit and KV
+        allow it now. Best = the most free KV positions plus positions found in its prefix
+        cache: a cached position is one the request need not take from the pool nor compute,
+        so a long cached history outweighs a little more free KV, while a short shared system
+        prompt does not pull every request onto one worker. Otherwise it stalls on the best
+        one, for that one's reason; None if no live worker can ever hold it."""
+        candidates = self._candidates(seq, live=True)
+        if not candidates:
+            return None
+        if len(candidates) == 1:  # a full worker needs no cache hit (and no key) to refuse
+            full = self._worker_full(candidates[0])
+            if full is not None:
+                return Stall(candidates[0], full)
+        hits = {ws.index: ws.kv.hit(seq) for ws in candidates}
+        if len(candidates) > 1:
+            candidates.sort(
+                key=lambda w: (
+                    -w.free_positions - len(hits[w.index]) * w.spec.block_size,
+                    w.index not in steps,
+                    w.index,
+                )
+            )
+        first: StallReason | None = None
+        for ws in candidates:
+            reason = self._why_not(ws, seq, hits[ws.index]) or self._out_of_time(ws, steps)
+            if reason is None:
+                return Placement(ws, hits[ws.index])
+            first = first or reason
+        assert first is not None
+        return Stall(candidates[0], first)
+
+    def _candidates(self, seq: Sequence, live: bool) -> list[WorkerState]:
+        """Workers whose context and pool can ever hold `seq`; those that hold all of prompt +
+        max_tokens come first, a shorter context (finishing early) only if none does."""
+        full: list[WorkerState] = []
+        partial: list[WorkerState] = []
+        want = len(seq.prompt_ids) + seq.max_tokens
+        for ws in self.workers:
+            if ws.gone or (live and not ws.live):
+                continue
+            spec = ws.spec
+            if seq.num_planned >= spec.max_context:
+                continue
+            if blocks_for(min(want, spec.max_context), spec.block_size) > spec.num_blocks:
+                continue
+            (full if want <= spec.max_context else partial).append(ws)
+        return full or partial
+
+    def _why_not(self, ws: WorkerState, seq: Sequence, hit: list[int]) -> StallReason | None:
+        """The per-worker limits that do not depend on the step's token budget. With `hit`
+        cached blocks, the request needs blocks for the rest only, plus the cached ones that
+        nobody holds (sharing takes them out of the evictable, counted-free ones)."""
+        full = self._worker_full(ws)
+        if full is not None:
+            return full
+        start = len(hit) * ws.spec.block_size
+        end = start + self._chunk(seq, self._full_budget(), start)
+        reserve = seq.max_length(ws.spec.max_context) if self.reserve else None
+        return ws.kv.why_not_admit(hit, end, reserve, ws.running)
+
+    def _worker_full(self, ws: WorkerState) -> StallReason | None:
+        """The limits of a worker that no request can pass now, whatever its tokens."""
+        if self.static and ws.batch_closed and ws.running:
+            return StallReason.STATIC_BATCH
+        if len(ws.running) >= self.config.max_running:
+            return StallReason.MAX_RUNNING
+        return None
+
+    def _start(self, ws: WorkerState, seq: Sequence, step: Step, n: int, hit: list[int]) -> None:
+        seq.status, seq.worker = RUNNING, ws.index
+        seq.handle, ws.next_handle = ws.next_handle, ws.next_handle + 1
+        seq.max_planned = seq.max_length(ws.spec.max_context)
+        seq.output_limit = seq.max_planned - len(seq.prompt_ids)
+        ws.kv.place(seq, hit)
+        if hit:
+            step.shares.append((seq.handle, hit))
+            seq.num_computed = len(hit) * ws.spec.block_size
+        ws.prompt_tokens += seq.num_planned
+        ws.hit_tokens += seq.num_computed
+        new = ws.kv.allocate(seq, seq.max_planned if self.reserve else seq.num_computed + n)
+        assert new is not None, "admitted without room"  # `_why_not` found it
+        step.grants.append((seq.handle, new))
+        step.added.append(seq)
+        ws.running.append(seq)
+        self.admitted += 1
+        if seq.admitted_at is None:
+            seq.admitted_at = self.clock()
+            step.admissions.append(
+                Event(
+                    seq.request_id,
+                    admitted=True,
+                    queue_time=seq.admitted_at - seq.arrival,
+                    cached_tokens=seq.num_computed,
+                )
+            )
+        step.budget -= n
+        self._plan_chunk(ws, step, seq, n)
+
+    def fail_unplaceable(self) -> list[Event]:
+        """After the live workers changed: fail every waiting request that none of them can ever
+        hold (when none is live, every waiting request). No step loop may be left to see it.
+        Returns their finishes."""
+        failed = []
+        for seq in list(self.waiting):
+            if not self._candidates(seq, live=True):
+                failed += self.abort(seq.request_id, Finish.ERROR, self._no_worker_message(seq))
+        return failed
+
+    def _no_worker_message(self, seq: Sequence) -> str:
+        """Why no live worker can hold `seq`: none can at all, or only those down."""
+        live = sum(ws.live for ws in self.workers)
+        if self._candidates(seq, live=False):
+            return (
+                f"no live worker can hold this request (the workers that could are failed or "
+                f"draining; {live} live); retry"
+            )
+        return f"no worker can hold this request ({live} live); retry"

@@ -1,0 +1,147 @@
+"""The scheduler: requests in, one planning pass per worker step, what it holds. Each concern is
+its own module (membership, admission, planning, runs, failures) over the shared state."""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+
+from llmcommon.request_checks import context_problem
+from llmcommon.sampling import SamplingParams
+from scheduler_svc.core.admission import Admission
+from scheduler_svc.core.failures import Failures
+from scheduler_svc.core.membership import Membership
+from scheduler_svc.core.planning import Planning
+from scheduler_svc.core.runs import Runs
+from scheduler_svc.output import Event, Refused, Snapshot
+from scheduler_svc.reasons import RefusalReason
+from scheduler_svc.sequence import SeqStatus, Sequence
+from scheduler_svc.step import Step
+from scheduler_svc.time_budget import StepTimer
+
+RUNNING, FINISHED = SeqStatus.RUNNING, SeqStatus.FINISHED
+
+
+class Scheduler(Membership, Admission, Planning, Runs, Failures):
+    """The batching core: `add`/`abort` requests, `schedule(w)` before every execution of
+    worker w, `complete(step, tokens)` after it, `snapshot()` for what it holds."""
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.seqs:
+            self._refuse(
+                RefusalReason.DUPLICATE, f"request id {seq.request_id!r} is already in flight"
+            )
+        self._check_can_ever_run(seq)
+        seq.status, seq.arrival = SeqStatus.WAITING, seq.arrival or self.clock()
+        self.seqs[seq.request_id] = seq
+        self.stop_ids |= seq.stop_ids
+        seq.stepwise = _stepwise(seq.sampling)
+        self.waiting.add(seq)
+        self.waiting_tokens += seq.num_pending
+
+    def _check_can_ever_run(self, seq: Sequence) -> None:
+        prompt = len(seq.prompt_ids)
+        specs = [ws.spec for ws in self.workers if ws.live]
+        if not specs:
+            self._refuse(RefusalReason.NO_WORKER, RefusalReason.NO_WORKER.description)
+        fits = [s for s in specs if prompt < s.max_context]
+        if not fits:
+            context = max(s.max_context for s in specs)
+            self._refuse(RefusalReason.CONTEXT, context_problem(prompt, context) or "")
+        if not any(seq.max_length(s.max_context) <= s.capacity for s in fits):
+            need = min(seq.max_length(s.max_context) for s in fits)
+            capacity = max(s.capacity for s in fits)
+            self._refuse(
+                RefusalReason.KV_CAPACITY,
+                f"request needs up to {need} KV positions (prompt {prompt} + max_tokens "
+                f"{seq.max_tokens}) but a worker holds {capacity}; lower max_tokens or raise "
+                f"the KV capacity",
+            )
+        if not self.chunked and prompt > self._full_budget():
+            self._refuse(
+                RefusalReason.TOKEN_BUDGET,
+                f"prompt of {prompt} tokens exceeds the token budget of "
+                f"{self.config.token_budget} and chunked prefill is off; enable it or raise "
+                f"the budget",
+            )
+
+    def _refuse(self, reason: RefusalReason, message: str) -> None:
+        self.refused[reason] += 1
+        raise Refused(reason, message)
+
+    def schedule(self, index: int) -> Step:
+        """The next execution of one worker (its own step loop calls this)."""
+        return self.schedule_workers([index])[0]
+
+    def schedule_all(self) -> list[Step]:
+        """One execution on every live worker at once (lock-step: tests and the simulator)."""
+        healthy = [ws.index for ws in self.workers if ws.healthy]
+        steps = self.schedule_workers(healthy)
+        return [s for s in steps if s.has_work or s.released or s.failed]
+
+    def schedule_workers(self, indices: list[int]) -> list[Step]:
+        """The next execution of each of these workers, planned together (one FCFS pass over
+        the queue). What the planning did comes with the steps: each step's admissions, and
+        on the first step the requests failed because no live worker can ever hold them."""
+        steps: dict[int, Step] = {}
+        budget = sys.maxsize if self.static else self.config.token_budget
+        limit = 0.0 if self.static else self.config.step_time_budget_ms / 1e3
+        for index in indices:
+            ws = self.workers[index]
+            ws.kv.sent()  # the steps that write what they cached have been sent
+            self._reap(ws)
+            if not ws.running:
+                ws.batch_closed = False
+            step = steps[index] = Step(index, budget)
+            if limit:
+                window_limit = ws.time_limit(limit, self.config.step_time_window)
+                step.timer = StepTimer(partial(self.predict, index), window_limit)
+            if ws.healthy:
+                self._prepare_running(ws, step)
+        failed: list[Event] = []
+        self._admit(steps, failed)
+        if failed:
+            next(iter(steps.values())).failed = failed
+        if limit:
+            self._note_time_left(steps)
+        else:
+            self.time_full.clear()
+        if self.config.decode_steps > 1 and not self.waiting:
+            for index, step in steps.items():
+                self._lengthen(self.workers[index], step)
+        for index, step in steps.items():
+            ws = self.workers[index]
+            if self.static and step.has_work:  # the batch has started: nothing joins it now
+                ws.batch_closed = True
+            step.released, ws.released = ws.released, []
+            if ws.trims:  # those of requests released since are moot (the worker forgot them)
+                gone = set(step.released)
+                step.trims, ws.trims = [t for t in ws.trims if t[0] not in gone], []
+            if step.has_work:  # executions; release-only and empty steps are not
+                ws.steps += step.repeat
+                self.steps += step.repeat
+                if step.timer is not None:
+                    ws.planned_s.extend([step.timer.predicted()] * step.repeat)
+        return list(steps.values())
+
+    def snapshot(self) -> Snapshot:
+        now = self.clock()
+        return Snapshot(
+            waiting=len(self.waiting),
+            waiting_tokens=self.waiting_tokens,
+            running=sum(len(ws.running) for ws in self.workers),
+            workers=[ws.report() for ws in self.workers if not ws.gone],
+            stalls=dict(self.stalls),
+            head_wait_reason=self.head_reason.value if self.head_reason and self.waiting else "",
+            steps=self.steps,
+            admitted=self.admitted,
+            finished=self.finished,
+            preemptions=self.preemptions,
+            refused=dict(self.refused),
+            oldest_wait=0.0 if (oldest := self.waiting.oldest_arrival()) is None else now - oldest,
+        )
+
+
+def _stepwise(sampling: SamplingParams) -> bool:
+    """Does the request take its tokens one execution at a time (logprobs, a grammar)?"""
+    return sampling.logprobs is not None or sampling.grammar is not None
