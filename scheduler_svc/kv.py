@@ -116,8 +116,11 @@ class KvManager:
     def place(self, seq: Sequence, hit: list[int]) -> None:
         """`seq`, placed here, starts its table with these cached blocks (maybe none): they are
         cached; its own are not yet, and what it computes from here is computed anew."""
-        record = self.records.of(seq)
-        record.suspect, record.cached_to = False, len(hit) * self.block_size
+        record = self.records.records.get(seq)
+        if record is None and self.caching:  # off, a missing record reads as this reset
+            record = self.records.of(seq)
+        if record is not None:
+            record.suspect, record.cached_to = False, len(hit) * self.block_size
         if hit:
             self.pool.share(seq.request_id, hit)
 
