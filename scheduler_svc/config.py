@@ -18,6 +18,15 @@ class BatchMode(StrEnum):
     STATIC = "static"  # nothing joins until the whole batch has finished
 
 
+class QueuePolicy(StrEnum):
+    """The waiting queue's ordering (one RequestQueue class each, request_queue.py)."""
+
+    FCFS = "fcfs"  # the seed's: first come, first served
+    PRIORITY = "priority"  # lower priority value first, ties by arrival; preempts lower ones
+    FAIR = "fair"  # within a priority level, the tenant served least (VTC), by weight
+    DEADLINE = "deadline"  # earliest TTFT deadline that can still be met first
+
+
 MAX_TIME_WINDOW = 64  # steps: --step-time-window's largest
 MAX_DECODE_STEPS = 32  # executions: --decode-steps's largest
 
@@ -58,6 +67,15 @@ class CoreConfig:
         "output run one per step); 1 = one execution per step",
     )
 
+    queue_policy: QueuePolicy = setting(
+        QueuePolicy.FCFS,
+        "the waiting queue's order: fcfs (arrival), priority (lower value first, ties by "
+        "arrival; a waiting request preempts a lower-priority running one when KV or the "
+        "running limit is short), fair (the least-served tenant first by weighted tokens, VTC, "
+        "within a priority level), deadline (the earliest TTFT deadline that can still be met "
+        "first; those past theirs after, still served)",
+    )
+
     def __post_init__(self) -> None:
         if self.token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
@@ -75,6 +93,7 @@ class CoreConfig:
             )
         object.__setattr__(self, "policy", KvPolicy(self.policy))
         object.__setattr__(self, "mode", BatchMode(self.mode))
+        object.__setattr__(self, "queue_policy", QueuePolicy(self.queue_policy))
 
 
 @dataclass(frozen=True, slots=True)

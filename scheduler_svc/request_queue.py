@@ -11,13 +11,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
-from enum import StrEnum
 
+from scheduler_svc.config import QueuePolicy
 from scheduler_svc.sequence import Sequence
-
-
-class QueuePolicy(StrEnum):
-    FCFS = "fcfs"  # the seed's: first come, first served
 
 
 class RequestQueue(ABC):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 
 from llmcommon.sampling import SamplingParams
+from llmcommon.tenancy import Tenancy
 
 NO_HANDLE = -1
 
@@ -63,6 +64,8 @@ class Sequence:
     # its tokens are taken one execution at a time (logprobs, a grammar): never in a run of
     # several executions (--decode-steps)
     stepwise: bool = False
+    # its tenant, priority and SLO class: what the queue's ordering reads (the gateway's)
+    tenancy: Tenancy = field(default_factory=Tenancy)
 
     def __post_init__(self) -> None:
         self.num_planned = len(self.prompt_ids) + len(self.output_ids)

@@ -172,6 +172,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             ignore_eos=params.ignore_eos,
             sampling=work_sampling(params, stop_ids),
             cache_salt=sub.cache_salt,
+            tenancy=sub.tenancy,
         )
         seq.eos_ids, seq.stop_ids = eos_ids, stop_ids
         if sub.resume_ids and sub.resume_ids[-1] in stop_ids:

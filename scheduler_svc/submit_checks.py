@@ -7,11 +7,14 @@ checks the request again."""
 
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass
 
 from llmcommon.sampling import InvalidSampling, SamplingParams
 from llmcommon.sampling_wire import from_wire
+from llmcommon.tenancy import Tenancy, valid_name
+from llmcommon.tenancy_wire import tenancy_of
 from llmcommon.v1 import scheduler_pb2
 
 __all__ = ["InvalidSubmission", "Submission", "submission_of"]
@@ -30,6 +33,7 @@ class Submission:
     resume_ids: list[int]
     sampling: SamplingParams
     cache_salt: bytes
+    tenancy: Tenancy
 
     @property
     def max_tokens(self) -> int:
@@ -49,8 +53,24 @@ def submission_of(request: scheduler_pb2.SubmitRequest, vocab_size: int) -> Subm
     problem = _problem(prompt, resumed, sampling, vocab_size)
     if problem:
         raise InvalidSubmission(problem)
+    tenancy = tenancy_of(request.tenancy)
+    problem = _tenancy_problem(tenancy)
+    if problem:
+        raise InvalidSubmission(problem)
     rid = request.request_id or uuid.uuid4().hex
-    return Submission(rid, prompt, resumed, sampling, request.cache_salt)
+    return Submission(rid, prompt, resumed, sampling, request.cache_salt, tenancy)
+
+
+def _tenancy_problem(t: Tenancy) -> str | None:
+    """What is wrong with a submission's tenancy (the gateway sets it), or None."""
+    if not valid_name(t.tenant):
+        return f"tenant {t.tenant!r} is not a name (letters, digits, _ . -, up to 64)"
+    if t.slo_class and not valid_name(t.slo_class):
+        return f"slo_class {t.slo_class!r} is not a name (letters, digits, _ . -, up to 64)"
+    for name, value in (("weight", t.weight), ("ttft_s", t.ttft_s), ("tpot_s", t.tpot_s)):
+        if not math.isfinite(value) or value < 0:
+            return f"tenancy.{name} must be a finite number >= 0, got {value}"
+    return None
 
 
 def _problem(
