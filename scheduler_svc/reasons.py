@@ -16,6 +16,10 @@ class StallReason(StrEnum):
     KV_CAPACITY = "kv_capacity"
     KV_RESERVED = "kv_reserved"
     STATIC_BATCH = "static_batch"
+    # the longest-waiting request is held behind the head by the queue's ordering
+    PRIORITY = "priority"
+    FAIR_SHARE = "fair_share"
+    DEADLINE = "deadline"
 
     @property
     def description(self) -> str:
@@ -29,6 +33,9 @@ STALL_TEXT = {
     StallReason.KV_CAPACITY: "the KV data itself would not fit",
     StallReason.KV_RESERVED: "the data would fit, but reservations hold the space",
     StallReason.STATIC_BATCH: "static batching: waiting for the batch to drain",
+    StallReason.PRIORITY: "the oldest waiting request is behind requests of higher priority",
+    StallReason.FAIR_SHARE: "the oldest waiting request's tenant has had more than its share",
+    StallReason.DEADLINE: "the oldest waiting request is behind earlier deadlines that can be met",
 }
 
 

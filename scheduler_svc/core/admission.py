@@ -3,6 +3,7 @@ there, or why it waits (a stall reason); the step-time budget's part in it."""
 
 from __future__ import annotations
 
+from bisect import insort
 from dataclasses import dataclass
 
 from scheduler_svc.blocks import blocks_for
@@ -14,6 +15,8 @@ from scheduler_svc.step import Step
 from scheduler_svc.worker_state import WorkerState
 
 RUNNING, FINISHED = SeqStatus.RUNNING, SeqStatus.FINISHED
+# the stalls a head may preempt a running request for (its ordering permitting)
+ROOM = frozenset({StallReason.MAX_RUNNING, StallReason.KV_CAPACITY, StallReason.KV_RESERVED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +39,15 @@ class Admission(CoreState):
     """Admission from the head of the waiting queue, in its order, until the head must wait."""
 
     def _admit(self, steps: dict[int, Step], failed: list[Event]) -> None:
+        """Admit from the queue's head, in its order, until it must wait; then, when the
+        longest-waiting request is not the head, count the ordering as what holds it back."""
+        self._admit_heads(steps, failed)
+        waiting = self.waiting
+        reason = waiting.order_reason
+        if reason is not None and waiting and waiting.oldest() is not waiting.peek():
+            self.stalls[reason] += 1
+
+    def _admit_heads(self, steps: dict[int, Step], failed: list[Event]) -> None:
         """Admit from the queue's head, in order, until it must wait. A request that no live
         worker can ever hold fails (its finish into `failed`), never waits."""
         self.head_reason = None
@@ -178,7 +190,10 @@ class Admission(CoreState):
         assert new is not None, "admitted without room"  # `_why_not` found it
         step.grants.append((seq.handle, new))
         step.added.append(seq)
-        ws.running.append(seq)
+        if self.waiting.ranks_running:
+            insort(ws.running, seq, key=self.waiting.running_key)
+        else:
+            ws.running.append(seq)
         self.admitted += 1
         if seq.admitted_at is None:
             seq.admitted_at = self.clock()
@@ -192,6 +207,48 @@ class Admission(CoreState):
             )
         step.budget -= n
         self._plan_chunk(ws, step, seq, n)
+
+    def _displace(self, planned: set[int]) -> None:
+        """Before the running requests are planned: when the head cannot be admitted on any
+        worker for its running limit or KV, and its ordering names running requests on a worker
+        planned now that it may preempt (priority: lower ones) and whose going makes room for
+        it, preempt those (they are recomputed later, nothing lost); once per head."""
+        waiting = self.waiting
+        tried: set[int] = set()
+        while waiting and id(head := waiting.peek()) not in tried:
+            tried.add(id(head))
+            place = self._place(head, {})
+            if type(place) is not Stall or place.reason not in ROOM:
+                return
+            for ws in self._candidates(head, live=True):
+                if ws.index in planned and not ws.draining:
+                    victims = self._victims(ws, head)
+                    if victims:
+                        for victim in victims:
+                            self._preempt(ws, victim)
+                        break
+            else:
+                return
+
+    def _victims(self, ws: WorkerState, head: Sequence) -> list[Sequence]:
+        """The running requests on `ws` whose preemption, in the order the head's ordering
+        names them, first leaves a running place and the KV blocks `head` needs (its first
+        chunk, or its reservation); none if even all it may name leave too little."""
+        spec, kv, limit = ws.spec, ws.kv, self.config.max_running
+        if self.reserve:
+            need = head.max_length(spec.max_context)
+        else:
+            need = self._chunk(head, self._full_budget())
+        need = blocks_for(need, spec.block_size) * spec.block_size
+        rest, victims, room = list(ws.running), [], ws.free_positions
+        while len(rest) >= limit or room < need:
+            victim = self.waiting.victim(head, rest, limit)
+            if victim is None:
+                return []
+            rest.remove(victim)
+            victims.append(victim)
+            room += kv.held(victim)
+        return victims
 
     def fail_unplaceable(self) -> list[Event]:
         """After the live workers changed: fail every waiting request that none of them can ever

@@ -7,6 +7,7 @@ from dataclasses import fields
 from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.core.state import CoreState
 from scheduler_svc.live_settings import stranded
+from scheduler_svc.request_queue import create_request_queue
 from scheduler_svc.sequence import NO_HANDLE, SeqStatus, Sequence
 
 RUNNING, FINISHED = SeqStatus.RUNNING, SeqStatus.FINISHED
@@ -56,6 +57,8 @@ class Membership(CoreState):
         for f in fields(CoreConfig):
             if getattr(config, f.name) != getattr(self.config, f.name):
                 self.setting_changes[f.name] += 1
+        if config.queue_policy is not self.config.queue_policy:
+            self._reorder(config)
         self.config, self.chunked = config, config.chunked_prefill
         self.reserve = config.policy is KvPolicy.RESERVE
         self.static = config.mode is BatchMode.STATIC
@@ -69,3 +72,15 @@ class Membership(CoreState):
                 keep = ws.kv.trim(seq)
                 if keep is not None:
                     ws.trims.append((seq.handle, keep))
+
+    def _reorder(self, config: CoreConfig) -> None:
+        """A new ordering: the waiting requests move to its queue in arrival order (the service
+        counted under `fair` starts anew), and where it ranks the running requests (priority:
+        the lowest last, preempted first), each worker's list is sorted so."""
+        queue = create_request_queue(config.queue_policy, self.clock)
+        for seq in sorted(self.waiting, key=lambda s: s.arrival):
+            queue.add(seq)
+        self.waiting = queue
+        if queue.ranks_running:
+            for ws in self.workers:
+                ws.running.sort(key=queue.running_key)

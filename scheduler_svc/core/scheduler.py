@@ -4,6 +4,8 @@ its own module (membership, admission, planning, runs, failures) over the shared
 from __future__ import annotations
 
 import sys
+from collections import Counter
+from collections.abc import Iterable
 from functools import partial
 
 from llmcommon.request_checks import context_problem
@@ -15,11 +17,13 @@ from scheduler_svc.core.planning import Planning
 from scheduler_svc.core.runs import Runs
 from scheduler_svc.output import Event, Refused, Snapshot
 from scheduler_svc.reasons import RefusalReason
+from scheduler_svc.request_queue import RequestQueue
 from scheduler_svc.sequence import SeqStatus, Sequence
 from scheduler_svc.step import Step
 from scheduler_svc.time_budget import StepTimer
 
 RUNNING, FINISHED = SeqStatus.RUNNING, SeqStatus.FINISHED
+_NO_VICTIM = RequestQueue.victim  # an ordering that never preempts for its head
 
 
 class Scheduler(Membership, Admission, Planning, Runs, Failures):
@@ -90,6 +94,10 @@ class Scheduler(Membership, Admission, Planning, Runs, Failures):
             ws = self.workers[index]
             ws.kv.sent()  # the steps that write what they cached have been sent
             self._reap(ws)
+        if self.waiting and type(self.waiting).victim is not _NO_VICTIM:
+            self._displace({i for i in indices if self.workers[i].healthy})
+        for index in indices:
+            ws = self.workers[index]
             if not ws.running:
                 ws.batch_closed = False
             step = steps[index] = Step(index, budget)
@@ -109,6 +117,8 @@ class Scheduler(Membership, Admission, Planning, Runs, Failures):
         if self.config.decode_steps > 1 and not self.waiting:
             for index, step in steps.items():
                 self._lengthen(self.workers[index], step)
+        if self.waiting.charges:
+            self._charge(steps.values())
         for index, step in steps.items():
             ws = self.workers[index]
             if self.static and step.has_work:  # the batch has started: nothing joins it now
@@ -123,6 +133,18 @@ class Scheduler(Membership, Admission, Planning, Runs, Failures):
                 if step.timer is not None:
                     ws.planned_s.extend([step.timer.predicted()] * step.repeat)
         return list(steps.values())
+
+    def _charge(self, steps: Iterable[Step]) -> None:
+        """Tell the queue the service each tenant's requests got in these steps (fair share)."""
+        prefill: Counter[str] = Counter()
+        decode: Counter[str] = Counter()
+        for step in steps:
+            for work in step.chunks:
+                prefill[work.seq.tenancy.tenant] += work.num_tokens
+            for seq in step.decodes:
+                decode[seq.tenancy.tenant] += step.repeat
+        for tenant in prefill.keys() | decode.keys():
+            self.waiting.charge(tenant, prefill[tenant], decode[tenant])
 
     def snapshot(self) -> Snapshot:
         now = self.clock()

@@ -47,7 +47,7 @@ class CoreState:
         for spec in workers:
             self.add_worker(spec)
         self.clock = clock
-        self.waiting: RequestQueue = create_request_queue()
+        self.waiting: RequestQueue = create_request_queue(config.queue_policy, clock)
         self.waiting_tokens = 0  # sum of num_pending over `waiting`, kept as it changes
         self.seqs: dict[str, Sequence] = {}
         self.stalls: Counter[str] = Counter()

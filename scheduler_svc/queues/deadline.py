@@ -1,0 +1,111 @@
+"""Deadline ordering: the earliest time-to-first-token deadline that can still be met first
+(each request's deadline is its arrival plus its SLO class's TTFT target). A request whose
+deadline has passed goes behind every one that can still make theirs, and is still served, in
+deadline order; requests without a TTFT target come after those with one that can make it and
+before those that missed theirs. A preempted request (its first token given already) goes back
+in front."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Iterator
+
+from scheduler_svc.config import QueuePolicy
+from scheduler_svc.queues.base import ArrivalIndex, Clock, RequestQueue
+from scheduler_svc.reasons import StallReason
+from scheduler_svc.sequence import Sequence
+
+# an entry: [deadline, arrival, n, seq, alive]; n is unique, so seq is never compared
+DEADLINE, SEQ, ALIVE = 0, 3, 4
+
+
+class DeadlineRequestQueue(RequestQueue):
+    """Preempted requests in front; then a heap of those that can still make their deadline;
+    then a heap of those that missed it (moved there as the clock passes their deadline)."""
+
+    policy = QueuePolicy.DEADLINE
+    order_reason = StallReason.DEADLINE
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        super().__init__(*(() if clock is None else (clock,)))
+        self._front: deque[Sequence] = deque()
+        self._hopeful: list[list] = []
+        self._late: list[list] = []
+        self._entries: dict[Sequence, list | None] = {}  # None: in front
+        self._n = itertools.count()
+        self._arrivals = ArrivalIndex()
+
+    def add(self, seq: Sequence) -> None:
+        deadline = seq.tenancy.deadline(seq.arrival)
+        entry = [deadline, seq.arrival, next(self._n), seq, True]
+        heapq.heappush(self._hopeful, entry)
+        self._entries[seq] = entry
+        self._arrivals.add(seq)
+
+    def prepend(self, seq: Sequence) -> None:
+        self._front.appendleft(seq)
+        self._entries[seq] = None
+        self._arrivals.add(seq)
+
+    def _settle(self) -> None:
+        """Drop cancelled entries at the tops; move the missed deadlines behind."""
+        now, hopeful, late = self.clock(), self._hopeful, self._late
+        while hopeful and (not hopeful[0][ALIVE] or hopeful[0][DEADLINE] < now):
+            entry = heapq.heappop(hopeful)
+            if entry[ALIVE]:
+                heapq.heappush(late, entry)
+        while late and not late[0][ALIVE]:
+            heapq.heappop(late)
+
+    def _heap(self) -> list[list]:
+        self._settle()
+        if self._hopeful:
+            return self._hopeful
+        if self._late:
+            return self._late
+        raise IndexError("the queue is empty")
+
+    def peek(self) -> Sequence:
+        if self._front:
+            return self._front[0]
+        return self._heap()[0][SEQ]
+
+    def pop(self) -> Sequence:
+        if self._front:
+            seq = self._front.popleft()
+        else:
+            seq = heapq.heappop(self._heap())[SEQ]
+        del self._entries[seq]
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        if seq not in self._entries:
+            raise ValueError(f"{seq.request_id} is not waiting")
+        entry = self._entries.pop(seq)
+        if entry is None:
+            self._front.remove(seq)
+        else:
+            entry[ALIVE] = False
+
+    def __iter__(self) -> Iterator[Sequence]:
+        self._settle()
+        yield from self._front
+        for heap in (self._hopeful, self._late):
+            yield from (e[SEQ] for e in sorted(e for e in heap if e[ALIVE]))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def oldest(self) -> Sequence | None:
+        return self._arrivals.oldest(self._entries)
+
+    def standing(self, seq: Sequence) -> dict[str, str]:
+        shown = super().standing(seq)
+        deadline = seq.tenancy.deadline(seq.arrival)
+        if math.isfinite(deadline):
+            left = deadline - self.clock()
+            shown["deadline_s"] = f"{left:+.3f}"  # seconds left (negative: missed)
+        return shown

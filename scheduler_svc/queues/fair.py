@@ -1,0 +1,158 @@
+"""Fair share between tenants inside a priority level: the Virtual Token Counter of "Fairness in
+Serving Large Language Models" (Sheng et al., OSDI 2024).
+
+Each tenant has a counter of the service its requests got, prompt tokens weighted 1 and sampled
+tokens 2, divided by the tenant's weight. The head is, at the best (lowest) priority level
+waiting, the oldest request of the tenant with the smallest counter. A tenant that starts waiting
+again has its counter lifted to the smallest counter of those waiting (to the counter of the last
+one to stop waiting when nobody waits), so that it cannot bank service it did not ask for. Beyond
+the paper, so that a tenant arriving beside another's burst need not wait for the burst's
+requests to finish: a head whose tenant runs fewer than its weighted share of a worker's running
+places may preempt the newest request of a tenant that runs more than its share and has been
+served more."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterator
+
+from scheduler_svc.config import QueuePolicy
+from scheduler_svc.queues.base import ArrivalIndex, Clock, RequestQueue, evictable
+from scheduler_svc.reasons import StallReason
+from scheduler_svc.sequence import Sequence
+
+PREFILL_WEIGHT, DECODE_WEIGHT = 1.0, 2.0  # the paper's
+
+
+class FairRequestQueue(RequestQueue):
+    """Per priority level, per tenant, a deque in arrival order (preempted requests in front)."""
+
+    policy = QueuePolicy.FAIR
+    order_reason = StallReason.FAIR_SHARE
+    charges = True
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        super().__init__(*(() if clock is None else (clock,)))
+        self._levels: dict[int, dict[str, deque[Sequence]]] = {}  # only non-empty ones
+        self.counters: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+        self._queued: Counter[str] = Counter()  # waiting requests by tenant
+        self._members: dict[Sequence, None] = {}
+        self._arrivals = ArrivalIndex()
+        self._last_left = 0.0  # the counter of the last tenant to stop waiting
+
+    def _join(self, seq: Sequence) -> deque[Sequence]:
+        tenant = seq.tenancy.tenant
+        self.weights[tenant] = seq.tenancy.weight if seq.tenancy.weight > 0 else 1.0
+        if not self._queued[tenant]:
+            waiting = [self.counters[t] for t, n in self._queued.items() if n]
+            floor = min(waiting) if waiting else self._last_left
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+        self._queued[tenant] += 1
+        self._members[seq] = None
+        self._arrivals.add(seq)
+        return self._levels.setdefault(seq.tenancy.priority, {}).setdefault(tenant, deque())
+
+    def _leave(self, seq: Sequence) -> None:
+        level, tenant = seq.tenancy.priority, seq.tenancy.tenant
+        tenants = self._levels[level]
+        if not tenants[tenant]:
+            del tenants[tenant]
+            if not tenants:
+                del self._levels[level]
+        del self._members[seq]
+        self._queued[tenant] -= 1
+        if not self._queued[tenant]:
+            del self._queued[tenant]
+            self._last_left = self.counters[tenant]
+
+    def add(self, seq: Sequence) -> None:
+        self._join(seq).append(seq)
+
+    def prepend(self, seq: Sequence) -> None:
+        self._join(seq).appendleft(seq)
+
+    def _head_deque(self) -> deque[Sequence]:
+        if not self._levels:
+            raise IndexError("the queue is empty")
+        tenants = self._levels[min(self._levels)]
+        counters = self.counters
+        return min(tenants.values(), key=lambda q: (counters[q[0].tenancy.tenant], q[0].arrival))
+
+    def peek(self) -> Sequence:
+        return self._head_deque()[0]
+
+    def pop(self) -> Sequence:
+        seq = self._head_deque().popleft()
+        self._leave(seq)
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        if seq not in self._members:
+            raise ValueError(f"{seq.request_id} is not waiting")
+        self._levels[seq.tenancy.priority][seq.tenancy.tenant].remove(seq)
+        self._leave(seq)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        """The order the heads would take if each admission charged its prompt: the order now,
+        as far as it can be known before the service is."""
+        counters = dict(self.counters)
+        for level in sorted(self._levels):
+            queues = {t: list(q) for t, q in self._levels[level].items()}
+            taken = dict.fromkeys(queues, 0)
+            for _ in range(sum(len(q) for q in queues.values())):
+                tenant = min(
+                    (t for t in queues if taken[t] < len(queues[t])),
+                    key=lambda t: (counters[t], queues[t][taken[t]].arrival),
+                )
+                seq = queues[tenant][taken[tenant]]
+                taken[tenant] += 1
+                counters[tenant] += PREFILL_WEIGHT * len(seq.prompt_ids) / self.weights[tenant]
+                yield seq
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def oldest(self) -> Sequence | None:
+        return self._arrivals.oldest(self._members)
+
+    def charge(self, tenant: str, prefill: int, decode: int) -> None:
+        service = PREFILL_WEIGHT * prefill + DECODE_WEIGHT * decode
+        weight = self.weights.get(tenant, 1.0)
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + service / weight
+
+    def victim(self, head: Sequence, running: list[Sequence], slots: int) -> Sequence | None:
+        """A lower-priority running request first (the newest); else, at the head's level, the
+        newest of the most-served tenant among those above their weighted share of the `slots`
+        while the head's tenant is below its own."""
+        mine = head.tenancy.priority
+        lower = [s for s in running if s.tenancy.priority > mine and evictable(s)]
+        if lower:
+            return max(lower, key=lambda s: (s.tenancy.priority, s.arrival))
+        peers = [s for s in running if s.tenancy.priority == mine]
+        count = Counter(s.tenancy.tenant for s in peers)
+        me = head.tenancy.tenant
+        present = set(count) | {me}
+        total = sum(self.weights.get(t, 1.0) for t in present)
+
+        def share(t: str) -> float:
+            return slots * self.weights.get(t, 1.0) / total
+
+        if count[me] + 1 > share(me):
+            return None
+        counters, own = self.counters, self.counters.get(me, 0.0)
+        over = [t for t in count if t != me and count[t] > share(t) and counters.get(t, 0.0) > own]
+        if not over:
+            return None
+        for tenant in sorted(over, key=lambda t: -counters.get(t, 0.0)):
+            newest = [s for s in peers if s.tenancy.tenant == tenant and evictable(s)]
+            if newest:
+                return max(newest, key=lambda s: s.arrival)
+        return None
+
+    def standing(self, seq: Sequence) -> dict[str, str]:
+        shown = super().standing(seq)
+        tenant = seq.tenancy.tenant
+        shown["counter"] = f"{self.counters.get(tenant, 0.0):.0f}"
+        shown["weight"] = f"{self.weights.get(tenant, 1.0):g}"
+        return shown

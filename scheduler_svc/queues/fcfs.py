@@ -1,0 +1,49 @@
+"""First come, first served: the seed's ordering."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+
+from scheduler_svc.config import QueuePolicy
+from scheduler_svc.queues.base import Clock, RequestQueue
+from scheduler_svc.sequence import Sequence
+
+
+class FCFSRequestQueue(RequestQueue):
+    """A deque in arrival order, preempted requests in front."""
+
+    policy = QueuePolicy.FCFS
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        super().__init__(*(() if clock is None else (clock,)))
+        self._queue: deque[Sequence] = deque()
+
+    def add(self, seq: Sequence) -> None:
+        self._queue.append(seq)
+
+    def peek(self) -> Sequence:
+        return self._queue[0]
+
+    def pop(self) -> Sequence:
+        return self._queue.popleft()
+
+    def prepend(self, seq: Sequence) -> None:
+        self._queue.appendleft(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        self._queue.remove(seq)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._queue)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __bool__(self) -> bool:
+        return bool(self._queue)
+
+    def oldest(self) -> Sequence | None:
+        """The head: it arrived first (a preempted request, back in front, arrived before
+        everyone admitted after it)."""
+        return self._queue[0] if self._queue else None

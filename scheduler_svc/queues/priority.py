@@ -1,0 +1,84 @@
+"""vLLM's priority ordering: the lowest priority value first, ties by arrival; a head that cannot
+be admitted preempts the lowest-priority running request (the newest of that priority), which is
+recomputed later, by the same rule."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+
+from scheduler_svc.config import QueuePolicy
+from scheduler_svc.queues.base import ArrivalIndex, Clock, RequestQueue, evictable
+from scheduler_svc.reasons import StallReason
+from scheduler_svc.sequence import Sequence
+
+# an entry: [priority, arrival, n, seq, alive]; n is unique, so seq is never compared
+SEQ, ALIVE = 3, 4
+
+
+class PriorityRequestQueue(RequestQueue):
+    """A heap by (priority, arrival); cancelled entries are dropped when they reach the top."""
+
+    policy = QueuePolicy.PRIORITY
+    order_reason = StallReason.PRIORITY
+    ranks_running = True
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        super().__init__(*(() if clock is None else (clock,)))
+        self._heap: list[list] = []
+        self._entries: dict[Sequence, list] = {}
+        self._n = itertools.count()
+        self._arrivals = ArrivalIndex()
+
+    def add(self, seq: Sequence) -> None:
+        entry = [seq.tenancy.priority, seq.arrival, next(self._n), seq, True]
+        heapq.heappush(self._heap, entry)
+        self._entries[seq] = entry
+        self._arrivals.add(seq)
+
+    prepend = add  # a preempted request ranks by its priority and (early) arrival again
+
+    def _top(self) -> list:
+        heap = self._heap
+        while heap and not heap[0][ALIVE]:
+            heapq.heappop(heap)
+        return heap[0]  # IndexError when empty
+
+    def peek(self) -> Sequence:
+        return self._top()[SEQ]
+
+    def pop(self) -> Sequence:
+        self._top()
+        seq = heapq.heappop(self._heap)[SEQ]
+        del self._entries[seq]
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        entry = self._entries.pop(seq, None)
+        if entry is None:
+            raise ValueError(f"{seq.request_id} is not waiting")
+        entry[ALIVE] = False
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return (e[SEQ] for e in sorted(self._entries.values()))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def oldest(self) -> Sequence | None:
+        return self._arrivals.oldest(self._entries)
+
+    def victim(self, head: Sequence, running: list[Sequence], slots: int) -> Sequence | None:
+        """The last of the running list (ranked: the lowest priority, the newest) still worth
+        preempting, if its priority is lower than the head's."""
+        mine = head.tenancy.priority
+        for seq in reversed(running):
+            if seq.tenancy.priority <= mine:
+                return None
+            if evictable(seq):
+                return seq
+        return None
+
+    def running_key(self, seq: Sequence) -> tuple:
+        return (seq.tenancy.priority, seq.arrival)
