@@ -230,9 +230,17 @@ def explanation_dict(e: scheduler_pb2.HeadExplanation) -> dict | None:
     """The head's explanation as plain data; None when nobody waits (or none was asked)."""
     if not e.request_id:
         return None
+    nested = {"workers", "head_standing", "oldest", "ahead"}
     out: dict[str, Any] = {
-        f.name: getattr(e, f.name) for f in e.DESCRIPTOR.fields if f.name != "workers"
+        f.name: getattr(e, f.name) for f in e.DESCRIPTOR.fields if f.name not in nested
     }
+
+    def standing(s: scheduler_pb2.QueueStanding) -> dict:
+        return {"request_id": s.request_id, "wait_s": s.wait_s, "standing": dict(s.standing)}
+
+    out["head_standing"] = standing(e.head_standing) if e.HasField("head_standing") else None
+    out["oldest"] = standing(e.oldest) if e.HasField("oldest") else None
+    out["ahead"] = [standing(s) for s in e.ahead]
     out["workers"] = [
         {
             "name": w.name,

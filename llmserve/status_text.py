@@ -135,7 +135,27 @@ def explanation_text(s: dict) -> str:
     if e.get("step_time_budget_ms"):
         lines.append(time_budget_line(e))
     lines.append("  would admit it: " + "; ".join(counterfactuals(e)))
+    lines += order_lines(e)
     return "\n".join(lines)
+
+
+def _standing(s: dict) -> str:
+    shown = ", ".join(f"{k} {v}" for k, v in s["standing"].items())
+    return f"{s['request_id']} ({shown})"
+
+
+def order_lines(e: dict) -> list[str]:
+    """Who is ahead of whom in the queue's ordering, and what orders them."""
+    if not e.get("head_standing"):
+        return []
+    lines = [f"  order: {e['queue_policy']}; the head is {_standing(e['head_standing'])}"]
+    oldest = e.get("oldest")
+    if oldest:
+        ahead = "; ".join(_standing(s) for s in e.get("ahead", []))
+        lines.append(
+            f"  the oldest, {_standing(oldest)}, waits {oldest['wait_s']:.2f} s behind: {ahead}"
+        )
+    return lines
 
 
 def time_budget_line(e: dict) -> str:

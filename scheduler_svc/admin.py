@@ -20,6 +20,7 @@ from scheduler_svc.core import Scheduler
 from scheduler_svc.explain import Explanation, copy_of, explain_copy
 from scheduler_svc.kv_rows import add_row
 from scheduler_svc.live_settings import SettingError, apply, changed, current
+from scheduler_svc.order_view import OrderView, Standing, order_view
 
 log = logging.getLogger("scheduler")
 
@@ -86,8 +87,27 @@ async def explanation(core: Scheduler) -> scheduler_pb2.HeadExplanation:
     passes on that copy in a thread, so the step loops go on meanwhile."""
     if not core.waiting:
         return scheduler_pb2.HeadExplanation()
-    base = copy_of(core)
-    return explanation_message(await asyncio.to_thread(explain_copy, base, core.clock()))
+    base, order = copy_of(core), order_view(core.waiting, core.clock())
+    msg = explanation_message(await asyncio.to_thread(explain_copy, base, core.clock()))
+    if order is not None:
+        add_order(msg, order)
+    return msg
+
+
+def add_order(msg: scheduler_pb2.HeadExplanation, order: OrderView) -> None:
+    """The queue's ordering into the explanation: the head's standing, the oldest's, and who
+    is ahead of the oldest."""
+    msg.queue_policy = order.policy
+
+    def fill(into: scheduler_pb2.QueueStanding, s: Standing) -> None:
+        into.request_id, into.wait_s = s.request_id, s.wait_s
+        into.standing.update(s.standing)
+
+    fill(msg.head_standing, order.head)
+    if order.oldest is not None:
+        fill(msg.oldest, order.oldest)
+    for s in order.ahead:
+        fill(msg.ahead.add(), s)
 
 
 def explanation_message(why: Explanation) -> scheduler_pb2.HeadExplanation:

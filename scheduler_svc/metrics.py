@@ -25,9 +25,11 @@ from llmcommon.metrics_http import (
     TOKEN_COUNT_BUCKETS,
     serve_metrics,
 )
+from llmcommon.tenancy import DEFAULT_TENANT
+from scheduler_svc.config import QueuePolicy
 from scheduler_svc.core import Scheduler
 from scheduler_svc.live_settings import NAMES
-from scheduler_svc.output import Snapshot
+from scheduler_svc.output import Snapshot, TenantCounts
 from scheduler_svc.reasons import RefusalReason, StallReason
 from scheduler_svc.step import Step
 from scheduler_svc.step_model import PredictionError, StepModels
@@ -103,6 +105,7 @@ class CoreCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from families(self._snapshot(), self.core)
+        yield from tenant_families(self._on_loop(self.core.tenant_counts))
 
     def _snapshot(self) -> Snapshot:
         return self._on_loop(self.core.snapshot)
@@ -212,7 +215,8 @@ def _queue(snap: Snapshot, core: Scheduler) -> Iterator[Metric]:
 def _counters(snap: Snapshot) -> Iterator[Metric]:
     stalls = CounterMetricFamily(
         PREFIX + "admission_stalls",
-        "Steps whose admission stopped, by the limit that stopped it",
+        "Steps whose admission stopped, by the limit that stopped it; priority, fair_share, "
+        "deadline: steps in which the ordering held the longest-waiting request behind the head",
         labels=["reason"],
     )
     for reason in StallReason:
@@ -323,6 +327,58 @@ def _setting_changes(core: Scheduler) -> CounterMetricFamily:
     for name in NAMES:
         changes.add_metric([name], core.setting_changes.get(name, 0))
     return changes
+
+
+MAX_LABELS = 64  # tenants and classes named in the metrics; the rest are counted as "other"
+
+
+def _bounded(counts: dict[str, float]) -> dict[str, float]:
+    """At most MAX_LABELS names (the tenants come from the gateway's keys file, so they are
+    few; this bounds a caller that sends many), the rest summed under "other"; "" as "none"."""
+    named = sorted(counts)
+    out = {name or "none": float(counts[name]) for name in named[:MAX_LABELS]}
+    rest = sum(counts[name] for name in named[MAX_LABELS:])
+    if rest:
+        out["other"] = out.get("other", 0) + rest
+    return out
+
+
+def tenant_families(counts: TenantCounts) -> Iterator[Metric]:
+    """Waiting and running requests by tenant and SLO class; fair's service counters."""
+    policy = GaugeMetricFamily(
+        PREFIX + "queue_policy", "1 for the waiting queue's ordering now", labels=["policy"]
+    )
+    for p in QueuePolicy:
+        policy.add_metric([p.value], float(counts.policy == p.value))
+    yield policy
+    for name, doc, values, label in (
+        ("tenant_waiting_requests", "Waiting requests by tenant", counts.queued, "tenant"),
+        ("tenant_running_requests", "Running requests by tenant", counts.running, "tenant"),
+        (
+            "class_waiting_requests",
+            "Waiting requests by SLO class",
+            counts.class_queued,
+            "slo_class",
+        ),
+        (
+            "class_running_requests",
+            "Running requests by SLO class",
+            counts.class_running,
+            "slo_class",
+        ),
+        (
+            "tenant_service",
+            "A tenant's weighted service under the fair ordering (its VTC counter: prompt "
+            "tokens x1 + sampled tokens x2, over its weight)",
+            counts.service,
+            "tenant",
+        ),
+    ):
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=[label])
+        shown = {DEFAULT_TENANT if label == "tenant" else "none": 0.0} | _bounded(values)
+        for value, count in shown.items():
+            family.add_metric([value], count)
+        yield family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

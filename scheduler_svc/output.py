@@ -3,6 +3,7 @@ finishes), snapshots, refusals."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from scheduler_svc.sequence import Finish, Sequence
@@ -121,3 +122,15 @@ class Refused(Exception):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+@dataclass(slots=True)
+class TenantCounts:
+    """Requests by tenant and by SLO class ("" = none), as the scheduler's metrics export them."""
+
+    policy: str
+    queued: Counter[str] = field(default_factory=Counter)
+    running: Counter[str] = field(default_factory=Counter)
+    class_queued: Counter[str] = field(default_factory=Counter)
+    class_running: Counter[str] = field(default_factory=Counter)
+    service: dict[str, float] = field(default_factory=dict)  # fair's counters (VTC)

@@ -40,6 +40,8 @@ LABELS = {
     "prefix_caching",
     "quantile",
     "setting",
+    "tenant",  # configured in the gateway's keys file; at most 64 named
+    "slo_class",  # configured with --slo-classes
     "le",
 }
 

@@ -15,7 +15,7 @@ from scheduler_svc.core.failures import Failures
 from scheduler_svc.core.membership import Membership
 from scheduler_svc.core.planning import Planning
 from scheduler_svc.core.runs import Runs
-from scheduler_svc.output import Event, Refused, Snapshot
+from scheduler_svc.output import Event, Refused, Snapshot, TenantCounts
 from scheduler_svc.reasons import RefusalReason
 from scheduler_svc.request_queue import RequestQueue
 from scheduler_svc.sequence import SeqStatus, Sequence
@@ -145,6 +145,21 @@ class Scheduler(Membership, Admission, Planning, Runs, Failures):
                 decode[seq.tenancy.tenant] += step.repeat
         for tenant in prefill.keys() | decode.keys():
             self.waiting.charge(tenant, prefill[tenant], decode[tenant])
+
+    def tenant_counts(self) -> TenantCounts:
+        """Waiting and running requests by tenant and by SLO class, and (fair) each tenant's
+        service counter: read on demand (a scrape), never in a step."""
+        counts = TenantCounts(policy=self.waiting.policy.value)
+        for seq in self.seqs.values():
+            t = seq.tenancy
+            if seq.status is SeqStatus.WAITING:
+                counts.queued[t.tenant] += 1
+                counts.class_queued[t.slo_class] += 1
+            elif seq.status is RUNNING:
+                counts.running[t.tenant] += 1
+                counts.class_running[t.slo_class] += 1
+        counts.service = dict(getattr(self.waiting, "counters", {}))
+        return counts
 
     def snapshot(self) -> Snapshot:
         now = self.clock()
