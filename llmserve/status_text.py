@@ -139,8 +139,14 @@ def explanation_text(s: dict) -> str:
     return "\n".join(lines)
 
 
+STANDING_ORDER = ("tenant", "priority", "slo_class", "counter", "weight", "deadline_s")
+
+
 def _standing(s: dict) -> str:
-    shown = ", ".join(f"{k} {v}" for k, v in s["standing"].items())
+    """A request and what orders it, in a fixed order (the wire's map keeps none)."""
+    fields = s["standing"]
+    keys = [k for k in STANDING_ORDER if k in fields] + sorted(set(fields) - set(STANDING_ORDER))
+    shown = ", ".join(f"{k} {fields[k]}" for k in keys)
     return f"{s['request_id']} ({shown})"
 
 

@@ -140,7 +140,7 @@ def test_fair_orders_priority_levels_first_and_tenants_inside_a_level():
     assert ids(q)[0] == "b0"
 
 
-def test_fair_preempts_only_for_a_tenant_below_its_share_from_one_above_it():
+def test_fair_preempts_only_for_a_tenant_below_its_weighted_share_from_one_above_it():
     q = FairRequestQueue()
     burst = [running(f"b{i}", i, tenant="b") for i in range(4)]
     q.add(seq("a0", 10, tenant="a"))
@@ -149,8 +149,9 @@ def test_fair_preempts_only_for_a_tenant_below_its_share_from_one_above_it():
     assert q.victim(q.peek(), burst, 4).request_id == "b3"  # the newest of the most served
     even = burst[:2] + [running(f"a{i}", 20 + i, tenant="a") for i in range(2)]
     assert q.victim(seq("a5", 30, tenant="a"), even, 4) is None  # a holds its share already
-    q.charge("a", 10_000, 0)
-    assert q.victim(seq("a5", 30, tenant="a"), burst, 4) is None  # a was served more
+    light = seq("c0", 30, tenant="c", weight=0.2)
+    q.add(light)  # a share of 4 x 0.2 / 1.2 < 1 running place: it takes none from b
+    assert q.victim(light, burst, 4) is None
 
 
 def test_deadline_serves_the_earliest_deadline_that_can_still_be_met():

@@ -266,6 +266,18 @@ def add_bench_parser(sub) -> None:
         action="store_true",
         help="only the prefix-cache table (PrefixSteady: 256 running, 15,360-token prompts)",
     )
+    core.add_argument(
+        "--tenants",
+        type=int,
+        default=0,
+        help="this tree's requests belong to N tenants in turn (the baseline's to none)",
+    )
+    core.add_argument(
+        "--queue-policy",
+        default="",
+        choices=["", "fcfs", "priority", "fair", "deadline"],
+        help="this tree's queue ordering (the baseline keeps its own default)",
+    )
     _out_flags(core, "core")
     core.set_defaults(func=_cmd_core)
 

@@ -47,11 +47,24 @@ class SteadyState:
     which `admit` slots take a new request from the queue every step (those finish after their
     first token and are replaced at the tail, so the queue keeps its length)."""
 
-    def __init__(self, running: int, waiting: int, admit: int = 0, workers: int = 1) -> None:
+    def __init__(
+        self,
+        running: int,
+        waiting: int,
+        admit: int = 0,
+        workers: int = 1,
+        tenants: int = 0,
+        policy: str = "",
+    ) -> None:
+        """`tenants` > 0: the requests belong to that many tenants in turn (equal weights and
+        priorities, so each holds its share and none preempts another); `policy`: the queue's
+        ordering ("" = the core's default, which is all an older revision's core knows)."""
         self.ids = itertools.count()
         self.short = admit
+        self.tenants = tenants
         spec = [WorkerSpec(f"w{i}", 1 << 20, 16, 1 << 20) for i in range(workers)]
-        config = CoreConfig(token_budget=1 << 20, max_running=running // workers)
+        ordering = {"queue_policy": policy} if policy else {}
+        config = CoreConfig(token_budget=1 << 20, max_running=running // workers, **ordering)
         self.core = Scheduler(config, spec, clock=lambda: 0.0)
         for _ in range(running - admit):
             self.core.add(self._seq(FOREVER))
@@ -61,7 +74,13 @@ class SteadyState:
             self.core.add(self._seq(1 if admit else FOREVER))
 
     def _seq(self, max_tokens: int) -> Sequence:
-        return Sequence(str(next(self.ids)), [5] * PROMPT, max_tokens, arrival=1.0)
+        n = next(self.ids)
+        seq = Sequence(str(n), [5] * PROMPT, max_tokens, arrival=1.0)
+        if self.tenants:
+            from llmcommon.tenancy import Tenancy  # only asked of a core that has tenants
+
+            seq.tenancy = Tenancy(tenant=f"t{n % self.tenants}")
+        return seq
 
     def _step(self) -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -81,8 +100,10 @@ class SteadyState:
         return (1e6 * min(t for t, _ in times), 1e6 * min(p for _, p in times))
 
 
-def core_cost(running: int, waiting: int, admit: int = 0, steps: int = 30) -> CoreCost:
-    state = SteadyState(running, waiting, admit)
+def core_cost(
+    running: int, waiting: int, admit: int = 0, steps: int = 30, tenants: int = 0, policy: str = ""
+) -> CoreCost:
+    state = SteadyState(running, waiting, admit, tenants=tenants, policy=policy)
     schedule_us, post_us = state.measure(steps)
     t = time.perf_counter()
     state.core.snapshot()

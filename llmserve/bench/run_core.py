@@ -146,12 +146,13 @@ def run_core(args: argparse.Namespace, command: str) -> int:
     fastest of each kept (this machine's speed drifts over minutes; interleaving keeps the
     ratio honest)."""
     grid = [] if getattr(args, "prefix_only", False) else default_grid(args.quick)
+    tenants, policy = getattr(args, "tenants", 0), getattr(args, "queue_policy", "")
     rows: list[CoreCost] = []
     base: list[list[float]] | None = [] if args.baseline_rev else None
     for running, waiting, admit in grid:
         ours, theirs = [], []
         for _ in range(args.rounds):
-            ours.append(core_cost(running, waiting, admit))
+            ours.append(core_cost(running, waiting, admit, tenants=tenants, policy=policy))
             if base is not None:
                 try:
                     theirs.append(baseline_costs(args.baseline_rev, [(running, waiting, admit)])[0])
@@ -169,7 +170,11 @@ def run_core(args: argparse.Namespace, command: str) -> int:
                 + (f" (baseline {sum(base[-1]):.0f} µs)" if base else ""),
                 flush=True,
             )
-    t = Table(title="scheduler core cost per step (one worker; fastest of 30 steps)")
+    among = f"; {tenants} tenants" if tenants else ""
+    ordered = f", queue policy {policy}" if policy else ""
+    t = Table(
+        title=f"scheduler core cost per step (one worker; fastest of 30 steps{among}{ordered})"
+    )
     for col in (
         "running",
         "admitted/step",

@@ -215,8 +215,12 @@ class Admission(CoreState):
         it, preempt those (they are recomputed later, nothing lost); once per head."""
         waiting = self.waiting
         tried: set[int] = set()
+        seen = (self.admitted, self.finished, self.preemptions)
+        if self._displace_tried == (id(waiting.peek()), *seen):
+            return  # the same head before the same running requests: it found nobody then
         while waiting and id(head := waiting.peek()) not in tried:
             tried.add(id(head))
+            self._displace_tried = (id(head), *seen)
             place = self._place(head, {})
             if type(place) is not Stall or place.reason not in ROOM:
                 return

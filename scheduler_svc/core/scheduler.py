@@ -7,6 +7,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterable
 from functools import partial
+from operator import attrgetter
 
 from llmcommon.request_checks import context_problem
 from llmcommon.sampling import SamplingParams
@@ -23,6 +24,7 @@ from scheduler_svc.step import Step
 from scheduler_svc.time_budget import StepTimer
 
 RUNNING, FINISHED = SeqStatus.RUNNING, SeqStatus.FINISHED
+TENANT = attrgetter("tenancy.tenant")
 _NO_VICTIM = RequestQueue.victim  # an ordering that never preempts for its head
 
 
@@ -135,14 +137,25 @@ class Scheduler(Membership, Admission, Planning, Runs, Failures):
         return list(steps.values())
 
     def _charge(self, steps: Iterable[Step]) -> None:
-        """Tell the queue the service each tenant's requests got in these steps (fair share)."""
+        """Tell the queue the service each tenant's requests got in these steps (fair share).
+        The decodes' split by tenant is counted again only when a step's decodes may differ
+        from the last it was counted for (another running set, count, first or last): a
+        steady batch costs a lookup, not a pass over its requests."""
         prefill: Counter[str] = Counter()
         decode: Counter[str] = Counter()
+        version = (self.admitted, self.finished, self.preemptions)
         for step in steps:
             for work in step.chunks:
                 prefill[work.seq.tenancy.tenant] += work.num_tokens
-            for seq in step.decodes:
-                decode[seq.tenancy.tenant] += step.repeat
+            decodes = step.decodes
+            if not decodes:
+                continue
+            ws = self.workers[step.worker]
+            key = (version, len(decodes), id(decodes[0]), id(decodes[-1]))
+            if ws.decode_split[0] != key:
+                ws.decode_split = (key, Counter(map(TENANT, decodes)))
+            for tenant, n in ws.decode_split[1].items():
+                decode[tenant] += n * step.repeat
         for tenant in prefill.keys() | decode.keys():
             self.waiting.charge(tenant, prefill[tenant], decode[tenant])
 

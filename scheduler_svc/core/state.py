@@ -60,6 +60,8 @@ class CoreState:
         self.setting_changes: Counter[str] = Counter()  # live changes applied, by setting
         self.longest_run = 1  # the most executions a step has been planned with (--decode-steps)
         self.run_steps = 0  # steps planned with several executions
+        # (head, admitted, finished, preemptions) when the head last found nobody to preempt
+        self._displace_tried: tuple = ()
 
     def add_worker(self, spec: WorkerSpec) -> int:
         """A worker joins: it takes admissions from its first step."""

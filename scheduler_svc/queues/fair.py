@@ -8,13 +8,13 @@ again has its counter lifted to the smallest counter of those waiting (to the co
 one to stop waiting when nobody waits), so that it cannot bank service it did not ask for. Beyond
 the paper, so that a tenant arriving beside another's burst need not wait for the burst's
 requests to finish: a head whose tenant runs fewer than its weighted share of a worker's running
-places may preempt the newest request of a tenant that runs more than its share and has been
-served more."""
+places may preempt the newest request of a tenant that runs more than its share."""
 
 from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Iterator
+from operator import attrgetter
 
 from scheduler_svc.config import QueuePolicy
 from scheduler_svc.queues.base import ArrivalIndex, Clock, RequestQueue, evictable
@@ -22,6 +22,7 @@ from scheduler_svc.reasons import StallReason
 from scheduler_svc.sequence import Sequence
 
 PREFILL_WEIGHT, DECODE_WEIGHT = 1.0, 2.0  # the paper's
+TENANT, PRIORITY = attrgetter("tenancy.tenant"), attrgetter("tenancy.priority")
 
 
 class FairRequestQueue(RequestQueue):
@@ -122,29 +123,24 @@ class FairRequestQueue(RequestQueue):
         self.counters[tenant] = self.counters.get(tenant, 0.0) + service / weight
 
     def victim(self, head: Sequence, running: list[Sequence], slots: int) -> Sequence | None:
-        """A lower-priority running request first (the newest); else, at the head's level, the
-        newest of the most-served tenant among those above their weighted share of the `slots`
-        while the head's tenant is below its own."""
+        """A lower-priority running request first (the newest); else, at the head's level, when
+        the head's tenant runs fewer than its weighted share of the `slots` and another tenant
+        more than its own, that tenant's newest (of several such, the most served one's). It
+        depends on who runs and the weights alone, not on the counters: a head that found
+        nobody finds nobody until the running requests change."""
         mine = head.tenancy.priority
-        lower = [s for s in running if s.tenancy.priority > mine and evictable(s)]
-        if lower:
-            return max(lower, key=lambda s: (s.tenancy.priority, s.arrival))
+        if max(map(PRIORITY, running), default=mine) > mine:
+            lower = [s for s in running if s.tenancy.priority > mine and evictable(s)]
+            if lower:
+                return max(lower, key=lambda s: (s.tenancy.priority, s.arrival))
         peers = [s for s in running if s.tenancy.priority == mine]
-        count = Counter(s.tenancy.tenant for s in peers)
-        me = head.tenancy.tenant
-        present = set(count) | {me}
-        total = sum(self.weights.get(t, 1.0) for t in present)
-
-        def share(t: str) -> float:
-            return slots * self.weights.get(t, 1.0) / total
-
-        if count[me] + 1 > share(me):
-            return None
-        counters, own = self.counters, self.counters.get(me, 0.0)
-        over = [t for t in count if t != me and count[t] > share(t) and counters.get(t, 0.0) > own]
-        if not over:
-            return None
-        for tenant in sorted(over, key=lambda t: -counters.get(t, 0.0)):
+        count = Counter(map(TENANT, peers))
+        me, weights = head.tenancy.tenant, self.weights
+        total = sum(weights.get(t, 1.0) for t in count.keys() | {me})
+        if (count[me] + 1) * total > slots * weights.get(me, 1.0):
+            return None  # its tenant holds its share (or more) already
+        over = [t for t in count if t != me and count[t] * total > slots * weights.get(t, 1.0)]
+        for tenant in sorted(over, key=lambda t: -self.counters.get(t, 0.0)):
             newest = [s for s in peers if s.tenancy.tenant == tenant and evictable(s)]
             if newest:
                 return max(newest, key=lambda s: s.arrival)
