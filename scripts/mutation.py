@@ -82,12 +82,21 @@ CORE_TESTS = (
     "tests/test_decode_steps.py",
     "tests/test_time_window.py",
     "tests/test_request_queue.py",
+    # the queue's orderings (priority, fair, deadline) and what the core asks of them
+    "tests/test_queue_orderings.py",
+    "tests/test_core_tenants.py",
+    "tests/test_order_view.py",
+)
+QUEUES = tuple(
+    f"scheduler_svc/queues/{name}.py" for name in "base fcfs priority fair deadline".split()
 )
 GROUPS = {
     "core": Group(
         (
             *CORE,
             "scheduler_svc/request_queue.py",
+            *QUEUES,
+            "scheduler_svc/order_view.py",
             "scheduler_svc/kv.py",
             "scheduler_svc/blocks.py",
             "scheduler_svc/worker_state.py",
@@ -133,6 +142,21 @@ GROUPS = {
             ),
             "scheduler_svc.core.scheduler.x__stepwise__mutmut_*",
             "scheduler_svc.worker_state.xǁWorkerStateǁtime_limit__mutmut_*",
+        ),
+    ),
+    # the queue's orderings alone, with what the core asks of them
+    "queues": Group(
+        (*CORE, "scheduler_svc/request_queue.py", *QUEUES, "scheduler_svc/order_view.py"),
+        CORE_TESTS,
+        part_of="core",
+        functions=(
+            "scheduler_svc.queues.*",
+            "scheduler_svc.request_queue.*",
+            "scheduler_svc.order_view.*",
+            *(
+                f"scheduler_svc.core.*.xǁ*ǁ{name}__mutmut_*"
+                for name in "_displace _victims _charge _reorder tenant_counts _admit".split()
+            ),
         ),
     ),
     # the worker's side of a decode run: a step executed several times
