@@ -124,10 +124,7 @@ async def run_openai(
     """Warm up, then send `workload` to the server at `base_url` (no server counters: the
     figures are the client's)."""
     gen = OpenAILoadGenerator(base_url, model, api_key, timeout_s)
-    if warmup:
-        first = workload.requests[0]
-        specs = [RequestSpec(-1 - i, first.prompt_tokens, 4) for i in range(warmup)]
-        await gen.run(Workload("warmup", specs, concurrency=warmup), time.perf_counter())
+    await gen.warm_up(workload, warmup)
     bar = tqdm(total=len(workload.requests), desc=label, unit="req", disable=not progress)
     t0 = time.perf_counter()
     try:
