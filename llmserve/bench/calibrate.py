@@ -14,6 +14,7 @@ from pathlib import Path
 from llmserve.bench.cost_model import DEFAULT_COST_MODEL, BatchShape, CostModel, fit
 from llmserve.bench.prompts import WORD_ID
 from llmserve.bench.report import machine
+from scheduler_svc.step_cost import SMALL_ROWS
 
 BLOCK = 16
 
@@ -147,6 +148,18 @@ def calibrate(
         "point_columns": ["tokens", "sampled", "kv_read", "attention", "seconds"],
     }
     return fit(shapes, seconds, meta)
+
+
+def fit_summary(model: CostModel) -> str:
+    """How well the fit holds and its coefficients, each in the unit that reads best."""
+    fit = model.meta["fit"]
+    return (
+        f"fitted (R² {fit['r2']:.3f}, median error {fit['median_abs_rel_error']:.1%}): "
+        f"fixed {model.fixed * 1e3:.2f} ms, per token {model.per_token * 1e3:.3f} ms, "
+        f"per sampled row {model.per_sampled * 1e3:.3f} ms, per KV position read "
+        f"{model.per_kv_read * 1e6:.3f} µs, per attention pair {model.per_attention * 1e9:.3f} "
+        f"ns, per token of the first {SMALL_ROWS} {model.per_small_token * 1e3:.3f} ms"
+    )
 
 
 def _round_up(positions: int) -> int:

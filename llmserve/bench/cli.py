@@ -13,7 +13,6 @@ from llmserve.bench.goodput import SLO_FORMAT, slo_arg
 from llmserve.bench.workload_args import add_workload_flags
 from scheduler_svc.config import CoreConfig
 from scheduler_svc.settings import SchedulerSettings
-from scheduler_svc.step_cost import SMALL_ROWS
 
 
 def add_bench_parser(sub) -> None:
@@ -361,7 +360,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from llmserve.bench.calibrate import calibrate, default_output
+    from llmserve.bench.calibrate import calibrate, default_output, fit_summary
 
     model = calibrate(
         args.model, args.dtype, args.threads, args.quick, args.repeats,
@@ -369,14 +368,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     )  # fmt: skip
     path = args.output or default_output(args.model, args.dtype, args.quantization)
     model.save(path)
-    fit = model.meta["fit"]
-    print(
-        f"fitted (R² {fit['r2']:.3f}, median error {fit['median_abs_rel_error']:.1%}): "
-        f"fixed {model.fixed * 1e3:.2f} ms, per token {model.per_token * 1e3:.3f} ms, "
-        f"per sampled row {model.per_sampled * 1e3:.3f} ms, per KV position read "
-        f"{model.per_kv_read * 1e6:.3f} µs, per attention pair {model.per_attention * 1e9:.3f} "
-        f"ns, per token of the first {SMALL_ROWS} {model.per_small_token * 1e3:.3f} ms -> {path}"
-    )
+    print(f"{fit_summary(model)} -> {path}")
     return 0
 
 
@@ -400,12 +392,7 @@ def _cmd_hash_sample(args: argparse.Namespace) -> int:
     )
     path = args.output or ht.SAMPLE_TRACE
     ht.write_trace(ht.sample_trace(shape), path)
-    reuse = ht.repeated_share(ht.load_hash_trace(path))
-    print(
-        f"wrote {path}: {args.requests} requests, {reuse['blocks']} blocks, "
-        f"{reuse['repeated_block_share']:.1%} repeated "
-        f"({reuse['repeated_token_share']:.1%} of prompt tokens)"
-    )
+    print(f"wrote {path}: {args.requests} requests, {ht.reuse_text(ht.load_hash_trace(path))}")
     return 0
 
 

@@ -25,8 +25,8 @@ def main() -> None:
     p.add_argument("--source", default="smollm2")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    from llmserve.bench.forward_timing import Ours
     from llmserve.bench.quant_forward import cpu_line
-    from llmserve.bench.worker_forward import Ours
     from worker_svc.loader import load_model
 
     config, weights = load_model(args.source, torch.bfloat16, "auto")

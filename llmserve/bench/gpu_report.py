@@ -43,23 +43,27 @@ def markdown(report: dict) -> str:
         lines += ["", f"**{name.replace('_', ' ')}**: {part['status']}"]
         if part.get("reason"):
             lines[-1] += f": {part['reason']}"
-        lines += RENDER[name](part.get("results", []))
+        if part.get("results"):
+            lines += RENDER[name](part["results"])
     return "\n".join(lines) + "\n"
 
 
 def _logits(results: list) -> list[str]:
-    rows = ["", "| shape | dtype | max abs diff vs transformers | ours / theirs vs fp32 | greedy "
-            "agreement | ok |", "|---|---|---:|---:|---:|---|"]  # fmt: skip
-    for r in results:
-        for dtype in ("fp32", "bf16"):
-            d = r[dtype]
-            rows.append(
-                f"| {r['shape']} | {dtype} | {d['max_abs_diff_vs_transformers']:.2e} | "
-                f"{d['ours_max_abs_diff_vs_fp32_reference']:.2e} / "
-                f"{d['theirs_max_abs_diff_vs_fp32_reference']:.2e} | "
-                f"{100 * d['greedy_agreement']:.0f}% | {'ok' if d['ok'] else 'FAILED'} |"
-            )
-    return rows if results else []
+    head = (
+        "shape | dtype | max abs diff vs transformers | ours / theirs vs fp32 | greedy agreement "
+        "| ok"
+    )
+    rows = [_logit_row(r["shape"], dtype, r[dtype]) for r in results for dtype in ("fp32", "bf16")]
+    return _table(head, "llrrrl", rows)
+
+
+def _logit_row(shape: str, dtype: str, d: dict) -> str:
+    return (
+        f"| {shape} | {dtype} | {d['max_abs_diff_vs_transformers']:.2e} | "
+        f"{d['ours_max_abs_diff_vs_fp32_reference']:.2e} / "
+        f"{d['theirs_max_abs_diff_vs_fp32_reference']:.2e} | "
+        f"{100 * d['greedy_agreement']:.0f}% | {'ok' if d['ok'] else 'FAILED'} |"
+    )
 
 
 def _kernels(results: list) -> list[str]:
@@ -68,52 +72,62 @@ def _kernels(results: list) -> list[str]:
 
 
 def _timings(results: list) -> list[str]:
-    if not results:
-        return []
-    rows = ["", "| shape | case | ours, graphs on (ms) | ours, graphs off (ms) | transformers sdpa "
-            "(ms) | speed-up |", "|---|---|---:|---:|---:|---:|"]  # fmt: skip
-    for r in results:
-        for case, t in r["ms"].items():
-            on = t.get("ours_graphs_on")
-            rows.append(
-                f"| {r['shape']} | {case} | {'—' if on is None else f'{on:.2f}'} | "
-                f"{t['ours_graphs_off']:.2f} | {t['transformers_sdpa']:.2f} | "
-                f"{t['speedup_vs_transformers']:.2f}x |"
-            )
+    head = (
+        "shape | case | ours, graphs on (ms) | ours, graphs off (ms) | transformers sdpa (ms) | "
+        "speed-up"
+    )
+    rows = [_timing_row(r["shape"], case, t) for r in results for case, t in r["ms"].items()]
     graphs = results[0]["cuda_graphs"]
     note = f"bf16, {results[0]['context']} cached positions per decode row; CUDA graphs {graphs}"
-    return rows + ["", note]
+    return _table(head, "llrrrr", rows) + ["", note]
+
+
+def _timing_row(shape: str, case: str, t: dict) -> str:
+    on = t.get("ours_graphs_on")
+    return (
+        f"| {shape} | {case} | {'—' if on is None else f'{on:.2f}'} | "
+        f"{t['ours_graphs_off']:.2f} | {t['transformers_sdpa']:.2f} | "
+        f"{t['speedup_vs_transformers']:.2f}x |"
+    )
 
 
 def _kv(results: list) -> list[str]:
-    if not results:
-        return []
-    rows = ["", "| shape | positions | pool GiB | bytes / position | in use before GiB |",
-            "|---|---:|---:|---:|---:|"]  # fmt: skip
-    for r in results:
-        rows.append(
-            f"| {r['shape']} | {r['positions']:,} | {r['pool_gib']:.2f} | "
-            f"{r['bytes_per_position']:,} | {r['used_before_gib']:.2f} |"
-        )
-    return rows
+    head = "shape | positions | pool GiB | bytes / position | in use before GiB"
+    rows = [
+        f"| {r['shape']} | {r['positions']:,} | {r['pool_gib']:.2f} | "
+        f"{r['bytes_per_position']:,} | {r['used_before_gib']:.2f} |"
+        for r in results
+    ]
+    return _table(head, "lrrrr", rows)
 
 
 def _served(results: list) -> list[str]:
-    if not results:
-        return []
-    rows = ["", "| shape | concurrent | output tok/s | worker busy | forward ms / step | outside "
-            "forward ms / step |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for r in results:
-        for level, c in r["concurrency"].items():
-            rows.append(
-                f"| {r['shape']} | {level} | {c['output_tok_s']:,.0f} | "
-                f"{100 * c['worker_busy']:.1f}% | {c['step_ms']:.2f} | "
-                f"{c['outside_forward_ms_per_step']:.2f} |"
-            )
+    head = (
+        "shape | concurrent | output tok/s | worker busy | forward ms / step | outside forward "
+        "ms / step"
+    )
+    rows = [
+        _served_row(r["shape"], level, c) for r in results for level, c in r["concurrency"].items()
+    ]
     r = results[0]
-    rows += ["", f"{r['dtype']}, {r['max_tokens']} tokens per request, {r['window_s']:g} s "
-             f"windows, KV {r['kv_capacity']}"]  # fmt: skip
-    return rows
+    note = (
+        f"{r['dtype']}, {r['max_tokens']} tokens per request, {r['window_s']:g} s windows, "
+        f"KV {r['kv_capacity']}"
+    )
+    return _table(head, "lrrrrr", rows) + ["", note]
+
+
+def _served_row(shape: str, level: str, c: dict) -> str:
+    return (
+        f"| {shape} | {level} | {c['output_tok_s']:,.0f} | {100 * c['worker_busy']:.1f}% | "
+        f"{c['step_ms']:.2f} | {c['outside_forward_ms_per_step']:.2f} |"
+    )
+
+
+def _table(head: str, align: str, rows: list[str]) -> list[str]:
+    """A markdown table after a blank line: `head` "a | b", `align` an l or r per column."""
+    rule = "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"
+    return ["", f"| {head} |", rule, *rows]
 
 
 RENDER = {

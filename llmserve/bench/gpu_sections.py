@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
+from llmserve.bench.forward_timing import Ours, Theirs, median_ms
 from llmserve.bench.gpu_models import random_model
 from llmserve.bench.hf_reference import hf_model
-from llmserve.bench.worker_forward import Ours, Theirs, median_ms
 from worker_svc.memory_profile import bytes_per_position, pool_positions, profile_blocks
 from worker_svc.runner import ModelRunner
 from worker_svc.settings import WorkerSettings

@@ -154,6 +154,15 @@ class HashContent:
         return self.text(self.prompt_ids(spec, []))
 
 
+def reuse_text(rows: list[HashRow]) -> str:
+    """repeated_share() in words."""
+    reuse = repeated_share(rows)
+    return (
+        f"{reuse['blocks']} blocks, {reuse['repeated_block_share']:.1%} repeated "
+        f"({reuse['repeated_token_share']:.1%} of prompt tokens)"
+    )
+
+
 def hash_trace_workload(
     rows: list[HashRow],
     prompts: HashPrompts,

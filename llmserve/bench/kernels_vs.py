@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 import worker_svc.linear as linear
+from llmserve.bench.forward_timing import Ours, median_ms
 from llmserve.bench.quant_forward import cpu_line
-from llmserve.bench.worker_forward import Ours, median_ms
 from worker_svc import cpu_kernels
 from worker_svc.loader import load_model
 from worker_svc.model import torch_mlp

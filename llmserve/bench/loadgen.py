@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -38,6 +39,13 @@ class LoadGenerator:
             if workload.closed:
                 return await self._closed(stub, workload, t0, on_done)
             return await self._open(stub, workload, t0, on_done)
+
+    async def warm_up(self, workload: Workload, requests: int) -> None:
+        """`requests` short requests at once, each of the workload's first prompt length."""
+        if requests:
+            first = workload.requests[0]
+            specs = [RequestSpec(-1 - i, first.prompt_tokens, 4) for i in range(requests)]
+            await self.run(Workload("warmup", specs, concurrency=requests), time.perf_counter())
 
     async def _closed(
         self, stub, workload: Workload, t0: float, on_done: OnDone | None
@@ -126,6 +134,13 @@ class LoadGenerator:
             spec.index, spec.prompt_tokens, spec.output_tokens, scheduled_s, turn=spec.turn
         )
         sent = prompt_text(spec.prompt_tokens) if sent is None else sent
+        await self._stream(stub, Call(spec, sent, record, t0, answer))
+        record.end_s = time.perf_counter() - t0
+        return record
+
+    async def _stream(self, stub, call: Call) -> None:
+        """Sends the request and fills in its record from the stream of its answer."""
+        spec, sent, record, answer = call.spec, call.sent, call.record, call.answer
         request = client.make_request(
             prompt=sent if isinstance(sent, str) else None,
             messages=None if isinstance(sent, str) else sent,
@@ -134,12 +149,12 @@ class LoadGenerator:
             ignore_eos=True,
             request_id=f"bench-{spec.index}",
         )
-        record.sent_s = time.perf_counter() - t0
+        record.sent_s = call.now()
         last: float | None = None
-        call = stub.Generate(request, timeout=self.timeout_s)
+        grpc_call = stub.Generate(request, timeout=self.timeout_s)
         try:
-            async for message in call:
-                now = time.perf_counter() - t0
+            async for message in grpc_call:
+                now = call.now()
                 if message.HasField("final"):
                     final = message.final
                     record.finish = client.FINISH_NAMES[final.finish_reason]
@@ -163,12 +178,24 @@ class LoadGenerator:
                 record.completion_tokens += n
                 if spec.limit > spec.output_tokens <= record.completion_tokens:
                     record.finish = "client_stop"  # the workload's length: stop reading here
-                    call.cancel()
+                    grpc_call.cancel()
                     break
         except grpc.aio.AioRpcError as err:
             record.error = f"{err.code().name}: {err.details()}"
-        record.end_s = time.perf_counter() - t0
-        return record
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One request under way: what it sends, its record, and where its answer's text goes."""
+
+    spec: RequestSpec
+    sent: str | list[tuple[str, str]]
+    record: RequestRecord
+    t0: float  # time.perf_counter() at the run's zero
+    answer: list[str] | None = None
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
 
 
 def _as_messages(sent: str | list[tuple[str, str]]) -> list[tuple[str, str]]:

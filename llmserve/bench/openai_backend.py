@@ -17,8 +17,7 @@ from urllib.parse import urlsplit
 import openai
 from tqdm import tqdm
 
-from llmserve.bench.loadgen import LoadGenerator, OnDone
-from llmserve.bench.prompts import prompt_text
+from llmserve.bench.loadgen import Call, LoadGenerator, OnDone
 from llmserve.bench.records import RequestRecord, RunResult
 from llmserve.bench.workload import RequestSpec, Workload
 
@@ -61,26 +60,15 @@ class OpenAILoadGenerator(LoadGenerator):
                 return await self._closed(api, workload, t0, on_done)
             return await self._open(api, workload, t0, on_done)
 
-    async def one(
-        self,
-        stub: openai.AsyncOpenAI,
-        spec: RequestSpec,
-        scheduled_s: float,
-        t0: float,
-        sent: str | list[tuple[str, str]] | None = None,
-        answer: list[str] | None = None,
-    ) -> RequestRecord:
-        record = RequestRecord(
-            spec.index, spec.prompt_tokens, spec.output_tokens, scheduled_s, turn=spec.turn
-        )
-        sent = prompt_text(spec.prompt_tokens) if sent is None else sent
-        record.sent_s = time.perf_counter() - t0
+    async def _stream(self, stub: openai.AsyncOpenAI, call: Call) -> None:
+        spec, sent, record, answer = call.spec, call.sent, call.record, call.answer
+        record.sent_s = call.now()
         usage = None
         last: float | None = None
         try:
             async with await self._create(stub, spec, sent) as stream:
                 async for chunk in stream:
-                    now = time.perf_counter() - t0
+                    now = call.now()
                     usage = chunk.usage or usage
                     for choice in chunk.choices:
                         record.finish = choice.finish_reason or record.finish
@@ -105,8 +93,6 @@ class OpenAILoadGenerator(LoadGenerator):
             extra = usage.completion_tokens - record.completion_tokens
             record.token_gaps.extend([0.0] * max(0, extra))  # tokens in chunks counted once
             record.completion_tokens = usage.completion_tokens
-        record.end_s = time.perf_counter() - t0
-        return record
 
     async def _create(
         self, api: openai.AsyncOpenAI, spec: RequestSpec, sent: str | list[tuple[str, str]]
@@ -138,10 +124,7 @@ async def run_openai(
     """Warm up, then send `workload` to the server at `base_url` (no server counters: the
     figures are the client's)."""
     gen = OpenAILoadGenerator(base_url, model, api_key, timeout_s)
-    if warmup:
-        first = workload.requests[0]
-        specs = [RequestSpec(-1 - i, first.prompt_tokens, 4) for i in range(warmup)]
-        await gen.run(Workload("warmup", specs, concurrency=warmup), time.perf_counter())
+    await gen.warm_up(workload, warmup)
     bar = tqdm(total=len(workload.requests), desc=label, unit="req", disable=not progress)
     t0 = time.perf_counter()
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from llmserve.bench.records import RunResult  # noqa: E402
+from llmserve.bench.records import RunResult, StatusSample  # noqa: E402
+
+Draw = Callable[[Any, list[float], list[StatusSample]], None]  # (axes, seconds, samples)
 
 LATENCIES = [
     ("ttft_s", "time to first token"),
@@ -95,36 +98,38 @@ def stalls(summaries: list[dict[str, Any]], subtitle: str):
 
 
 def kv_over_time(results: list[RunResult], subtitle: str):
-    fig, axes = plt.subplots(len(results), 1, figsize=(10, 2.6 * len(results)), squeeze=False)
-    for ax, r in zip(axes[:, 0], results, strict=True):
-        t = [s.t for s in r.samples]
-        written = [s.kv_written for s in r.samples]
-        held = [s.kv_held for s in r.samples]
+    def draw(ax, t: list[float], samples: list[StatusSample]) -> None:
+        written = [s.kv_written for s in samples]
+        held = [s.kv_held for s in samples]
         ax.fill_between(t, 0, written, color="tab:blue", alpha=0.6, label="written")
         ax.fill_between(
             t, written, held, color="tab:orange", alpha=0.5, hatch="//", label="reserved, unwritten"
         )
-        ax.plot(t, [s.kv_capacity for s in r.samples], "k--", lw=1, label="capacity")
-        ax.set_ylabel("KV positions")
-        ax.set_title(r.label, fontsize=9)
-    axes[0, 0].legend(fontsize=8, loc="upper right")
-    axes[-1, 0].set_xlabel("seconds")
-    fig.suptitle(f"KV written / reserved / capacity over time\n{subtitle}", fontsize=9)
-    fig.tight_layout()
-    return fig
+        ax.plot(t, [s.kv_capacity for s in samples], "k--", lw=1, label="capacity")
+
+    title = f"KV written / reserved / capacity over time\n{subtitle}"
+    return _over_time(results, draw, 2.6, "KV positions", title)
 
 
 def queue_over_time(results: list[RunResult], subtitle: str):
-    fig, axes = plt.subplots(len(results), 1, figsize=(10, 2.2 * len(results)), squeeze=False)
+    def draw(ax, t: list[float], samples: list[StatusSample]) -> None:
+        ax.plot(t, [s.running for s in samples], label="running")
+        ax.plot(t, [s.waiting for s in samples], label="waiting")
+
+    title = f"Running and waiting requests over time\n{subtitle}"
+    return _over_time(results, draw, 2.2, "requests", title)
+
+
+def _over_time(results: list[RunResult], draw: Draw, height: float, ylabel: str, title: str):
+    """One row per run, its Status samples drawn by `draw(ax, t, samples)` against seconds."""
+    fig, axes = plt.subplots(len(results), 1, figsize=(10, height * len(results)), squeeze=False)
     for ax, r in zip(axes[:, 0], results, strict=True):
-        t = [s.t for s in r.samples]
-        ax.plot(t, [s.running for s in r.samples], label="running")
-        ax.plot(t, [s.waiting for s in r.samples], label="waiting")
-        ax.set_ylabel("requests")
+        draw(ax, [s.t for s in r.samples], r.samples)
+        ax.set_ylabel(ylabel)
         ax.set_title(r.label, fontsize=9)
     axes[0, 0].legend(fontsize=8, loc="upper right")
     axes[-1, 0].set_xlabel("seconds")
-    fig.suptitle(f"Running and waiting requests over time\n{subtitle}", fontsize=9)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.bench.worker_forward import Ours, median_ms
+from llmserve.bench.forward_timing import Ours, median_ms
 from worker_svc.cpu_features import host_features
 from worker_svc.linear import Linear, QuantizedLinear
 from worker_svc.loader import load_model

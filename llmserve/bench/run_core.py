@@ -61,6 +61,19 @@ def _tree_of(rev: str, tmp: str) -> None:
         (package / "__init__.py").write_text(f"__path__.append({str(real)!r})\n")
 
 
+def _run_script(script: str, root: str, rows: list) -> list:
+    """What `script` prints (JSON), run by this Python in `root` with `root` and `rows` as its
+    arguments."""
+    out = subprocess.run(
+        [sys.executable, "-c", script, root, json.dumps(rows)],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=root,
+    ).stdout
+    return json.loads(out)
+
+
 def prefix_baseline(rev: str) -> list[float] | None:
     """PREFIX_ROWS' µs per step with the core of `rev` (None if it cannot run them)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,30 +81,15 @@ def prefix_baseline(rev: str) -> list[float] | None:
             _tree_of(rev, tmp)
             here = Path(__file__).with_name("core_cost.py")
             (Path(tmp) / "llmserve" / "bench" / "core_cost.py").write_text(here.read_text())
-            out = subprocess.run(
-                [sys.executable, "-c", PREFIX_SCRIPT, tmp, json.dumps(PREFIX_ROWS)],
-                check=True,
-                capture_output=True,
-                text=True,
-                cwd=tmp,
-            ).stdout
+            return _run_script(PREFIX_SCRIPT, tmp, PREFIX_ROWS)
         except (subprocess.CalledProcessError, OSError):
             return None
-    return json.loads(out)
 
 
 def prefix_here() -> list[float]:
     """PREFIX_ROWS' µs per step with this tree's core, in a fresh process as the baselines are
     (in this one, what earlier rows left in the heap would weigh on its collector)."""
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [sys.executable, "-c", PREFIX_SCRIPT, str(root), json.dumps(PREFIX_ROWS)],
-        check=True,
-        capture_output=True,
-        text=True,
-        cwd=root,
-    ).stdout
-    return json.loads(out)
+    return _run_script(PREFIX_SCRIPT, str(Path(__file__).resolve().parents[2]), PREFIX_ROWS)
 
 
 def run_prefix(revs: list[str], rounds: int) -> dict:
@@ -131,14 +129,7 @@ def baseline_costs(rev: str, grid: list[tuple[int, int, int]]) -> list[list[floa
     subprocess of this Python): [schedule µs, postprocess µs] per row."""
     with tempfile.TemporaryDirectory() as tmp:
         _tree_of(rev, tmp)
-        out = subprocess.run(
-            [sys.executable, "-c", BASELINE_SCRIPT, tmp, json.dumps(grid)],
-            check=True,
-            capture_output=True,
-            text=True,
-            cwd=tmp,
-        ).stdout
-    return json.loads(out)
+        return _run_script(BASELINE_SCRIPT, tmp, grid)
 
 
 def run_core(args: argparse.Namespace, command: str) -> int:

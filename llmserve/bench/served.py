@@ -13,7 +13,7 @@ from llmserve.bench.loadgen import LoadGenerator
 from llmserve.bench.policy import Policy
 from llmserve.bench.poller import StatusPoller, counter_delta, counters_of
 from llmserve.bench.records import RequestRecord, RunResult
-from llmserve.bench.workload import RequestSpec, Workload
+from llmserve.bench.workload import Workload
 from llmserve.ports import free_ports, free_run
 from llmserve.stack import Stack, StackSettings
 
@@ -30,10 +30,7 @@ async def run_workload(
 ) -> RunResult:
     """Warm up, then send `workload` while polling Status; counters are deltas over the run."""
     gen = LoadGenerator(gateway, timeout_s=timeout_s)
-    if warmup:
-        first = workload.requests[0]
-        specs = [RequestSpec(-1 - i, first.prompt_tokens, 4) for i in range(warmup)]
-        await gen.run(Workload("warmup", specs, concurrency=warmup), time.perf_counter())
+    await gen.warm_up(workload, warmup)
     poller = StatusPoller(scheduler, poll_s)
     before = counters_of(await poller.status())
     bar = tqdm(

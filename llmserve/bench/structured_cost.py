@@ -221,7 +221,7 @@ def step_costs(
     from llmcommon.sampling import SamplingParams
     from llmcommon.sampling_wire import from_wire
     from llmcommon.v1 import common_pb2
-    from llmserve.bench.worker_forward import Ours
+    from llmserve.bench.forward_timing import Ours
     from worker_svc.grammar import (
         GrammarCache,
         TokenTable,
