@@ -5,6 +5,7 @@ force stay)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from gateway.api_keys import ApiKeys, KeysFileError, load_api_keys
 from gateway.auth import tenant_of
@@ -17,6 +18,7 @@ class KeyTable:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.classes = settings.classes()
+        self.on_reload: Callable[[KeyTable], None] | None = None  # the metrics' hook
         try:
             self.keys = self._read()
         except KeysFileError as err:
@@ -43,6 +45,8 @@ class KeyTable:
             log.error("API keys not reloaded, the previous ones stay: %s", err)
             raise
         self.keys = keys
+        if self.on_reload is not None:
+            self.on_reload(self)
         log.info("API keys reloaded: %s", self.summary())
         return keys
 
