@@ -3,7 +3,9 @@
 
 A line of the file is `KEY TENANT [weight=W] [top_priority=P] [priority=P] [slo_class=NAME]
 [max_queued=N] [max_queued_tokens=N]`; `#` starts a comment. KEY is the key itself or
-`sha256:<64 hex digits>`, its digest: only digests are kept in memory, and a key sent by a client
+`sha256:<64 hex digits>`, its digest. A tenant's weight and queue limits are the tenant's (stated
+on any of its lines, they hold for all its keys); priorities and class are each key's. Only
+digests are kept in memory, and a key sent by a client
 is compared with every one in constant time (docs/tenants.md).
 """
 
@@ -31,6 +33,7 @@ __all__ = ["ApiKeys", "KeyEntry", "KeysFileError", "digest_of", "load_api_keys",
 DIGEST_PREFIX = "sha256:"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _INTS = ("top_priority", "priority", "max_queued", "max_queued_tokens")
+TENANT_OPTIONS = ("weight", "max_queued", "max_queued_tokens")  # the tenant's, on any of its lines
 
 
 class KeysFileError(TenancyError):
@@ -102,31 +105,41 @@ def load_api_keys(path: str, classes: Mapping[str, SloClass]) -> ApiKeys:
 
 
 def parse_api_keys(text: str, source: str, classes: Mapping[str, SloClass]) -> ApiKeys:
+    """Each line's key and entry. A tenant's weight and queue limits are the tenant's: stated
+    on any of its lines, they hold for all of them, and two lines may not disagree."""
     entries: dict[bytes, KeyEntry] = {}
-    weights: dict[str, tuple[float, int]] = {}
+    shared: dict[str, dict[str, tuple[object, int]]] = {}  # tenant -> option -> (value, line)
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         try:
-            digest, entry = _line(line, classes)
+            digest, entry, given = _line(line, classes)
             if digest in entries:
                 raise TenancyError("this key is given on an earlier line too")
-            seen = weights.setdefault(entry.tenant, (entry.weight, number))
-            if seen[0] != entry.weight:
-                raise TenancyError(
-                    f"tenant {entry.tenant!r} has weight {seen[0]:g} on line {seen[1]}: one "
-                    "weight per tenant"
-                )
+            _share(shared.setdefault(entry.tenant, {}), given, number, entry.tenant)
         except TenancyError as err:
             raise KeysFileError(f"{source} line {number}: {err}") from None
         entries[digest] = entry
     if not entries:
         raise KeysFileError(f"{source} holds no key: write `KEY TENANT` lines into it")
-    return ApiKeys(entries)
+    tenant_options = {t: {k: v for k, (v, _) in options.items()} for t, options in shared.items()}
+    return ApiKeys({d: replace(e, **tenant_options[e.tenant]) for d, e in entries.items()})
 
 
-def _line(line: str, classes: Mapping[str, SloClass]) -> tuple[bytes, KeyEntry]:
+def _share(seen: dict[str, tuple[object, int]], given: dict, number: int, tenant: str) -> None:
+    for name in TENANT_OPTIONS:
+        if name not in given:
+            continue
+        value, first = seen.setdefault(name, (given[name], number))
+        if value != given[name]:
+            raise TenancyError(
+                f"tenant {tenant!r} has {name}={value} on line {first}: a tenant's weight and "
+                "queue limits hold for all its keys"
+            )
+
+
+def _line(line: str, classes: Mapping[str, SloClass]) -> tuple[bytes, KeyEntry, dict]:
     key, *rest = line.split()
     if not rest:
         raise TenancyError("expected `KEY TENANT [name=value ...]`")
@@ -135,8 +148,8 @@ def _line(line: str, classes: Mapping[str, SloClass]) -> tuple[bytes, KeyEntry]:
         raise TenancyError(
             f"tenant {tenant!r}: letters, digits and _ . - only, up to 64 characters"
         )
-    entry = KeyEntry(tenant=tenant, cache_tenant=_cache_tenant(tenant))
-    entry = replace(entry, **_options(options))
+    given = _options(options)
+    entry = replace(KeyEntry(tenant=tenant, cache_tenant=_cache_tenant(tenant)), **given)
     if entry.priority < entry.top_priority:
         raise TenancyError(
             f"priority={entry.priority} is below top_priority={entry.top_priority}: a key's "
@@ -145,7 +158,7 @@ def _line(line: str, classes: Mapping[str, SloClass]) -> tuple[bytes, KeyEntry]:
     if entry.slo_class and entry.slo_class not in classes:
         known = ", ".join(classes) or "none: --slo-classes is empty"
         raise TenancyError(f"slo_class={entry.slo_class} is not an --slo-classes class ({known})")
-    return _digest(key), entry
+    return _digest(key), entry, given
 
 
 def _options(options: Iterable[str]) -> dict[str, object]:
