@@ -209,11 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="the same seed gives the same text")
     gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
+    gen.add_argument("--priority", type=int, help="lower is served first (default: the API key's)")
     gen.add_argument(
-        "--priority", type=int, help="lower is served first (default: the API key's)"
-    )
-    gen.add_argument(
-        "--slo-class", default="", help="a class of the gateway's --slo-classes (default: the key's)"
+        "--slo-class", default="", help="a class of the gateway's --slo-classes (default: key's)"
     )
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
