@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmcommon.server import wait_healthy
 from llmserve import client
+from llmserve.cli import build_parser
 from llmserve.ports import free_ports
 from tests.fake_scheduler import RunningFake
 from tests.stack_checks import wait_for
@@ -270,7 +271,9 @@ def test_tenant_metrics_count_requests_tokens_and_goodput_by_tenant_and_class(gw
 # ---- reload ---------------------------------------------------------------------------------
 
 
-def test_reload_keys_by_rpc_and_sighup_and_a_bad_file_keeps_the_keys_in_force(tmp_path) -> None:
+def test_reload_keys_by_rpc_and_sighup_and_a_bad_file_keeps_the_keys_in_force(
+    tmp_path, capsys
+) -> None:
     with gateway(tmp_path) as g:
         admin = client.Client(g.target, admin_key=ADMIN)
         with pytest.raises(grpc.RpcError) as err:
@@ -291,6 +294,16 @@ def test_reload_keys_by_rpc_and_sighup_and_a_bad_file_keeps_the_keys_in_force(tm
         assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
         assert f"{g.keys_file} line 2" in err.value.details()
         g.sdk("key-a").completions.create(model="tiny", prompt="hi", max_tokens=3)  # still in
+
+        g.keys_file.write_text("key-f team-f\n")
+        args = build_parser().parse_args(
+            ["reload-keys", "--target", g.target, "--admin-key-file", str(g.admin_file)]
+        )
+        assert args.func(args) == 0
+        assert (
+            "API keys reloaded: 1 keys of 1 tenants: team-f (weight 1)" in capsys.readouterr().out
+        )
+        assert post(g, {"prompt": "hi", "max_tokens": 3}, "key-f")[0] == 200
 
         g.keys_file.write_text("key-e team-e weight=5\n")
         os.kill(g.proc.pid, signal.SIGHUP)
