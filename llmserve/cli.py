@@ -48,6 +48,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"admin     llmserve set --target {settings.gateway} --admin-key-file "
             f"{settings.admin_key_file} key=value ...   (live settings; also get, status --explain)"
         )
+    if settings.api_keys_file:
+        print(
+            f"tenants   the keys of {settings.api_keys_file}; after editing it: llmserve "
+            f"reload-keys --target {settings.gateway} --admin-key-file FILE (docs/tenants.md)"
+        )
     for i in range(settings.workers):
         print(f"worker{i}   {settings.worker_address(i)}")
     if settings.metrics_base_port:
