@@ -339,3 +339,28 @@ def test_the_one_key_file_and_the_keys_file_together_are_refused_at_start(tmp_pa
     assert "--api-key-file (one key) and --api-keys-file (a key per tenant) do not go together" in (
         done.stderr
     )
+
+
+# ---- the real scheduler ---------------------------------------------------------------------
+
+
+def test_the_real_scheduler_accepts_and_serves_each_tenants_requests(tmp_path) -> None:
+    """`llmserve up --api-keys-file --slo-classes` on the tiny model: a request of each key, one
+    with a priority and a class, is served to its end by the real scheduler and worker."""
+    from dataclasses import replace
+
+    from tests.stacks import running_stack, tiny_settings, with_http_port
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text(KEYS)
+    settings = with_http_port(tiny_settings(api_keys_file=str(keys), slo_classes=CLASSES))
+    settings = replace(settings, queue_policy="priority")
+    with running_stack(settings, tmp_path / "logs") as stack:
+        for key, extra in (("key-a", {"priority": -5, "slo_class": "batch"}), ("key-b", {})):
+            sdk = openai.OpenAI(base_url=stack.settings.http_url, api_key=key, max_retries=0)
+            reply = sdk.completions.create(
+                model="tiny", prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True, **extra}
+            )
+            assert reply.usage.completion_tokens == 4 and reply.choices[0].finish_reason == "length"
+        with pytest.raises(openai.BadRequestError):
+            sdk.completions.create(model="tiny", prompt="Hello", extra_body={"priority": -1})
