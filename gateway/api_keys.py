@@ -68,7 +68,7 @@ class ApiKeys:
         self.open_entry = KeyEntry()
 
     @classmethod
-    def single(cls, key: str, cache_tenant: bytes) -> ApiKeys:
+    def single(cls, key: str, cache_tenant: bytes = b"") -> ApiKeys:
         """The one key of --api-key-file (or $LLMSERVE_API_KEY); "" = no key."""
         if not key:
             return cls({}, required=False)

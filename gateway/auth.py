@@ -45,7 +45,7 @@ class ApiKeyInterceptor(TokenInterceptor):
             [PROTECTED_SERVICE], "", token_of=key_from_metadata, refusal=API_KEY_REFUSAL
         )
         if isinstance(keys, str):
-            fixed = ApiKeys.single(keys, tenant_of(keys))
+            fixed = ApiKeys.single(keys)
             keys = lambda: fixed  # noqa: E731
         self.keys = keys
 

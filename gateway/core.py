@@ -159,7 +159,7 @@ class GatewayCore:
             if self.on_queue_full is not None:
                 self.on_queue_full(full)
             raise QueueFull(full.message)
-        tally.prompt_tokens = len(prompt_ids)
+        tally.prompt_tokens = count
         submit = scheduler_pb2.SubmitRequest(
             request_id=rid,
             prompt_token_ids=prompt_ids,
@@ -167,7 +167,7 @@ class GatewayCore:
             cache_salt=cache_salt(entry.cache_tenant, job.cache_salt),
             tenancy=tenancy_to_wire(tally.tenancy),
         )
-        self.queue.enter(len(prompt_ids), tenant)
+        self.queue.enter(count, tenant)
         flight = _Flight(submit, self._submit(submit, time_remaining), tally)
         detok = IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=job.skip_special_tokens, prompt_ids=prompt_ids
@@ -203,7 +203,7 @@ class GatewayCore:
             raise GenerationError(err.code(), details) from None
         finally:
             if flight.queued:
-                self.queue.leave(len(prompt_ids), tenant)
+                self.queue.leave(count, tenant)
             flight.call.cancel()
             self.held.discard(flight.call)
             if self.observer is not None:

@@ -9,7 +9,14 @@ import hashlib
 
 import pytest
 
-from gateway.api_keys import ApiKeys, KeyEntry, KeysFileError, digest_of, parse_api_keys
+from gateway.api_keys import (
+    ApiKeys,
+    KeyEntry,
+    KeysFileError,
+    digest_of,
+    load_api_keys,
+    parse_api_keys,
+)
 from gateway.auth import cache_salt, tenant_of
 from gateway.key_table import KeyTable
 from gateway.queue_limits import QueueLimits
@@ -223,3 +230,111 @@ def test_the_total_limit_refuses_every_tenant_and_names_no_tenant_limit() -> Non
     queue.enter(1, "a")
     refused = queue.refusal(1, "b")
     assert refused is not None and refused.limit == "" and "limit 1" in refused.message
+
+
+def test_a_key_file_that_cannot_be_read_is_refused_naming_it(tmp_path) -> None:
+    missing = tmp_path / "absent.txt"
+    with pytest.raises(KeysFileError, match=f"cannot read the API keys file {missing}"):
+        load_api_keys(str(missing), CLASSES)
+    (tmp_path / "k").write_text("key-a team-a slo_class=batch # a comment # and more\n")
+    assert load_api_keys(str(tmp_path / "k"), CLASSES).entry("key-a").slo_class == "batch"  # type: ignore[union-attr]
+
+
+def test_every_printable_ascii_byte_but_space_and_hash_may_be_in_a_key() -> None:
+    key = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "#")
+    assert parsed(f"{key} team-a\n").entry(key) is not None
+    for outside in ("\x7f", "\x80", "\x01"):  # DEL, beyond ASCII, a control character
+        assert "printable ASCII" in refusal(f"k{outside} team-a\n")
+
+
+def test_the_edges_of_each_number_are_taken() -> None:
+    low, high = -(2**31), 2**31 - 1
+    keys = parsed(
+        f"key-a team-a top_priority={low} priority={high} max_queued=0 max_queued_tokens=0\n"
+    )
+    entry = keys.entry("key-a")
+    assert entry is not None
+    assert (entry.top_priority, entry.priority, entry.max_queued) == (low, high, 0)
+    assert "from -2147483648" in refusal(f"k t top_priority={low - 1}\n")
+    assert "from -2147483648" in refusal(f"k t priority={high + 1}\n")
+    assert "weight=1=2: a number > 0" in refusal("k t weight=1=2\n")
+    assert "weight=abc: a number > 0" in refusal("k t weight=abc\n")
+
+
+def test_the_messages_say_what_to_write() -> None:
+    assert refusal("key-a\n") == "keys.txt line 1: expected `KEY TENANT [name=value ...]`"
+    assert refusal("k t x=1\n") == (
+        "keys.txt line 1: 'x=1' is not one of weight=, top_priority=, priority=, slo_class=, "
+        "max_queued=, max_queued_tokens="
+    )
+    assert refusal("k t\nk u\n") == "keys.txt line 2: this key is given on an earlier line too"
+    assert refusal("k t priority=-1\n") == (
+        "keys.txt line 1: priority=-1 is below top_priority=0: a key's default must be a "
+        "priority it may ask for"
+    )
+    assert refusal("k t slo_class=x\n") == (
+        "keys.txt line 1: slo_class=x is not an --slo-classes class (interactive, batch)"
+    )
+    assert refusal("k team-a max_queued=1\nj team-a max_queued=2\n") == (
+        "keys.txt line 2: tenant 'team-a' has max_queued=1 on line 1: a tenant's weight and "
+        "queue limits hold for all its keys"
+    )
+    assert refusal("sha256:00 t\n") == (
+        "keys.txt line 1: sha256: must be followed by 64 hex digits (sha256sum's)"
+    )
+    assert refusal("k\x7f t\n") == (
+        "keys.txt line 1: a key is printable ASCII without spaces (it travels as a header)"
+    )
+
+
+def test_without_classes_a_request_naming_one_is_told_there_are_none() -> None:
+    with pytest.raises(InvalidRequest, match=r"none \(the gateway has no --slo-classes\)"):
+        tenancy_for(KeyEntry(), None, "batch", {})
+
+
+def test_the_cache_share_of_a_key_and_a_salt() -> None:
+    """Equal (tenant, salt) pairs, and only those, share cached blocks; no key and no salt is
+    the share of every such request."""
+    a, b = tenant_of("key-a"), tenant_of("key-b")
+    assert tenant_of("") == b"" and a and b and a != b
+    assert cache_salt(b"", "") == b""
+    salts = [cache_salt(t, s) for t in (b"", a, b) for s in ("", "s1", "s2")]
+    assert all(salts[1:]) and len(set(salts)) == len(salts)
+    assert cache_salt(a, "s1") == cache_salt(tenant_of("key-a"), "s1")
+
+
+# ---- the queue's counts -----------------------------------------------------------------------
+
+
+def test_the_queue_counts_what_enters_and_leaves_in_total_and_per_tenant() -> None:
+    queue = QueueLimits(max_requests=10, max_tokens=1000)
+    queue.enter(30, "a")
+    queue.enter(20, "a")
+    queue.enter(5, "b")
+    assert (queue.requests, queue.tokens) == (3, 55)
+    assert (queue.tenant_requests["a"], queue.tenant_tokens["a"]) == (2, 50)
+    queue.leave(30, "a")
+    assert (queue.requests, queue.tokens) == (2, 25)
+    assert (queue.tenant_requests["a"], queue.tenant_tokens["a"]) == (1, 20)
+    assert (queue.tenant_requests["b"], queue.tenant_tokens["b"]) == (1, 5)
+
+
+def test_the_total_token_limit_takes_a_request_that_fills_it_exactly() -> None:
+    queue = QueueLimits(max_requests=10, max_tokens=100)
+    queue.enter(60)
+    assert queue.refusal(40) is None
+    refused = queue.refusal(41)
+    assert refused is not None and refused.message == (
+        "queue full: 60 prompt tokens are waiting and this request adds 41 (limit 100)"
+    )
+    assert QueueLimits(1, 100).refusal(0) is None
+
+
+def test_a_tenant_token_refusal_names_the_tenant() -> None:
+    queue = QueueLimits(max_requests=10, max_tokens=1000)
+    refused = queue.refusal(101, "a", max_tokens=100)
+    assert refused is not None and (refused.tenant, refused.limit) == ("a", "max_queued_tokens")
+    assert refused.message == (
+        "queue full for tenant a: 0 of its prompt tokens are waiting and this request adds 101 "
+        "(its limit max_queued_tokens=100)"
+    )
