@@ -153,6 +153,7 @@ async def serve(settings: GatewaySettings) -> None:
     log = setup_logging("gateway")
     log.info("settings: %s", dataclasses.asdict(settings))  # the key itself is never logged
     keys = KeyTable(settings)  # SystemExit naming the file and line of a bad one
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_on_hangup, keys)
     if settings.api_keys_file and os.environ.get("LLMSERVE_API_KEY"):
         log.warning("$LLMSERVE_API_KEY is ignored: --api-keys-file names the keys")
     token = internal_token(settings.internal_token_file)
@@ -210,7 +211,6 @@ async def serve(settings: GatewaySettings) -> None:
     admin = GatewayAdmin(scheduler_pb2_grpc.AdminStub(channel))
     scheduler_pb2_grpc.add_AdminServicer_to_server(admin, server.server)
     gateway_pb2_grpc.add_GatewayAdminServicer_to_server(GatewayKeysAdmin(keys), server.server)
-    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_on_hangup, keys)
     if metrics:
         metrics.attach(core)
         start_metrics(metrics, settings, log)
