@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import signal
 
 import grpc
 
-from gateway.admin import GatewayAdmin
+from gateway.admin import GatewayAdmin, GatewayAdminKeyInterceptor, GatewayKeysAdmin
+from gateway.api_keys import KeysFileError
 from gateway.auth import ApiKeyInterceptor
 from gateway.core import GatewayCore
 from gateway.inflate import SERVER_OPTIONS
+from gateway.key_table import KeyTable
 from gateway.malformed import MalformedRequestInterceptor
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler_watch import CHECK_TIMEOUT_S, WATCH_PERIOD_S, SilenceBound, Verdict
@@ -148,14 +152,18 @@ async def watch_scheduler(channel, core: GatewayCore, server: Server) -> None:
 async def serve(settings: GatewaySettings) -> None:
     log = setup_logging("gateway")
     log.info("settings: %s", dataclasses.asdict(settings))  # the key itself is never logged
-    api_key = settings.api_key()
+    keys = KeyTable(settings)  # SystemExit naming the file and line of a bad one
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_on_hangup, keys)
+    if settings.api_keys_file and os.environ.get("LLMSERVE_API_KEY"):
+        log.warning("$LLMSERVE_API_KEY is ignored: --api-keys-file names the keys")
     token = internal_token(settings.internal_token_file)
     key = admin_key(settings.admin_key_file)
     metrics = GatewayMetrics() if settings.metrics_port else None
     interceptors = (metrics.interceptors() if metrics else []) + (  # metrics see refusals too
-        [ApiKeyInterceptor(api_key)] if api_key else []
+        [ApiKeyInterceptor(keys)] if keys().required else []
     )
     interceptors.append(AdminKeyInterceptor(key))  # the Admin service, forwarded
+    interceptors.append(GatewayAdminKeyInterceptor(key))  # the gateway's own admin calls
     interceptors.append(MalformedRequestInterceptor(settings.max_request_bytes))  # innermost
     server = Server(
         settings.host,
@@ -163,6 +171,7 @@ async def serve(settings: GatewaySettings) -> None:
         [
             gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
             scheduler_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+            gateway_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"].full_name,
         ],
         interceptors=interceptors,
         tls=settings.tls,
@@ -175,8 +184,8 @@ async def serve(settings: GatewaySettings) -> None:
 
         http_socket = bind(settings.host, settings.http_port)
     log.info(
-        "API key %s; admin key %s; TLS %s; internal token %s",
-        "required" if api_key else "off",
+        "API keys: %s; admin key %s; TLS %s; internal token %s",
+        keys.summary(),
         "required" if key else "off (the Admin service refuses every call)",
         "on" if settings.tls else "off",
         "sent to the scheduler" if token else "off",
@@ -197,10 +206,11 @@ async def serve(settings: GatewaySettings) -> None:
     if problem:
         raise SystemExit(f"the gateway cannot serve these workers: {problem}")
     log.info("model %s (--model %s): %d tokens", name, source, tokenizer.vocab_size)
-    core = GatewayCore(settings, tokenizer, stub, status.max_context, status.model, name)
+    core = GatewayCore(settings, tokenizer, stub, status.max_context, status.model, name, keys)
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayService(core), server.server)
     admin = GatewayAdmin(scheduler_pb2_grpc.AdminStub(channel))
     scheduler_pb2_grpc.add_AdminServicer_to_server(admin, server.server)
+    gateway_pb2_grpc.add_GatewayAdminServicer_to_server(GatewayKeysAdmin(keys), server.server)
     if metrics:
         metrics.attach(core)
         start_metrics(metrics, settings, log)
@@ -212,7 +222,7 @@ async def serve(settings: GatewaySettings) -> None:
         from gateway.http_server import HttpServer
 
         api = HttpApi(
-            core, api_key, metrics, settings.max_request_bytes, lambda: not server.stopping.is_set()
+            core, metrics, settings.max_request_bytes, lambda: not server.stopping.is_set()
         )
         http = HttpServer(api.app(), settings)
         http.start(http_socket)
@@ -223,6 +233,14 @@ async def serve(settings: GatewaySettings) -> None:
         watcher.cancel()
         if http is not None:
             await http.stopped()
+
+
+def reload_on_hangup(keys: KeyTable) -> None:
+    """SIGHUP: the keys file read again; a bad one is logged and the keys in force stay."""
+    try:
+        keys.reload()
+    except KeysFileError:
+        pass  # logged by reload
 
 
 def main(argv: list[str] | None = None) -> None:

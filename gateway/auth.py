@@ -3,16 +3,24 @@
 
 Health checks and reflection stay open so that probes work without the key.
 
+With --api-keys-file each key names a tenant (gateway/api_keys.py); the one key of
+--api-key-file is the tenant `default`.
+
 The key also names a tenant of the prefix cache: `cache_salt` mixes a digest of it (never the
-key) with the request's own salt, so that clients of different keys or salts share no cached
-KV block and cannot learn through the cache whether another's prompt starts like theirs.
+key; with --api-keys-file, of its tenant's name) with the request's own salt, so that clients of
+different keys (tenants) or salts share no cached KV block and cannot learn through the cache
+whether another's prompt starts like theirs.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
-from llmcommon.auth import Metadata, TokenInterceptor
+import grpc
+
+from gateway.api_keys import ApiKeys
+from llmcommon.auth import Metadata, Refusal, TokenInterceptor
 
 PROTECTED_SERVICE = "llmserve.v1.Gateway"
 API_KEY_REFUSAL = "missing or wrong API key: send `authorization: Bearer KEY`"
@@ -29,13 +37,22 @@ def key_from_metadata(metadata: Metadata) -> str:
 
 
 class ApiKeyInterceptor(TokenInterceptor):
-    def __init__(self, api_key: str) -> None:
+    """Every Gateway call must carry a key of the table in force (`keys()`; a plain key: that
+    one key), compared by digest in constant time (gateway/api_keys.py)."""
+
+    def __init__(self, keys: str | Callable[[], ApiKeys]) -> None:
         super().__init__(
-            [PROTECTED_SERVICE],
-            api_key,
-            token_of=key_from_metadata,
-            refusal=API_KEY_REFUSAL,
+            [PROTECTED_SERVICE], "", token_of=key_from_metadata, refusal=API_KEY_REFUSAL
         )
+        if isinstance(keys, str):
+            fixed = ApiKeys.single(keys)
+            keys = lambda: fixed  # noqa: E731
+        self.keys = keys
+
+    def refusal_of(self, metadata: Metadata) -> Refusal | None:
+        if self.keys().entry(self.token_of(metadata)) is not None:
+            return None
+        return grpc.StatusCode.UNAUTHENTICATED, self.refusal
 
 
 def tenant_of(api_key: str) -> bytes:

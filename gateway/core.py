@@ -21,19 +21,24 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gateway.auth import cache_salt, tenant_of
+from gateway.api_keys import KeyEntry
+from gateway.auth import cache_salt
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.generation_errors import ContextLengthExceeded, GenerationError, QueueFull
 from gateway.intake import GenerateInput, Intake
-from gateway.queue_limits import QueueLimits
+from gateway.key_table import KeyTable
+from gateway.queue_limits import QueueLimits, QueueRefusal
+from gateway.request_tenancy import tenancy_for
 from gateway.scheduler_session import SchedulerSession, SessionCall
 from gateway.settings import GatewaySettings
 from gateway.stops import StopMatcher
 from gateway.tokenizer import Tokenizer
 from gateway.usage import Tally
-from gateway.validation import ValidatedParams
+from gateway.validation import InvalidRequest, ValidatedParams
 from llmcommon.protocol import ACCEPTED_KEY
 from llmcommon.sampling_wire import to_wire
+from llmcommon.tenancy import Tenancy
+from llmcommon.tenancy_wire import tenancy_to_wire
 from llmcommon.v1 import common_pb2, scheduler_pb2
 
 __all__ = [  # the door's request and the errors too, as the generation path's callers know them
@@ -92,6 +97,7 @@ class GatewayCore:
         max_context: int,
         model: str = "",
         model_name: str = "",
+        keys: KeyTable | None = None,
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
@@ -104,12 +110,13 @@ class GatewayCore:
         self.held: set = set()  # the scheduler calls of the requests in flight
         session = settings.scheduler_streams == "session"
         self.session = SchedulerSession(scheduler) if session else None
-        self.tenant = tenant_of(settings.api_key())  # its clients' share of the prefix cache
+        self.keys = keys or KeyTable(settings)  # who may send requests, and as which tenant
         self.queue = QueueLimits(settings.max_queued_requests, settings.max_queued_tokens)
         self.pool = ThreadPoolExecutor(settings.tokenize_threads, thread_name_prefix="tokenize")
         self.intake = Intake(settings, tokenizer, max_context, self.pool)  # the door: what is sent
         self.observer = None  # metrics hook, set by the metrics module
         self.on_tokens = None  # metrics hook: (tally, count, now) before the tally counts them
+        self.on_queue_full: Callable[[QueueRefusal], None] | None = None  # metrics hook
 
     async def prepare(self, job: GenerateInput) -> tuple[ValidatedParams, list[int]]:
         """The request checked, its defaults resolved and its prompt tokenized (gateway/intake.py);
@@ -121,15 +128,18 @@ class GatewayCore:
         job: GenerateInput,
         time_remaining: Callable[[], float | None],
         rid: str = "",
+        key: KeyEntry | None = None,
     ) -> AsyncIterator[Delta | Finish]:
         """Deltas of text (with their token ids), then one Finish; or GenerationError.
         `time_remaining`: seconds left before the client's deadline (None: no deadline).
-        `rid`: the scheduler's key (default: a new one); never a client's id, which may collide."""
+        `rid`: the scheduler's key (default: a new one); never a client's id, which may collide.
+        `key`: the entry of the API key that sent it (default: the keys' open entry)."""
         if self.refusal is not None:
             raise GenerationError(grpc.StatusCode.UNAVAILABLE, self.refusal)
         if self.scheduler_hung is not None:
             raise GenerationError(grpc.StatusCode.UNAVAILABLE, self.scheduler_hung)
-        tally = Tally()
+        entry = key or self.keys().open_entry
+        tally = Tally(tenancy=self._tenancy(entry, job))
         rid = rid or uuid.uuid4().hex
         # refusals are raised where they are made, never held in a local: an exception held
         # by the frame its traceback holds is a cycle, which kept a refused request (a 0.8 MB
@@ -143,17 +153,21 @@ class GatewayCore:
         if invalid is not None:
             raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, invalid, param)
         sampling = self.intake.fitted(prompt_ids, job, params.sampling)  # trusted from here on
-        refusal = self.queue.refusal(len(prompt_ids))
-        if refusal:
-            raise QueueFull(refusal)
-        tally.prompt_tokens = len(prompt_ids)
+        tenant, count = entry.tenant, len(prompt_ids)
+        full = self.queue.refusal(count, tenant, entry.max_queued, entry.max_queued_tokens)
+        if full is not None:
+            if self.on_queue_full is not None:
+                self.on_queue_full(full)
+            raise QueueFull(full.message)
+        tally.prompt_tokens = count
         submit = scheduler_pb2.SubmitRequest(
             request_id=rid,
             prompt_token_ids=prompt_ids,
             sampling=to_wire(sampling),
-            cache_salt=cache_salt(self.tenant, job.cache_salt),
+            cache_salt=cache_salt(entry.cache_tenant, job.cache_salt),
+            tenancy=tenancy_to_wire(tally.tenancy),
         )
-        self.queue.enter(len(prompt_ids))
+        self.queue.enter(count, tenant)
         flight = _Flight(submit, self._submit(submit, time_remaining), tally)
         detok = IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=job.skip_special_tokens, prompt_ids=prompt_ids
@@ -189,12 +203,20 @@ class GatewayCore:
             raise GenerationError(err.code(), details) from None
         finally:
             if flight.queued:
-                self.queue.leave(len(prompt_ids))
+                self.queue.leave(count, tenant)
             flight.call.cancel()
             self.held.discard(flight.call)
             if self.observer is not None:
                 self.observer(flight.finish, tally)
         yield Finish(rid, flight.finish, tally.usage(), flight.error)
+
+    def _tenancy(self, entry: KeyEntry, job: GenerateInput) -> Tenancy:
+        """The request's tenancy from its key and what it asks for, or INVALID_ARGUMENT naming
+        priority or slo_class (nothing queued)."""
+        try:
+            return tenancy_for(entry, job.priority, job.slo_class, self.keys.classes)
+        except InvalidRequest as err:
+            raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, str(err), err.param) from None
 
     async def _resubmitting(
         self,
@@ -246,7 +268,7 @@ class GatewayCore:
         tally = flight.tally
         async for event in flight.call:
             if event.admitted and flight.queued:
-                self.queue.leave(tally.prompt_tokens)
+                self.queue.leave(tally.prompt_tokens, tally.tenancy.tenant)
                 flight.queued = False
                 tally.queue_time = event.queue_time_s
                 tally.cached_tokens = event.cached_tokens

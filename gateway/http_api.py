@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from gateway.api_keys import KeyEntry
 from gateway.auth import API_KEY_REFUSAL, key_from_metadata
 from gateway.choices import merged
 from gateway.core import Delta, Finish, GatewayCore
@@ -77,13 +78,11 @@ class HttpApi:
     def __init__(
         self,
         core: GatewayCore,
-        api_key: str = "",
         metrics: GatewayMetrics | None = None,
         max_body_bytes: int = 1 << 20,
         serving: Callable[[], bool] = lambda: True,  # False once the gateway drains
     ) -> None:
         self.core = core
-        self.api_key = api_key.encode()
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.serving = serving
@@ -120,7 +119,7 @@ class HttpApi:
     async def _generate(self, request: Request, path: str, kind: type[Sampling]) -> Response:
         call = self.metrics.http_call(path) if self.metrics else HttpCall(None, path)
         try:
-            self._authorize(request)
+            key = self._authorize(request)
             body = kind.parse(await self._body(request))
             self._check_model(body.model)
             job = body.generate_input()
@@ -134,7 +133,7 @@ class HttpApi:
             )
             remaining = _time_remaining(request)
             streams = [
-                self.core.generate(job, remaining, rid=f"{reply.id}-{i}" if i else reply.id)
+                self.core.generate(job, remaining, f"{reply.id}-{i}" if i else reply.id, key)
                 for i, job in enumerate(body.choices(job))
             ]
             if body.stream:  # refusals come before the first event: they get their status
@@ -300,7 +299,7 @@ class HttpApi:
         if self.operator_token is None:
             self.operator_token = internal_token(self.core.settings.internal_token_file)
         if not self.operator_token:
-            if self.api_key:
+            if self.core.keys().required:
                 message = (
                     "/metrics on the HTTP port needs the stack's internal token, and this stack "
                     "has none: scrape the gateway's --metrics-port"
@@ -315,13 +314,13 @@ class HttpApi:
             )
             raise ApiError(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    def _authorize(self, request: Request) -> None:
-        """`Authorization: Bearer KEY` (or `x-api-key: KEY`), as on gRPC."""
-        if not self.api_key:
-            return
-        given = key_from_metadata(tuple(request.headers.items())).encode()
-        if not hmac.compare_digest(given, self.api_key):
+    def _authorize(self, request: Request) -> KeyEntry:
+        """The entry of the key sent as `Authorization: Bearer KEY` (or `x-api-key: KEY`), as
+        on gRPC; 401 when it is none of the keys in force."""
+        entry = self.core.keys().entry(key_from_metadata(tuple(request.headers.items())))
+        if entry is None:
             raise ApiError(grpc.StatusCode.UNAUTHENTICATED, API_KEY_REFUSAL)
+        return entry
 
     async def _body(self, request: Request) -> bytes:
         """The body, refused (413) past --max-request-bytes before more of it is read."""

@@ -50,6 +50,8 @@ class GenerateInput:
     include_stop: bool = False  # the stop string that ended the text stays in it
     skip_special_tokens: bool = True
     tools: Sequence[dict] = ()  # offered (tool_choice auto): the chat template describes them
+    priority: object = None  # as sent (None: the key's default); checked by gateway/request_tenancy
+    slo_class: str = ""  # "" = the key's default class
 
 
 class Intake:

@@ -1,6 +1,6 @@
 """Prometheus metrics of the gateway: calls by method, gRPC status code and protocol, requests by
 finish reason, latencies (queue, first token, between tokens, end to end), tokens in and out,
-requests in flight.
+requests in flight; per tenant and SLO class, gateway/tenant_metrics.py.
 
 Latencies and prompt tokens count the requests that produced output; the status code counts
 every call, refused ones included. Calls of the HTTP API count under their path with
@@ -24,11 +24,13 @@ from prometheus_client import (
     Histogram,
 )
 
+from gateway.tenant_metrics import TenantMetrics
 from llmcommon.metrics_http import LATENCY_BUCKETS, TOKEN_GAP_BUCKETS, serve_metrics
 from llmcommon.v1 import common_pb2
 
 if TYPE_CHECKING:
     from gateway.core import GatewayCore
+    from gateway.key_table import KeyTable
     from gateway.usage import Tally
 
 SERVICE_PREFIX = "/llmserve.v1.Gateway/"
@@ -123,6 +125,7 @@ class GatewayMetrics:
                     self.requests.labels(method, code.name, protocol)
         for label in FINISH_LABELS.values():
             self.finished.labels(label)
+        self.tenants = TenantMetrics(registry, FINISH_LABELS.values())
 
     # ---- hooks of GatewayCore ------------------------------------------------------------
 
@@ -130,12 +133,21 @@ class GatewayMetrics:
         """Set the generation path's hooks and follow its admission queue."""
         core.observer = self.on_finish
         core.on_tokens = self.on_tokens
+        core.on_queue_full = self.tenants.on_queue_full
+        keys = core.keys
+        keys.on_reload = self.follow_keys
+        self.follow_keys(keys)
         self.queued_requests.set_function(lambda: core.queue.requests)
         self.queued_tokens.set_function(lambda: core.queue.tokens)
+
+    def follow_keys(self, keys: KeyTable) -> None:
+        """The tenants' and classes' label sets, as configured now."""
+        self.tenants.configure(keys().tenants, keys.classes)
 
     def on_tokens(self, tally: Tally, count: int, now: float) -> None:
         """Called as tokens arrive, before `tally` records them."""
         self.generated_tokens.inc(count)
+        self.tenants.on_tokens(tally, count, now)
         if tally.first_token_at is None:
             self.ttft.observe(now - tally.received)
             return
@@ -144,7 +156,9 @@ class GatewayMetrics:
             self.inter_token.observe(gap)
 
     def on_finish(self, finish: int, tally: Tally) -> None:
-        self.finished.labels(FINISH_LABELS.get(finish, "none")).inc()
+        label = FINISH_LABELS.get(finish, "none")
+        self.finished.labels(label).inc()
+        self.tenants.on_finish(finish, label, tally)
         if tally.resubmits:
             self.resubmitted.inc()
         if tally.first_token_at is None:

@@ -33,7 +33,6 @@ NOT_YET: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,),
-    "priority": (None, 0),
     "return_tokens_as_token_ids": (None, False),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
@@ -156,6 +155,8 @@ class Sampling(StructuredFields, Body):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # an extension, as in vLLM
     cache_salt: str | None = None  # vLLM's: only requests of equal salt share cached KV blocks
+    priority: Any = None  # vLLM's (lower first); checked with gRPC's (gateway/request_tenancy.py)
+    slo_class: str | None = None  # an --slo-classes class; None: the API key's default
 
     # ranges are checked with the gRPC API's (llmcommon/sampling.py)
     presence_penalty: float | None = None
@@ -173,7 +174,6 @@ class Sampling(StructuredFields, Body):
     suffix: Any = None
     prompt_logprobs: Any = None
     truncate_prompt_tokens: Any = None
-    priority: Any = None
     return_tokens_as_token_ids: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
@@ -248,6 +248,8 @@ class Sampling(StructuredFields, Body):
         return dict(
             sampling=self.params(max_tokens),
             cache_salt=self.cache_salt or "",
+            priority=self.priority,
+            slo_class=self.slo_class or "",
             fit_context=True,
             include_stop=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,

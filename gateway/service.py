@@ -11,6 +11,7 @@ from contextlib import aclosing
 import grpc
 
 from gateway.admin import forwarded_metadata
+from gateway.auth import API_KEY_REFUSAL, key_from_metadata
 from gateway.choices import choice_inputs, choices_problem, merged
 from gateway.core import Delta, Finish, GatewayCore, GenerateInput
 from gateway.generation_errors import GenerationError
@@ -35,6 +36,8 @@ def generate_input(request: gateway_pb2.GenerateRequest) -> GenerateInput:
         messages=request.chat.messages if kind == "chat" else None,
         sampling=params_of(request.sampling),  # the one conversion from the wire
         cache_salt=request.cache_salt,
+        priority=request.priority if request.HasField("priority") else None,
+        slo_class=request.slo_class,
     )
 
 
@@ -102,10 +105,14 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         if problem is not None:
             _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
             return
+        key = self.core.keys().entry(key_from_metadata(context.invocation_metadata()))
+        if key is None:  # the keys were reloaded since the interceptor let it in
+            _refuse(context, grpc.StatusCode.UNAUTHENTICATED, API_KEY_REFUSAL)
+            return
         rid = uuid.uuid4().hex
         jobs = choice_inputs(generate_input(request), _n(request))
         streams = [
-            self.core.generate(job, context.time_remaining, rid=f"{rid}-{i}" if i else rid)
+            self.core.generate(job, context.time_remaining, f"{rid}-{i}" if i else rid, key)
             for i, job in enumerate(jobs)
         ]
         # closed here, not when collected: a client that left frees its KV at the next step

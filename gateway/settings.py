@@ -10,6 +10,7 @@ from llmcommon.admin_auth import ADMIN_KEY_HELP
 from llmcommon.auth import INTERNAL_TOKEN_HELP, read_secret_file
 from llmcommon.flags import setting
 from llmcommon.metrics_http import METRICS_HOST_HELP
+from llmcommon.tenancy import SloClass, parse_slo_classes
 
 ENV_PREFIX = "LLMSERVE_GATEWAY_"  # $LLMSERVE_GATEWAY_HTTP_PORT=8000 = --http-port 8000
 
@@ -45,6 +46,17 @@ class GatewaySettings:
         "",
         "a file holding the API key clients must send (else $LLMSERVE_API_KEY); an empty or "
         "unreadable file stops the gateway at start",
+    )
+    api_keys_file: str = setting(
+        "",
+        "a file of API keys, one a line: `KEY TENANT [weight=W] [top_priority=P] [priority=P] "
+        "[slo_class=NAME] [max_queued=N] [max_queued_tokens=N]` (docs/tenants.md); read again "
+        "on SIGHUP and by `llmserve reload-keys`. Not with --api-key-file",
+    )
+    slo_classes: str = setting(
+        "",
+        "the SLO classes a request or a key may name, with their targets in seconds: "
+        '"interactive=ttft:1,tpot:0.1 batch=ttft:60"; "" = none',
     )
     internal_token_file: str = setting("", INTERNAL_TOKEN_HELP)
     admin_key_file: str = setting("", ADMIN_KEY_HELP)
@@ -117,11 +129,21 @@ class GatewaySettings:
         except UnicodeDecodeError as err:
             raise SystemExit(f"the API key in {self.api_key_file} is not UTF-8: {err}") from None
 
+    def classes(self) -> dict[str, SloClass]:
+        """--slo-classes, parsed (checked at start)."""
+        return parse_slo_classes(self.slo_classes)
+
     @property
     def tls(self) -> tuple[str, str] | None:
         return (self.tls_cert, self.tls_key) if self.tls_cert else None
 
     def __post_init__(self) -> None:
+        if self.api_key_file and self.api_keys_file:
+            raise ValueError(
+                "--api-key-file (one key) and --api-keys-file (a key per tenant) do not go "
+                "together: write the one key as a line of the keys file"
+            )
+        self.classes()  # TenancyError (a ValueError) naming the class at fault
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
         for name in (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from llmcommon.tenancy import Tenancy
 from llmcommon.v1 import common_pb2
 
 
@@ -21,6 +22,7 @@ class Tally:
     last_token_at: float | None = None
     preemptions: int = 0
     resubmits: int = 0  # sent again to a restarted scheduler
+    tenancy: Tenancy = Tenancy()  # its tenant, priority and SLO class (the metrics' labels)
 
     def usage(self) -> common_pb2.Usage:
         now = time.monotonic()

@@ -65,7 +65,11 @@ def run_service(
     die_with_parent()  # when started by `llmserve up`
     parser = argparse.ArgumentParser(prog=prog)
     add_flags(parser, settings, env_prefix=env_prefix)
-    asyncio.run(serve(from_args(settings, parser.parse_args(argv))))
+    try:
+        config = from_args(settings, parser.parse_args(argv))
+    except ValueError as err:  # the settings' own checks: one line naming the flag, exit 2
+        parser.error(str(err))
+    asyncio.run(serve(config))
 
 
 def die_with_parent() -> None:

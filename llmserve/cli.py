@@ -1,4 +1,4 @@
-"""The `llmserve` command: up, generate, status, get, set, demo, bench."""
+"""The `llmserve` command: up, generate, status, get, set, reload-keys, demo, bench."""
 
 from __future__ import annotations
 
@@ -47,6 +47,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(
             f"admin     llmserve set --target {settings.gateway} --admin-key-file "
             f"{settings.admin_key_file} key=value ...   (live settings; also get, status --explain)"
+        )
+    if settings.api_keys_file:
+        print(
+            f"tenants   the keys of {settings.api_keys_file}; after editing it: llmserve "
+            f"reload-keys --target {settings.gateway} --admin-key-file FILE (docs/tenants.md)"
         )
     for i in range(settings.workers):
         print(f"worker{i}   {settings.worker_address(i)}")
@@ -112,6 +117,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             stop=args.stop,
             ignore_eos=args.ignore_eos,
+            priority=args.priority,
+            slo_class=args.slo_class,
         )
     if args.json:
         print(json.dumps(dataclasses.asdict(done)))
@@ -160,6 +167,12 @@ def cmd_set(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reload_keys(args: argparse.Namespace) -> int:
+    with admin_client(args) as llm:
+        print(f"API keys reloaded: {llm.reload_keys()}")
+    return 0
+
+
 def admin_client(args: argparse.Namespace) -> client.Client:
     key = admin_key(args.admin_key_file) if args.admin_key_file else ""
     return client.Client(args.target, api_key=args.api_key, tls_ca=args.tls_ca, admin_key=key)
@@ -201,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="the same seed gives the same text")
     gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
+    gen.add_argument("--priority", type=int, help="lower is served first (default: the API key's)")
+    gen.add_argument(
+        "--slo-class", default="", help="a class of the gateway's --slo-classes (default: key's)"
+    )
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
     gen.set_defaults(func=cmd_generate)
@@ -227,6 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
     put.add_argument("changes", nargs="+", metavar="key=value", help=f"one of {', '.join(NAMES)}")
     put.set_defaults(func=cmd_set)
 
+    reload = sub.add_parser(
+        "reload-keys",
+        help="the gateway reads its --api-keys-file again, as on SIGHUP (needs the admin key)",
+    )
+    add_gateway_flags(reload)
+    reload.set_defaults(func=cmd_reload_keys)
+
     demo = sub.add_parser("demo", help="the whole stack, a real workload, both KV policies")
     demo.add_argument("--log-dir", default="results/demo-logs")
     demo.set_defaults(func=cmd_demo)
@@ -249,7 +273,7 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--admin-key-file",
         default=os.environ.get("LLMSERVE_ADMIN_KEY_FILE", ""),
-        help="a file holding the admin key, for set, get and status --explain "
+        help="a file holding the admin key, for set, get, reload-keys and status --explain "
         "(default: $LLMSERVE_ADMIN_KEY_FILE)",
     )
 

@@ -50,7 +50,11 @@ def make_request(
     ignore_eos: bool = False,
     request_id: str = "",
     n: int | None = None,
+    priority: int | None = None,
+    slo_class: str = "",
 ) -> gateway_pb2.GenerateRequest:
+    """`priority`: vLLM's (lower is served first; None: the API key's default); `slo_class`: a
+    class of the gateway's --slo-classes ("": the key's default)."""
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -60,7 +64,9 @@ def make_request(
         stop=stop or [],
         ignore_eos=ignore_eos,
     )
-    request = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling, n=n)
+    request = gateway_pb2.GenerateRequest(
+        request_id=request_id, sampling=sampling, n=n, priority=priority, slo_class=slo_class
+    )
     if messages is not None:
         request.chat.messages.extend(
             gateway_pb2.ChatMessage(role=r, content=c) for r, c in messages
@@ -304,6 +310,7 @@ class _Connection:
         self._channel = channel(target, tls_ca, aio=self.AIO)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         self._admin = scheduler_pb2_grpc.AdminStub(self._channel)
+        self._gateway_admin = gateway_pb2_grpc.GatewayAdminStub(self._channel)
         self._metadata = _key_metadata(api_key)
         self._admin_metadata = [*(self._metadata or ()), *admin_metadata(admin_key)]
         self.timeout = timeout
@@ -376,6 +383,12 @@ class Client(_Connection):
             scheduler_pb2.ExplainRequest(), **self._admin_call(ADMIN_TIMEOUT_S)
         )
         return explanation_dict(reply)
+
+    def reload_keys(self) -> str:
+        """The gateway's API keys read again (its --api-keys-file), as SIGHUP does; the keys in
+        force now, as the gateway logs them. A bad file: FAILED_PRECONDITION, the old keys stay."""
+        request = gateway_pb2.ReloadKeysRequest()
+        return self._gateway_admin.ReloadKeys(request, **self._admin_call(5.0)).summary
 
     def _admin_call(self, timeout: float) -> dict[str, Any]:
         return {"timeout": self.timeout or timeout, "metadata": self._admin_metadata}

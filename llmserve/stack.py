@@ -71,6 +71,8 @@ class StackSettings(CoreConfig):
     discover: str = setting("", "more worker entries for the scheduler, e.g. dns:NAME:PORT")
     discovery_interval: float = setting(5.0, help_of(SC, "discovery_interval"))
     internal_token_file: str = setting("", help_of(SC, "internal_token_file"))
+    api_keys_file: str = setting("", help_of(GW, "api_keys_file"))
+    slo_classes: str = setting("", help_of(GW, "slo_classes"))
     admin_key_file: str = setting("", help_of(SC, "admin_key_file"))
     scheduler_flags: str = setting("", 'more flags for the scheduler, e.g. "--hang-floor 2"')
 
@@ -111,6 +113,15 @@ class StackSettings(CoreConfig):
         """The internal token flag, absolute: the processes start in the repository root."""
         path = self.internal_token_file
         return ["--internal-token-file", os.path.abspath(path)] if path else []
+
+    @property
+    def tenancy_flags(self) -> list[str]:
+        """The gateway's keys file (absolute) and SLO classes."""
+        path, classes = self.api_keys_file, self.slo_classes
+        return [
+            *(["--api-keys-file", os.path.abspath(path)] if path else []),
+            *(["--slo-classes", classes] if classes else []),
+        ]
 
     @property
     def admin_flags(self) -> list[str]:
@@ -176,6 +187,7 @@ class Stack:
             *([] if s.model in PACKAGED else ["--model", s.model_source]),
             *s.token_flags,
             *s.admin_flags,
+            *s.tenancy_flags,
         ]
         return cmds | self.joined
 

@@ -197,7 +197,18 @@ GROUPS = {
         ),
         ("tests/test_validation.py", "tests/test_sampling_params.py", "tests/test_ranges.py"),
     ),
-    "auth": Group(("gateway/auth.py", "llmcommon/auth.py"), ("tests/test_auth.py",)),
+    # who may send a request and as which tenant: the keys, their file, a request's tenancy and
+    # the queue limits per tenant
+    "auth": Group(
+        (
+            "gateway/auth.py",
+            "llmcommon/auth.py",
+            "gateway/api_keys.py",
+            "gateway/request_tenancy.py",
+            "gateway/queue_limits.py",
+        ),
+        ("tests/test_auth.py", "tests/test_api_keys.py"),
+    ),
     # the label mapping: finish reasons and status codes (gateway), the families built from the
     # core's snapshot (scheduler), with their help text (docs/observability.md quotes it)
     "metrics": Group(

@@ -262,3 +262,14 @@ def test_an_unreadable_token_file_stops_the_service(tmp_path) -> None:
     missing = tmp_path / "nope"
     with pytest.raises(SystemExit, match=f"cannot read the internal token file {missing}: No such"):
         internal_token(str(missing))
+
+
+def test_a_guard_answers_with_the_code_of_its_refusal() -> None:
+    """A wrong admin key is PERMISSION_DENIED, not the UNAUTHENTICATED of a missing one."""
+    from llmcommon.admin_auth import ADMIN_KEY_HEADER, AdminKeyInterceptor
+
+    admin = "/llmserve.v1.Admin/GetSettings"
+    guard = AdminKeyInterceptor("the-admin-key")
+    assert call(guard, admin, ((ADMIN_KEY_HEADER, "wrong"),)).startswith("PERMISSION_DENIED")
+    assert call(guard, admin, ()).startswith("UNAUTHENTICATED")
+    assert call(guard, admin, ((ADMIN_KEY_HEADER, "the-admin-key"),)) == "served"

@@ -98,6 +98,39 @@ def test_generate_reads_the_prompt_from_stdin_and_sends_system_then_user(fake_ga
     assert servicer.metadata[0]["authorization"] == "Bearer k1"
 
 
+def test_generate_sends_priority_and_slo_class_only_when_given(fake_gateway) -> None:
+    servicer, target = fake_gateway
+    asked = ["--priority", "-2", "--slo-class", "interactive"]
+    for flags in (asked, []):
+        done = run_cli("generate", "--target", target, "--prompt", "hi", *flags)
+        assert done.returncode == 0, done.stderr
+    given, plain = servicer.requests
+    assert (given.HasField("priority"), given.priority, given.slo_class) == (
+        True,
+        -2,
+        "interactive",
+    )
+    assert (plain.HasField("priority"), plain.slo_class) == (False, "")
+
+
+def test_up_passes_the_keys_file_and_classes_to_the_gateway_and_the_policy_to_the_scheduler(
+    tmp_path,
+) -> None:
+    from llmserve.stack import Stack, StackSettings
+
+    settings = StackSettings(
+        api_keys_file="keys.txt", slo_classes="batch=ttft:60", queue_policy="fair"
+    )
+    commands = Stack(settings, tmp_path).commands()
+    gateway, scheduler = commands["gateway"], commands["scheduler"]
+    at = gateway.index("--api-keys-file")
+    assert gateway[at + 1] == os.path.abspath("keys.txt")
+    assert gateway[gateway.index("--slo-classes") + 1] == "batch=ttft:60"
+    assert scheduler[scheduler.index("--queue-policy") + 1] == "fair"
+    plain = Stack(StackSettings(), tmp_path).commands()["gateway"]
+    assert "--api-keys-file" not in plain and "--slo-classes" not in plain
+
+
 @pytest.mark.parametrize("fake_gateway", [True], indirect=True)
 def test_ctrl_c_during_generate_prints_one_line_and_no_traceback(fake_gateway) -> None:
     servicer, target = fake_gateway

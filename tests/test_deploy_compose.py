@@ -243,3 +243,32 @@ def test_the_gpu_profile_gives_each_worker_a_gpu_and_sizes_kv_from_memory(compos
 
     known = {f"--{f.replace('_', '-')}" for f in WorkerSettings.__dataclass_fields__}
     assert set(flags(gpu["worker0"]["command"])) <= known  # every flag is a real setting
+
+
+def test_the_tenants_file_gives_the_gateway_its_keys_file_and_classes_and_nothing_else(
+    compose,
+) -> None:
+    """docker-compose.tenants.yml over the base file: validated by docker-compose; the gateway
+    runs the base's flags plus --api-keys-file from an uncommitted secret and --slo-classes that
+    the gateway's settings take."""
+    from gateway.settings import GatewaySettings
+
+    done = subprocess.run(
+        [shutil.which("docker-compose"), "-f", "docker-compose.yml", "-f",
+         "docker-compose.tenants.yml", "config"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    tenants = yaml.safe_load(done.stdout)
+    got = flags(tenants["services"]["gateway"]["command"])
+    assert got == flags(compose["services"]["gateway"]["command"]) | {
+        "--api-keys-file": "/run/secrets/api-keys",
+        "--slo-classes": "interactive=ttft:1,tpot:0.1 batch=ttft:60",
+    }
+    assert {"source": "api-keys"} in tenants["services"]["gateway"]["secrets"]
+    assert tenants["secrets"]["api-keys"]["file"] == str(ROOT / "deploy/api-keys")
+    assert "deploy/api-keys" in (ROOT / ".gitignore").read_text().splitlines()
+    settings = GatewaySettings(
+        api_keys_file=got["--api-keys-file"], slo_classes=got["--slo-classes"]
+    )
+    assert set(settings.classes()) == {"interactive", "batch"}

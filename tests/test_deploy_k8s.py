@@ -41,7 +41,9 @@ def render(target: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(done.stdout) if d]
 
 
-@pytest.fixture(scope="module", params=["base", "overlays/cpu", "overlays/gpu"])
+@pytest.fixture(
+    scope="module", params=["base", "overlays/cpu", "overlays/gpu", "overlays/cpu-tenants"]
+)
 def rendered(request) -> tuple[str, list[dict]]:
     return request.param, render(request.param)
 
@@ -152,6 +154,7 @@ def test_grace_outlasts_the_drain_and_secrets_are_where_the_flags_point(rendered
         for flag, volume in (
             ("--internal-token-file", "internal-token"),
             ("--api-key-file", "api-key"),
+            ("--api-keys-file", "api-keys"),
             ("--admin-key-file", "admin-key"),
         ):
             path = flag_values(c["args"]).get(flag)
@@ -195,3 +198,14 @@ def test_the_gpu_overlay_asks_for_a_gpu_and_sizes_kv_from_memory() -> None:
     assert config["DEVICE"] == "cuda" and config["KV_CAPACITY"] == "0"
     cpu = by_kind(render("overlays/cpu"), "ConfigMap")["llmserve-config"]["data"]
     assert cpu["DEVICE"] == "cpu" and int(cpu["KV_CAPACITY"]) > 0
+
+
+def test_the_tenants_overlay_gives_the_gateway_a_keys_file_and_classes_it_takes() -> None:
+    """Not the one key beside it (the gateway refuses both), and classes --slo-classes parses."""
+    docs = render("overlays/cpu-tenants")
+    gateway = containers(docs)["llmserve-gateway"]
+    args = flag_values(gateway["args"])
+    assert "--api-key-file" not in args and args["--slo-classes"] == "$(SLO_CLASSES)"
+    classes = by_kind(docs, "ConfigMap")["llmserve-config"]["data"]["SLO_CLASSES"]
+    settings = GatewaySettings(api_keys_file=args["--api-keys-file"], slo_classes=classes)
+    assert set(settings.classes()) == {"interactive", "batch"}

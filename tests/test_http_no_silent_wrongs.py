@@ -194,7 +194,9 @@ def test_metrics_on_the_http_port_are_the_operators(stack, sdk) -> None:
     assert families and all(f"# TYPE {family} " in page for family in families)
 
 
-@pytest.mark.parametrize("field,value", [("priority", 1), ("chat_template_kwargs", {"x": 1})])
+@pytest.mark.parametrize(
+    "field,value", [("use_beam_search", True), ("chat_template_kwargs", {"x": 1})]
+)
 def test_a_field_not_implemented_is_a_400_naming_it(sdk, field, value) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         sdk.chat.completions.create(

@@ -42,6 +42,8 @@ LABELS = {
     "setting",
     "tenant",  # configured in the gateway's keys file; at most 64 named
     "slo_class",  # configured with --slo-classes
+    "met",
+    "limit",
     "le",
 }
 
@@ -265,7 +267,7 @@ def test_gateway_counts_calls_by_method_and_final_status_code() -> None:
 
 def all_families() -> list:
     registry = CollectorRegistry()
-    GatewayMetrics(registry)
+    GatewayMetrics(registry).tenants.configure(["default"], ["interactive"])  # a class's too
     WorkerMetrics("worker0", registry)
     models = StepModels()
     models.observe(0, BatchShape(1, 1, 5, 5), 0.02)  # a step seen: its error is exported

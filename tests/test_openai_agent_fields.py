@@ -116,7 +116,6 @@ REFUSED = {
     "documents": [{"text": "x"}],
     "prompt_logprobs": 1,
     "truncate_prompt_tokens": 10,
-    "priority": 1,
     "return_tokens_as_token_ids": True,
     "use_beam_search": True,
     "length_penalty": 0.5,
@@ -134,15 +133,24 @@ def test_a_field_not_implemented_is_refused_naming_it(name: str) -> None:
     assert err.param == name and name in err.message
 
 
-@pytest.mark.parametrize("name", ["prompt_logprobs", "priority", "truncate_prompt_tokens"])
+@pytest.mark.parametrize("name", ["prompt_logprobs", "use_beam_search", "truncate_prompt_tokens"])
 def test_completions_refuse_them_too(name: str) -> None:
     assert refusal(completion, **{name: REFUSED[name]}).param == name
 
 
 def test_their_neutral_values_are_served() -> None:
-    neutral = {"add_generation_prompt": True, "chat_template_kwargs": {}, "priority": 0}
+    neutral = {"add_generation_prompt": True, "chat_template_kwargs": {}}
     chat(**neutral).generate_input()
     completion(add_special_tokens=True, length_penalty=1.0).generate_input()
+
+
+def test_priority_and_slo_class_reach_the_generation_path_as_sent() -> None:
+    """Checked there against the API key (gateway/request_tenancy.py), as gRPC's are."""
+    for make in (chat, completion):
+        job = make(priority=-3, slo_class="batch").generate_input()
+        assert (job.priority, job.slo_class) == (-3, "batch")
+        assert make(priority="high").generate_input().priority == "high"  # refused there
+        assert (make().generate_input().priority, make().generate_input().slo_class) == (None, "")
 
 
 def test_stop_strings_kept_and_special_tokens_reach_the_generation_path() -> None:
