@@ -10,6 +10,7 @@ from pathlib import Path
 from llmcommon.flags import help_of
 from llmserve.bench.budget_sweep import positive_list, time_budget_list
 from llmserve.bench.goodput import SLO_FORMAT, slo_arg
+from llmserve.bench.tenants_args import add_tenants_parser
 from llmserve.bench.workload_args import add_workload_flags
 from scheduler_svc.config import CoreConfig
 from scheduler_svc.settings import SchedulerSettings
@@ -279,6 +280,7 @@ def add_bench_parser(sub) -> None:
     )
     _out_flags(core, "core")
     core.set_defaults(func=_cmd_core)
+    add_tenants_parser(kinds)
 
 
 def _time_budget_flag(p: argparse.ArgumentParser, where: str) -> None:

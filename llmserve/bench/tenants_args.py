@@ -1,0 +1,46 @@
+"""`llmserve bench tenants`'s flags: the issue's case (short chats beside another tenant's
+burst) through real processes, each queue policy in turn."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_tenants_parser(kinds) -> None:
+    p = kinds.add_parser(
+        "tenants",
+        help="two API keys on one stack: short chats one at a time beside a burst of long "
+        "requests, under each queue policy (TTFT of the chats, throughput of the burst)",
+    )
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the worker")
+    p.add_argument(
+        "--queue-policies",
+        default="fcfs,fair,priority",
+        help="comma-separated; each runs for --duration on the same stack, switched live (the "
+        "first is the baseline of the ratios)",
+    )
+    p.add_argument("--duration", type=float, default=90.0, help="seconds per policy")
+    p.add_argument("--batch-concurrency", type=int, default=64)
+    p.add_argument("--batch-prompt-tokens", type=int, default=600)
+    p.add_argument("--batch-output-tokens", type=int, default=256)
+    p.add_argument("--chat-prompt-tokens", type=int, default=24)
+    p.add_argument("--chat-output-tokens", type=int, default=24)
+    p.add_argument(
+        "--chat-priority",
+        type=int,
+        default=-1,
+        help="the chats' priority under `priority` (the chat key's top_priority; lower first)",
+    )
+    p.add_argument("--out", type=Path, default=Path("results/bench"))
+    p.add_argument("--name", default="tenants", help="file name prefix of the report")
+    p.set_defaults(func=_cmd_tenants)
+
+
+def _cmd_tenants(args: argparse.Namespace) -> int:
+    from llmserve.bench.cli import _command
+    from llmserve.bench.run_tenants import run_tenants
+
+    return run_tenants(args, _command())
