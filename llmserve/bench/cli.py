@@ -10,6 +10,7 @@ from pathlib import Path
 from llmcommon.flags import help_of
 from llmserve.bench.budget_sweep import positive_list, time_budget_list
 from llmserve.bench.goodput import SLO_FORMAT, slo_arg
+from llmserve.bench.tenant_args import add_tenant_flags
 from llmserve.bench.workload_args import add_workload_flags
 from scheduler_svc.config import CoreConfig
 from scheduler_svc.settings import SchedulerSettings
@@ -133,6 +134,7 @@ def add_bench_parser(sub) -> None:
     )
     add_workload_flags(sim, requests=0, concurrency=0, workload="trace")
     sim.add_argument("--policies", default="continuous+paged,continuous+reserve,static+reserve")
+    add_tenant_flags(sim)
     sim.add_argument(
         "--loads",
         default="1",
