@@ -37,6 +37,8 @@ def group_figures(records: list[RequestRecord], tenancy: dict[int, Tenancy]) -> 
     span = max((r.end_s or 0.0) for r in ok) - min(r.scheduled_s for r in ok) if ok else 0.0
     targeted = [r for r in records if tenancy[r.index].ttft_s or tenancy[r.index].tpot_s]
     met = sum(1 for r in targeted if meets_class(r, tenancy[r.index]))
+    late = sum(1 for r in targeted if _late(r, tenancy[r.index]))
+    slow = sum(1 for r in targeted if _slow(r, tenancy[r.index]))
     tpots = [t for t in map(tpot_s, ok) if t is not None]
     return {
         "requests": len(records),
@@ -51,8 +53,25 @@ def group_figures(records: list[RequestRecord], tenancy: dict[int, Tenancy]) -> 
         "tpot_s": percentiles(tpots),
         "goodput": None
         if not targeted
-        else {"met": met, "share": met / len(targeted), "goodput_rps": met / span if span else 0.0},
+        else {
+            "met": met,
+            "share": met / len(targeted),
+            "goodput_rps": met / span if span else 0.0,
+            "missed_ttft": late,  # first token after the class's TTFT target (or never)
+            "missed_tpot": slow,  # finished, its mean time per output token over the target
+        },
     }
+
+
+def _late(record: RequestRecord, tenancy: Tenancy) -> bool:
+    if record.ttft_s is None or not record.ok:
+        return True
+    return bool(tenancy.ttft_s) and record.ttft_s > tenancy.ttft_s
+
+
+def _slow(record: RequestRecord, tenancy: Tenancy) -> bool:
+    tpot = tpot_s(record) if record.ok else None
+    return bool(tenancy.tpot_s) and tpot is not None and tpot > tenancy.tpot_s
 
 
 def tenant_summary(result: RunResult, workload: Workload, settings: SimSettings) -> dict[str, Any]:
@@ -112,7 +131,8 @@ def print_tenant_section(section: dict[str, Any], prompts: str) -> None:
     for label, s in section["runs"].items():
         t = Table(title=f"{label}: per tenant and per SLO class (prompts: {prompts})")
         for col in ("", "ok / sent", "served tok/s", "out tok/s", "× fcfs", "TTFT p50/p90/p99",
-                    "TPOT p50/p90", "goodput req/s (met)", "weighted service/s"):  # fmt: skip
+                    "TPOT p50/p90", "goodput req/s (met)", "missed TTFT / TPOT",
+                    "weighted service/s"):  # fmt: skip
             t.add_column(col, justify="right")
         ratios = section["output_tokens_per_s_vs_fcfs"].get(label, {})
         for kind, groups in (("tenant", s["tenants"]), ("class", s["classes"])):
@@ -127,6 +147,7 @@ def print_tenant_section(section: dict[str, Any], prompts: str) -> None:
                     fmt_pct(f["ttft_s"]),
                     _two(f["tpot_s"]),
                     _goodput(f["goodput"]),
+                    _missed(f["goodput"]),
                     f"{f['weighted_service_per_s']:.0f}" if kind == "tenant" else "-",
                 )
         console.print(t)
@@ -148,6 +169,10 @@ def print_tenant_section(section: dict[str, Any], prompts: str) -> None:
 
 def _two(p: dict[str, float] | None) -> str:
     return "-" if not p else f"{fmt_time(p['p50'])} / {fmt_time(p['p90'])}"
+
+
+def _missed(g: dict[str, Any] | None) -> str:
+    return "-" if g is None else f"{g['missed_ttft']} / {g['missed_tpot']}"
 
 
 def _goodput(g: dict[str, Any] | None) -> str:
