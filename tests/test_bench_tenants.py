@@ -93,8 +93,10 @@ def test_a_tenants_file_is_a_json_list_with_the_same_keys(tmp_path):
 
 def test_a_closed_loop_tenant_is_chains_and_each_request_carries_its_tenancy():
     w = tenant_workload(
-        parse_tenants("chat:class=interactive,priority=-1,rate=4,requests=3;"
-                      "batch:weight=2,concurrency=2,requests=5"),  # fmt: skip
+        parse_tenants(
+            "chat:class=interactive,priority=-1,rate=4,requests=3;"
+            "batch:weight=2,concurrency=2,requests=5"
+        ),  # fmt: skip
         CLASSES,
         load=2.0,
     )
@@ -119,7 +121,10 @@ def test_the_queue_policies_run_side_by_side_and_unknown_ones_are_refused():
         parse_policies("continuous+paged", "", "fcfs,lottery")
 
 
-IDENTICAL = "a:concurrency=6,prompt=40,output=12,requests=30;b:concurrency=6,prompt=40,output=12,requests=30"
+IDENTICAL = (
+    "a:concurrency=6,prompt=40,output=12,requests=30;"
+    + "b:concurrency=6,prompt=40,output=12,requests=30"
+)
 
 
 def test_identical_tenants_under_fair_get_equal_service_and_the_figures_add_up():
@@ -143,8 +148,10 @@ def test_identical_tenants_under_fair_get_equal_service_and_the_figures_add_up()
 
 def test_goodput_counts_each_request_against_its_own_class():
     w = tenant_workload(
-        parse_tenants("fast:class=interactive,concurrency=2,prompt=8,output=4,requests=6;"
-                      "slow:class=batch,concurrency=2,prompt=8,output=4,requests=6"),  # fmt: skip
+        parse_tenants(
+            "fast:class=interactive,concurrency=2,prompt=8,output=4,requests=6;"
+            "slow:class=batch,concurrency=2,prompt=8,output=4,requests=6"
+        ),  # fmt: skip
         parse_slo_classes("interactive=ttft:0.000001 batch=ttft:100"),
     )
     run = simulate(w, "fcfs")
@@ -168,7 +175,8 @@ def test_fair_share_gives_a_tenant_beside_a_burst_a_lower_ttft_than_fcfs():
 
 
 def test_two_backlogged_tenants_stay_within_the_vtc_bound_and_weights_split_service():
-    spec = "a:concurrency=16,prompt=30,output=10,requests=200;b:concurrency=16,prompt=30,output=10,requests=200"
+    one = "concurrency=16,prompt=30,output=10,requests=200"
+    spec = f"a:{one};b:{one}"
     run = simulate(tenant_workload(parse_tenants(spec), {}), "fair")
     pair = run["service_difference"]["pairs"][0]
     assert run["service_difference"]["vtc_bound"] == vtc_bound(30, 10, SMALL.token_budget)
@@ -181,7 +189,9 @@ def test_two_backlogged_tenants_stay_within_the_vtc_bound_and_weights_split_serv
 
 
 def test_a_tenant_stops_sending_at_its_until():
-    w = tenant_workload(parse_tenants("a:concurrency=1,prompt=8,output=4,requests=1000,until=0.5"), {})
+    w = tenant_workload(
+        parse_tenants("a:concurrency=1,prompt=8,output=4,requests=1000,until=0.5"), {}
+    )
     run = simulate(w, "fcfs")
     assert 1 < run["tenants"]["a"]["requests"] < 1000
     assert max(r.scheduled_s for r in run["result"].records) <= 0.5
@@ -196,7 +206,8 @@ def test_jain_is_one_for_equal_rates_and_one_over_n_for_one_taking_all():
 def test_bench_sim_reports_tenants_in_its_json_and_tables(tmp_path, capsys):
     with pytest.raises(SystemExit) as done:
         llmserve(
-            ["bench", "sim", "--tenants", BURST, "--slo-classes", "interactive=ttft:1 batch=ttft:30",
+            ["bench", "sim", "--tenants", BURST, "--slo-classes",
+             "interactive=ttft:1 batch=ttft:30",
              "--queue-policies", "fcfs,fair", "--policies", "continuous+paged", "--sim-workers",
              "1", "--max-running", "8", "--token-budget", "64", "--kv-capacity", "8192",
              "--speedup", "1", "--out", str(tmp_path), "--no-progress"]

@@ -66,7 +66,9 @@ def tenants_from_args(args: argparse.Namespace, time_scale: float) -> Workload:
         if args.tenants and args.tenants_file:
             raise TenantSpecError("give --tenants or --tenants-file, not both")
         tenants = (
-            load_tenants_file(args.tenants_file) if args.tenants_file else parse_tenants(args.tenants)
+            load_tenants_file(args.tenants_file)
+            if args.tenants_file
+            else parse_tenants(args.tenants)
         )
         classes = parse_slo_classes(args.slo_classes)
         load = args.time_scale / time_scale

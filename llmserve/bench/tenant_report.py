@@ -87,7 +87,9 @@ def tenant_summary(result: RunResult, workload: Workload, settings: SimSettings)
     for name, figures in tenants.items():
         weighted = ledger["weighted_service"].get(name, 0.0)
         figures["weighted_service"] = weighted
-        figures["weighted_service_per_s"] = weighted / figures["span_s"] if figures["span_s"] else 0.0
+        figures["weighted_service_per_s"] = (
+            weighted / figures["span_s"] if figures["span_s"] else 0.0
+        )
     batch = settings.token_budget * settings.workers
     bound = vtc_bound(
         max((r.prompt_tokens for r in workload.requests), default=0),
@@ -152,7 +154,7 @@ def print_tenant_section(section: dict[str, Any], prompts: str) -> None:
                 )
         console.print(t)
         jain_index = s["jain_index"]
-        console.print(f"Jain's index over the tenants' weighted service rates: "
+        console.print("Jain's index over the tenants' weighted service rates: "
                       + ("-" if jain_index is None else f"{jain_index:.3f}"))  # fmt: skip
         gap = s["service_difference"]
         for pair in gap["pairs"]:

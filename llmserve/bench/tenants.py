@@ -69,7 +69,9 @@ class TenantSpec:
 
     def tenancy(self, classes: dict[str, SloClass]) -> Tenancy:
         slo = classes.get(self.slo_class, SloClass(self.slo_class))
-        return Tenancy(self.name, self.weight, self.priority, self.slo_class, slo.ttft_s, slo.tpot_s)
+        return Tenancy(
+            self.name, self.weight, self.priority, self.slo_class, slo.ttft_s, slo.tpot_s
+        )
 
 
 _TYPES = {f.name: f.type for f in fields(TenantSpec)}
