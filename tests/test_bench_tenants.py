@@ -79,13 +79,17 @@ def test_a_tenant_of_an_undefined_class_or_without_a_count_is_refused():
         tenant_workload(parse_tenants("chat:rate=1"), CLASSES)
 
 
-def test_a_tenants_file_is_a_json_list_with_the_same_keys(tmp_path):
+def test_a_tenants_file_is_a_json_or_yaml_list_with_the_same_keys(tmp_path):
     path = tmp_path / "tenants.json"
     path.write_text(json.dumps([{"name": "a", "concurrency": 2, "class": "batch"},
                                 {"name": "b", "rate": 3}]))  # fmt: skip
     a, b = load_tenants_file(path)
     assert (a.workload, a.concurrency, a.slo_class, b.workload, b.rate) == (
         "closed", 2, "batch", "poisson", 3.0)  # fmt: skip
+    pytest.importorskip("yaml")
+    path.write_text("tenants:\n  - name: c\n    concurrency: 4\n    weight: 2\n")
+    (c,) = load_tenants_file(path)
+    assert (c.name, c.workload, c.concurrency, c.weight) == ("c", "closed", 4, 2.0)
     path.write_text(json.dumps({"tenants": [{"rate": 3}]}))
     with pytest.raises(TenantSpecError, match="each with a name"):
         load_tenants_file(path)
