@@ -10,7 +10,6 @@ from pathlib import Path
 from llmcommon.flags import help_of
 from llmserve.bench.budget_sweep import positive_list, time_budget_list
 from llmserve.bench.goodput import SLO_FORMAT, slo_arg
-from llmserve.bench.tenant_args import add_tenant_flags
 from llmserve.bench.workload_args import add_workload_flags
 from scheduler_svc.config import CoreConfig
 from scheduler_svc.settings import SchedulerSettings
@@ -132,9 +131,8 @@ def add_bench_parser(sub) -> None:
         help="the real scheduler core on a virtual clock with a "
         "calibrated cost model (the whole trace in minutes)",
     )
-    add_workload_flags(sim, requests=0, concurrency=0, workload="trace")
+    add_workload_flags(sim, requests=0, concurrency=0, workload="trace", tenants=True)
     sim.add_argument("--policies", default="continuous+paged,continuous+reserve,static+reserve")
-    add_tenant_flags(sim)
     sim.add_argument(
         "--loads",
         default="1",

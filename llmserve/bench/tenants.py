@@ -95,15 +95,17 @@ def tenant_of(name: str, options: dict[str, Any]) -> TenantSpec:
     return TenantSpec(name, **values)
 
 
+_KINDS = {"int": (int, "an int"), "float": (float, "a float"), "str": (str, "a str")}
+
+
 def _typed(tenant: str, key: str, kind: str, value: Any) -> Any:
-    cast = {"int": int, "float": float, "str": str}[kind]
+    cast, named = _KINDS[kind]
     try:
-        if kind == "int" and isinstance(value, float) and not value.is_integer():
+        if cast is int and isinstance(value, float) and not value.is_integer():
             raise ValueError
         return cast(value)
     except (TypeError, ValueError):
-        raise TenantSpecError(f"tenant {tenant!r}: {key}={value!r} is not a{'n' * (kind == 'int')} "
-                              f"{kind}") from None  # fmt: skip
+        raise TenantSpecError(f"tenant {tenant!r}: {key}={value!r} is not {named}") from None
 
 
 def parse_tenants(text: str) -> list[TenantSpec]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from llmserve.bench import hash_trace as ht
 from llmserve.bench import workload as w
 from llmserve.bench.multiturn import MultiTurn, multiturn
-from llmserve.bench.tenant_args import tenants_from_args, wants_tenants
+from llmserve.bench.tenant_args import add_tenant_flags, tenants_from_args, wants_tenants
 from llmserve.bench.tokens import TextOf, TokenSource
 from llmserve.bench.trace import DEFAULT_TRACE, TraceScale, load_trace
 
@@ -105,8 +105,13 @@ def _hash_workload(
 
 
 def add_workload_flags(
-    p: argparse.ArgumentParser, requests: int, concurrency: int, workload: str = "fixed"
+    p: argparse.ArgumentParser,
+    requests: int,
+    concurrency: int,
+    workload: str = "fixed",
+    tenants: bool = False,
 ) -> None:
+    """`tenants`: also the tenant flags (--tenants, --slo-classes, --queue-policies)."""
     g = p.add_argument_group("workload")
     g.add_argument(
         "--workload",
@@ -187,3 +192,5 @@ def add_workload_flags(
         help="on, off, or on,off (each policy twice, same arrivals, side by side with ratios); "
         "default: the stack's default (on under paged)",
     )
+    if tenants:
+        add_tenant_flags(p)
