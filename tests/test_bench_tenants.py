@@ -7,12 +7,13 @@ stay within VTC's bound and weights 2:1 give 2:1 service."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 
 from llmcommon.tenancy import parse_slo_classes
 from llmserve.bench.cost_model import CostModel
-from llmserve.bench.fairness import jain, vtc_bound
+from llmserve.bench.fairness import PairGap, jain, vtc_bound
 from llmserve.bench.policy import Policy, parse_policies
 from llmserve.bench.simulate import SimSettings
 from llmserve.bench.stats import summarize
@@ -228,3 +229,15 @@ def test_bench_sim_reports_tenants_in_its_json_and_tables(tmp_path, capsys):
     assert "VTC bound" in out and "Jain's index" in out
     with pytest.raises(SystemExit, match="SLO class 'interactive' is not defined"):
         llmserve(["bench", "sim", "--tenants", BURST, "--out", str(tmp_path), "--no-progress"])
+
+
+def test_the_service_difference_is_the_widest_swing_inside_one_backlogged_stretch():
+    gap, weights = PairGap("a", "b"), {"a": 1.0, "b": 2.0}
+    for got, both in [({"a": 10}, True), ({"b": 40}, True), ({"a": 500}, False),
+                      ({"a": 6}, True), ({"b": 4}, True)]:  # fmt: skip
+        gap.record(Counter(got), weights, both)
+    figures = gap.figures()
+    # first stretch: +10, then 10 - 20 = -10: a swing of 20; the second: +6, +4; widest 20
+    assert figures["max_difference"] == 20
+    assert figures["backlogged_stretches"] == 2 and figures["backlogged_steps"] == 4
+    assert figures["service_while_backlogged"] == {"a": 16, "b": 44}
