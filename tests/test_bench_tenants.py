@@ -227,6 +227,10 @@ def test_bench_sim_reports_tenants_in_its_json_and_tables(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "per tenant and per SLO class (prompts: distinct per request" in out
     assert "VTC bound" in out and "Jain's index" in out
+    with pytest.raises(SystemExit) as usage:
+        llmserve(["bench", "sim", "--tenants", BURST, "--queue-policies", "lottery"])
+    assert usage.value.code == 2
+    assert "want one or more of fcfs, priority, fair, deadline" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="SLO class 'interactive' is not defined"):
         llmserve(["bench", "sim", "--tenants", BURST, "--out", str(tmp_path), "--no-progress"])
 

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from llmcommon.tenancy import TenancyError, parse_slo_classes
+from llmserve.bench.policy import parse_queues
 from llmserve.bench.tenants import (
     TenantSpecError,
     load_tenants_file,
@@ -47,12 +48,22 @@ def add_tenant_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--queue-policies",
+        type=queue_list,
         default="",
         metavar="P,P,...",
         help="each policy once per waiting-queue ordering ("
         + ", ".join(q.value for q in QueuePolicy)
         + "), the same arrivals, side by side; default: the core's (fcfs)",
     )
+
+
+def queue_list(text: str) -> str:
+    """An argparse type: comma-separated orderings (kept as text; parse_policies reads it)."""
+    try:
+        parse_queues(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def wants_tenants(args: argparse.Namespace) -> bool:
