@@ -213,17 +213,23 @@ def test_bench_sim_reports_tenants_in_its_json_and_tables(tmp_path, capsys):
         llmserve(
             ["bench", "sim", "--tenants", BURST, "--slo-classes",
              "interactive=ttft:1 batch=ttft:30",
-             "--queue-policies", "fcfs,fair", "--policies", "continuous+paged", "--sim-workers",
+             "--queue-policies", "fcfs,fair", "--policies", "continuous+paged,static+reserve",
+             "--sim-workers",
              "1", "--max-running", "8", "--token-budget", "64", "--kv-capacity", "8192",
              "--speedup", "1", "--out", str(tmp_path), "--no-progress"]
         )  # fmt: skip
     assert done.value.code == 0
     report = json.loads((tmp_path / "sim-load1.json").read_text())
     runs = report["tenants"]["runs"]
-    assert list(runs) == ["continuous+paged fcfs", "continuous+paged fair"]
+    assert list(runs) == ["continuous+paged fcfs", "continuous+paged fair", "static+reserve fcfs",
+                          "static+reserve fair"]  # fmt: skip
     assert set(runs["continuous+paged fair"]["tenants"]) == {"chat", "batch"}
-    ratio = report["tenants"]["output_tokens_per_s_vs_fcfs"]["continuous+paged fcfs"]
-    assert ratio == {"chat": 1.0, "batch": 1.0}
+    ratios = report["tenants"]["output_tokens_per_s_vs_fcfs"]
+    same = {"chat": 1.0, "batch": 1.0}
+    assert ratios["continuous+paged fcfs"] == ratios["static+reserve fcfs"] == same
+    static = runs["static+reserve fair"]["tenants"]["batch"]["output_tokens_per_s"]
+    static_fcfs = runs["static+reserve fcfs"]["tenants"]["batch"]["output_tokens_per_s"]
+    assert ratios["static+reserve fair"]["batch"] == pytest.approx(static / static_fcfs)
     out = capsys.readouterr().out
     assert "per tenant and per SLO class (prompts: distinct per request" in out
     assert "VTC bound" in out and "Jain's index" in out

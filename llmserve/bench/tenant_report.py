@@ -108,16 +108,17 @@ def tenant_section(
     results: list[RunResult], workload: Workload, settings: SimSettings
 ) -> dict[str, Any]:
     """Every run's tenant summary, by label, and each tenant's output tokens/s over its figure
-    in the first run under fcfs."""
+    in the run of the same policy under fcfs (a label `POLICY QUEUE` against `POLICY fcfs`)."""
     summaries = {r.label: tenant_summary(r, workload, settings) for r in results}
-    fcfs = next((s for label, s in summaries.items() if label.endswith(" fcfs")), None)
     ratios: dict[str, dict[str, float | None]] = {}
-    if fcfs is not None:
-        for label, s in summaries.items():
-            ratios[label] = {
-                name: _ratio(f["output_tokens_per_s"], fcfs["tenants"][name]["output_tokens_per_s"])
-                for name, f in s["tenants"].items()
-            }
+    for label, s in summaries.items():
+        fcfs = summaries.get(label.rpartition(" ")[0] + " fcfs")
+        if fcfs is None:
+            continue
+        ratios[label] = {
+            name: _ratio(f["output_tokens_per_s"], fcfs["tenants"][name]["output_tokens_per_s"])
+            for name, f in s["tenants"].items()
+        }
     return {"runs": summaries, "output_tokens_per_s_vs_fcfs": ratios}
 
 
