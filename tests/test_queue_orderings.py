@@ -59,6 +59,16 @@ def test_priority_serves_the_lowest_value_first_and_ties_by_arrival():
     assert q.pop().request_id == "d" and ids(q) == ["b", "a", "c"] and len(q) == 3
 
 
+def test_priority_puts_preempted_requests_in_front_of_their_level_the_last_first():
+    q = PriorityRequestQueue()
+    early, late = seq("early", 1, priority=1), seq("late", 2, priority=1)
+    q.add(seq("waiting", 0.5, priority=1))
+    q.add(seq("top", 3, priority=0))
+    q.prepend(early)
+    q.prepend(late)
+    assert ids(q) == ["top", "late", "early", "waiting"]
+
+
 def test_priority_puts_a_preempted_request_back_by_its_rank_and_removes_cleanly():
     q = PriorityRequestQueue()
     a, b, c = seq("a", 1, priority=1), seq("b", 2, priority=0), seq("c", 3, priority=1)

@@ -131,7 +131,7 @@ def add_bench_parser(sub) -> None:
         help="the real scheduler core on a virtual clock with a "
         "calibrated cost model (the whole trace in minutes)",
     )
-    add_workload_flags(sim, requests=0, concurrency=0, workload="trace")
+    add_workload_flags(sim, requests=0, concurrency=0, workload="trace", tenants=True)
     sim.add_argument("--policies", default="continuous+paged,continuous+reserve,static+reserve")
     sim.add_argument(
         "--loads",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from scheduler_svc.config import QueuePolicy
+
 
 @dataclass(frozen=True, slots=True)
 class Policy:
@@ -12,11 +14,13 @@ class Policy:
     mode: str
     kv: str
     prefix_caching: bool | None = None  # None: the scheduler's default
+    queue: str = ""  # the waiting queue's ordering (fcfs, priority, fair, deadline); "": default
 
     @property
     def label(self) -> str:
         cache = "" if self.prefix_caching is None else f" cache {_on(self.prefix_caching)}"
-        return f"{self.mode}+{self.kv}{cache}"
+        queue = f" {self.queue}" if self.queue else ""
+        return f"{self.mode}+{self.kv}{cache}{queue}"
 
     def with_caching(self, on: bool | None) -> Policy:
         return replace(self, prefix_caching=on)
@@ -29,13 +33,27 @@ class Policy:
         return Policy(mode, kv)
 
 
-def parse_policies(policies: str, caching: str = "") -> list[Policy]:
-    """--policies (comma-separated), each once per --prefix-caching value."""
+def parse_policies(policies: str, caching: str = "", queues: str = "") -> list[Policy]:
+    """--policies (comma-separated), each once per --prefix-caching value and per
+    --queue-policies ordering."""
     return [
-        Policy.parse(text.strip()).with_caching(on)
+        replace(Policy.parse(text.strip()).with_caching(on), queue=queue)
         for text in policies.split(",")
         for on in parse_caching(caching)
+        for queue in parse_queues(queues)
     ]
+
+
+def parse_queues(text: str) -> list[str]:
+    """--queue-policies: "" (the core's default) or comma-separated orderings."""
+    if not text:
+        return [""]
+    known = [q.value for q in QueuePolicy]
+    out = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [v for v in out if v not in known]
+    if unknown or not out:
+        raise ValueError(f"--queue-policies {text!r}: want one or more of {', '.join(known)}")
+    return list(dict.fromkeys(out))
 
 
 def parse_caching(text: str) -> list[bool | None]:

@@ -14,7 +14,8 @@ from llmserve.bench.cost_model import DEFAULT_COST_MODEL, CostModel
 from llmserve.bench.policy import parse_policies
 from llmserve.bench.report import Report
 from llmserve.bench.run_sim import sim_row, sim_settings
-from llmserve.bench.simulate import Simulation
+from llmserve.bench.tenant_report import print_tenant_section, tenant_section
+from llmserve.bench.tenant_sim import has_tenants, simulation_for
 from llmserve.bench.workload_args import build_workload
 
 COLUMNS = ("load", "policy", "budget", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "out tok/s",
@@ -24,7 +25,7 @@ COLUMNS = ("load", "policy", "budget", "TTFT p50", "TTFT p99", "ITL p50", "ITL p
 def run_budget_sweep(args: argparse.Namespace, command: str) -> int:
     cost = CostModel.load(args.cost_model or DEFAULT_COST_MODEL)
     base = sim_settings(args)
-    policies = parse_policies(args.policies, args.prefix_caching)
+    policies = parse_policies(args.policies, args.prefix_caching, args.queue_policies)
     tokens, times = args.sweep_token_budgets or [], args.sweep_time_budgets_ms or []
     sweep = budgets(tokens, times, base.token_budget)
     rows: list[dict[str, Any]] = []
@@ -41,11 +42,15 @@ def run_budget_sweep(args: argparse.Namespace, command: str) -> int:
                     step_time_budget_ms=budget.time_budget_ms,
                     step_time_window=budget.time_window,
                 )
-                result = Simulation(settings, policy, cost).run(workload, not args.no_progress)
+                simulation = simulation_for(workload)(settings, policy, cost)
+                result = simulation.run(workload, not args.no_progress)
                 result.label = _label(budget, policy.label, len(policies))
                 summary = report.add(result)
                 rows.append(_budget_row(load, policy.label, budget, summary, result.counters))
                 say_row(rows[-1])
+        if has_tenants(workload):
+            report.extra["tenants"] = section = tenant_section(report.results, workload, base)
+            print_tenant_section(section, workload.prompts)
         report.write(args.out, f"{args.name}-budgets-load{load:g}")
     judged = verdicts(rows)
     out = {

@@ -19,13 +19,15 @@ from llmserve.bench.policy import parse_policies
 from llmserve.bench.report import Report, print_table
 from llmserve.bench.simulate import SimSettings, Simulation
 from llmserve.bench.sweep_plot import write_sweep_plot
+from llmserve.bench.tenant_report import print_tenant_section, tenant_section
+from llmserve.bench.tenant_sim import has_tenants, simulation_for
 from llmserve.bench.workload_args import build_workload
 
 
 def run_sim(args: argparse.Namespace, command: str) -> int:
     cost = CostModel.load(args.cost_model or DEFAULT_COST_MODEL)
     settings = sim_settings(args)
-    policies = parse_policies(args.policies, args.prefix_caching)
+    policies = parse_policies(args.policies, args.prefix_caching, args.queue_policies)
     rows: list[dict[str, Any]] = []
     for load in [float(x) for x in args.loads.split(",")]:
         workload = build_workload(args, time_scale=args.time_scale / load)
@@ -43,7 +45,8 @@ def run_sim(args: argparse.Namespace, command: str) -> int:
             slo=args.slo,
         )
         for policy in policies:
-            result = Simulation(settings, policy, cost).run(workload, not args.no_progress)
+            simulation = simulation_for(workload)(settings, policy, cost)
+            result = simulation.run(workload, not args.no_progress)
             summary = report.add(result)
             rows.append(sim_row(load, summary, result.counters))
             print(
@@ -66,6 +69,9 @@ def run_sim(args: argparse.Namespace, command: str) -> int:
         report.extra["notes"] = notes
         report.extra["prefix_caching"] = pairs = caching_pairs(summaries)
         print_caching(pairs, workload.params.get("trace_reuse"))
+        if has_tenants(workload):
+            report.extra["tenants"] = section = tenant_section(report.results, workload, settings)
+            print_tenant_section(section, workload.prompts)
         report.write(args.out, name)
         write_plots(
             args.out, name, summaries, report.results, f"{workload.name}, load ×{load:g}, simulated"

@@ -72,6 +72,8 @@ class SimSettings:
             extra["step_time_budget_ms"] = self.step_time_budget_ms
         if self.step_time_window != 1:
             extra["step_time_window"] = self.step_time_window
+        if policy.queue:
+            extra["queue_policy"] = policy.queue
         return CoreConfig(
             token_budget=self.token_budget,
             max_running=self.max_running,
@@ -308,6 +310,7 @@ class Simulation:
             eos_ids=frozenset({EOS_ID}),
             ignore_eos=spec.limit == spec.output_tokens,
             arrival=arrival,
+            **({} if spec.tenancy is None else {"tenancy": spec.tenancy}),
         )
         try:
             self.core.add(seq)

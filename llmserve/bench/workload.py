@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from llmcommon.tenancy import Tenancy
 from llmserve.bench.prompts import ONE_WORD
 from llmserve.bench.tokens import TextOf, TokenSource
 from llmserve.bench.trace import TraceRow, TraceScale, load_trace, scale_trace
@@ -21,6 +22,7 @@ class RequestSpec:
     follows: int = -1  # >= 0: sent think_s after request `follows` finished (the next turn)
     think_s: float = 0.0
     turn: int = -1  # a conversation's turn (0 = its first), -1 outside conversations
+    tenancy: Tenancy | None = None  # its tenant, priority and SLO class; None: the default
 
     @property
     def limit(self) -> int:

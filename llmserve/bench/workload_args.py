@@ -10,6 +10,7 @@ from pathlib import Path
 from llmserve.bench import hash_trace as ht
 from llmserve.bench import workload as w
 from llmserve.bench.multiturn import MultiTurn, multiturn
+from llmserve.bench.tenant_args import add_tenant_flags, tenants_from_args, wants_tenants
 from llmserve.bench.tokens import TextOf, TokenSource
 from llmserve.bench.trace import DEFAULT_TRACE, TraceScale, load_trace
 
@@ -19,6 +20,8 @@ def build_workload(
 ) -> w.Workload:
     """`served`: prompts go through the gateway's tokenizer (trace, multiturn and hash-trace
     content is then text of single-token words); else token ids for the simulation."""
+    if wants_tenants(args):
+        return tenants_from_args(args, time_scale or args.time_scale)
     if args.shared_prefix_tokens and args.workload != "trace":
         raise SystemExit("--shared-prefix-tokens is for --workload trace (a length-only trace)")
     if args.workload in ("fixed", "poisson"):
@@ -102,8 +105,13 @@ def _hash_workload(
 
 
 def add_workload_flags(
-    p: argparse.ArgumentParser, requests: int, concurrency: int, workload: str = "fixed"
+    p: argparse.ArgumentParser,
+    requests: int,
+    concurrency: int,
+    workload: str = "fixed",
+    tenants: bool = False,
 ) -> None:
+    """`tenants`: also the tenant flags (--tenants, --slo-classes, --queue-policies)."""
     g = p.add_argument_group("workload")
     g.add_argument(
         "--workload",
@@ -184,3 +192,5 @@ def add_workload_flags(
         help="on, off, or on,off (each policy twice, same arrivals, side by side with ratios); "
         "default: the stack's default (on under paged)",
     )
+    if tenants:
+        add_tenant_flags(p)

@@ -1,11 +1,15 @@
 """vLLM's priority ordering: the lowest priority value first, ties by arrival; a head that cannot
-be admitted preempts the lowest-priority running request (the newest of that priority), which is
-recomputed later, by the same rule."""
+be admitted preempts the lowest-priority running request (the newest of that priority). A
+preempted request goes back in front of the requests of its priority, the last preempted first,
+as FCFS puts it in front: by its arrival instead, the longest-running of those preempted (the
+largest context) would come back first and, as the newest admitted, be the next to go when KV
+runs short again, recomputing its whole context each time."""
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Iterator
 
 from scheduler_svc.config import QueuePolicy
@@ -32,12 +36,15 @@ class PriorityRequestQueue(RequestQueue):
         self._arrivals = ArrivalIndex()
 
     def add(self, seq: Sequence) -> None:
-        entry = [seq.tenancy.priority, seq.arrival, next(self._n), seq, True]
-        heapq.heappush(self._heap, entry)
-        self._entries[seq] = entry
-        self._arrivals.add(seq)
+        self._push([seq.tenancy.priority, seq.arrival, next(self._n), seq, True])
 
-    prepend = add  # a preempted request ranks by its priority and (early) arrival again
+    def prepend(self, seq: Sequence) -> None:
+        self._push([seq.tenancy.priority, -math.inf, -next(self._n), seq, True])
+
+    def _push(self, entry: list) -> None:
+        heapq.heappush(self._heap, entry)
+        self._entries[entry[SEQ]] = entry
+        self._arrivals.add(entry[SEQ])
 
     def _top(self) -> list:
         heap = self._heap
