@@ -10,7 +10,7 @@ from pathlib import Path
 from llmcommon.flags import help_of
 from llmserve.bench.budget_sweep import positive_list, time_budget_list
 from llmserve.bench.goodput import SLO_FORMAT, slo_arg
-from llmserve.bench.tenants_args import add_tenants_parser
+from llmserve.bench.tenants_cmd import add_tenants_parser
 from llmserve.bench.workload_args import add_workload_flags
 from scheduler_svc.config import CoreConfig
 from scheduler_svc.settings import SchedulerSettings

@@ -4,6 +4,8 @@ burst) through real processes, each queue policy in turn."""
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 from pathlib import Path
 
 
@@ -40,7 +42,6 @@ def add_tenants_parser(kinds) -> None:
 
 
 def _cmd_tenants(args: argparse.Namespace) -> int:
-    from llmserve.bench.cli import _command
     from llmserve.bench.run_tenants import run_tenants
 
-    return run_tenants(args, _command())
+    return run_tenants(args, "llmserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
