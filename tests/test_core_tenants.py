@@ -228,3 +228,18 @@ def test_the_policy_changes_live_and_the_invariants_hold_under_random_tenants():
     assert {rid: len(added[rid].output_ids) for rid in expected} == expected
     assert all(added[rid].finish is Finish.LENGTH for rid in expected)
     assert core.setting_changes["queue_policy"] >= 1
+
+
+def test_a_running_prompt_leaves_the_budget_to_a_head_that_outranks_it():
+    for policy, admitted in (("priority", True), ("fcfs", False)):
+        core = core_of(policy, token_budget=16)
+        core.add(seq("long", 100, 4, tenancy=Tenancy(priority=5)))
+        step(core)
+        core.add(seq("short", 8, 4, tenancy=Tenancy(priority=0)))
+        steps = step(core)
+        ran = {w.seq.request_id: w.num_tokens for s in steps for w in s.chunks}
+        if admitted:  # its 8 tokens first, the long prompt takes what they leave
+            assert ran == {"short": 8, "long": 8}
+        else:  # the running prompt first, the budget is gone
+            assert ran == {"long": 16} and core.seqs["short"].admitted_at is None
+        run_until_done(core)

@@ -102,12 +102,16 @@ def test_fair_serves_the_tenant_with_the_least_weighted_service():
     q = FairRequestQueue()
     for i in range(3):
         q.add(seq(f"a{i}", i, tenant="a"))
+    q.charge("a", 40, 0)
     q.add(seq("b0", 10, tenant="b"))
-    # b arrives while a waits: lifted to a's counter (0), ties go to the older head
+    # b arrives while a waits: lifted to a's counter (40), the tie goes to the newcomer
+    assert q.counters["b"] == 40 and q.peek().request_id == "b0"
+    assert q.outranks(q.peek(), seq("a9", 0, tenant="a"))
+    q.charge("b", 10, 0)
     assert q.peek().request_id == "a0"
-    q.charge("a", 100, 0)
-    assert q.peek().request_id == "b0"
-    q.charge("b", 50, 30)  # 50 + 2 * 30 = 110 > 100
+    q.charge("a", 60, 0)
+    assert q.peek().request_id == "b0" and not q.outranks(q.peek(), seq("b9", 0, tenant="b"))
+    q.charge("b", 50, 30)  # 50 + 50 + 2 * 30 = 160 > 100
     assert q.peek().request_id == "a0"
     assert q.standing(q.peek())["counter"] == "100"
 
@@ -131,8 +135,8 @@ def test_fair_lifts_a_tenant_that_starts_waiting_again_to_the_least_counter_wait
     q.charge("a", 500, 0)  # a served alone meanwhile
     q.add(seq("b1", 2, tenant="b"))
     assert q.counters["b"] == 1500 and q.counters["a"] == 1500
-    q.pop()  # a0 (older, on a tie)
-    assert ids(q) == ["b1"]
+    assert q.pop().request_id == "b1"  # on the tie the lift made, the newcomer first
+    assert ids(q) == ["a0"]
     q.pop()  # nobody waits: the next newcomer starts from the last counter to leave
     q.add(seq("c0", 3, tenant="c"))
     assert q.counters["c"] == 1500

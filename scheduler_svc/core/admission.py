@@ -10,11 +10,13 @@ from scheduler_svc.blocks import blocks_for
 from scheduler_svc.core.state import CoreState
 from scheduler_svc.output import Event
 from scheduler_svc.reasons import StallReason
+from scheduler_svc.request_queue import RequestQueue
 from scheduler_svc.sequence import Finish, SeqStatus, Sequence
 from scheduler_svc.step import Step
 from scheduler_svc.worker_state import WorkerState
 
 RUNNING, FINISHED = SeqStatus.RUNNING, SeqStatus.FINISHED
+_NEVER_OUTRANKS = RequestQueue.outranks  # FCFS's: the running came first
 # the stalls a head may preempt a running request for (its ordering permitting)
 ROOM = frozenset({StallReason.MAX_RUNNING, StallReason.KV_CAPACITY, StallReason.KV_RESERVED})
 
@@ -253,6 +255,23 @@ class Admission(CoreState):
             victims.append(victim)
             room += kv.held(victim)
         return victims
+
+    def _held_for_head(self, ws: WorkerState) -> tuple[Sequence | None, int]:
+        """Under an ordering that ranks the head above a request prefilling on `ws`: the head,
+        and the tokens of its first chunk here, which that request's chunk leaves it (so that
+        the head need not wait for the running prompts to be computed); (None, 0) otherwise, or
+        when the head could not be admitted here anyway."""
+        waiting = self.waiting
+        if not ws.prefilling or not waiting or type(waiting).outranks is _NEVER_OUTRANKS:
+            return None, 0
+        head = waiting.peek()
+        if not any(waiting.outranks(head, s) for s in ws.prefilling):
+            return None, 0
+        place = self._place(head, {})
+        if type(place) is not Placement or place.worker is not ws:
+            return None, 0
+        start = len(place.hit) * ws.spec.block_size
+        return head, self._chunk(head, self._full_budget(), start)
 
     def fail_unplaceable(self) -> list[Event]:
         """After the live workers changed: fail every waiting request that none of them can ever

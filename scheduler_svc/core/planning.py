@@ -16,11 +16,15 @@ RUNNING, FINISHED = SeqStatus.RUNNING, SeqStatus.FINISHED
 class Planning(CoreState):
     """The running requests' next work, in admission order, within the step's budgets."""
 
-    def _prepare_running(self, ws: WorkerState, step: Step) -> None:
-        """Every running request's next work, in admission order, within the token budget.
-        The usual step (only decodes, the budget enough for all) takes a loop of its own."""
+    def _prepare_running(
+        self, ws: WorkerState, step: Step, hold: tuple[Sequence | None, int] = (None, 0)
+    ) -> None:
+        """Every running request's next work, in admission order, within the token budget
+        (`hold`: the head the ordering ranks above a prefilling one, and its first chunk's
+        tokens, which that one's chunk leaves it). The usual step (only decodes, the budget
+        enough for all) takes a loop of its own."""
         if ws.prefilling or step.budget < len(ws.running):
-            return self._prepare_within_budget(ws, step)
+            return self._prepare_within_budget(ws, step, hold)
         decodes, handles = step.decodes, step.decode_handles
         add_decode, add_handle = decodes.append, handles.append
         held = ws.kv.held
@@ -37,12 +41,16 @@ class Planning(CoreState):
         if step.timer is not None:  # decodes always run, whatever their predicted time
             step.timer.add_decodes(sum(s.num_computed for s in decodes), len(decodes))
 
-    def _prepare_within_budget(self, ws: WorkerState, step: Step) -> None:
+    def _prepare_within_budget(
+        self, ws: WorkerState, step: Step, hold: tuple[Sequence | None, int] = (None, 0)
+    ) -> None:
         """A request decodes when the worker holds its next token (its last work sampled);
         otherwise its next tokens are prompt (or recompute) tokens, sent as a chunk. Under a
         step-time budget the decodes are counted first (they always run) and a chunk is cut to
-        the time left, the first one of the step to at least one token."""
+        the time left, the first one of the step to at least one token. A chunk of a request
+        the head outranks leaves the head its `hold` tokens."""
         timer, ahead, held = step.timer, 0, ws.kv.held
+        head, reserved = hold
         if timer is not None:
             decoding = [
                 s for s in ws.running if s not in ws.prefilling and s.num_planned < s.max_planned
@@ -61,7 +69,10 @@ class Planning(CoreState):
                 step.decode_handles.append(seq.handle)
                 step.budget -= 1
                 continue
-            n = self._chunk(seq, step.budget)
+            budget = step.budget
+            if head is not None and self.waiting.outranks(head, seq):
+                budget = max(0, budget - reserved)
+            n = self._chunk(seq, budget)
             if n and timer is not None:
                 n = timer.cut(computed, n, computed + n == planned, least=int(not step.chunks))
             if n and (computed + n <= held(seq) or self._make_room(ws, seq, computed + n, step)):

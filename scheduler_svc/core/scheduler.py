@@ -107,7 +107,7 @@ class Scheduler(Membership, Admission, Planning, Runs, Failures):
                 window_limit = ws.time_limit(limit, self.config.step_time_window)
                 step.timer = StepTimer(partial(self.predict, index), window_limit)
             if ws.healthy:
-                self._prepare_running(ws, step)
+                self._prepare_running(ws, step, self._held_for_head(ws))
         failed: list[Event] = []
         self._admit(steps, failed)
         if failed:

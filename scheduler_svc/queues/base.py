@@ -91,6 +91,12 @@ class RequestQueue(ABC):
         preempt when it cannot be admitted there, or None (FCFS preempts nobody for a head)."""
         return None
 
+    def outranks(self, head: Sequence, seq: Sequence) -> bool:
+        """Does `head` (waiting) come before `seq` (running, its prompt not all computed) in this
+        ordering? Then `seq`'s prompt chunk leaves the head its first chunk of the step's token
+        budget (FCFS: never; the running came first)."""
+        return False
+
     def running_key(self, seq: Sequence) -> tuple:
         """A running request's rank on its worker when `ranks_running` (the last is preempted
         first when KV runs out)."""

@@ -102,6 +102,9 @@ class DeadlineRequestQueue(RequestQueue):
     def oldest(self) -> Sequence | None:
         return self._arrivals.oldest(self._entries)
 
+    def outranks(self, head: Sequence, seq: Sequence) -> bool:
+        return head.tenancy.deadline(head.arrival) < seq.tenancy.deadline(seq.arrival)
+
     def standing(self, seq: Sequence) -> dict[str, str]:
         shown = super().standing(seq)
         deadline = seq.tenancy.deadline(seq.arrival)

@@ -5,13 +5,15 @@ Each tenant has a counter of the service its requests got, prompt tokens weighte
 tokens 2, divided by the tenant's weight. The head is, at the best (lowest) priority level
 waiting, the oldest request of the tenant with the smallest counter. A tenant that starts waiting
 again has its counter lifted to the smallest counter of those waiting (to the counter of the last
-one to stop waiting when nobody waits), so that it cannot bank service it did not ask for. Beyond
+one to stop waiting when nobody waits), so that it cannot bank service it did not ask for; on a
+tie of counters the tenant that started waiting last goes first (the lift made the tie). Beyond
 the paper, so that a tenant arriving beside another's burst need not wait for the burst's
 requests to finish: a head whose tenant runs fewer than its weighted share of a worker's running
 places may preempt the newest request of a tenant that runs more than its share."""
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, deque
 from collections.abc import Iterator
 from operator import attrgetter
@@ -41,6 +43,8 @@ class FairRequestQueue(RequestQueue):
         self._members: dict[Sequence, None] = {}
         self._arrivals = ArrivalIndex()
         self._last_left = 0.0  # the counter of the last tenant to stop waiting
+        self._joins = itertools.count(1)
+        self._joined: dict[str, int] = {}  # minus when each tenant last started waiting
 
     def _join(self, seq: Sequence) -> deque[Sequence]:
         tenant = seq.tenancy.tenant
@@ -49,6 +53,7 @@ class FairRequestQueue(RequestQueue):
             waiting = [self.counters[t] for t, n in self._queued.items() if n]
             floor = min(waiting) if waiting else self._last_left
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+            self._joined[tenant] = -next(self._joins)  # lifted to a tie, it goes first
         self._queued[tenant] += 1
         self._members[seq] = None
         self._arrivals.add(seq)
@@ -77,8 +82,11 @@ class FairRequestQueue(RequestQueue):
         if not self._levels:
             raise IndexError("the queue is empty")
         tenants = self._levels[min(self._levels)]
-        counters = self.counters
-        return min(tenants.values(), key=lambda q: (counters[q[0].tenancy.tenant], q[0].arrival))
+        counters, joined = self.counters, self._joined
+        return min(
+            tenants.values(),
+            key=lambda q: (counters[t := q[0].tenancy.tenant], joined[t], q[0].arrival),
+        )
 
     def peek(self) -> Sequence:
         return self._head_deque()[0]
@@ -104,7 +112,7 @@ class FairRequestQueue(RequestQueue):
             for _ in range(sum(len(q) for q in queues.values())):
                 tenant = min(
                     (t for t in queues if taken[t] < len(queues[t])),
-                    key=lambda t: (counters[t], queues[t][taken[t]].arrival),
+                    key=lambda t: (counters[t], self._joined[t], queues[t][taken[t]].arrival),
                 )
                 seq = queues[tenant][taken[tenant]]
                 taken[tenant] += 1
@@ -145,6 +153,18 @@ class FairRequestQueue(RequestQueue):
             if newest:
                 return max(newest, key=lambda s: s.arrival)
         return None
+
+    def outranks(self, head: Sequence, seq: Sequence) -> bool:
+        """A better priority, or at the same one a tenant served less (weighted; on a tie, the
+        one that started waiting last, as the head is chosen)."""
+        mine, theirs = head.tenancy, seq.tenancy
+        if mine.priority != theirs.priority:
+            return mine.priority < theirs.priority
+        if mine.tenant == theirs.tenant:
+            return False
+        counters, joined = self.counters, self._joined
+        rank = (counters.get(mine.tenant, 0.0), joined.get(mine.tenant, 0))
+        return rank < (counters.get(theirs.tenant, 0.0), joined.get(theirs.tenant, 0))
 
     def standing(self, seq: Sequence) -> dict[str, str]:
         shown = super().standing(seq)

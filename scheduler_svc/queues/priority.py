@@ -87,5 +87,8 @@ class PriorityRequestQueue(RequestQueue):
                 return seq
         return None
 
+    def outranks(self, head: Sequence, seq: Sequence) -> bool:
+        return head.tenancy.priority < seq.tenancy.priority
+
     def running_key(self, seq: Sequence) -> tuple:
         return (seq.tenancy.priority, seq.arrival)
