@@ -205,3 +205,17 @@ def test_an_emptied_queue_keeps_its_ordering_and_clock():
     q = DeadlineRequestQueue(clock)
     twin = q.emptied()
     assert type(twin) is DeadlineRequestQueue and twin.clock is clock and not twin
+
+
+def test_deadline_puts_behind_a_request_whose_prompt_cannot_be_done_in_time():
+    clock = Clock()
+    q = DeadlineRequestQueue(clock)
+    q.eta = lambda s: 0.001 * len(s.prompt_ids)  # a millisecond per prompt token
+    long, short = seq("long", 0, prompt=3000, ttft_s=2), seq("short", 0.5, prompt=10, ttft_s=2)
+    q.add(long)
+    q.add(short)
+    # long's deadline (2 s) comes first, but its 3 s prompt cannot make it: it goes behind
+    assert ids(q) == ["short", "long"] and q.peek() is short
+    q.eta = lambda s: 0.0
+    q.add(seq("early", 0.1, prompt=3000, ttft_s=2))
+    assert q.peek().request_id == "early"  # without a prediction only a passed deadline counts

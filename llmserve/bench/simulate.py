@@ -113,7 +113,9 @@ class Simulation:
         self.inflight: dict[int, Inflight] = {}  # the steps executing, by worker
         # the scheduler's own online step-time models, fed the simulated workers' step times
         self.models = StepModels()
-        timed = {"predict": self.models.predict} if settings.step_time_budget_ms else {}
+        # the online step-time models: a step-time budget's, and the deadline ordering's
+        # prediction of a prompt's time
+        timed = {"predict": self.models.predict}
         self.core = Scheduler(
             settings.core(policy), settings.specs(), clock=lambda: self.now, **timed
         )

@@ -78,6 +78,7 @@ class Membership(CoreState):
         counted under `fair` starts anew), and where it ranks the running requests (priority:
         the lowest last, preempted first), each worker's list is sorted so."""
         queue = create_request_queue(config.queue_policy, self.clock)
+        queue.eta = self._first_token_eta
         for seq in sorted(self.waiting, key=lambda s: s.arrival):
             queue.add(seq)
         self.waiting = queue

@@ -48,6 +48,7 @@ class CoreState:
             self.add_worker(spec)
         self.clock = clock
         self.waiting: RequestQueue = create_request_queue(config.queue_policy, clock)
+        self.waiting.eta = self._first_token_eta
         self.waiting_tokens = 0  # sum of num_pending over `waiting`, kept as it changes
         self.seqs: dict[str, Sequence] = {}
         self.stalls: Counter[str] = Counter()
@@ -128,6 +129,18 @@ class CoreState:
         self.head_reason = reason
         self.stalls[reason] += 1
         ws.stalls[reason] += 1
+
+    def _first_token_eta(self, seq: Sequence) -> float:
+        """The seconds `seq`'s prompt is predicted to take once admitted: its chunks of the token
+        budget, each alone in a step of the first live worker (the least it can take there)."""
+        worker = next((ws.index for ws in self.workers if ws.live), 0)
+        budget, total, start = self._full_budget(), 0.0, 0
+        pending = seq.num_pending
+        for _ in range(min(64, -(-pending // budget))):  # the first 64 chunks: a bound is enough
+            n = min(budget, pending - start)
+            total += self.predict(worker, BatchShape.item(start, n, start + n == pending))
+            start += n
+        return total
 
     def _full_budget(self) -> int:
         """Static batching predates token budgets: its batch is prefilled in one execution."""

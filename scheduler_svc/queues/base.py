@@ -35,6 +35,8 @@ class RequestQueue(ABC):
 
     def __init__(self, clock: Clock = time.monotonic) -> None:
         self.clock = clock
+        # a request's predicted seconds from admission to its first token (the core sets it)
+        self.eta: Callable[[Sequence], float] = _no_time
 
     @abstractmethod
     def add(self, seq: Sequence) -> None:
@@ -79,7 +81,9 @@ class RequestQueue(ABC):
 
     def emptied(self) -> RequestQueue:
         """A new empty queue of the same ordering and clock (explain's copy holds its head)."""
-        return type(self)(self.clock)
+        twin = type(self)(self.clock)
+        twin.eta = self.eta
+        return twin
 
     def charge(self, tenant: str, prefill: int, decode: int) -> None:
         """`tenant`'s requests were given `prefill` prompt and `decode` sampled tokens (the
@@ -109,6 +113,10 @@ class RequestQueue(ABC):
         if t.slo_class:
             shown["slo_class"] = t.slo_class
         return shown
+
+
+def _no_time(seq: Sequence) -> float:
+    return 0.0
 
 
 def evictable(seq: Sequence) -> bool:

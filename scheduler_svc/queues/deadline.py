@@ -1,9 +1,9 @@
 """Deadline ordering: the earliest time-to-first-token deadline that can still be met first
-(each request's deadline is its arrival plus its SLO class's TTFT target). A request whose
-deadline has passed goes behind every one that can still make theirs, and is still served, in
-deadline order; requests without a TTFT target come after those with one that can make it and
-before those that missed theirs. A preempted request (its first token given already) goes back
-in front."""
+(each request's deadline is its arrival plus its SLO class's TTFT target). A request that can no
+longer make its deadline (it has passed, or less time is left than its prompt is predicted to
+take, `eta`) goes behind every one that still can, and is still served, in deadline order.
+Requests without a TTFT target come after those with one that can make it and before those that
+cannot. A preempted request (its first token given already) goes back in front."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from scheduler_svc.queues.base import ArrivalIndex, Clock, RequestQueue
 from scheduler_svc.reasons import StallReason
 from scheduler_svc.sequence import Sequence
 
-# an entry: [deadline, arrival, n, seq, alive]; n is unique, so seq is never compared
-DEADLINE, SEQ, ALIVE = 0, 3, 4
+# an entry: [deadline, arrival, n, seq, alive, eta]; n is unique, so seq is never compared
+DEADLINE, SEQ, ALIVE, ETA = 0, 3, 4, 5
 
 
 class DeadlineRequestQueue(RequestQueue):
@@ -40,7 +40,9 @@ class DeadlineRequestQueue(RequestQueue):
 
     def add(self, seq: Sequence) -> None:
         deadline = seq.tenancy.deadline(seq.arrival)
-        entry = [deadline, seq.arrival, next(self._n), seq, True]
+        entry = [deadline, seq.arrival, next(self._n), seq, True, 0.0]
+        if deadline != math.inf:
+            entry[ETA] = self.eta(seq)
         heapq.heappush(self._hopeful, entry)
         self._entries[seq] = entry
         self._arrivals.add(seq)
@@ -51,9 +53,9 @@ class DeadlineRequestQueue(RequestQueue):
         self._arrivals.add(seq)
 
     def _settle(self) -> None:
-        """Drop cancelled entries at the tops; move the missed deadlines behind."""
+        """Drop cancelled entries at the tops; move behind those that can no longer make it."""
         now, hopeful, late = self.clock(), self._hopeful, self._late
-        while hopeful and (not hopeful[0][ALIVE] or hopeful[0][DEADLINE] < now):
+        while hopeful and (not hopeful[0][ALIVE] or hopeful[0][DEADLINE] - hopeful[0][ETA] < now):
             entry = heapq.heappop(hopeful)
             if entry[ALIVE]:
                 heapq.heappush(late, entry)
