@@ -258,9 +258,11 @@ class Admission(CoreState):
 
     def _held_for_head(self, ws: WorkerState) -> tuple[Sequence | None, int]:
         """Under an ordering that ranks the head above a request prefilling on `ws`: the head,
-        and the tokens of its first chunk here, which that request's chunk leaves it (so that
-        the head need not wait for the running prompts to be computed); (None, 0) otherwise, or
-        when the head could not be admitted here anyway."""
+        and the tokens of its prompt here, which that request's chunk leaves it, so that a
+        short head gets its first token in this step instead of waiting for the running
+        prompts; (None, 0) otherwise: the head could not be admitted here anyway, or its
+        prompt is longer than the budget (taking the budget from running prompts for it would
+        only spread prefill over more requests at once, more KV held and more preempted)."""
         waiting = self.waiting
         if not ws.prefilling or not waiting or type(waiting).outranks is _NEVER_OUTRANKS:
             return None, 0
@@ -271,7 +273,10 @@ class Admission(CoreState):
         if type(place) is not Placement or place.worker is not ws:
             return None, 0
         start = len(place.hit) * ws.spec.block_size
-        return head, self._chunk(head, self._full_budget(), start)
+        n = self._chunk(head, self._full_budget(), start)
+        if start + n < head.num_planned:
+            return None, 0  # a prompt longer than the budget: no first token this step anyway
+        return head, n
 
     def fail_unplaceable(self) -> list[Event]:
         """After the live workers changed: fail every waiting request that none of them can ever
