@@ -17,6 +17,7 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping
+from itertools import repeat
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -205,15 +206,24 @@ class BlockPool:
 
     def match(self, keys: list[bytes]) -> list[int]:
         """The cached blocks of the longest run of `keys` from the start (none cached in the
-        step being planned: their KV is written by that step)."""
-        blocks = []
-        cached, fresh = self.cached, self.fresh
-        for key in keys:
-            block = cached.get(key)
-            if block is None or block in fresh:
-                break
-            blocks.append(block)
+        step being planned: their KV is written by that step), looked up in C."""
+        blocks = list(map(self.cached.get, keys, repeat(-1)))  # a miss is -1
+        if -1 in blocks:
+            del blocks[blocks.index(-1) :]
+        fresh = self.fresh
+        if fresh and not fresh.isdisjoint(blocks):
+            del blocks[next(i for i, block in enumerate(blocks) if block in fresh) :]
         return blocks
+
+    def match_as(self, keys: list[bytes], like: list[int]) -> list[int]:
+        """`like` (another request's hit, say) as far as `keys` go, if each of those blocks is
+        cached under its key and readable (what `match` would find), else none: checked in one
+        comparison of keys, without a dict lookup each."""
+        n = min(len(like), len(keys))
+        blocks = like[:n]
+        if not n or list(map(self.key_at.__getitem__, blocks)) != keys[:n]:
+            return []
+        return blocks if self.fresh.isdisjoint(blocks) else []
 
     def share(self, request_id: str, blocks: list[int]) -> None:
         """A new request's table starts with these cached blocks (a reference each)."""

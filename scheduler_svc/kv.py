@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler_svc.blocks import BlockPool, blocks_for
-from scheduler_svc.kv_records import KvRecords
+from scheduler_svc.kv_records import KEY_MEMO, KvRecords
 from scheduler_svc.reasons import StallReason
 from scheduler_svc.sequence import Sequence
 
@@ -55,6 +55,7 @@ class KvManager:
         self.block_size = block_size
         self.caching = caching
         self.records = records if records is not None else KvRecords()
+        self.recent: dict[bytes, list[int]] = {}  # first key -> its latest hit here (`_remember`)
 
     # ---- what is free ----------------------------------------------------------------------
 
@@ -85,14 +86,26 @@ class KvManager:
             self.records.reuse(seq, bs, upto)
         if not self.pool.cached:  # nothing cached yet: nothing to look up
             return []
-        hit: list[int] = []
+        like = self.recent.get(keys[0], []) if keys else []
+        hit = self.pool.match_as(keys[:upto], like)
         while True:  # hash only as far as the cache matches (then the chunks hash the rest)
             known = min(len(keys), upto)
-            found = match(keys[len(hit) : known])
-            hit += found
+            hit += match(keys[len(hit) : known])
             if len(hit) < known or known == upto:
-                return hit
+                break
             keys_of(seq, min(upto, max(2 * known, known + HIT_BATCH)), bs)
+        if hit:
+            self._remember(keys[0], hit)
+        return hit
+
+    def _remember(self, first: bytes, hit: list[int]) -> None:
+        """The latest hit of the requests whose first key is `first`: the blocks the next one
+        checks first (a shared document, a conversation's history)."""
+        recent = self.recent
+        recent.pop(first, None)
+        recent[first] = hit
+        if len(recent) > KEY_MEMO:
+            del recent[next(iter(recent))]
 
     def why_not_admit(
         self, hit: list[int], end: int, reserve: int | None, running: list[Sequence]

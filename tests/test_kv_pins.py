@@ -171,3 +171,24 @@ def test_distrust_reaches_a_request_through_one_looked_at_after_it() -> None:
     kv.place(p, [x0])
     kv.place(q, [f0, x0])
     assert kv.distrust([FailedWork(f, 0, [f0], owns_table=True)], [t, p, q]) == [q, p, t]
+
+
+def test_a_hit_like_the_latest_one_follows_what_the_cache_holds_now() -> None:
+    """The latest hit of a first key is checked before the keys are looked up one by one: a
+    block that left the cache since, or whose contents were computed anew in another block,
+    is found as a lookup finds it."""
+    kv = KvManager(16, BS, caching=True)
+    prompt = list(range(80, 92))  # three full blocks
+    a = req("a", prompt + [1])
+    written(kv, a, 12)
+    kv.sent()
+    assert kv.hit(req("b", prompt[:8] + [2])) == kv.pool.table("a")[:2]
+    assert kv.hit(req("c", prompt + [3])) == kv.pool.table("a")[:3]
+    kv.distrust([FailedWork(a, 8, kv.blocks(a, 8, 12), owns_table=True)], [])
+    assert kv.hit(req("d", prompt + [4])) == kv.pool.table("a")[:2]
+    e = req("e", prompt + [5])
+    kv.place(e, kv.hit(e))
+    e.num_computed = 8
+    written(kv, e, 12)
+    kv.sent()
+    assert kv.hit(req("f", prompt + [6])) == kv.pool.table("a")[:2] + kv.pool.table("e")[2:3]
