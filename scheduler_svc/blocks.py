@@ -55,20 +55,31 @@ def block_keys(
     return keys
 
 
-def common_blocks(a: list[int], b: list[int], block_size: int, limit: int) -> int:
+def common_blocks(a: list[int], b: list[int], block_size: int, limit: int, guess: int = 0) -> int:
     """How many leading full blocks (at most `limit`) `a` and `b` have equal: slices compared
-    in C, a run of 32 blocks first, doubling, then halving the run that differs."""
+    in C. The first `guess` blocks first (the count found last time, say), then a run of one
+    block; without a guess a run of 32 blocks first; runs doubling, then halving the run that
+    differs."""
+    n = block_size
     lo, run = 0, 32
+    if 0 < guess <= limit:
+        if a[: guess * n] != b[: guess * n]:
+            return _equal_before(a, b, n, 0, guess)
+        lo, run = guess, 1
     while lo < limit:
         hi = min(limit, lo + run)
-        if a[lo * block_size : hi * block_size] != b[lo * block_size : hi * block_size]:
-            break
+        if a[lo * n : hi * n] != b[lo * n : hi * n]:
+            return _equal_before(a, b, n, lo, hi)
         lo, run = hi, 2 * run
-    else:
-        return lo
-    while hi - lo > 1:  # blocks before lo are equal; lo..hi holds one that is not
+    return lo
+
+
+def _equal_before(a: list[int], b: list[int], n: int, lo: int, hi: int) -> int:
+    """Blocks (of `n` ids) before `lo` are equal and `lo..hi` holds one that is not: the
+    first that is not, halving the run."""
+    while hi - lo > 1:
         mid = (lo + hi) // 2
-        if a[lo * block_size : mid * block_size] == b[lo * block_size : mid * block_size]:
+        if a[lo * n : mid * n] == b[lo * n : mid * n]:
             lo = mid
         else:
             hi = mid

@@ -7,8 +7,8 @@ blocks equal theirs may take instead of hashing its own. The core never reads a 
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from scheduler_svc.blocks import block_keys, common_blocks
 from scheduler_svc.sequence import Sequence
@@ -24,16 +24,28 @@ class KvRecord:
     suspect: bool = False  # a step computing its KV failed: cache none of it (until recomputed)
 
 
+class Latest(NamedTuple):
+    """A memo entry: a request's prompt, its record, and how many of its first blocks equal
+    those of the entry it replaced (the count to try first against the next)."""
+
+    prompt: list[int]
+    record: KvRecord
+    same: int
+
+
 class KvRecords:
     """Every request's record, by request (identity: a resubmission is a new request), and the
     memo of the latest `size` requests' keys by (first block key, block size). A record lives
     as long as its request is referenced (a step in flight may still fail and distrust what the
-    request wrote, after it left), and goes with it."""
+    request wrote, after it left), and goes with it. The memo keeps a first key seen again (a
+    shared document) before one seen once (a prompt of its own): a stream of prompts of their
+    own pushes out only each other while a first key seen again is in it."""
 
     def __init__(self, size: int = KEY_MEMO) -> None:
         self.size = size
         self.records: weakref.WeakKeyDictionary[Sequence, KvRecord] = weakref.WeakKeyDictionary()
-        self.latest: OrderedDict[tuple[bytes, int], tuple[list[int], KvRecord]] = OrderedDict()
+        self.once: dict[tuple[bytes, int], Latest] = {}  # oldest first
+        self.again: dict[tuple[bytes, int], Latest] = {}  # oldest first
 
     def of(self, seq: Sequence) -> KvRecord:
         record = self.records.get(seq)
@@ -67,17 +79,27 @@ class KvRecords:
         admissions of a Mooncake-shaped load look up."""
         keys = self.keys_of(seq, 1, bs)
         record = self.records[seq]
-        memo, at = self.latest, (keys[0], bs)
-        other = memo.get(at)
-        memo[at] = (seq.prompt_ids, record)
-        memo.move_to_end(at)
-        if len(memo) > self.size:
-            memo.popitem(last=False)
-        if other is None:
-            return
-        prompt, theirs = other
-        if theirs is record or theirs.key_block_size != bs:
-            return
-        limit = min(upto, len(theirs.keys), len(seq.prompt_ids) // bs, len(prompt) // bs)
-        same = common_blocks(seq.prompt_ids, prompt, bs, limit)
-        keys += theirs.keys[1:same]
+        at = (keys[0], bs)
+        other = self._take(at)
+        same = 0
+        if other is not None:
+            prompt, theirs, guess = other
+            if theirs is not record and theirs.key_block_size == bs:
+                limit = min(upto, len(theirs.keys), len(seq.prompt_ids) // bs, len(prompt) // bs)
+                same = common_blocks(seq.prompt_ids, prompt, bs, limit, guess)
+                keys += theirs.keys[1:same]
+        self._put(at, Latest(seq.prompt_ids, record, same), again=other is not None)
+
+    def _take(self, at: tuple[bytes, int]) -> Latest | None:
+        """The memo's entry for `at`, out of the memo (its newest replaces it)."""
+        return self.again.pop(at, None) or self.once.pop(at, None)
+
+    def _put(self, at: tuple[bytes, int], latest: Latest, again: bool) -> None:
+        """`latest` is the memo's newest entry for `at` (seen `again`, or once). Over `size`,
+        the oldest first key seen once leaves, or, if that is the new one, the oldest seen
+        again."""
+        once, seen = self.once, self.again
+        (seen if again else once)[at] = latest
+        if len(once) + len(seen) > self.size:
+            oldest = once if len(once) > 1 or not seen else seen
+            del oldest[next(iter(oldest))]

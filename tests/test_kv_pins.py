@@ -192,3 +192,21 @@ def test_a_hit_like_the_latest_one_follows_what_the_cache_holds_now() -> None:
     written(kv, e, 12)
     kv.sent()
     assert kv.hit(req("f", prompt + [6])) == kv.pool.table("a")[:2] + kv.pool.table("e")[2:3]
+
+
+def test_prompts_of_their_own_push_out_of_the_memo_only_each_other() -> None:
+    """A document's first key, seen again, stays in the memo through more prompts of their own
+    than it holds: the next request of the document takes its keys."""
+    memo = KvRecords(size=3)
+    document = list(range(700, 700 + 4 * BS))
+    a = req("a", document + [1])
+    memo.reuse(a, BS, 4)
+    memo.of(a).keys = block_keys(a.prompt_ids, BS, [], 4)
+    b = req("b", document + [2])
+    memo.reuse(b, BS, 4)
+    assert memo.of(b).keys == memo.of(a).keys
+    for i in range(5):
+        memo.reuse(req(f"own{i}", [i] * (4 * BS)), BS, 4)
+    c = req("c", document + [3])
+    memo.reuse(c, BS, 4)
+    assert memo.of(c).keys == memo.of(a).keys
