@@ -11,6 +11,7 @@ record of its own (kv_records.py), shared by every worker's manager; the core ne
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler_svc.blocks import BlockPool, blocks_for
@@ -31,6 +32,13 @@ class KvUsage:
     cached_blocks: int
     evictable_blocks: int
     evictions: int
+
+
+class Held(dict[Sequence, int]):
+    """Positions each request's blocks cover; none for a request that holds no block."""
+
+    def __missing__(self, seq: Sequence) -> int:
+        return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +64,7 @@ class KvManager:
         self.caching = caching
         self.records = records if records is not None else KvRecords()
         self.recent: dict[bytes, list[int]] = {}  # first key -> its latest hit here (`_remember`)
+        self._held = Held()
 
     # ---- what is free ----------------------------------------------------------------------
 
@@ -136,11 +145,13 @@ class KvManager:
             record.suspect, record.cached_to = False, len(hit) * self.block_size
         if hit:
             self.pool.share(seq.request_id, hit)
+            self._held[seq] = len(hit) * self.block_size
 
-    def held(self, seq: Sequence) -> int:
-        """Positions its allocated blocks here cover."""
-        table = self.pool.tables.get(seq.request_id)
-        return len(table) * self.block_size if table else 0
+    @property
+    def held(self) -> Callable[[Sequence], int]:
+        """`held(seq)`: positions its blocks here cover. A dict's own lookup, no Python call:
+        the step loop asks it of every running request."""
+        return self._held.__getitem__
 
     def mark_suspect(self, seq: Sequence) -> None:
         """A failed step's KV is under `seq`'s: it caches nothing of it when it leaves."""
@@ -152,9 +163,12 @@ class KvManager:
         """The new blocks that let `seq` hold `positions` positions (none if it does), or None
         if the pool has not enough free ones."""
         pool = self.pool
-        if not pool.can_grow(seq.request_id, positions):
+        rid = seq.request_id
+        if not pool.can_grow(rid, positions):
             return None
-        return pool.grow(seq.request_id, positions)
+        new = pool.grow(rid, positions)
+        self._held[seq] = len(pool.tables[rid]) * self.block_size
+        return new
 
     def blocks(self, seq: Sequence, start: int, end: int) -> list[int]:
         """The blocks positions start..end of `seq` are written into."""
@@ -168,6 +182,7 @@ class KvManager:
         if self.caching and keep_cache:
             self.commit(seq, self.records.of(seq).cached_to, min(seq.num_computed, seq.num_tokens))
         self.pool.release(seq.request_id)
+        self._held.pop(seq, None)
 
     def owed(self, running: list[Sequence]) -> int:
         """Blocks `running` requests may still take to reach their most positions: none for
@@ -182,6 +197,7 @@ class KvManager:
         keep = blocks_for(seq.num_computed, self.block_size)
         if not self.pool.shrink(seq.request_id, keep):
             return None
+        self._held[seq] = keep * self.block_size
         return keep
 
     def set_caching(self, on: bool) -> None:
