@@ -55,17 +55,12 @@ def block_keys(
     return keys
 
 
-def common_blocks(a: list[int], b: list[int], block_size: int, limit: int, guess: int = 0) -> int:
-    """How many leading full blocks (at most `limit`) `a` and `b` have equal: slices compared
-    in C. The first `guess` blocks first (the count found last time, say), then a run of one
-    block; without a guess a run of 32 blocks first; runs doubling, then halving the run that
-    differs."""
+def common_blocks(a: list[int], b: list[int], block_size: int, limit: int, start: int = 0) -> int:
+    """How many leading full blocks (at most `limit`) `a` and `b` have equal, the first `start`
+    known to be: slices compared in C, a run of 32 blocks first (of one past `start`),
+    doubling, then halving the run that differs."""
     n = block_size
-    lo, run = 0, 32
-    if 0 < guess <= limit:
-        if a[: guess * n] != b[: guess * n]:
-            return _equal_before(a, b, n, 0, guess)
-        lo, run = guess, 1
+    lo, run = start, 1 if start else 32
     while lo < limit:
         hi = min(limit, lo + run)
         if a[lo * n : hi * n] != b[lo * n : hi * n]:

@@ -14,6 +14,7 @@ from scheduler_svc.blocks import block_keys, common_blocks
 from scheduler_svc.sequence import Sequence
 
 KEY_MEMO = 64  # recent requests, by first block key, whose prompt keys a new request may reuse
+NO_IDS: list[int] = []  # a memo entry's head when it has none; never changed
 
 
 @dataclass(slots=True)
@@ -25,12 +26,13 @@ class KvRecord:
 
 
 class Latest(NamedTuple):
-    """A memo entry: a request's prompt, its record, and how many of its first blocks equal
-    those of the entry it replaced (the count to try first against the next)."""
+    """A memo entry: a request's prompt, its record, and the ids of its first blocks as far as
+    they equal those of the entry it replaced (a shared document's), which the next request
+    compares first, in one comparison."""
 
     prompt: list[int]
     record: KvRecord
-    same: int
+    head: list[int]
 
 
 class KvRecords:
@@ -81,14 +83,24 @@ class KvRecords:
         record = self.records[seq]
         at = (keys[0], bs)
         other = self._take(at)
-        same = 0
-        if other is not None:
-            prompt, theirs, guess = other
-            if theirs is not record and theirs.key_block_size == bs:
-                limit = min(upto, len(theirs.keys), len(seq.prompt_ids) // bs, len(prompt) // bs)
-                same = common_blocks(seq.prompt_ids, prompt, bs, limit, guess)
-                keys += theirs.keys[1:same]
-        self._put(at, Latest(seq.prompt_ids, record, same), again=other is not None)
+        head = NO_IDS
+        if other is not None and other.record is not record and other.record.key_block_size == bs:
+            head = self._take_keys(seq, keys, other, bs, upto)
+        self._put(at, Latest(seq.prompt_ids, record, head), again=other is not None)
+
+    def _take_keys(
+        self, seq: Sequence, keys: list[bytes], other: Latest, bs: int, upto: int
+    ) -> list[int]:
+        """`seq`'s `keys` extended with `other`'s as far as their prompts' first blocks (at
+        most `upto`) are equal; the ids of those blocks, `seq`'s head in the memo."""
+        ids, (prompt, theirs, head) = seq.prompt_ids, other
+        limit = min(upto, len(theirs.keys), len(ids) // bs, len(prompt) // bs)
+        known = len(head) // bs  # `head` begins `prompt`: where it begins `ids` too, so far equal
+        if known > limit or ids[: len(head)] != head:
+            known = 0
+        same = common_blocks(ids, prompt, bs, limit, known)
+        keys += theirs.keys[1:same]
+        return head if same == known else ids[: same * bs]
 
     def _take(self, at: tuple[bytes, int]) -> Latest | None:
         """The memo's entry for `at`, out of the memo (its newest replaces it)."""

@@ -210,3 +210,21 @@ def test_prompts_of_their_own_push_out_of_the_memo_only_each_other() -> None:
     c = req("c", document + [3])
     memo.reuse(c, BS, 4)
     assert memo.of(c).keys == memo.of(a).keys
+
+
+def test_keys_taken_from_the_memo_are_the_keys_hashing_gives() -> None:
+    """Prompts sharing a first block and then more or fewer of a document's blocks, in an
+    order that makes the memo's head longer, shorter and wrong: every prompt takes exactly the
+    keys of the blocks it shares with the one before, and they are its own tokens' keys."""
+    document = list(range(900, 900 + 12 * BS))
+    memo = KvRecords(size=2)
+    before = 0
+    for i, shared in enumerate([12, 12, 8, 8, 12, 3, 1, 12, 10, 10, 2, 12]):
+        prompt = document[: shared * BS] + [i] * (2 * BS) + [7]
+        seq = req(str(i), prompt)
+        memo.reuse(seq, BS, len(prompt) // BS)
+        taken = memo.of(seq).keys
+        assert len(taken) == max(1, min(shared, before)), i
+        assert taken == block_keys(prompt, BS, [], len(taken)), i
+        memo.keys_of(seq, len(prompt) // BS, BS)  # its chunks hash the rest
+        before = shared
