@@ -256,6 +256,22 @@ class BlockPool:
         A block already cached stays as it is. Contents cached before in another block are
         forgotten there: the newest computation of a key is the one the cache names, so a
         block that became stale can never outlive a recompute of its contents."""
+        if len(blocks) != len(keys):
+            raise ValueError(f"{len(blocks)} blocks for {len(keys)} keys")
+        key_at = self.key_at
+        if any(map(key_at.__getitem__, blocks)):
+            return self._cache_each(blocks, keys)
+        olds = list(map(self.cached.setdefault, keys, blocks))  # in C: each key new, usually
+        if olds != blocks:
+            for block, key, old in zip(blocks, keys, olds, strict=True):
+                if old != block:
+                    self._forget(old)
+                    self.cached[key] = block
+        deque(map(key_at.__setitem__, blocks, keys), 0)
+        self.fresh.update(blocks)
+
+    def _cache_each(self, blocks: list[int], keys: list[bytes]) -> None:
+        """`cache_all` a block at a time, where some of them are cached already."""
         key_at, setdefault = self.key_at, self.cached.setdefault
         skipped: list[int] = []
         for block, key in zip(blocks, keys, strict=True):
@@ -267,10 +283,7 @@ class BlockPool:
                 self._forget(old)
                 self.cached[key] = block
             key_at[block] = key
-        if skipped:
-            self.fresh.update(set(blocks).difference(skipped))
-        else:
-            self.fresh.update(blocks)
+        self.fresh.update(set(blocks).difference(skipped))
 
     def uncache(self, blocks: Iterable[int]) -> None:
         """These cached blocks' contents cannot be trusted (their step failed): forget them."""
