@@ -41,13 +41,18 @@ class KvRecords:
     as long as its request is referenced (a step in flight may still fail and distrust what the
     request wrote, after it left), and goes with it. The memo keeps a first key seen again (a
     shared document) before one seen once (a prompt of its own): a stream of prompts of their
-    own pushes out only each other while a first key seen again is in it."""
+    own pushes out only each other while a first key seen again is in it. With `live`, a first
+    key the memo lost is looked up among the live requests too (the latest of each first key,
+    weakly: it costs no memory once they are gone)."""
 
-    def __init__(self, size: int = KEY_MEMO) -> None:
+    def __init__(self, size: int = KEY_MEMO, live: bool = False) -> None:
         self.size = size
         self.records: weakref.WeakKeyDictionary[Sequence, KvRecord] = weakref.WeakKeyDictionary()
         self.once: dict[tuple[bytes, int], Latest] = {}  # oldest first
         self.again: dict[tuple[bytes, int], Latest] = {}  # oldest first
+        self.live: weakref.WeakValueDictionary[tuple[bytes, int], Sequence] | None = (
+            weakref.WeakValueDictionary() if live else None
+        )
 
     def of(self, seq: Sequence) -> KvRecord:
         record = self.records.get(seq)
@@ -82,7 +87,7 @@ class KvRecords:
         keys = self.keys_of(seq, 1, bs)
         record = self.records[seq]
         at = (keys[0], bs)
-        other = self._take(at)
+        other = self._take(at, seq)
         head = NO_IDS
         if other is not None and other.record is not record and other.record.key_block_size == bs:
             head = self._take_keys(seq, keys, other, bs, upto)
@@ -102,9 +107,18 @@ class KvRecords:
         keys += theirs.keys[1:same]
         return head if same == known else ids[: same * bs]
 
-    def _take(self, at: tuple[bytes, int]) -> Latest | None:
-        """The memo's entry for `at`, out of the memo (its newest replaces it)."""
-        return self.again.pop(at, None) or self.once.pop(at, None)
+    def _take(self, at: tuple[bytes, int], seq: Sequence) -> Latest | None:
+        """The memo's entry for `at`, out of the memo (`seq`'s replaces it); else the latest
+        live request's of `at`, if kept."""
+        latest = self.again.pop(at, None) or self.once.pop(at, None)
+        live = self.live
+        if live is None:
+            return latest
+        if latest is None and (other := live.get(at)) is not None:
+            record = self.records.get(other)
+            latest = None if record is None else Latest(other.prompt_ids, record, NO_IDS)
+        live[at] = seq
+        return latest
 
     def _put(self, at: tuple[bytes, int], latest: Latest, again: bool) -> None:
         """`latest` is the memo's newest entry for `at` (seen `again`, or once). Over `size`,

@@ -228,3 +228,20 @@ def test_keys_taken_from_the_memo_are_the_keys_hashing_gives() -> None:
         assert taken == block_keys(prompt, BS, [], len(taken)), i
         memo.keys_of(seq, len(prompt) // BS, BS)  # its chunks hash the rest
         before = shared
+
+
+def test_a_memo_following_live_requests_finds_one_it_pushed_out_while_it_lives() -> None:
+    memo = KvRecords(size=1, live=True)
+    document = list(range(1100, 1100 + 4 * BS))
+    a = req("a", document + [1])
+    memo.reuse(a, BS, 4)
+    memo.keys_of(a, 4, BS)
+    memo.reuse(req("own", [3] * (4 * BS)), BS, 4)  # pushes a out of a memo of one
+    b = req("b", document + [2])
+    memo.reuse(b, BS, 4)
+    assert memo.of(b).keys == memo.of(a).keys  # a lives: its keys are taken
+    del a, b
+    memo.reuse(req("own2", [4] * (4 * BS)), BS, 4)
+    c = req("c", document + [5])
+    memo.reuse(c, BS, 4)
+    assert len(memo.of(c).keys) == 1  # both gone: nothing to take
