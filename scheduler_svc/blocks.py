@@ -135,6 +135,13 @@ class BlockPool:
         """Blocks still to allocate so that `request_id` holds `positions` positions."""
         return max(0, -(-positions // self.block_size) - len(self.tables.get(request_id, ())))
 
+    def try_grow(self, request_id: str, positions: int) -> list[int] | None:
+        """`grow`, or None (nothing taken) if not enough blocks are free."""
+        need = -(-positions // self.block_size) - len(self.tables.get(request_id, ()))
+        if need > len(self.free) + len(self.evictable):
+            return None
+        return self.grow(request_id, positions)
+
     def grow(self, request_id: str, positions: int) -> list[int]:
         """Allocate what is missing; return the new blocks (appended to its table)."""
         table = self.tables.get(request_id)

@@ -162,12 +162,9 @@ class KvManager:
     def allocate(self, seq: Sequence, positions: int) -> list[int] | None:
         """The new blocks that let `seq` hold `positions` positions (none if it does), or None
         if the pool has not enough free ones."""
-        pool = self.pool
-        rid = seq.request_id
-        if not pool.can_grow(rid, positions):
-            return None
-        new = pool.grow(rid, positions)
-        self._held[seq] = len(pool.tables[rid]) * self.block_size
+        new = self.pool.try_grow(seq.request_id, positions)
+        if new:
+            self._held[seq] += len(new) * self.block_size
         return new
 
     def blocks(self, seq: Sequence, start: int, end: int) -> list[int]:
