@@ -244,9 +244,10 @@ class BlockPool:
         assert not table  # a shared prefix starts the table
         refs, evictable = self.refs, self.evictable
         for block in blocks:
-            if refs[block] == 0:
+            held = refs[block]
+            if not held:
                 del evictable[block]
-            refs[block] += 1
+            refs[block] = held + 1
         table += blocks
 
     def evictable_in(self, blocks: list[int]) -> int:
