@@ -137,3 +137,13 @@ def test_a_lookup_stops_at_the_first_key_missing_or_cached_in_the_step_being_pla
     assert pool.match(keys) == [0, 1]  # the third block is fresh
     pool.fresh.clear()
     assert pool.match(keys) == [0, 1, 2, 3] and pool.match([]) == []
+
+
+def test_growing_takes_the_last_free_and_evictable_blocks_and_refuses_one_more() -> None:
+    pool = BlockPool(num_blocks=4, block_size=2)
+    pool.grow("a", 4)
+    pool.cache_all(pool.table("a"), block_keys([1, 2, 3, 4], 2, [], 2))
+    pool.release("a")  # two evictable, two free
+    assert pool.try_grow("b", 10) is None and pool.table("b") == []
+    assert pool.try_grow("b", 8) is not None and pool.num_free == 0
+    assert pool.try_grow("b", 8) == [] and pool.try_grow("b", 9) is None
