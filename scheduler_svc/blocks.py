@@ -17,6 +17,7 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping
+from itertools import repeat
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -54,20 +55,26 @@ def block_keys(
     return keys
 
 
-def common_blocks(a: list[int], b: list[int], block_size: int, limit: int) -> int:
-    """How many leading full blocks (at most `limit`) `a` and `b` have equal: slices compared
-    in C, a run of 32 blocks first, doubling, then halving the run that differs."""
-    lo, run = 0, 32
+def common_blocks(a: list[int], b: list[int], block_size: int, limit: int, start: int = 0) -> int:
+    """How many leading full blocks (at most `limit`) `a` and `b` have equal, the first `start`
+    known to be: slices compared in C, a run of 32 blocks first (of one past `start`),
+    doubling, then halving the run that differs."""
+    n = block_size
+    lo, run = start, 1 if start else 32
     while lo < limit:
         hi = min(limit, lo + run)
-        if a[lo * block_size : hi * block_size] != b[lo * block_size : hi * block_size]:
-            break
+        if a[lo * n : hi * n] != b[lo * n : hi * n]:
+            return _equal_before(a, b, n, lo, hi)
         lo, run = hi, 2 * run
-    else:
-        return lo
-    while hi - lo > 1:  # blocks before lo are equal; lo..hi holds one that is not
+    return lo
+
+
+def _equal_before(a: list[int], b: list[int], n: int, lo: int, hi: int) -> int:
+    """Blocks (of `n` ids) before `lo` are equal and `lo..hi` holds one that is not: the
+    first that is not, halving the run."""
+    while hi - lo > 1:
         mid = (lo + hi) // 2
-        if a[lo * block_size : mid * block_size] == b[lo * block_size : mid * block_size]:
+        if a[lo * n : mid * n] == b[lo * n : mid * n]:
             lo = mid
         else:
             hi = mid
@@ -127,6 +134,13 @@ class BlockPool:
     def missing(self, request_id: str, positions: int) -> int:
         """Blocks still to allocate so that `request_id` holds `positions` positions."""
         return max(0, -(-positions // self.block_size) - len(self.tables.get(request_id, ())))
+
+    def try_grow(self, request_id: str, positions: int) -> list[int] | None:
+        """`grow`, or None (nothing taken) if not enough blocks are free."""
+        need = -(-positions // self.block_size) - len(self.tables.get(request_id, ()))
+        if need > len(self.free) + len(self.evictable):
+            return None
+        return self.grow(request_id, positions)
 
     def grow(self, request_id: str, positions: int) -> list[int]:
         """Allocate what is missing; return the new blocks (appended to its table)."""
@@ -205,15 +219,24 @@ class BlockPool:
 
     def match(self, keys: list[bytes]) -> list[int]:
         """The cached blocks of the longest run of `keys` from the start (none cached in the
-        step being planned: their KV is written by that step)."""
-        blocks = []
-        cached, fresh = self.cached, self.fresh
-        for key in keys:
-            block = cached.get(key)
-            if block is None or block in fresh:
-                break
-            blocks.append(block)
+        step being planned: their KV is written by that step), looked up in C."""
+        blocks = list(map(self.cached.get, keys, repeat(-1)))  # a miss is -1
+        if -1 in blocks:
+            del blocks[blocks.index(-1) :]
+        fresh = self.fresh
+        if fresh and not fresh.isdisjoint(blocks):
+            del blocks[next(i for i, block in enumerate(blocks) if block in fresh) :]
         return blocks
+
+    def match_as(self, keys: list[bytes], like: list[int]) -> list[int]:
+        """`like` (another request's hit, say) as far as `keys` go, if each of those blocks is
+        cached under its key and readable (what `match` would find), else none: checked in one
+        comparison of keys, without a dict lookup each."""
+        n = min(len(like), len(keys))
+        blocks = like[:n]
+        if not n or list(map(self.key_at.__getitem__, blocks)) != keys[:n]:
+            return []
+        return blocks if self.fresh.isdisjoint(blocks) else []
 
     def share(self, request_id: str, blocks: list[int]) -> None:
         """A new request's table starts with these cached blocks (a reference each)."""
@@ -221,9 +244,10 @@ class BlockPool:
         assert not table  # a shared prefix starts the table
         refs, evictable = self.refs, self.evictable
         for block in blocks:
-            if refs[block] == 0:
+            held = refs[block]
+            if not held:
                 del evictable[block]
-            refs[block] += 1
+            refs[block] = held + 1
         table += blocks
 
     def evictable_in(self, blocks: list[int]) -> int:
@@ -240,6 +264,22 @@ class BlockPool:
         A block already cached stays as it is. Contents cached before in another block are
         forgotten there: the newest computation of a key is the one the cache names, so a
         block that became stale can never outlive a recompute of its contents."""
+        if len(blocks) != len(keys):
+            raise ValueError(f"{len(blocks)} blocks for {len(keys)} keys")
+        key_at = self.key_at
+        if any(map(key_at.__getitem__, blocks)):
+            return self._cache_each(blocks, keys)
+        olds = list(map(self.cached.setdefault, keys, blocks))  # in C: each key new, usually
+        if olds != blocks:
+            for block, key, old in zip(blocks, keys, olds, strict=True):
+                if old != block:
+                    self._forget(old)
+                    self.cached[key] = block
+        deque(map(key_at.__setitem__, blocks, keys), 0)
+        self.fresh.update(blocks)
+
+    def _cache_each(self, blocks: list[int], keys: list[bytes]) -> None:
+        """`cache_all` a block at a time, where some of them are cached already."""
         key_at, setdefault = self.key_at, self.cached.setdefault
         skipped: list[int] = []
         for block, key in zip(blocks, keys, strict=True):
@@ -251,10 +291,7 @@ class BlockPool:
                 self._forget(old)
                 self.cached[key] = block
             key_at[block] = key
-        if skipped:
-            self.fresh.update(set(blocks).difference(skipped))
-        else:
-            self.fresh.update(blocks)
+        self.fresh.update(set(blocks).difference(skipped))
 
     def uncache(self, blocks: Iterable[int]) -> None:
         """These cached blocks' contents cannot be trusted (their step failed): forget them."""

@@ -56,6 +56,11 @@ def check_invariants(core: Scheduler) -> None:
             _require(s.status is not SeqStatus.WAITING, f"{s.request_id}: running and waiting")
             held = pool.allocated(s.request_id)
             _require(
+                ws.kv.held(s) == held * bs,
+                f"{s.request_id}: holds {held} blocks on {name}, counted as {ws.kv.held(s)} "
+                f"positions",
+            )
+            _require(
                 held >= blocks_for(s.num_computed, bs),
                 f"{s.request_id}: needs {s.num_computed} positions on {name} but holds {held} "
                 f"blocks",

@@ -11,10 +11,11 @@ record of its own (kv_records.py), shared by every worker's manager; the core ne
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler_svc.blocks import BlockPool, blocks_for
-from scheduler_svc.kv_records import KvRecords
+from scheduler_svc.kv_records import KEY_MEMO, KvRecords
 from scheduler_svc.reasons import StallReason
 from scheduler_svc.sequence import Sequence
 
@@ -31,6 +32,13 @@ class KvUsage:
     cached_blocks: int
     evictable_blocks: int
     evictions: int
+
+
+class Held(dict[Sequence, int]):
+    """Positions each request's blocks cover; none for a request that holds no block."""
+
+    def __missing__(self, seq: Sequence) -> int:
+        return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +63,8 @@ class KvManager:
         self.block_size = block_size
         self.caching = caching
         self.records = records if records is not None else KvRecords()
+        self.recent: dict[bytes, list[int]] = {}  # first key -> its latest hit here (`_remember`)
+        self._held = Held()
 
     # ---- what is free ----------------------------------------------------------------------
 
@@ -85,14 +95,26 @@ class KvManager:
             self.records.reuse(seq, bs, upto)
         if not self.pool.cached:  # nothing cached yet: nothing to look up
             return []
-        hit: list[int] = []
+        like = self.recent.get(keys[0], []) if keys else []
+        hit = self.pool.match_as(keys[:upto], like)
         while True:  # hash only as far as the cache matches (then the chunks hash the rest)
             known = min(len(keys), upto)
-            found = match(keys[len(hit) : known])
-            hit += found
+            hit += match(keys[len(hit) : known])
             if len(hit) < known or known == upto:
-                return hit
+                break
             keys_of(seq, min(upto, max(2 * known, known + HIT_BATCH)), bs)
+        if hit:
+            self._remember(keys[0], hit)
+        return hit
+
+    def _remember(self, first: bytes, hit: list[int]) -> None:
+        """The latest hit of the requests whose first key is `first`: the blocks the next one
+        checks first (a shared document, a conversation's history)."""
+        recent = self.recent
+        recent.pop(first, None)
+        recent[first] = hit
+        if len(recent) > KEY_MEMO:
+            del recent[next(iter(recent))]
 
     def why_not_admit(
         self, hit: list[int], end: int, reserve: int | None, running: list[Sequence]
@@ -123,11 +145,13 @@ class KvManager:
             record.suspect, record.cached_to = False, len(hit) * self.block_size
         if hit:
             self.pool.share(seq.request_id, hit)
+            self._held[seq] = len(hit) * self.block_size
 
-    def held(self, seq: Sequence) -> int:
-        """Positions its allocated blocks here cover."""
-        table = self.pool.tables.get(seq.request_id)
-        return len(table) * self.block_size if table else 0
+    @property
+    def held(self) -> Callable[[Sequence], int]:
+        """`held(seq)`: positions its blocks here cover. A dict's own lookup, no Python call:
+        the step loop asks it of every running request."""
+        return self._held.__getitem__
 
     def mark_suspect(self, seq: Sequence) -> None:
         """A failed step's KV is under `seq`'s: it caches nothing of it when it leaves."""
@@ -138,10 +162,10 @@ class KvManager:
     def allocate(self, seq: Sequence, positions: int) -> list[int] | None:
         """The new blocks that let `seq` hold `positions` positions (none if it does), or None
         if the pool has not enough free ones."""
-        pool = self.pool
-        if not pool.can_grow(seq.request_id, positions):
-            return None
-        return pool.grow(seq.request_id, positions)
+        new = self.pool.try_grow(seq.request_id, positions)
+        if new:
+            self._held[seq] += len(new) * self.block_size
+        return new
 
     def blocks(self, seq: Sequence, start: int, end: int) -> list[int]:
         """The blocks positions start..end of `seq` are written into."""
@@ -155,6 +179,7 @@ class KvManager:
         if self.caching and keep_cache:
             self.commit(seq, self.records.of(seq).cached_to, min(seq.num_computed, seq.num_tokens))
         self.pool.release(seq.request_id)
+        self._held.pop(seq, None)
 
     def owed(self, running: list[Sequence]) -> int:
         """Blocks `running` requests may still take to reach their most positions: none for
@@ -169,6 +194,7 @@ class KvManager:
         keep = blocks_for(seq.num_computed, self.block_size)
         if not self.pool.shrink(seq.request_id, keep):
             return None
+        self._held[seq] = keep * self.block_size
         return keep
 
     def set_caching(self, on: bool) -> None:

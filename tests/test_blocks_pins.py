@@ -60,6 +60,16 @@ def test_common_blocks_finds_a_difference_past_the_first_run_of_blocks() -> None
     assert common_blocks(a, list(a), BS, 50) == 50
 
 
+def test_common_blocks_from_blocks_known_equal_counts_as_from_none() -> None:
+    a = list(range(60 * BS))
+    b = list(a)
+    b[37 * BS + 1] = -1
+    for start in (1, 2, 20, 36, 37):
+        assert common_blocks(a, b, BS, 50, start) == 37
+        assert common_blocks(a, list(a), BS, 50, start) == 50
+        assert common_blocks(a, b, BS, 30, min(start, 30)) == 30
+
+
 def test_the_cached_block_map_answers_only_for_cached_blocks_in_range() -> None:
     pool = BlockPool(num_blocks=2, block_size=2)
     pool.grow("a", 4)
@@ -97,3 +107,43 @@ def test_caching_refuses_blocks_and_keys_of_different_lengths() -> None:
     pool.grow("a", 4)
     with pytest.raises(ValueError):
         pool.cache_all([0, 1], block_keys([1, 2], 2, [], 1))
+
+
+def test_a_likely_hit_is_taken_only_where_each_block_is_readable_under_its_key() -> None:
+    pool = BlockPool(num_blocks=4, block_size=2)
+    pool.grow("a", 6)
+    keys = block_keys([1, 2, 3, 4, 5, 6], 2, [], 3)
+    pool.cache_all([0, 1, 2], keys)
+    assert pool.match_as(keys, [0, 1, 2]) == []  # cached by the step being planned: not yet
+    pool.fresh.clear()
+    assert pool.match_as(keys, [0, 1, 2]) == [0, 1, 2] == pool.match(keys)
+    assert pool.match_as(keys[:2], [0, 1, 2]) == [0, 1]  # as far as the keys go
+    assert pool.match_as(keys, [0, 1]) == [0, 1]
+    assert pool.match_as(keys, [0, 2]) == []  # block 2 holds another key
+    assert pool.match_as(keys, []) == [] and pool.match_as([], [0]) == []
+    pool.uncache([1])
+    assert pool.match_as(keys, [0, 1, 2]) == [] and pool.match(keys) == [0]
+
+
+def test_a_lookup_stops_at_the_first_key_missing_or_cached_in_the_step_being_planned() -> None:
+    pool = BlockPool(num_blocks=4, block_size=2)
+    pool.grow("a", 8)
+    keys = block_keys([1, 2, 3, 4, 5, 6, 7, 8], 2, [], 4)
+    pool.cache_all([0, 1], keys[:2])
+    pool.fresh.clear()
+    pool.cache_all([3], keys[3:])
+    assert pool.match(keys) == [0, 1]  # the third key is missing
+    pool.cache_all([2], keys[2:3])
+    assert pool.match(keys) == [0, 1]  # the third block is fresh
+    pool.fresh.clear()
+    assert pool.match(keys) == [0, 1, 2, 3] and pool.match([]) == []
+
+
+def test_growing_takes_the_last_free_and_evictable_blocks_and_refuses_one_more() -> None:
+    pool = BlockPool(num_blocks=4, block_size=2)
+    pool.grow("a", 4)
+    pool.cache_all(pool.table("a"), block_keys([1, 2, 3, 4], 2, [], 2))
+    pool.release("a")  # two evictable, two free
+    assert pool.try_grow("b", 10) is None and pool.table("b") == []
+    assert pool.try_grow("b", 8) is not None and pool.num_free == 0
+    assert pool.try_grow("b", 8) == [] and pool.try_grow("b", 9) is None

@@ -171,3 +171,77 @@ def test_distrust_reaches_a_request_through_one_looked_at_after_it() -> None:
     kv.place(p, [x0])
     kv.place(q, [f0, x0])
     assert kv.distrust([FailedWork(f, 0, [f0], owns_table=True)], [t, p, q]) == [q, p, t]
+
+
+def test_a_hit_like_the_latest_one_follows_what_the_cache_holds_now() -> None:
+    """The latest hit of a first key is checked before the keys are looked up one by one: a
+    block that left the cache since, or whose contents were computed anew in another block,
+    is found as a lookup finds it."""
+    kv = KvManager(16, BS, caching=True)
+    prompt = list(range(80, 92))  # three full blocks
+    a = req("a", prompt + [1])
+    written(kv, a, 12)
+    kv.sent()
+    assert kv.hit(req("b", prompt[:8] + [2])) == kv.pool.table("a")[:2]
+    assert kv.hit(req("c", prompt + [3])) == kv.pool.table("a")[:3]
+    kv.distrust([FailedWork(a, 8, kv.blocks(a, 8, 12), owns_table=True)], [])
+    assert kv.hit(req("d", prompt + [4])) == kv.pool.table("a")[:2]
+    e = req("e", prompt + [5])
+    kv.place(e, kv.hit(e))
+    e.num_computed = 8
+    written(kv, e, 12)
+    kv.sent()
+    assert kv.hit(req("f", prompt + [6])) == kv.pool.table("a")[:2] + kv.pool.table("e")[2:3]
+
+
+def test_prompts_of_their_own_push_out_of_the_memo_only_each_other() -> None:
+    """A document's first key, seen again, stays in the memo through more prompts of their own
+    than it holds: the next request of the document takes its keys."""
+    memo = KvRecords(size=3)
+    document = list(range(700, 700 + 4 * BS))
+    a = req("a", document + [1])
+    memo.reuse(a, BS, 4)
+    memo.of(a).keys = block_keys(a.prompt_ids, BS, [], 4)
+    b = req("b", document + [2])
+    memo.reuse(b, BS, 4)
+    assert memo.of(b).keys == memo.of(a).keys
+    for i in range(5):
+        memo.reuse(req(f"own{i}", [i] * (4 * BS)), BS, 4)
+    c = req("c", document + [3])
+    memo.reuse(c, BS, 4)
+    assert memo.of(c).keys == memo.of(a).keys
+
+
+def test_keys_taken_from_the_memo_are_the_keys_hashing_gives() -> None:
+    """Prompts sharing a first block and then more or fewer of a document's blocks, in an
+    order that makes the memo's head longer, shorter and wrong: every prompt takes exactly the
+    keys of the blocks it shares with the one before, and they are its own tokens' keys."""
+    document = list(range(900, 900 + 12 * BS))
+    memo = KvRecords(size=2)
+    before = 0
+    for i, shared in enumerate([12, 12, 8, 8, 12, 3, 1, 12, 10, 10, 2, 12]):
+        prompt = document[: shared * BS] + [i] * (2 * BS) + [7]
+        seq = req(str(i), prompt)
+        memo.reuse(seq, BS, len(prompt) // BS)
+        taken = memo.of(seq).keys
+        assert len(taken) == max(1, min(shared, before)), i
+        assert taken == block_keys(prompt, BS, [], len(taken)), i
+        memo.keys_of(seq, len(prompt) // BS, BS)  # its chunks hash the rest
+        before = shared
+
+
+def test_a_memo_following_live_requests_finds_one_it_pushed_out_while_it_lives() -> None:
+    memo = KvRecords(size=1, live=True)
+    document = list(range(1100, 1100 + 4 * BS))
+    a = req("a", document + [1])
+    memo.reuse(a, BS, 4)
+    memo.keys_of(a, 4, BS)
+    memo.reuse(req("own", [3] * (4 * BS)), BS, 4)  # pushes a out of a memo of one
+    b = req("b", document + [2])
+    memo.reuse(b, BS, 4)
+    assert memo.of(b).keys == memo.of(a).keys  # a lives: its keys are taken
+    del a, b
+    memo.reuse(req("own2", [4] * (4 * BS)), BS, 4)
+    c = req("c", document + [5])
+    memo.reuse(c, BS, 4)
+    assert len(memo.of(c).keys) == 1  # both gone: nothing to take

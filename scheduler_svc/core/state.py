@@ -42,7 +42,7 @@ class CoreState:
         self.reserve = config.policy is KvPolicy.RESERVE
         self.static = config.mode is BatchMode.STATIC
         self.caching = config.prefix_caching and not self.reserve
-        self.kv_records = KvRecords()  # what the KV layer keeps per request, for every worker
+        self.kv_records = KvRecords(live=True)  # what the KV layer keeps per request, for all
         self.workers: list[WorkerState] = []
         for spec in workers:
             self.add_worker(spec)
