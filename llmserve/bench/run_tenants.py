@@ -79,6 +79,11 @@ def run_tenants(args: argparse.Namespace, command: str) -> int:
             with api.Client(
                 settings.gateway, api_key=chat_key, admin_key=admin_key.read_text()
             ) as admin:
+                if args.warmup > 0:  # the worker's first steps are slower: not in any phase
+                    warm = Client(batch_key, args.batch_concurrency, args.batch_prompt_tokens,
+                                  args.batch_output_tokens, label="warm-up")  # fmt: skip
+                    run_phase(settings.gateway, [warm], args.warmup)
+                    wait_idle(admin)
                 for policy in policies:
                     admin.set_settings({"queue_policy": policy})
                     wait_idle(admin)

@@ -25,6 +25,13 @@ def add_tenants_parser(kinds) -> None:
         "first is the baseline of the ratios)",
     )
     p.add_argument("--duration", type=float, default=90.0, help="seconds per policy")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=30.0,
+        help="seconds of the batch load alone before the first policy, not reported (the "
+        "worker's first steps are slower)",
+    )
     p.add_argument("--batch-concurrency", type=int, default=64)
     p.add_argument("--batch-prompt-tokens", type=int, default=600)
     p.add_argument("--batch-output-tokens", type=int, default=256)
