@@ -45,6 +45,10 @@ class FairRequestQueue(RequestQueue):
         self._last_left = 0.0  # the counter of the last tenant to stop waiting
         self._joins = itertools.count(1)
         self._joined: dict[str, int] = {}  # minus when each tenant last started waiting
+        # the head's deque, until a tenant joins or leaves a level or the counters change (the
+        # order of tenants is (counter, joined), unique to each: their heads' arrivals never
+        # decide it, so admitting from the head's deque leaves it the head's)
+        self._best: deque[Sequence] | None = None
 
     def _join(self, seq: Sequence) -> deque[Sequence]:
         tenant = seq.tenancy.tenant
@@ -57,13 +61,19 @@ class FairRequestQueue(RequestQueue):
         self._queued[tenant] += 1
         self._members[seq] = None
         self._arrivals.add(seq)
-        return self._levels.setdefault(seq.tenancy.priority, {}).setdefault(tenant, deque())
+        tenants = self._levels.setdefault(seq.tenancy.priority, {})
+        queue = tenants.get(tenant)
+        if queue is None:
+            queue = tenants[tenant] = deque()
+            self._best = None
+        return queue
 
     def _leave(self, seq: Sequence) -> None:
         level, tenant = seq.tenancy.priority, seq.tenancy.tenant
         tenants = self._levels[level]
         if not tenants[tenant]:
             del tenants[tenant]
+            self._best = None
             if not tenants:
                 del self._levels[level]
         del self._members[seq]
@@ -79,14 +89,16 @@ class FairRequestQueue(RequestQueue):
         self._join(seq).appendleft(seq)
 
     def _head_deque(self) -> deque[Sequence]:
+        if self._best is not None:
+            return self._best
         if not self._levels:
             raise IndexError("the queue is empty")
         tenants = self._levels[min(self._levels)]
         counters, joined = self.counters, self._joined
-        return min(
-            tenants.values(),
-            key=lambda q: (counters[t := q[0].tenancy.tenant], joined[t], q[0].arrival),
+        self._best = min(
+            tenants.values(), key=lambda q: (counters[t := q[0].tenancy.tenant], joined[t])
         )
+        return self._best
 
     def peek(self) -> Sequence:
         return self._head_deque()[0]
@@ -126,6 +138,7 @@ class FairRequestQueue(RequestQueue):
         return self._arrivals.oldest(self._members)
 
     def charge(self, tenant: str, prefill: int, decode: int) -> None:
+        self._best = None
         service = PREFILL_WEIGHT * prefill + DECODE_WEIGHT * decode
         weight = self.weights.get(tenant, 1.0)
         self.counters[tenant] = self.counters.get(tenant, 0.0) + service / weight
