@@ -214,26 +214,30 @@ class Admission(CoreState):
         """Before the running requests are planned: when the head cannot be admitted on any
         worker for its running limit or KV, and its ordering names running requests on a worker
         planned now that it may preempt (priority: lower ones) and whose going makes room for
-        it, preempt those (they are recomputed later, nothing lost); once per head."""
+        it, preempt those (they are recomputed later, nothing lost); once per head. A head that
+        found nobody on these workers is not asked again before the running requests change."""
         waiting = self.waiting
         tried: set[int] = set()
-        seen = (self.admitted, self.finished, self.preemptions)
-        if self._displace_tried == (id(waiting.peek()), *seen):
-            return  # the same head before the same running requests: it found nobody then
         while waiting and id(head := waiting.peek()) not in tried:
             tried.add(id(head))
-            self._displace_tried = (id(head), *seen)
+            seen = (id(head), self.admitted, self.finished, self.preemptions)
+            memo, asked = self._found_nobody
+            if memo != seen:
+                asked = set()
+            elif planned <= asked:
+                return  # the same head before the same running requests: nobody then
             place = self._place(head, {})
             if type(place) is not Stall or place.reason not in ROOM:
                 return
             for ws in self._candidates(head, live=True):
-                if ws.index in planned and not ws.draining:
+                if ws.index in planned:  # a live candidate: not draining
                     victims = self._victims(ws, head)
                     if victims:
                         for victim in victims:
                             self._preempt(ws, victim)
                         break
             else:
+                self._found_nobody = (seen, asked | planned)
                 return
 
     def _victims(self, ws: WorkerState, head: Sequence) -> list[Sequence]:

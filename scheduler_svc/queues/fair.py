@@ -14,6 +14,7 @@ places may preempt the newest request of a tenant that runs more than its share.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from operator import attrgetter
@@ -34,13 +35,13 @@ class FairRequestQueue(RequestQueue):
     order_reason = StallReason.FAIR_SHARE
     charges = True
 
-    def __init__(self, clock: Clock | None = None) -> None:
-        super().__init__(*(() if clock is None else (clock,)))
+    def __init__(self, clock: Clock = time.monotonic) -> None:
+        super().__init__(clock)
         self._levels: dict[int, dict[str, deque[Sequence]]] = {}  # only non-empty ones
         self.counters: dict[str, float] = {}
         self.weights: dict[str, float] = {}
         self._queued: Counter[str] = Counter()  # waiting requests by tenant
-        self._members: dict[Sequence, None] = {}
+        self._members: set[Sequence] = set()
         self._arrivals = ArrivalIndex()
         self._last_left = 0.0  # the counter of the last tenant to stop waiting
         self._joins = itertools.count(1)
@@ -55,7 +56,7 @@ class FairRequestQueue(RequestQueue):
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
             self._joined[tenant] = -next(self._joins)  # lifted to a tie, it goes first
         self._queued[tenant] += 1
-        self._members[seq] = None
+        self._members.add(seq)
         self._arrivals.add(seq)
         return self._levels.setdefault(seq.tenancy.priority, {}).setdefault(tenant, deque())
 
@@ -66,7 +67,7 @@ class FairRequestQueue(RequestQueue):
             del tenants[tenant]
             if not tenants:
                 del self._levels[level]
-        del self._members[seq]
+        self._members.remove(seq)
         self._queued[tenant] -= 1
         if not self._queued[tenant]:
             del self._queued[tenant]
@@ -169,6 +170,6 @@ class FairRequestQueue(RequestQueue):
     def standing(self, seq: Sequence) -> dict[str, str]:
         shown = super().standing(seq)
         tenant = seq.tenancy.tenant
-        shown["counter"] = f"{self.counters.get(tenant, 0.0):.0f}"
-        shown["weight"] = f"{self.weights.get(tenant, 1.0):g}"
+        shown["counter"] = f"{self.counters[tenant]:.0f}"  # it waits: its tenant has both
+        shown["weight"] = f"{self.weights[tenant]:g}"
         return shown
