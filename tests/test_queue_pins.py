@@ -488,3 +488,52 @@ def test_the_view_of_a_queue_whose_head_is_the_oldest_names_its_policy_and_wait(
     assert view.policy == "fcfs" and view.head.wait_s == 0.25
     assert view.oldest is None and view.ahead == []
     assert order_view(FCFSRequestQueue(), now=0.0) is None
+
+
+# the budget a running prompt leaves to a head that outranks it
+
+
+def ran_by_request(steps) -> dict[str, int]:
+    return {w.seq.request_id: w.num_tokens for s in steps for w in s.chunks}
+
+
+def long_prompt_running(policy: str = "priority", specs=(SPEC,), **config) -> Scheduler:
+    core = core_of(policy, specs, token_budget=16, **config)
+    core.add(seq("long", 100, 4, tenancy=Tenancy(priority=5)))
+    step(core)
+    return core
+
+
+def test_a_head_whose_whole_prompt_is_the_budget_is_held_the_budget():
+    core = long_prompt_running()
+    core.add(seq("short", 16, 4, tenancy=Tenancy(priority=0)))
+    assert ran_by_request(step(core)) == {"short": 16}
+
+
+def test_a_head_whose_prompt_is_longer_than_the_budget_is_held_nothing():
+    core = long_prompt_running()
+    core.add(seq("short", 17, 4, tenancy=Tenancy(priority=0)))
+    assert ran_by_request(step(core)) == {"long": 16}
+
+
+def test_a_head_placed_on_another_worker_is_held_nothing_here():
+    other = WorkerSpec("w1", num_blocks=62, block_size=4, max_context=128)
+    core = long_prompt_running("priority", (SPEC, other))
+    assert core.seqs["long"].worker == 0  # 64 blocks free against 62; then 60
+    core.add(seq("short", 8, 4, tenancy=Tenancy(priority=0)))
+    steps = step(core)  # w1 has more free KV now: short goes there, long keeps w0's budget
+    assert ran_by_request(steps) == {"long": 16, "short": 8}
+    assert core.seqs["short"].worker == 1
+
+
+def test_a_head_of_the_same_priority_is_held_nothing():
+    core = long_prompt_running()
+    core.add(seq("peer", 8, 4, tenancy=Tenancy(priority=5)))
+    assert ran_by_request(step(core)) == {"long": 16}
+
+
+def test_a_head_that_cannot_be_admitted_is_held_nothing():
+    core = long_prompt_running("deadline", max_running=1)  # deadline preempts nobody for it
+    core.add(seq("short", 8, 4, tenancy=Tenancy(ttft_s=1)))
+    assert core.waiting.outranks(core.waiting.peek(), core.seqs["long"])
+    assert ran_by_request(step(core)) == {"long": 16}
