@@ -86,7 +86,7 @@ class FairRequestQueue(RequestQueue):
         counters, joined = self.counters, self._joined
         return min(
             tenants.values(),
-            key=lambda q: (counters[t := q[0].tenancy.tenant], joined[t], q[0].arrival),
+            key=lambda q: (counters[t := q[0].tenancy.tenant], joined[t]),  # joined: unique
         )
 
     def peek(self) -> Sequence:
@@ -113,7 +113,7 @@ class FairRequestQueue(RequestQueue):
             for _ in range(sum(len(q) for q in queues.values())):
                 tenant = min(
                     (t for t in queues if taken[t] < len(queues[t])),
-                    key=lambda t: (counters[t], self._joined[t], queues[t][taken[t]].arrival),
+                    key=lambda t: (counters[t], self._joined[t]),
                 )
                 seq = queues[tenant][taken[tenant]]
                 taken[tenant] += 1
