@@ -537,3 +537,14 @@ def test_a_head_that_cannot_be_admitted_is_held_nothing():
     core.add(seq("short", 8, 4, tenancy=Tenancy(ttft_s=1)))
     assert core.waiting.outranks(core.waiting.peek(), core.seqs["long"])
     assert ran_by_request(step(core)) == {"long": 16}
+
+
+def test_a_deadline_that_can_just_be_made_still_counts():
+    clock = Clock(1.5)
+    q = DeadlineRequestQueue(clock)
+    q.eta = lambda s: 0.5
+    q.add(waiting("chat", 0, ttft_s=2))  # due at 2, its prompt takes 0.5: start by 1.5
+    q.add(waiting("batch", 0, ttft_s=60))
+    assert ids(q) == ["chat", "batch"]
+    clock.now = 1.75
+    assert ids(q) == ["batch", "chat"]
