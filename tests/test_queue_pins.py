@@ -65,22 +65,27 @@ def of(tenant: str, slo_class: str = "") -> Tenancy:
 
 
 def test_tenant_counts_count_the_waiting_and_the_running_by_tenant_and_class():
-    core = core_of("fair", max_running=2)
+    core = core_of("fair", max_running=4)
     core.add(seq("a0", 6, 8, tenancy=of("a", "chat")))
     core.add(seq("b0", 4, 8, tenancy=of("b")))
-    core.add(seq("a1", 4, 8, tenancy=of("a", "chat")))
-    core.add(seq("a2", 4, 8, tenancy=of("a", "batch")))
-    step(core)  # a0 and b0 run: their prompts charged, 6 and 4
+    core.add(seq("a1", 5, 8, tenancy=of("a", "chat")))
+    core.add(seq("b1", 3, 8, tenancy=of("b")))
+    for i in range(3):
+        core.add(seq(f"a{i + 2}", 4, 8, tenancy=of("a", "batch")))
+    core.add(seq("b2", 4, 8, tenancy=of("b", "chat")))
+    # b, which started waiting last, ties at 0 and goes first: b0, b1, b2, then a0 run, their
+    # prompts charged after the step's admissions (4 + 3 + 4 and 6)
+    step(core)
     counts = core.tenant_counts()
     assert counts.policy == "fair"
-    assert counts.queued == {"a": 2} and counts.running == {"a": 1, "b": 1}
-    assert counts.class_queued == {"chat": 1, "batch": 1}
-    assert counts.class_running == {"chat": 1, "": 1}
-    assert counts.service == {"a": 6.0, "b": 4.0}
-    core.abort("a0")  # finished: counted neither waiting nor running
+    assert counts.queued == {"a": 4} and counts.running == {"a": 1, "b": 3}
+    assert counts.class_queued == {"batch": 3, "chat": 1}
+    assert counts.class_running == {"chat": 2, "": 2}
+    assert counts.service == {"a": 6.0, "b": 11.0}
+    core.abort("b2")  # finished: counted neither waiting nor running
     counts = core.tenant_counts()
-    assert counts.running == {"b": 1} and counts.class_running == {"": 1}
-    assert counts.queued == {"a": 2}
+    assert counts.running == {"a": 1, "b": 2} and counts.class_running == {"chat": 1, "": 2}
+    assert counts.queued == {"a": 4}
 
 
 def test_tenant_counts_under_an_ordering_that_counts_no_service_have_none():
@@ -548,3 +553,127 @@ def test_a_deadline_that_can_just_be_made_still_counts():
     assert ids(q) == ["chat", "batch"]
     clock.now = 1.75
     assert ids(q) == ["batch", "chat"]
+
+
+def test_a_queue_no_core_predicts_for_counts_no_time_for_a_prompt_and_its_twin_keeps_the_core():
+    clock = Clock(1.9)
+    q = DeadlineRequestQueue(clock)
+    q.add(waiting("chat", 0, ttft_s=2))
+    q.add(waiting("batch", 0, ttft_s=60))
+    assert ids(q) == ["chat", "batch"]  # no prediction: due at 2, it still can be at 1.9
+    q.eta = lambda s: 0.5
+    twin = q.emptied()
+    twin.add(waiting("chat", 0, ttft_s=2))
+    twin.add(waiting("batch", 0, ttft_s=60))
+    assert ids(twin) == ["batch", "chat"]  # the twin predicts as its original: too late
+
+
+def test_fcfs_ranks_no_waiting_request_above_a_running_one():
+    q = FCFSRequestQueue()
+    assert q.outranks(waiting("new", 1), running("old", 0)) is False
+
+
+def test_fair_names_nobody_when_nobody_runs():
+    q = FairRequestQueue()
+    q.add(head := waiting("a0", 0, tenant="a"))
+    assert q.victim(head, [], 4) is None
+
+
+def test_fair_takes_no_peer_of_the_heads_priority_for_a_lower_one():
+    """Below the head's priority only one, not worth preempting: the share decides, and a holds
+    its share; its own newest request is no victim either."""
+    q = FairRequestQueue()
+    q.add(head := waiting("a9", 50, tenant="a", priority=1))
+    low = running("c0", 5, tenant="c", priority=4)
+    low.max_planned = low.num_planned
+    run = [running("b0", 1, tenant="b", priority=1), running("a0", 7, tenant="a", priority=1)]
+    assert q.victim(head, [*run, low], 3) is None
+
+
+def test_fair_share_weighs_each_tenant_by_its_own_weight():
+    q = FairRequestQueue()
+    q.add(head := waiting("a9", 50, tenant="a"))
+    for tenant, weight in (("b", 3.0), ("c", 2.0), ("d", 0.5)):
+        q.add(waiting(f"{tenant}9", 40, tenant=tenant, weight=weight))
+    b = [running(f"b{i}", i, tenant="b") for i in range(4)]
+    assert q.victim(head, b, 4) is b[3]  # b's share of 4 is 4 x 3/4 = 3: it holds 4
+    c = [running(f"c{i}", i, tenant="c") for i in range(2)]
+    assert q.victim(head, c, 4) is None  # c's share is 4 x 2/3: it holds 2, no more
+    d = [running(f"d{i}", i, tenant="d") for i in range(2)]
+    assert q.victim(head, d, 4) is d[1]  # d's share is 4 x 0.5/1.5: it holds 2
+
+
+def test_fair_names_first_the_most_served_tenant_over_its_share_a_tenant_never_seen_at_zero():
+    q = FairRequestQueue()
+    q.add(head := waiting("a9", 50, tenant="a"))
+    q.charge("b", 1, 0)  # b: 1; u never charged: 0
+    u = [running(f"u{i}", i, tenant="u") for i in range(2)]
+    b = [running(f"b{i}", 10 + i, tenant="b") for i in range(2)]
+    assert q.victim(head, u + b, 4) is b[1]
+
+
+def test_fair_ranks_a_waiting_head_against_running_tenants_seen_or_not():
+    q = FairRequestQueue()
+    q.add(head := waiting("a0", 0, tenant="a"))
+    q.add(waiting("b0", 1, tenant="b"))  # b: lifted to a's 0, joined after a
+    stranger = running("x0", 0, tenant="x")  # running since before a live switch: never seen
+    assert q.outranks(head, stranger)  # 0 each: one that joined ranks before it
+    assert not q.outranks(head, running("b1", 0, tenant="b"))  # b joined later: b first
+    q.charge("a", 1, 0)  # a: 1; b and x: 0
+    assert not q.outranks(head, stranger)
+    q.charge("b", 2, 0)
+    assert q.outranks(head, running("b1", 0, tenant="b"))  # 1 against 2
+
+
+def test_under_deadline_a_running_prompt_leaves_the_budget_only_to_an_earlier_deadline():
+    cases = (  # (the running prompt's target, the head's): whether the head is held its tokens
+        (100.0, 1.0, True),
+        (1.0, 100.0, False),
+        (0.0, 0.0, False),  # neither has a deadline: no earlier one
+    )
+    for running_ttft, head_ttft, held in cases:
+        clock = Clock(10.0)
+        core = Scheduler(
+            CoreConfig(queue_policy=QueuePolicy.DEADLINE, token_budget=16), [SPEC], clock=clock
+        )
+        core.add(seq("long", 100, 4, tenancy=Tenancy(ttft_s=running_ttft)))
+        step(core)
+        clock.now = 10.5
+        core.add(seq("short", 8, 4, tenancy=Tenancy(ttft_s=head_ttft)))
+        ran = ran_by_request(step(core))
+        assert ran == ({"short": 8, "long": 8} if held else {"long": 16}), (running_ttft, ran)
+
+
+def test_a_head_whose_uncached_rest_is_within_the_budget_is_held_that_rest():
+    core = core_of("priority", token_budget=16)
+    shared = list(range(3, 19))  # 16 tokens: 4 blocks
+    core.add(Sequence("doc", [*shared, 90, 91, 92, 93], 1))
+    step(core)
+    step(core)  # its 5 blocks cached, it finishes
+    core.add(seq("long", 100, 4, tenancy=Tenancy(priority=5)))
+    step(core)
+    assert list(core.seqs) == ["long"]
+    core.add(Sequence("short", [*shared, *range(100, 108)], 4, tenancy=Tenancy(priority=0)))
+    steps = step(core)  # 24 tokens, 16 cached: its 8 fit the budget, long takes the rest
+    assert ran_by_request(steps) == {"short": 8, "long": 8}
+    assert [e.cached_tokens for s in steps for e in s.admissions] == [16]
+
+
+def test_a_head_preempts_once_a_step_and_asks_again_where_shared_blocks_stayed():
+    """The victims' room counts their blocks, shared ones too; a shared block stays with the
+    request sharing it, so the head may still wait: it asks again at the next step."""
+    spec = WorkerSpec("w0", num_blocks=10, block_size=4, max_context=128)  # 40 positions
+    core = core_of("priority", (spec,))
+    shared = list(range(3, 11))  # 2 blocks
+    low = Tenancy(priority=9)
+    core.add(Sequence("low1", [*shared, 50, 51, 52, 53], 20, tenancy=low))
+    step(core)
+    core.add(Sequence("low2", [*shared, 60, 61, 62, 63], 20, tenancy=low))
+    step(core)  # low2 shares low1's first 2 blocks: 5 blocks free
+    assert core.seqs["low2"].num_computed == 12
+    core.add(seq("top", 28, 2, tenancy=Tenancy(priority=0)))  # 7 blocks
+    step(core)  # low2's 3 blocks would make 8 free: its own 1 does (6)
+    assert core.seqs["low2"].preemptions == 1 and core.seqs["low1"].preemptions == 0
+    assert core.seqs["top"].admitted_at is None
+    step(core)
+    assert core.seqs["low1"].preemptions == 1 and core.seqs["top"].admitted_at is not None

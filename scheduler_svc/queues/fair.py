@@ -25,7 +25,7 @@ from scheduler_svc.reasons import StallReason
 from scheduler_svc.sequence import Sequence
 
 PREFILL_WEIGHT, DECODE_WEIGHT = 1.0, 2.0  # the paper's
-TENANT, PRIORITY = attrgetter("tenancy.tenant"), attrgetter("tenancy.priority")
+TENANT = attrgetter("tenancy.tenant")
 
 
 class FairRequestQueue(RequestQueue):
@@ -138,15 +138,14 @@ class FairRequestQueue(RequestQueue):
         depends on who runs and the weights alone, not on the counters: a head that found
         nobody finds nobody until the running requests change."""
         mine = head.tenancy.priority
-        if max(map(PRIORITY, running), default=mine) > mine:
-            lower = [s for s in running if s.tenancy.priority > mine and evictable(s)]
-            if lower:
-                return max(lower, key=lambda s: (s.tenancy.priority, s.arrival))
+        lower = [s for s in running if s.tenancy.priority > mine and evictable(s)]
+        if lower:
+            return max(lower, key=lambda s: (s.tenancy.priority, s.arrival))
         peers = [s for s in running if s.tenancy.priority == mine]
         count = Counter(map(TENANT, peers))
         me, weights = head.tenancy.tenant, self.weights
         total = sum(weights.get(t, 1.0) for t in count.keys() | {me})
-        if (count[me] + 1) * total > slots * weights.get(me, 1.0):
+        if (count[me] + 1) * total > slots * weights[me]:  # it waits: its weight is known
             return None  # its tenant holds its share (or more) already
         over = [t for t in count if t != me and count[t] * total > slots * weights.get(t, 1.0)]
         for tenant in sorted(over, key=lambda t: -self.counters.get(t, 0.0)):
@@ -164,7 +163,8 @@ class FairRequestQueue(RequestQueue):
         if mine.tenant == theirs.tenant:
             return False
         counters, joined = self.counters, self._joined
-        rank = (counters.get(mine.tenant, 0.0), joined.get(mine.tenant, 0))
+        rank = (counters[mine.tenant], joined[mine.tenant])  # it waits: both are known
+        # a tenant the queue never saw (running since a live switch): counted 0, joined first
         return rank < (counters.get(theirs.tenant, 0.0), joined.get(theirs.tenant, 0))
 
     def standing(self, seq: Sequence) -> dict[str, str]:
