@@ -677,3 +677,11 @@ def test_a_head_preempts_once_a_step_and_asks_again_where_shared_blocks_stayed()
     assert core.seqs["top"].admitted_at is None
     step(core)
     assert core.seqs["low1"].preemptions == 1 and core.seqs["top"].admitted_at is not None
+
+
+def test_a_new_head_is_asked_although_nothing_ran_differently():
+    core = four_low_and_a_peer()
+    run_one(core, 0)  # top finds nobody on worker 0 (peer is its equal)
+    core.add(seq("urgent", 4, 4, tenancy=Tenancy(priority=-1)))
+    run_one(core, 0)  # a new head: peer is below it
+    assert core.seqs["peer"].preemptions == 1 and core.seqs["urgent"].worker == 0
