@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from scheduler_svc.blocks import block_keys
 from scheduler_svc.kv import FailedWork, KvManager
-from scheduler_svc.kv_records import KvRecords
+from scheduler_svc.kv_records import KEY_MEMO, KvRecords
 from scheduler_svc.reasons import StallReason
 from scheduler_svc.sequence import Sequence
 
@@ -275,3 +275,16 @@ def test_a_memo_of_two_keeps_a_first_key_seen_again_through_prompts_of_their_own
     c = req("c", document + [3])
     memo.reuse(c, BS, 4)
     assert memo.of(c).keys == memo.of(a).keys
+
+
+def test_hits_of_more_first_keys_than_the_memo_holds_are_all_found() -> None:
+    """The latest hit of each first key is remembered for at most KEY_MEMO first keys: the
+    oldest goes, and every lookup still finds what the cache holds."""
+    kv = KvManager(4 * (KEY_MEMO + 8), BS, caching=True)
+    prompts = [[1000 + i] * (2 * BS) for i in range(KEY_MEMO + 4)]
+    for i, prompt in enumerate(prompts):
+        written(kv, req(f"w{i}", prompt + [1]), 2 * BS)
+    kv.sent()
+    for i, prompt in enumerate(prompts):
+        assert kv.hit(req(f"r{i}", prompt + [2])) == kv.pool.table(f"w{i}")
+    assert len(kv.recent) == KEY_MEMO
