@@ -105,7 +105,7 @@ def test_shrinking_a_request_that_holds_nothing_drops_nothing() -> None:
 def test_caching_refuses_blocks_and_keys_of_different_lengths() -> None:
     pool = BlockPool(num_blocks=2, block_size=2)
     pool.grow("a", 4)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^2 blocks for 1 keys$"):
         pool.cache_all([0, 1], block_keys([1, 2], 2, [], 1))
 
 
