@@ -115,8 +115,8 @@ class KvRecords:
         if live is None:
             return latest
         if latest is None and (other := live.get(at)) is not None:
-            record = self.records.get(other)
-            latest = None if record is None else Latest(other.prompt_ids, record, NO_IDS)
+            # kept here by its own reuse, which made its record: the record lives as it does
+            latest = Latest(other.prompt_ids, self.records[other], NO_IDS)
         live[at] = seq
         return latest
 

@@ -5,7 +5,7 @@ real queue (the explain copy holds only its head), without changing it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import islice, takewhile
 
 from scheduler_svc.request_queue import RequestQueue
 from scheduler_svc.sequence import Sequence
@@ -39,9 +39,5 @@ def order_view(queue: RequestQueue, now: float) -> OrderView | None:
     head, oldest = queue.peek(), queue.oldest()
     if oldest is None or oldest is head:
         return OrderView(queue.policy.value, of(head))
-    ahead = []
-    for seq in islice(queue, AHEAD_SHOWN + 1):
-        if seq is oldest:
-            break
-        ahead.append(of(seq))
-    return OrderView(queue.policy.value, of(head), of(oldest), ahead[:AHEAD_SHOWN])
+    ahead = islice(takewhile(lambda s: s is not oldest, queue), AHEAD_SHOWN)
+    return OrderView(queue.policy.value, of(head), of(oldest), [of(s) for s in ahead])

@@ -105,7 +105,7 @@ def test_shrinking_a_request_that_holds_nothing_drops_nothing() -> None:
 def test_caching_refuses_blocks_and_keys_of_different_lengths() -> None:
     pool = BlockPool(num_blocks=2, block_size=2)
     pool.grow("a", 4)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^2 blocks for 1 keys$"):
         pool.cache_all([0, 1], block_keys([1, 2], 2, [], 1))
 
 
@@ -147,3 +147,37 @@ def test_growing_takes_the_last_free_and_evictable_blocks_and_refuses_one_more()
     assert pool.try_grow("b", 10) is None and pool.table("b") == []
     assert pool.try_grow("b", 8) is not None and pool.num_free == 0
     assert pool.try_grow("b", 8) == [] and pool.try_grow("b", 9) is None
+
+
+def test_a_chunk_whose_first_block_is_cached_caches_each_of_the_rest() -> None:
+    """A table whose first block is cached already (shared, or its earlier chunk's) and whose
+    next ones are not: the cached one stays as it is, the others are cached under their keys
+    and are fresh until the step is sent; none stops the ones after it."""
+    pool = BlockPool(8, BS)
+    table = pool.grow("a", 4 * BS)
+    keys = block_keys(list(range(20, 20 + 4 * BS)), BS, [], 4)
+    pool.cache_all(table[:1], keys[:1])
+    pool.fresh.clear()  # sent
+    pool.cache_all(table, keys)
+    assert pool.cached == dict(zip(keys, table, strict=True))
+    assert [pool.key_of[b] for b in table] == keys
+    assert pool.fresh == set(table[1:])
+
+
+def test_a_chunk_caching_contents_cached_in_another_block_takes_the_key_from_it() -> None:
+    """The newest computation of a key is the one the cache names: the other block, not held,
+    is forgotten and plainly free."""
+    pool = BlockPool(8, BS)
+    keys = block_keys(list(range(20, 20 + 2 * BS)), BS, [], 2)
+    [elsewhere] = pool.grow("old", BS)
+    pool.cache_all([elsewhere], keys[1:])
+    pool.release("old")  # cached, evictable
+    table = pool.grow("a", 2 * BS)
+    pool.cache_all(table[:1], keys[:1])
+    free = pool.num_free
+    pool.cache_all(table, keys)
+    assert pool.cached == {keys[0]: table[0], keys[1]: table[1]}
+    assert elsewhere not in pool.key_of and pool.num_free == free
+    assert pool.match(keys) == []  # fresh: not readable before its step is sent
+    pool.fresh.clear()
+    assert pool.match(keys) == table

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from scheduler_svc.blocks import block_keys
 from scheduler_svc.kv import FailedWork, KvManager
-from scheduler_svc.kv_records import KvRecords
+from scheduler_svc.kv_records import KEY_MEMO, KvRecords
 from scheduler_svc.reasons import StallReason
 from scheduler_svc.sequence import Sequence
 
@@ -245,3 +245,46 @@ def test_a_memo_following_live_requests_finds_one_it_pushed_out_while_it_lives()
     c = req("c", document + [5])
     memo.reuse(c, BS, 4)
     assert len(memo.of(c).keys) == 1  # both gone: nothing to take
+
+
+def test_a_memo_head_is_always_a_prefix_of_its_own_prompt() -> None:
+    """After a prompt that differs from the memo's head within it, the head kept is that
+    prompt's own first blocks, not the head it replaced: a later prompt equal to the old head
+    takes none of the differing prompt's keys for its own blocks."""
+    memo = KvRecords(size=4)
+    a, b, c, x, y, z, w, e = ([n] * BS for n in range(10, 18))
+    for rid, blocks in (("r1", [a, b, c, w]), ("r2", [a, b, c, e]), ("r3", [a, x, y, z])):
+        seq = req(rid, sum(blocks, []) + [1])
+        memo.reuse(seq, BS, 4)
+        memo.keys_of(seq, 4, BS)  # its chunks hash the rest
+    r4 = req("r4", a + b + c + z + [1])
+    memo.reuse(r4, BS, 4)
+    taken = memo.of(r4).keys
+    assert taken == block_keys(r4.prompt_ids, BS, [], len(taken))
+
+
+def test_a_memo_of_two_keeps_a_first_key_seen_again_through_prompts_of_their_own() -> None:
+    memo = KvRecords(size=2)
+    document = list(range(700, 700 + 4 * BS))
+    a = req("a", document + [1])
+    memo.reuse(a, BS, 4)
+    memo.keys_of(a, 4, BS)
+    memo.reuse(req("b", document + [2]), BS, 4)  # seen again
+    for i in range(3):
+        memo.reuse(req(f"own{i}", [i] * (4 * BS)), BS, 4)
+    c = req("c", document + [3])
+    memo.reuse(c, BS, 4)
+    assert memo.of(c).keys == memo.of(a).keys
+
+
+def test_hits_of_more_first_keys_than_the_memo_holds_are_all_found() -> None:
+    """The latest hit of each first key is remembered for at most KEY_MEMO first keys: the
+    oldest goes, and every lookup still finds what the cache holds."""
+    kv = KvManager(4 * (KEY_MEMO + 8), BS, caching=True)
+    prompts = [[1000 + i] * (2 * BS) for i in range(KEY_MEMO + 4)]
+    for i, prompt in enumerate(prompts):
+        written(kv, req(f"w{i}", prompt + [1]), 2 * BS)
+    kv.sent()
+    for i, prompt in enumerate(prompts):
+        assert kv.hit(req(f"r{i}", prompt + [2])) == kv.pool.table(f"w{i}")
+    assert len(kv.recent) == KEY_MEMO

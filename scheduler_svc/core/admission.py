@@ -214,26 +214,30 @@ class Admission(CoreState):
         """Before the running requests are planned: when the head cannot be admitted on any
         worker for its running limit or KV, and its ordering names running requests on a worker
         planned now that it may preempt (priority: lower ones) and whose going makes room for
-        it, preempt those (they are recomputed later, nothing lost); once per head."""
+        it, preempt those (they are recomputed later, nothing lost); once per head. A head that
+        found nobody on these workers is not asked again before the running requests change."""
         waiting = self.waiting
         tried: set[int] = set()
-        seen = (self.admitted, self.finished, self.preemptions)
-        if self._displace_tried == (id(waiting.peek()), *seen):
-            return  # the same head before the same running requests: it found nobody then
         while waiting and id(head := waiting.peek()) not in tried:
             tried.add(id(head))
-            self._displace_tried = (id(head), *seen)
+            seen = (id(head), self.admitted, self.finished, self.preemptions)
+            memo, asked = self._found_nobody
+            if memo != seen:
+                asked = set()
+            elif planned <= asked:
+                return  # the same head before the same running requests: nobody then
             place = self._place(head, {})
             if type(place) is not Stall or place.reason not in ROOM:
                 return
             for ws in self._candidates(head, live=True):
-                if ws.index in planned and not ws.draining:
+                if ws.index in planned:  # a live candidate: not draining
                     victims = self._victims(ws, head)
                     if victims:
                         for victim in victims:
                             self._preempt(ws, victim)
                         break
             else:
+                self._found_nobody = (seen, asked | planned)
                 return
 
     def _victims(self, ws: WorkerState, head: Sequence) -> list[Sequence]:
@@ -256,26 +260,26 @@ class Admission(CoreState):
             room += kv.held(victim)
         return victims
 
-    def _held_for_head(self, ws: WorkerState) -> tuple[Sequence | None, int]:
+    def _held_for_head(self, ws: WorkerState) -> tuple[Sequence, int] | None:
         """Under an ordering that ranks the head above a request prefilling on `ws`: the head,
         and the tokens of its prompt here, which that request's chunk leaves it, so that a
         short head gets its first token in this step instead of waiting for the running
-        prompts; (None, 0) otherwise: the head could not be admitted here anyway, or its
+        prompts; None otherwise: the head could not be admitted here anyway, or its
         prompt is longer than the budget (taking the budget from running prompts for it would
         only spread prefill over more requests at once, more KV held and more preempted)."""
         waiting = self.waiting
         if not ws.prefilling or not waiting or type(waiting).outranks is _NEVER_OUTRANKS:
-            return None, 0
+            return None
         head = waiting.peek()
         if not any(waiting.outranks(head, s) for s in ws.prefilling):
-            return None, 0
+            return None
         place = self._place(head, {})
         if type(place) is not Placement or place.worker is not ws:
-            return None, 0
+            return None
         start = len(place.hit) * ws.spec.block_size
         n = self._chunk(head, self._full_budget(), start)
         if start + n < head.num_planned:
-            return None, 0  # a prompt longer than the budget: no first token this step anyway
+            return None  # a prompt longer than the budget: no first token this step anyway
         return head, n
 
     def fail_unplaceable(self) -> list[Event]:

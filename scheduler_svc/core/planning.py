@@ -17,11 +17,11 @@ class Planning(CoreState):
     """The running requests' next work, in admission order, within the step's budgets."""
 
     def _prepare_running(
-        self, ws: WorkerState, step: Step, hold: tuple[Sequence | None, int] = (None, 0)
+        self, ws: WorkerState, step: Step, hold: tuple[Sequence, int] | None = None
     ) -> None:
         """Every running request's next work, in admission order, within the token budget
-        (`hold`: the head the ordering ranks above a prefilling one, and its first chunk's
-        tokens, which that one's chunk leaves it). The usual step (only decodes, the budget
+        (`hold`, or None: the head the ordering ranks above a prefilling one, and its first
+        chunk's tokens, which that one's chunk leaves it). The usual step (only decodes, the budget
         enough for all) takes a loop of its own."""
         if ws.prefilling or step.budget < len(ws.running):
             return self._prepare_within_budget(ws, step, hold)
@@ -42,7 +42,7 @@ class Planning(CoreState):
             step.timer.add_decodes(sum(s.num_computed for s in decodes), len(decodes))
 
     def _prepare_within_budget(
-        self, ws: WorkerState, step: Step, hold: tuple[Sequence | None, int] = (None, 0)
+        self, ws: WorkerState, step: Step, hold: tuple[Sequence, int] | None = None
     ) -> None:
         """A request decodes when the worker holds its next token (its last work sampled);
         otherwise its next tokens are prompt (or recompute) tokens, sent as a chunk. Under a
@@ -50,7 +50,6 @@ class Planning(CoreState):
         the time left, the first one of the step to at least one token. A chunk of a request
         the head outranks leaves the head its `hold` tokens."""
         timer, ahead, held = step.timer, 0, ws.kv.held
-        head, reserved = hold
         if timer is not None:
             decoding = [
                 s for s in ws.running if s not in ws.prefilling and s.num_planned < s.max_planned
@@ -70,8 +69,8 @@ class Planning(CoreState):
                 step.budget -= 1
                 continue
             budget = step.budget
-            if head is not None and self.waiting.outranks(head, seq):
-                budget = max(0, budget - reserved)
+            if hold is not None and self.waiting.outranks(hold[0], seq):
+                budget = max(0, budget - hold[1])
             n = self._chunk(seq, budget)
             if n and timer is not None:
                 n = timer.cut(computed, n, computed + n == planned, least=int(not step.chunks))

@@ -61,8 +61,9 @@ class CoreState:
         self.setting_changes: Counter[str] = Counter()  # live changes applied, by setting
         self.longest_run = 1  # the most executions a step has been planned with (--decode-steps)
         self.run_steps = 0  # steps planned with several executions
-        # (head, admitted, finished, preemptions) when the head last found nobody to preempt
-        self._displace_tried: tuple = ()
+        # (head, admitted, finished, preemptions) when the head last found nobody to preempt,
+        # and the workers it was asked for then
+        self._found_nobody: tuple[tuple, set[int]] = ((), set())
 
     def add_worker(self, spec: WorkerSpec) -> int:
         """A worker joins: it takes admissions from its first step."""

@@ -14,7 +14,7 @@ import heapq
 import itertools
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import ClassVar
 
 from scheduler_svc.config import QueuePolicy
@@ -70,9 +70,9 @@ class RequestQueue(ABC):
     def __bool__(self) -> bool:
         return len(self) > 0
 
+    @abstractmethod
     def oldest(self) -> Sequence | None:
         """The longest-waiting request (None when empty)."""
-        return min(self, key=lambda s: s.arrival, default=None)
 
     def oldest_arrival(self) -> float | None:
         """When the longest-waiting request arrived (None when empty)."""
@@ -135,7 +135,7 @@ class ArrivalIndex:
     def add(self, seq: Sequence) -> None:
         heapq.heappush(self._heap, (seq.arrival, next(self._n), seq))
 
-    def oldest(self, members: dict) -> Sequence | None:
+    def oldest(self, members: Container[Sequence]) -> Sequence | None:
         heap = self._heap
         while heap and heap[0][2] not in members:
             heapq.heappop(heap)

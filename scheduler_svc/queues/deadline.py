@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import time
 from collections import deque
 from collections.abc import Iterator
 
@@ -29,8 +30,8 @@ class DeadlineRequestQueue(RequestQueue):
     policy = QueuePolicy.DEADLINE
     order_reason = StallReason.DEADLINE
 
-    def __init__(self, clock: Clock | None = None) -> None:
-        super().__init__(*(() if clock is None else (clock,)))
+    def __init__(self, clock: Clock = time.monotonic) -> None:
+        super().__init__(clock)
         self._front: deque[Sequence] = deque()
         self._hopeful: list[list] = []
         self._late: list[list] = []

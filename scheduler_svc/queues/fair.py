@@ -14,6 +14,7 @@ places may preempt the newest request of a tenant that runs more than its share.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from operator import attrgetter
@@ -24,7 +25,7 @@ from scheduler_svc.reasons import StallReason
 from scheduler_svc.sequence import Sequence
 
 PREFILL_WEIGHT, DECODE_WEIGHT = 1.0, 2.0  # the paper's
-TENANT, PRIORITY = attrgetter("tenancy.tenant"), attrgetter("tenancy.priority")
+TENANT = attrgetter("tenancy.tenant")
 
 
 class FairRequestQueue(RequestQueue):
@@ -34,13 +35,13 @@ class FairRequestQueue(RequestQueue):
     order_reason = StallReason.FAIR_SHARE
     charges = True
 
-    def __init__(self, clock: Clock | None = None) -> None:
-        super().__init__(*(() if clock is None else (clock,)))
+    def __init__(self, clock: Clock = time.monotonic) -> None:
+        super().__init__(clock)
         self._levels: dict[int, dict[str, deque[Sequence]]] = {}  # only non-empty ones
         self.counters: dict[str, float] = {}
         self.weights: dict[str, float] = {}
         self._queued: Counter[str] = Counter()  # waiting requests by tenant
-        self._members: dict[Sequence, None] = {}
+        self._members: set[Sequence] = set()
         self._arrivals = ArrivalIndex()
         self._last_left = 0.0  # the counter of the last tenant to stop waiting
         self._joins = itertools.count(1)
@@ -59,7 +60,7 @@ class FairRequestQueue(RequestQueue):
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
             self._joined[tenant] = -next(self._joins)  # lifted to a tie, it goes first
         self._queued[tenant] += 1
-        self._members[seq] = None
+        self._members.add(seq)
         self._arrivals.add(seq)
         tenants = self._levels.setdefault(seq.tenancy.priority, {})
         queue = tenants.get(tenant)
@@ -76,7 +77,7 @@ class FairRequestQueue(RequestQueue):
             self._best = None
             if not tenants:
                 del self._levels[level]
-        del self._members[seq]
+        self._members.remove(seq)
         self._queued[tenant] -= 1
         if not self._queued[tenant]:
             del self._queued[tenant]
@@ -96,7 +97,8 @@ class FairRequestQueue(RequestQueue):
         tenants = self._levels[min(self._levels)]
         counters, joined = self.counters, self._joined
         self._best = min(
-            tenants.values(), key=lambda q: (counters[t := q[0].tenancy.tenant], joined[t])
+            tenants.values(),
+            key=lambda q: (counters[t := q[0].tenancy.tenant], joined[t]),  # joined: unique
         )
         return self._best
 
@@ -124,7 +126,7 @@ class FairRequestQueue(RequestQueue):
             for _ in range(sum(len(q) for q in queues.values())):
                 tenant = min(
                     (t for t in queues if taken[t] < len(queues[t])),
-                    key=lambda t: (counters[t], self._joined[t], queues[t][taken[t]].arrival),
+                    key=lambda t: (counters[t], self._joined[t]),
                 )
                 seq = queues[tenant][taken[tenant]]
                 taken[tenant] += 1
@@ -150,15 +152,14 @@ class FairRequestQueue(RequestQueue):
         depends on who runs and the weights alone, not on the counters: a head that found
         nobody finds nobody until the running requests change."""
         mine = head.tenancy.priority
-        if max(map(PRIORITY, running), default=mine) > mine:
-            lower = [s for s in running if s.tenancy.priority > mine and evictable(s)]
-            if lower:
-                return max(lower, key=lambda s: (s.tenancy.priority, s.arrival))
+        lower = [s for s in running if s.tenancy.priority > mine and evictable(s)]
+        if lower:
+            return max(lower, key=lambda s: (s.tenancy.priority, s.arrival))
         peers = [s for s in running if s.tenancy.priority == mine]
         count = Counter(map(TENANT, peers))
         me, weights = head.tenancy.tenant, self.weights
         total = sum(weights.get(t, 1.0) for t in count.keys() | {me})
-        if (count[me] + 1) * total > slots * weights.get(me, 1.0):
+        if (count[me] + 1) * total > slots * weights[me]:  # it waits: its weight is known
             return None  # its tenant holds its share (or more) already
         over = [t for t in count if t != me and count[t] * total > slots * weights.get(t, 1.0)]
         for tenant in sorted(over, key=lambda t: -self.counters.get(t, 0.0)):
@@ -176,12 +177,13 @@ class FairRequestQueue(RequestQueue):
         if mine.tenant == theirs.tenant:
             return False
         counters, joined = self.counters, self._joined
-        rank = (counters.get(mine.tenant, 0.0), joined.get(mine.tenant, 0))
+        rank = (counters[mine.tenant], joined[mine.tenant])  # it waits: both are known
+        # a tenant the queue never saw (running since a live switch): counted 0, joined first
         return rank < (counters.get(theirs.tenant, 0.0), joined.get(theirs.tenant, 0))
 
     def standing(self, seq: Sequence) -> dict[str, str]:
         shown = super().standing(seq)
         tenant = seq.tenancy.tenant
-        shown["counter"] = f"{self.counters.get(tenant, 0.0):.0f}"
-        shown["weight"] = f"{self.weights.get(tenant, 1.0):g}"
+        shown["counter"] = f"{self.counters[tenant]:.0f}"  # it waits: its tenant has both
+        shown["weight"] = f"{self.weights[tenant]:g}"
         return shown

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterator
 
@@ -15,8 +16,8 @@ class FCFSRequestQueue(RequestQueue):
 
     policy = QueuePolicy.FCFS
 
-    def __init__(self, clock: Clock | None = None) -> None:
-        super().__init__(*(() if clock is None else (clock,)))
+    def __init__(self, clock: Clock = time.monotonic) -> None:
+        super().__init__(clock)
         self._queue: deque[Sequence] = deque()
 
     def add(self, seq: Sequence) -> None:

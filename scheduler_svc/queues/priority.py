@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import time
 from collections.abc import Iterator
 
 from scheduler_svc.config import QueuePolicy
@@ -28,8 +29,8 @@ class PriorityRequestQueue(RequestQueue):
     order_reason = StallReason.PRIORITY
     ranks_running = True
 
-    def __init__(self, clock: Clock | None = None) -> None:
-        super().__init__(*(() if clock is None else (clock,)))
+    def __init__(self, clock: Clock = time.monotonic) -> None:
+        super().__init__(clock)
         self._heap: list[list] = []
         self._entries: dict[Sequence, list] = {}
         self._n = itertools.count()
