@@ -35,8 +35,8 @@ def ids(queue) -> list[str]:
 
 
 class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
 
     def __call__(self) -> float:
         return self.now

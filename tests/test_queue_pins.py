@@ -25,16 +25,9 @@ from scheduler_svc.request_queue import (
 from scheduler_svc.sequence import SeqStatus, Sequence
 from scheduler_svc.step import Step, Work
 from tests.sim import sample, seq, step
+from tests.test_queue_orderings import Clock
 
 SPEC = WorkerSpec("w0", num_blocks=64, block_size=4, max_context=128)
-
-
-class Clock:
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def core_of(policy: str, specs=(SPEC,), **config) -> Scheduler:
