@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from worker_svc import verify
 from worker_svc.attention_backend import attention_backend
 from worker_svc.attention_plan import PagedBatch, build_plan
 from worker_svc.cuda_graphs import DECODE_BUCKETS, DecodeGraphs, StaticDecodeInputs
@@ -104,7 +105,9 @@ class ModelRunner:
         wanted = [i for i, item in enumerate(items) if item.sample]
         if self.device.type == "cpu":
             self._threads_for(items)
-        logits = self.compute_logits(items)  # one row per sampled item, in item order
+        logits = self.compute_logits(items)  # one row per sampled item (a draft's: 1 + drafted)
+        if any(item.drafted for item in items):
+            return self.verified(logits, items, wanted)
         out: list[int | None] = [None] * len(items)
         if wanted:
             settings = [items[i].sampling for i in wanted]
@@ -127,6 +130,30 @@ class ModelRunner:
                 items[i].logprobs = None if top is None else token_logprobs(logits[row], token, top)
         return out
 
+    def verified(
+        self, logits: torch.Tensor, items: list[WorkItem], wanted: list[int]
+    ) -> list[int | None]:
+        """A step with drafts: each sampled item's emitted tokens (verify.py) in its `emitted`;
+        the last of them is what it returns (its next input)."""
+        sampled = [items[i] for i in wanted]
+        first_rows, row = [], 0
+        for item in sampled:
+            first_rows.append(row)
+            row += 1 + item.drafted
+        plain = all(
+            s.greedy and not s.shapes_logits and s.logprobs is None
+            for s in (item.sampling for item in sampled)
+        )
+        if plain:  # the argmax of every row, in one copy to the host
+            emitted = verify.greedy_emit(logits.argmax(dim=-1).tolist(), sampled, first_rows)
+        else:
+            emitted = verify.emit(logits.float().cpu(), sampled, first_rows, self.rng)
+        out: list[int | None] = [None] * len(items)
+        for i, item, tokens in zip(wanted, sampled, emitted, strict=True):
+            item.emitted = tokens
+            out[i], item.logprobs = tokens[-1]
+        return out
+
     @torch.inference_mode()
     def compute_logits(self, items: list[WorkItem], all_positions: bool = False) -> torch.Tensor:
         """Logits [rows, vocab] fp32: the last token of each sampled item, in item order; with
@@ -138,9 +165,11 @@ class ModelRunner:
             logits = self.graphs.run(len(items), **decode_inputs(items, bs))
             if logits is not None:
                 return logits
-        # rows: single-token items first (batched decode attention), then multi-token chunks
-        order = [i for i, it in enumerate(items) if len(it.token_ids) == 1]
-        order += [i for i, it in enumerate(items) if len(it.token_ids) > 1]
+        # rows: single-token items and drafts first (batched decode attention: a draft is one
+        # decode row per position, each reading the K/V the rows before it store in the same
+        # layer, as its own decodes would), then multi-token chunks
+        order = [i for i, it in enumerate(items) if it.fed == 1]
+        order += [i for i, it in enumerate(items) if it.fed > 1]
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -155,8 +184,8 @@ class ModelRunner:
             span = range(start, item.end_position)
             positions += span
             slots += [table[p // bs] * bs + p % bs for p in span]
-            if len(item.token_ids) == 1:
-                decodes.append((start + 1, table))
+            if item.fed == 1:
+                decodes += [(p + 1, table) for p in span]
             else:
                 prefills.append((offset, len(item.token_ids), start, table))
         plan = build_plan(decodes, prefills, bs, self.config.num_kv_heads)
@@ -164,8 +193,13 @@ class ModelRunner:
             rows = [
                 first_row[i] + j for i, it in enumerate(items) for j in range(len(it.token_ids))
             ]
-        else:
-            rows = [first_row[i] + len(it.token_ids) - 1 for i, it in enumerate(items) if it.sample]
+        else:  # a sampled item's last token; a draft's every position
+            rows = [
+                first_row[i] + j
+                for i, it in enumerate(items)
+                if it.sample
+                for j in range(len(it.token_ids) - 1 - it.drafted, len(it.token_ids))
+            ]
         token_ids_t, positions_t, slots_t, rows_t = self.staging.send(
             token_ids, positions, slots, rows
         )

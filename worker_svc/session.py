@@ -85,7 +85,7 @@ class Session:
         failed: dict[int, str] = {}
         self.executions = []
         try:
-            why = repeat_problem(step.repeat, len(step.chunks))
+            why = repeat_problem(step.repeat, len(step.chunks), len(step.drafts))
             if why:
                 raise ValueError(why)
             handles, batch = self.constrain(*self.apply(step, failed), failed)
@@ -96,6 +96,7 @@ class Session:
                 result.tokens.extend(token for token, _ in sampled)
                 if any(lp is not None for _, lp in sampled):
                     result.logprobs.extend(logprobs_message(lp) for _, lp in sampled)
+                result.emitted.extend(self.emitted_counts(step, handles, failed))
         except Exception as err:  # the scheduler fails this step's requests, keeps the worker
             result.error = f"{type(err).__name__}: {err}"
         for handle in failed:
@@ -127,7 +128,18 @@ class Session:
             for handle, token, lp in self.advance(handles, batch, tokens, failed):
                 by_handle.setdefault(handle, []).append((token, lp))
         kept = [h for h in first if h not in failed and h in by_handle]
+        if runs == 1:  # a draft's tokens, all of them, in its place
+            return [sampled for h in kept for sampled in by_handle[h]]
         return [by_handle[h][run] for run in range(runs) for h in kept if run < len(by_handle[h])]
+
+    def emitted_counts(self, step: worker_pb2.Step, ran: list[int], failed: dict[int, str]):
+        """Per draft of the step that did not fail: how many tokens it produced."""
+        ran_set = set(ran)
+        return [
+            len(self.items[d.handle].emitted)
+            for d in step.drafts
+            if d.handle not in failed and d.handle in ran_set
+        ]
 
     def again(
         self, handles: list[int], batch: list[WorkItem], failed: dict[int, str]
@@ -187,6 +199,16 @@ class Session:
                 continue
             handles.append(handle)
             batch.append(item)
+        for draft in step.drafts:
+            item = items.get(draft.handle)
+            why = self.draft_problem(draft, item, set(handles))
+            if why:
+                failed.setdefault(draft.handle, why)
+                continue
+            item.token_ids += draft.token_ids
+            item.drafted = len(draft.token_ids)
+            handles.append(draft.handle)
+            batch.append(item)
         if failed:  # e.g. a chunk's handle whose decode failed later in the step
             kept = [(h, i) for h, i in zip(handles, batch, strict=True) if h not in failed]
             handles, batch = [h for h, _ in kept], [i for _, i in kept]
@@ -245,7 +267,7 @@ class Session:
             state = item.grammar
             if state is not None and item.sample:
                 try:
-                    state.sync(item.history + item.token_ids, item.sample_index)
+                    state.sync(item.history + item.token_ids[: item.fed], item.sample_index)
                 except ValueError as err:
                     failed.setdefault(handle, str(err))
                     continue
@@ -297,6 +319,22 @@ class Session:
             handle, item, end, self.holders, self.block_size
         )
 
+    def draft_problem(
+        self, draft: worker_pb2.Draft, item: WorkItem | None, placed: set[int]
+    ) -> str | None:
+        """A draft follows a decode's sampled token, once per step, into its own blocks."""
+        if item is not None and draft.handle in placed:
+            return "a draft for a request that also runs otherwise in this step"
+        why = self.decode_problem(draft.handle, item)
+        if why or item is None:
+            return why
+        end = item.end_position + len(draft.token_ids)
+        return (
+            tokens_problem(list(draft.token_ids), self.vocab_size)
+            or room_problem(item, end, self.block_size, self.max_context)
+            or write_problem(draft.handle, item, end, self.holders, self.block_size)
+        )
+
     def execute(self, handles: list[int], batch: list[WorkItem], failed: dict[int, str]) -> list:
         """Run the batch; if it raises, run each request alone, so that only those that fail on
         their own fail (each rewrites its KV positions whole: the broken batch leaves no trace)."""
@@ -325,6 +363,9 @@ class Session:
         for handle, item, token in zip(handles, batch, tokens, strict=True):
             if handle in failed:
                 continue
+            if item.drafted:
+                sampled += self.advance_draft(handle, item)
+                continue
             self.own_written += len(item.token_ids)
             if item.sampling.needs_history:
                 item.history.extend(item.token_ids)
@@ -338,6 +379,23 @@ class Session:
                     item.grammar.advance(token)
                 sampled.append((handle, token, item.logprobs))
         return sampled
+
+    def advance_draft(self, handle: int, item: WorkItem) -> list:
+        """After a draft's execution: the positions it kept are written (its sampled token and
+        the draft tokens accepted); the rest hold garbage the next tokens overwrite. Its grammar
+        has consumed all it emitted but the last (verify.py), which it consumes now."""
+        emitted, written = item.emitted, len(item.emitted)
+        self.own_written += written
+        if item.sampling.needs_history:
+            item.history.extend(item.token_ids[:written])
+        item.start_position += written
+        last = emitted[-1][0]
+        item.token_ids, item.sample, item.drafted = [last], True, 0
+        item.sample_index += written
+        if item.grammar is not None:
+            item.grammar.advance(last)
+        item.logprobs = emitted[-1][1]
+        return [(handle, token, lp) for token, lp in emitted]
 
     def trim(self, handle: int, keep: int) -> str | None:
         """Drop the blocks from `keep` on from a request's table: they were reserved and never

@@ -17,6 +17,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 
+from worker_svc import verify
 from worker_svc.model_config import ModelConfig, tiny_config
 from worker_svc.work import TokenLogprobs, WorkItem
 
@@ -105,7 +106,9 @@ class SimRunner:
         deadline = time.perf_counter() + self.seconds(items)
         for item in items:
             self.check(item)
-        out = [self.sample(i) if i.sample else None for i in items]
+        out = [
+            (self.verify(i) if i.drafted else self.sample(i)) if i.sample else None for i in items
+        ]
         left = deadline - time.perf_counter()
         if left > 0:
             time.sleep(left)
@@ -116,6 +119,26 @@ class SimRunner:
         token = sim_choice(item, vocab)
         if top is not None:
             item.logprobs = sim_logprobs(token, sim_token(item), top, vocab)
+        return token
+
+    def verify(self, item: WorkItem) -> int:
+        """A draft, as a real worker verifies one (verify.py): position by position, the sim's
+        token there, kept while it is the draft's next one."""
+        item.emitted = []
+        for depth in range(item.drafted + 1):
+            at = item.fed - 1 + depth
+            view = replace(
+                item,
+                token_ids=[item.token_ids[at]],
+                start_position=item.start_position + at,
+                sample_index=item.sample_index + depth,
+                drafted=0,
+            )
+            token = self.sample(view)
+            item.emitted.append((token, view.logprobs))
+            if depth == item.drafted or not verify.kept(item, depth, token):
+                break
+        token, item.logprobs = item.emitted[-1]
         return token
 
     def check(self, item: WorkItem) -> None:

@@ -13,12 +13,14 @@ from worker_svc.work import WorkItem
 MAX_REPEAT = 32  # executions of one step's decodes at most (the scheduler's --decode-steps)
 
 
-def repeat_problem(repeat: int, chunks: int) -> str | None:
+def repeat_problem(repeat: int, chunks: int, drafts: int = 0) -> str | None:
     """A step may run its decodes several times only if it holds nothing else to compute."""
     if repeat > MAX_REPEAT:
         return f"a step of {repeat} executions (at most {MAX_REPEAT})"
     if repeat > 1 and chunks:
         return f"a step of {repeat} executions carries prompt chunks; only decodes may repeat"
+    if repeat > 1 and drafts:
+        return f"a step of {repeat} executions carries drafts; a step with drafts runs once"
     return None
 
 

@@ -30,6 +30,13 @@ class WorkItem:
     cached: int = 0  # positions at the start read from blocks shared with others, never written
     logprobs: TokenLogprobs | None = None  # of the token sampled last, if asked
     grammar: Any = None  # structured output: the request's GrammarState (worker_svc/grammar.py)
+    drafted: int = 0  # speculative decoding: the last `drafted` of token_ids are a draft
+    emitted: list[tuple[int, TokenLogprobs | None]] = field(default_factory=list)  # a draft's
+
+    @property
+    def fed(self) -> int:
+        """How many of token_ids are known (not a draft): its history runs up to them."""
+        return len(self.token_ids) - self.drafted
 
     @property
     def end_position(self) -> int:
@@ -47,7 +54,7 @@ class BatchShape:
 
 def phase_of(items: list[WorkItem]) -> str:
     """decode: every item feeds back its last sampled token; prefill: none does; else mixed."""
-    decodes = sum(1 for i in items if i.sample_index > 0 and len(i.token_ids) == 1)
+    decodes = sum(1 for i in items if i.sample_index > 0 and i.fed == 1)  # a draft decodes
     if decodes == len(items):
         return "decode"
     return "prefill" if decodes == 0 else "mixed"
