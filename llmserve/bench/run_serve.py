@@ -15,6 +15,8 @@ from llmserve.bench.prompts import check_with_tokenizer
 from llmserve.bench.report import Report, print_table
 from llmserve.bench.served import run_policy, run_workload
 from llmserve.bench.stats import ratio
+from llmserve.bench.task_prompts import PROMPTS as TASKS
+from llmserve.bench.task_prompts import task_workload
 from llmserve.bench.workload import Workload, fixed
 from llmserve.stack import StackSettings
 
@@ -101,8 +103,8 @@ def openai_loads(args: argparse.Namespace, workload: Workload) -> list[tuple[str
     """(label suffix, workload) per --concurrencies value; the workload itself without it."""
     if not args.concurrencies:
         return [("", workload)]
-    if args.workload != "fixed":
-        raise SystemExit("--concurrencies needs --workload fixed")
+    if args.workload not in ("fixed", *TASKS):
+        raise SystemExit("--concurrencies needs --workload fixed, repetitive or open")
     try:
         levels = [int(c) for c in args.concurrencies.split(",")]
     except ValueError:
@@ -112,7 +114,11 @@ def openai_loads(args: argparse.Namespace, workload: Workload) -> list[tuple[str
     out = []
     for c in levels:
         n = args.requests or max(8, 2 * c)
-        out.append((f" c={c}", fixed(n, args.prompt_tokens, args.output_tokens, c)))
+        if args.workload in TASKS:
+            load = task_workload(args.workload, n, args.output_tokens, c, args.seed)
+        else:
+            load = fixed(n, args.prompt_tokens, args.output_tokens, c)
+        out.append((f" c={c}", load))
     return out
 
 
@@ -120,9 +126,10 @@ def levels_workload(loads: list[Workload]) -> Workload:
     """One description of the --concurrencies runs (each level runs its own workload)."""
     first = loads[0]
     levels = ",".join(str(load.concurrency) for load in loads)
-    name = f"fixed-c{levels}x{first.params['prompt_len']}+{first.params['output_len']}"
+    kind = first.name.split("-")[0]
+    name = f"{kind}-c{levels}x{first.params.get('prompt_len', '')}+{first.params['output_len']}"
     specs = [spec for load in loads for spec in load.requests]
-    return Workload(name, specs, 0, first.params | {"concurrencies": levels})
+    return Workload(name, specs, 0, first.params | {"concurrencies": levels}, first.content)
 
 
 def _transformers(args: argparse.Namespace, workload: Workload, which: list[str]) -> list:

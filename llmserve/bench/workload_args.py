@@ -10,6 +10,7 @@ from pathlib import Path
 from llmserve.bench import hash_trace as ht
 from llmserve.bench import workload as w
 from llmserve.bench.multiturn import MultiTurn, multiturn
+from llmserve.bench.task_prompts import PROMPTS, task_workload
 from llmserve.bench.tenant_args import add_tenant_flags, tenants_from_args, wants_tenants
 from llmserve.bench.tokens import TextOf, TokenSource
 from llmserve.bench.trace import DEFAULT_TRACE, TraceScale, load_trace
@@ -26,6 +27,9 @@ def build_workload(
         raise SystemExit("--shared-prefix-tokens is for --workload trace (a length-only trace)")
     if args.workload in ("fixed", "poisson"):
         made = _fixed_or_poisson(args)
+    elif args.workload in PROMPTS:
+        n, c = args.requests or 8, args.concurrency or 1
+        made = task_workload(args.workload, n, args.output_tokens, c, args.seed)
     else:
         source, text = _vocabulary(args, served)
         time_scale = time_scale or args.time_scale
@@ -115,10 +119,12 @@ def add_workload_flags(
     g = p.add_argument_group("workload")
     g.add_argument(
         "--workload",
-        choices=["fixed", "poisson", "trace", "multiturn", "hash-trace"],
+        choices=["fixed", "poisson", "trace", "multiturn", "hash-trace", *PROMPTS],
         default=workload,
         help="multiturn: chat conversations resending their history; hash-trace: a JSONL trace "
-        "with per-block content hashes (--trace, default data/traces/hash_sample.jsonl)",
+        "with per-block content hashes (--trace, default data/traces/hash_sample.jsonl); "
+        "repetitive / open: chat tasks whose answers copy their prompt, or do not "
+        "(speculative decoding's benchmark)",
     )
     g.add_argument(
         "--requests",
