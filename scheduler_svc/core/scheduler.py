@@ -12,6 +12,7 @@ from operator import attrgetter
 from llmcommon.request_checks import context_problem
 from llmcommon.sampling import SamplingParams
 from scheduler_svc.core.admission import Admission
+from scheduler_svc.core.drafts import Drafts
 from scheduler_svc.core.failures import Failures
 from scheduler_svc.core.membership import Membership
 from scheduler_svc.core.planning import Planning
@@ -28,7 +29,7 @@ TENANT = attrgetter("tenancy.tenant")
 _NO_VICTIM = RequestQueue.victim  # an ordering that never preempts for its head
 
 
-class Scheduler(Membership, Admission, Planning, Runs, Failures):
+class Scheduler(Membership, Admission, Planning, Drafts, Runs, Failures):
     """The batching core: `add`/`abort` requests, `schedule(w)` before every execution of
     worker w, `complete(step, tokens)` after it, `snapshot()` for what it holds."""
 
@@ -116,6 +117,9 @@ class Scheduler(Membership, Admission, Planning, Runs, Failures):
             self._note_time_left(steps)
         else:
             self.time_full.clear()
+        if self.proposer is not None:  # drafts take what is left, after the time left is noted
+            for index, step in steps.items():
+                self._speculate(self.workers[index], step)
         if self.config.decode_steps > 1 and not self.waiting:
             for index, step in steps.items():
                 self._lengthen(self.workers[index], step)
@@ -147,6 +151,8 @@ class Scheduler(Membership, Admission, Planning, Runs, Failures):
         for step in steps:
             for work in step.chunks:
                 prefill[work.seq.tenancy.tenant] += work.num_tokens
+            for draft in step.drafts:
+                decode[draft.seq.tenancy.tenant] += 1 + len(draft.token_ids)
             decodes = step.decodes
             if not decodes:
                 continue
