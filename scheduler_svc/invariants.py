@@ -10,9 +10,9 @@ draft's unverified positions).
 
 Of each planned step (`check_step`): it stays within the token budget; every work item belongs to
 a request running on that worker under the item's handle, at most once, and the blocks its
-positions need are the first blocks of that request's own table (a draft's: its input and every draft
-position); a request whose draft is in flight is in no other work; a step with drafts runs once;
-every grant extends the table of a request running there.
+positions need are the first blocks of that request's own table (a draft's: its input and every
+draft position); a request whose draft is in flight is in no other work; a step with drafts runs
+once; every grant extends the table of a request running there.
 """
 
 from __future__ import annotations

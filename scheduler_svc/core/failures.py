@@ -42,8 +42,10 @@ class Failures(CoreState):
         drafts = [(d.seq, d.handle) for d in step.drafts]
         handles = {w.handle for w in step.chunks} | set(step.decode_handles)
         self._distrust(step, handles | {handle for _, handle in drafts})
-        for seq, handle in [(w.seq, w.handle) for w in step.chunks] + drafts + list(
-            zip(step.decodes, step.decode_handles, strict=True)
+        for seq, handle in (
+            [(w.seq, w.handle) for w in step.chunks]
+            + drafts
+            + list(zip(step.decodes, step.decode_handles, strict=True))
         ):
             if seq.handle == handle and not seq.is_finished:
                 failed.append(self._finish(seq, Finish.ERROR, error))
