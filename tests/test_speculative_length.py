@@ -93,8 +93,8 @@ def test_in_the_core_draft_lengths_rise_with_acceptance_at_one_stream() -> None:
 
 def test_in_the_core_auto_falls_to_zero_in_a_heavy_batch() -> None:
     """48 decoding requests whose proposals exist (a repeating model) and a step time that
-    grows with tokens: once every prompt is in and every request has sampled a few tokens, no step drafts;
-    `fixed` drafts in those steps."""
+    grows with tokens: once every prompt is in and every request has sampled a few tokens, no
+    step drafts; `fixed` drafts in those steps."""
     for length, drafting in ((DraftLength.AUTO, False), (DraftLength.FIXED, True)):
         core = make(LOADED, speculative_length=length)
         seqs = [Sequence(f"r{i}", [3 + i % 5, 5, 8, 3 + i % 5, 5], 30) for i in range(48)]
