@@ -10,7 +10,7 @@ from functools import partial
 
 from scheduler_svc.config import DraftLength
 from scheduler_svc.core.state import CoreState
-from scheduler_svc.output import Event, StepTokens
+from scheduler_svc.output import Outputs
 from scheduler_svc.sequence import Finish, Sequence
 from scheduler_svc.speculation.length import Row, auto_lengths, fixed_lengths, next_rate
 from scheduler_svc.step import Draft, Step
@@ -91,12 +91,7 @@ class Drafts(CoreState):
             step.timer.shape = step_shape(step)
 
     def _complete_drafts(
-        self,
-        step: Step,
-        tokens: list[int],
-        emitted: list[int],
-        out: StepTokens,
-        finishes: list[Event],
+        self, step: Step, tokens: list[int], emitted: list[int], outputs: Outputs
     ) -> None:
         """The drafts' `tokens` (after the chunks' and the decodes'), `emitted[i]` of them for
         draft i: each request kept still where it was planned keeps them up to the first that
@@ -106,7 +101,9 @@ class Drafts(CoreState):
             raise ValueError(
                 f"{len(tokens)} draft tokens for emitted {emitted} of {len(step.drafts)} drafts"
             )
-        ws, at = self.workers[step.worker], 0
+        ws, at, finishes = self.workers[step.worker], 0, outputs.finishes
+        assert outputs.tokens is not None
+        seqs, kept_tokens = list(outputs.tokens.seqs), list(outputs.tokens.tokens)
         for draft, n in zip(step.drafts, emitted, strict=True):
             got, at = tokens[at : at + n], at + n
             seq = draft.seq
@@ -121,8 +118,8 @@ class Drafts(CoreState):
             seq.num_planned += n - 1
             keep = seq.kept(got)
             seq.output_ids += got[:keep]
-            out.seqs += [seq] * keep
-            out.tokens += got[:keep]
+            seqs += [seq] * keep
+            kept_tokens += got[:keep]
             self.generated += keep
             if keep and got[keep - 1] in seq.stop_ids:
                 finishes.append(self._finish(seq, Finish.STOP))
@@ -132,6 +129,8 @@ class Drafts(CoreState):
                 trimmed = ws.kv.trim(seq)
                 if trimmed is not None:
                     ws.trims.append((seq.handle, trimmed))
+        outputs.tokens.seqs, outputs.tokens.tokens = seqs, kept_tokens  # new lists: the step's
+        # decodes may be the plain part's own list
 
     def _count_draft(self, drafted: int, accepted: int) -> None:
         """vLLM's counters: drafts, draft tokens, accepted tokens, accepted by position."""

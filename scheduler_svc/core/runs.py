@@ -6,7 +6,7 @@ from __future__ import annotations
 from scheduler_svc.core.state import CoreState
 from scheduler_svc.output import Event, Outputs, StepTokens
 from scheduler_svc.sequence import Finish, SeqStatus, Sequence
-from scheduler_svc.step import Step, Work
+from scheduler_svc.step import Step
 from scheduler_svc.step_cost import step_shape
 from scheduler_svc.worker_state import WorkerState
 
@@ -17,31 +17,17 @@ RUN_LIMIT_S = 0.1  # the longest a step of several executions is predicted to ta
 class Runs(CoreState):
     """The tokens an execution sampled, and steps of several executions (decode runs)."""
 
-    def complete(self, step: Step, tokens: list[int], emitted: list[int] | None = None) -> Outputs:
+    def complete(self, step: Step, tokens: list[int]) -> Outputs:
         """Record what an execution sampled: `tokens` in the step's order (sampling chunks,
-        then decodes, then each draft's, `emitted[i]` for draft i). A request preempted, moved
-        or finished since the step was planned has another handle (or none): its token is
-        dropped, never emitted. Returns the tokens kept and the requests that finished."""
+        then decodes). A request preempted, moved or finished since the step was planned has
+        another handle (or none): its token is dropped, never emitted. Returns the tokens
+        kept and the requests that finished."""
         if step.repeat > 1:
             return self._complete_run(step, tokens)
         sampling = [w for w in step.chunks if w.sample] if step.chunks else None
         decodes = step.decodes
         seqs = [w.seq for w in sampling] + decodes if sampling else decodes
-        drafted: list[int] = []
-        if step.drafts:
-            plain = len(seqs)
-            seqs, tokens, drafted = list(seqs), tokens[:plain], tokens[plain:]
-        out = StepTokens(seqs, tokens)
-        outputs = self._complete_plain(step, sampling, tokens, out)
-        if step.drafts:
-            self._complete_drafts(step, drafted, list(emitted or ()), out, outputs.finishes)
-        return outputs
-
-    def _complete_plain(
-        self, step: Step, sampling: list[Work] | None, tokens: list[int], emitted: StepTokens
-    ) -> Outputs:
-        """The chunks' and the decodes' tokens (one each)."""
-        decodes = step.decodes
+        emitted = StepTokens(seqs, tokens)
         outputs = Outputs(emitted)
         finishes = outputs.finishes
         self.generated += len(tokens)

@@ -17,7 +17,7 @@ from scheduler_svc.core.failures import Failures
 from scheduler_svc.core.membership import Membership
 from scheduler_svc.core.planning import Planning
 from scheduler_svc.core.runs import Runs
-from scheduler_svc.output import Event, Refused, Snapshot, TenantCounts
+from scheduler_svc.output import Event, Outputs, Refused, Snapshot, TenantCounts
 from scheduler_svc.reasons import RefusalReason
 from scheduler_svc.request_queue import RequestQueue
 from scheduler_svc.sequence import SeqStatus, Sequence
@@ -139,6 +139,18 @@ class Scheduler(Membership, Admission, Planning, Drafts, Runs, Failures):
                 if step.timer is not None:
                     ws.planned_s.extend([step.timer.predicted()] * step.repeat)
         return list(steps.values())
+
+    def complete(self, step: Step, tokens: list[int], emitted: list[int] | None = None) -> Outputs:
+        """Record what an execution sampled (`Runs.complete`): `tokens` in the step's order,
+        sampling chunks, then decodes, then each draft's, `emitted[i]` of them for draft i
+        (`Drafts._complete_drafts`)."""
+        if not step.drafts:
+            return Runs.complete(self, step, tokens)
+        plain = step.num_sampled - len(step.drafts)
+        outputs = Runs.complete(self, step, tokens[:plain])
+        assert outputs.tokens is not None
+        self._complete_drafts(step, tokens[plain:], list(emitted or ()), outputs)
+        return outputs
 
     def _charge(self, steps: Iterable[Step]) -> None:
         """Tell the queue the service each tenant's requests got in these steps (fair share).
