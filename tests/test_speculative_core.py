@@ -92,15 +92,37 @@ def test_a_draft_is_capped_by_max_tokens_and_the_length_is_exact() -> None:
     assert r.output_ids == p.output_ids
 
 
+def copying(context: list[int]) -> int:
+    """A model that says its 10-token prompt again and again."""
+    return context[len(context) - 10]
+
+
 def test_a_stop_token_inside_a_draft_ends_the_request_there_and_frees_its_kv() -> None:
-    probe = make()
-    outputs(probe, [p := request("p", 30)])
-    stop = p.output_ids[9]
+    """The model repeats its prompt, whose 9th token is a stop token: the draft that carries it
+    is accepted whole and the worker emits 5 tokens past it; the request keeps the tokens up to
+    the stop, as without speculation, finishes with stop, and frees its KV."""
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17, 99, 19]
+    want = prompt[:9]
+    stops = frozenset({99})
     core = make(speculative_length=DraftLength.FIXED, **SPEC)
-    got = outputs(core, [r := request("p", 30, eos_ids=frozenset({stop}))])
-    cut = p.output_ids[: p.output_ids.index(stop) + 1]
-    assert got["p"] == cut and r.finish is Finish.STOP
-    assert core.spec_accepted_tokens > 0
+    core.add(r := request("r", 30, prompt=prompt, eos_ids=stops))
+    past_stop = []
+    for _ in range(20):
+        step = core.schedule(0)
+        if not step.has_work:
+            break
+        tokens, emitted = spec_sim.run(step, copying)
+        if step.drafts and 99 in tokens[:-1]:
+            past_stop.append(len(tokens) - 1 - tokens.index(99))
+        core.complete(step, tokens, emitted)
+        spec_sim.invariants.check_invariants(core)
+    assert r.output_ids == want and r.finish is Finish.STOP
+    assert past_stop == [5]
+    plain = make()
+    plain.add(p := request("r", 30, prompt=prompt, eos_ids=stops))
+    spec_sim.drive(plain, copying)
+    assert p.output_ids == want
+    assert core.workers[0].kv.pool.num_free == core.workers[0].spec.num_blocks
 
 
 def rejecting(keep: int):

@@ -95,8 +95,9 @@ class Drafts(CoreState):
     ) -> None:
         """The drafts' `tokens` (after the chunks' and the decodes'), `emitted[i]` of them for
         draft i: each request kept still where it was planned keeps them up to the first that
-        ends it; its position advances by what the worker kept, and the blocks past it (only
-        rejected positions, garbage the worker never counts as written) go back to the pool."""
+        ends it; its position advances by what the worker kept (the worker's own advance: a
+        request cut short finishes, and its KV goes), and the blocks past it (only rejected
+        positions, garbage the worker never counts as written) go back to the pool."""
         if len(emitted) != len(step.drafts) or sum(emitted) != len(tokens):
             raise ValueError(
                 f"{len(tokens)} draft tokens for emitted {emitted} of {len(step.drafts)} drafts"
@@ -114,9 +115,9 @@ class Drafts(CoreState):
             seq.drafting = False
             self._count_draft(len(draft.token_ids), n - 1)
             seq.acceptance = next_rate(seq.acceptance, len(draft.token_ids), n - 1)
-            seq.num_computed += n - 1
-            seq.num_planned += n - 1
-            keep = seq.kept(got)
+            keep = seq.kept(got)  # all of them, unless one ends it (then it finishes)
+            seq.num_computed += keep - 1  # past its input: the accepted tokens it keeps
+            seq.num_planned += keep - 1
             seq.output_ids += got[:keep]
             seqs += [seq] * keep
             kept_tokens += got[:keep]

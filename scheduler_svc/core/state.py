@@ -98,6 +98,7 @@ class CoreState:
 
     def _finish(self, seq: Sequence, finish: Finish, error: str = "") -> Event:
         seq.status, seq.finish, seq.error = FINISHED, finish, error
+        seq.drafting = False  # planned into no step again: a draft in flight is dropped
         self.finished += 1
         if self.proposer is not None:
             self.proposer.learn(seq)
