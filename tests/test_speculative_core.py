@@ -17,7 +17,7 @@ from scheduler_svc.live_settings import apply
 from scheduler_svc.messages import step_message
 from scheduler_svc.output import StepLogprobs
 from scheduler_svc.sequence import Finish, Sequence
-from scheduler_svc.step_cost import CostModel
+from scheduler_svc.step_cost import CostModel, step_shape
 from tests import spec_sim
 from tests.spec_sim import Overlapped, cycling, mixed
 
@@ -338,3 +338,20 @@ def test_speculation_is_a_live_setting_and_off_drafts_nothing() -> None:
     drafts = core.spec_drafts
     outputs(core, [request("c")])
     assert core.spec_drafts == drafts
+
+
+def test_drafts_fit_the_step_time_budget_and_the_prediction_counts_them() -> None:
+    """A decode alone is predicted at 50.5 ms; a budget of 52 ms leaves 3 draft tokens of
+    0.5 ms: a draft of 5 is cut to 3, and the step's predicted time (what the window and the
+    metrics read) includes them."""
+    core = make(step_time_budget_ms=52.0, speculative_length=DraftLength.FIXED, **SPEC)
+    core.add(r := request("r", 40))
+    lengths = []
+    while not r.is_finished:
+        step = core.schedule(0)
+        if step.drafts:
+            lengths.append(len(step.drafts[0].token_ids))
+            assert step.timer is not None and step.timer.predicted() <= 0.052 + 1e-9
+            assert abs(step.timer.predicted() - FLAT.predict(step_shape(step))) < 1e-12
+        spec_sim.complete(core, step)
+    assert lengths and max(lengths) == 3
