@@ -19,7 +19,8 @@ def naive(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
         tail = tokens[-n:]
         for at in range(len(tokens) - n - 1, -1, -1):
             if tokens[at : at + n] == tail:
-                return tokens[at + n : at + n + k]
+                period = tokens[at + n :]
+                return (period * k)[:k]
     return []
 
 
@@ -27,7 +28,12 @@ def test_prompt_lookup_proposes_what_followed_the_most_recent_earlier_occurrence
     tokens = [1, 2, 3, 4, 9, 1, 2, 3, 7, 8, 1, 2, 3]
     assert propose_ngram(tokens, 3, 2, 3) == [7, 8, 1]
     assert propose_ngram(tokens, 1, 2, 3) == [7]
-    assert propose_ngram([5, 6, 7, 5, 6], 5, 2, 2) == [7, 5, 6]  # to the end of the tokens
+    assert propose_ngram([5, 6, 7, 5, 6], 5, 2, 2) == [7, 5, 6, 7, 5]  # to the end, repeated
+
+
+def test_a_continuation_that_reaches_the_end_repeats_as_the_texts_period() -> None:
+    assert propose_ngram([9, 4, 4, 4, 4, 4], 5, 2, 3) == [4] * 5  # a run: not one token a step
+    assert propose_ngram([1, 7, 8, 7, 8, 7], 4, 2, 2) == [8, 7, 8, 7]
 
 
 def test_prompt_lookup_honours_min_and_max() -> None:

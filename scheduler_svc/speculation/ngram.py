@@ -2,6 +2,11 @@
 occurrence of a request's last n tokens, in its own prompt and output, n from
 `prompt_lookup_max` down to `prompt_lookup_min` (the longest match wins).
 
+Where the match is followed by fewer than k tokens, its continuation runs to the end: the text
+repeats with that continuation as its period (the last n tokens occur again s tokens later, and
+s tokens follow the match), so the draft goes on repeating it, up to k (vLLM stops at the end; a
+run of one token, `- - - -`, would otherwise draft one token a step).
+
 The search runs in C: the tokens are packed as 32-bit ids and `bytes.rfind` finds the pattern
 from the end; a hit that is not on an id boundary is skipped."""
 
@@ -20,7 +25,10 @@ def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
     for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
         at = _last_earlier(packed, n)
         if at is not None:
-            return tokens[at + n : at + n + k]
+            follow = tokens[at + n : at + n + k]
+            while len(follow) < k:  # it ran to the end: the text repeats with this period
+                follow += follow[: k - len(follow)]
+            return follow
     return []
 
 
