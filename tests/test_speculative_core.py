@@ -355,3 +355,23 @@ def test_drafts_fit_the_step_time_budget_and_the_prediction_counts_them() -> Non
             assert abs(step.timer.predicted() - FLAT.predict(step_shape(step))) < 1e-12
         spec_sim.complete(core, step)
     assert lengths and max(lengths) == 3
+
+
+def test_the_heads_explanation_plans_a_copy_without_drafts_or_the_one_in_flight() -> None:
+    """`explain` plans a copy of the core: it copies no proposer (drafts come after admission),
+    and the request whose draft is in flight takes no budget there, as in the core's own plan."""
+    from scheduler_svc.explain import copy_of, explain
+
+    core = make(max_running=1, speculative_length=DraftLength.FIXED, **SPEC)
+    core.add(a := request("a"))
+    for _ in range(20):
+        step = core.schedule(0)
+        if step.drafts:
+            break
+        spec_sim.complete(core, step)
+    core.add(request("b"))  # waits: one running at most
+    assert a.drafting and copy_of(core).proposer is None
+    why = explain(core)
+    assert why.reason == "max_running" and why.budget_left == 64
+    assert core.proposer is not None and a.drafting
+    spec_sim.complete(core, step)
