@@ -18,6 +18,7 @@ from scheduler_svc.speculation.length import (
     expected_emitted,
     fixed_lengths,
     next_rate,
+    worth_drafting,
 )
 from scheduler_svc.step_cost import BatchShape, CostModel
 from scheduler_svc.step_model import OnlineStepModel
@@ -135,3 +136,28 @@ def test_the_step_model_predicts_steps_with_drafts_as_well_as_without() -> None:
     without, with_ = errors[False], errors[True]
     assert abs(with_.p50 - without.p50) <= 0.05 and abs(with_.p90 - without.p90) <= 0.05
     assert with_.p90 < 0.2
+
+
+def test_under_load_auto_looks_up_no_proposal_at_all() -> None:
+    """In the heavy batch's steady state the core asks the proposer nothing: the likeliest,
+    cheapest draft token would not pay, so no row's tokens are searched."""
+    core = make(LOADED, speculative_length=DraftLength.AUTO)
+    seqs = [Sequence(f"r{i}", [3 + i % 5, 5, 8, 3 + i % 5, 5], 30) for i in range(48)]
+    for s in seqs:
+        core.add(s)
+    asked = []
+    assert core.proposer is not None
+    propose = core.proposer.propose
+
+    def counted(seq, k, skip=0):
+        asked.append(seq.request_id)
+        return propose(seq, k, skip)
+
+    core.proposer.propose = counted
+    while not all(len(q.output_ids) >= 4 for q in seqs):
+        spec_sim.step(core)
+    asked.clear()
+    spec_sim.step(core)
+    assert asked == []
+    assert worth_drafting(decodes(1), 1, ONE_STREAM.predict, 0.5, 100, 0.0)
+    assert not worth_drafting(decodes(64), 64, LOADED.predict, 0.9, 100, 0.0)

@@ -12,7 +12,13 @@ from scheduler_svc.config import DraftLength
 from scheduler_svc.core.state import CoreState
 from scheduler_svc.output import Outputs
 from scheduler_svc.sequence import Finish, Sequence
-from scheduler_svc.speculation.length import Row, auto_lengths, fixed_lengths, next_rate
+from scheduler_svc.speculation.length import (
+    Row,
+    auto_lengths,
+    fixed_lengths,
+    next_rate,
+    worth_drafting,
+)
 from scheduler_svc.step import Draft, Step
 from scheduler_svc.step_cost import step_shape
 from scheduler_svc.worker_state import WorkerState
@@ -29,6 +35,19 @@ class Drafts(CoreState):
         proposer = self.proposer
         if proposer is None or not step.decodes or step.budget <= 0 or step.repeat > 1:
             return
+        auto = self.config.speculative_length is DraftLength.AUTO
+        predict = partial(self.predict, ws.index)
+        limit = step.timer.limit if step.timer is not None else 0.0
+        base = step_shape(step)
+        if auto and not worth_drafting(
+            base,
+            step.num_sampled,
+            predict,
+            max(s.acceptance for s in step.decodes),
+            min(s.num_computed for s in step.decodes) - 1,
+            limit,
+        ):
+            return  # not even the likeliest, cheapest draft token would pay: under load
         most = self.config.num_speculative_tokens
         rows: list[Row] = []
         picked: list[tuple[int, list[int]]] = []
@@ -43,13 +62,10 @@ class Drafts(CoreState):
                 picked.append((i, tokens))
         if not rows:
             return
-        predict = partial(self.predict, ws.index)
-        limit = step.timer.limit if step.timer is not None else 0.0
-        base = step_shape(step)
-        if self.config.speculative_length is DraftLength.FIXED:
-            lengths = fixed_lengths(rows, base, predict, step.budget, limit)
-        else:
+        if auto:
             lengths = auto_lengths(rows, base, step.num_sampled, predict, step.budget, limit)
+        else:
+            lengths = fixed_lengths(rows, base, predict, step.budget, limit)
         chosen: dict[int, list[int]] = {}
         for (i, tokens), k in zip(picked, lengths, strict=True):
             k = self._draft_room(ws, step, step.decodes[i], k) if k else 0

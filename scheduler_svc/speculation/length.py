@@ -76,6 +76,21 @@ def fixed_lengths(
     return lengths
 
 
+def worth_drafting(
+    base: BatchShape, sampled: int, predict: ShapePredictor, rate: float, start: int, limit: float
+) -> bool:
+    """Could `auto` give any row a draft token? Only if the best first token there could be (the
+    highest acceptance `rate` of the rows, at the shortest context `start`: the cheapest) raises
+    the step's tokens per second: the first token of a row gains the most, and the greedy rule
+    stops at the first that does not pay. A step under load answers no before any proposal is
+    looked up."""
+    seconds = predict(base)
+    more_s = predict(base + token_shape(start, 0))
+    if limit and more_s > limit + SLACK:
+        return False
+    return seconds > 0 and (sampled + rate) * seconds > sampled * more_s
+
+
 def auto_lengths(
     rows: list[Row],
     base: BatchShape,
