@@ -7,6 +7,7 @@ from enum import Enum, StrEnum
 
 from llmcommon.sampling import SamplingParams
 from llmcommon.tenancy import Tenancy
+from scheduler_svc.speculation.length import ACCEPT_PRIOR
 
 NO_HANDLE = -1
 
@@ -67,7 +68,7 @@ class Sequence:
     # speculative decoding: a step with its draft is in flight (its position is known only when
     # it completes: it is planned into no other step before), and its running acceptance rate
     drafting: bool = False
-    acceptance: float = 0.5
+    acceptance: float = ACCEPT_PRIOR
     # its tenant, priority and SLO class: what the queue's ordering reads (the gateway's)
     tenancy: Tenancy = field(default_factory=Tenancy)
 

@@ -220,8 +220,13 @@ class WorkerLoop:
             for handle, why in result.failed.items():
                 log.warning("worker %s could not run request handle %d: %s", name, handle, why)
             events += self.core.fail_items(step, dict(result.failed), name)
-        # whose logprobs the tokens carry: read before `complete` moves or finishes requests
         tokens, emitted = list(result.tokens), list(result.emitted)
+        if not result.error and len(emitted) != len(step.drafts):
+            result.error = (
+                f"{len(emitted)} draft results for {len(step.drafts)} drafts (a worker that "
+                f"does not verify drafts? speculative decoding needs one that does)"
+            )
+        # whose logprobs the tokens carry: read before `complete` moves or finishes requests
         owners = (
             StepLogprobs.owners(step, tokens, emitted)
             if result.logprobs and not result.error

@@ -68,3 +68,27 @@ def test_the_step_model_learns_a_draft_steps_shape() -> None:
         chunks=[], decodes=[], drafts=[SimpleNamespace(start=10, token_ids=[1, 2])]
     )
     assert step_shape(step) == BatchShape.draft(10, 2) == BatchShape(3, 3, 13, 36)
+
+
+def test_a_worker_that_answers_no_draft_results_fails_the_step_instead_of_the_loop() -> None:
+    """A worker built before drafts ignores them and answers the decodes' tokens only: the
+    step's requests fail with an error naming the cause; the loop goes on."""
+    settings = SchedulerSettings(
+        speculative="ngram", speculative_length="fixed", prompt_lookup_min=2, prompt_lookup_max=3
+    )
+    client = InProcessClient(SPEC)
+    service = SchedulerService(settings, [client])
+    core = service.core
+    core.add_worker(SPEC)
+    loop = WorkerLoop(core, settings, service, 0, client)
+    core.add(seq := Sequence("r", [3, 5, 8, 4, 3, 5], 40))
+    for _ in range(10):
+        step = core.schedule(0)
+        if step.drafts:
+            break
+        tokens, emitted = spec_sim.run(step)
+        loop.complete(step, worker_pb2.StepResult(tokens=tokens), time.perf_counter())
+    assert step.drafts
+    loop.complete(step, worker_pb2.StepResult(tokens=[7]), time.perf_counter())
+    assert seq.finish is Finish.ERROR
+    assert core.schedule(0).released == [step.drafts[0].handle]
