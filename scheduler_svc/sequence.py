@@ -7,7 +7,7 @@ from enum import Enum, StrEnum
 
 from llmcommon.sampling import SamplingParams
 from llmcommon.tenancy import Tenancy
-from scheduler_svc.speculation.length import ACCEPT_PRIOR
+from scheduler_svc.speculation.acceptance import ACCEPT_PRIOR
 
 NO_HANDLE = -1
 

@@ -12,14 +12,8 @@ import random
 from scheduler_svc.config import CoreConfig, DraftLength, Speculative, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.sequence import Sequence
-from scheduler_svc.speculation.length import (
-    Row,
-    auto_lengths,
-    expected_emitted,
-    fixed_lengths,
-    next_rate,
-    worth_drafting,
-)
+from scheduler_svc.speculation.acceptance import expected_emitted, next_rate
+from scheduler_svc.speculation.length import Row, auto_lengths, fixed_lengths, worth_drafting
 from scheduler_svc.step_cost import BatchShape, CostModel
 from scheduler_svc.step_model import OnlineStepModel
 from tests import spec_sim

@@ -12,13 +12,8 @@ from scheduler_svc.config import DraftLength
 from scheduler_svc.core.state import CoreState
 from scheduler_svc.output import Outputs
 from scheduler_svc.sequence import Finish, Sequence
-from scheduler_svc.speculation.length import (
-    Row,
-    auto_lengths,
-    fixed_lengths,
-    next_rate,
-    worth_drafting,
-)
+from scheduler_svc.speculation.acceptance import next_rate
+from scheduler_svc.speculation.length import Row, auto_lengths, fixed_lengths, worth_drafting
 from scheduler_svc.step import Draft, Step
 from scheduler_svc.step_cost import step_shape
 from scheduler_svc.worker_state import WorkerState
