@@ -9,7 +9,7 @@ import random
 
 from scheduler_svc.config import CoreConfig, Speculative
 from scheduler_svc.sequence import Finish, Sequence
-from scheduler_svc.speculation.ngram import propose_ngram
+from scheduler_svc.speculation.ngram import Packed, propose_ngram, propose_packed
 from scheduler_svc.speculation.proposer import Proposer
 from scheduler_svc.speculation.suffix import SuffixIndex
 
@@ -55,6 +55,17 @@ def test_prompt_lookup_agrees_with_a_plain_search_at_any_id() -> None:
         n_min = rng.randint(1, 3)
         n_max = rng.randint(n_min, 5)
         assert propose_ngram(tokens, 4, n_min, n_max) == naive(tokens, 4, n_min, n_max)
+
+
+def test_a_requests_packing_grows_with_its_output_and_proposes_the_same() -> None:
+    rng = random.Random(11)
+    prompt = [rng.randrange(6) for _ in range(30)]
+    output: list[int] = []
+    packed = Packed()
+    for _ in range(60):
+        data = packed.update(prompt, output)
+        assert propose_packed(data, 4, 2, 4) == propose_ngram(prompt + output, 4, 2, 4)
+        output += [rng.randrange(6) for _ in range(rng.randint(0, 3))]
 
 
 def test_the_suffix_index_drafts_the_continuation_of_a_finished_request() -> None:

@@ -4,7 +4,8 @@ requests that finished, and the tokens that followed it there. A request drafts 
 continuation of the longest n-gram of its own end found in the index.
 
 - **Bounded memory**: at most `max_tokens` tokens of finished requests are kept (their prompt
-  and output, as one document each; a longer one keeps its last `max_tokens`); over the bound,
+  and output, as one document each; of a longer one its last DOC_TOKENS, which bounds what a
+  finish costs the step loop too); over the bound,
   the least recently used documents (added or drafted from) leave with their entries. Each kept
   token is the end of at most `n_max - n_min + 1` entries.
 - **Isolation**: one index per prefix-cache salt (`Sequence.cache_salt`): requests that may not
@@ -17,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 SUFFIX_TOKENS = 65536  # tokens kept over all salts (about 10-20 MB at one n-gram length)
+DOC_TOKENS = 8192  # of a finished request, its last ones: its output, and its prompt's end
 
 
 @dataclass(slots=True)
@@ -37,7 +39,7 @@ class SuffixIndex:
 
     def add(self, salt: bytes, tokens: list[int]) -> None:
         """A finished request's tokens join the index (the newest occurrence of an n-gram wins)."""
-        tokens = tokens[-self.max_tokens :]
+        tokens = tokens[-min(self.max_tokens, DOC_TOKENS) :]
         if len(tokens) <= self.n_min:
             return
         doc_id, self._next = self._next, self._next + 1
