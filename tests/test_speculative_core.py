@@ -375,3 +375,14 @@ def test_the_heads_explanation_plans_a_copy_without_drafts_or_the_one_in_flight(
     assert why.reason == "max_running" and why.budget_left == 64
     assert core.proposer is not None and a.drafting
     spec_sim.complete(core, step)
+
+
+def test_a_resubmitted_request_drafts_from_the_tokens_already_streamed() -> None:
+    """After a scheduler restart the gateway resubmits with the tokens it streamed: prompt
+    lookup reads them too, and the rest of the output is as without speculation."""
+    plain = make()
+    outputs(plain, [p := request("r", 40)])
+    core = make(speculative_length=DraftLength.FIXED, **SPEC)
+    resumed = Sequence("r", [3, 5, 8, 4], 40, output_ids=p.output_ids[:7])
+    got = outputs(core, [resumed])
+    assert got["r"] == p.output_ids and core.spec_accepted_tokens > 0
