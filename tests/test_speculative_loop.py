@@ -92,3 +92,21 @@ def test_a_worker_that_answers_no_draft_results_fails_the_step_instead_of_the_lo
     loop.complete(step, worker_pb2.StepResult(tokens=[7]), time.perf_counter())
     assert seq.finish is Finish.ERROR
     assert core.schedule(0).released == [step.drafts[0].handle]
+
+
+def test_llmserve_status_shows_the_proposer_and_how_its_drafts_did() -> None:
+    from llmserve.status_text import speculative_text
+
+    assert speculative_text({"speculative": "off"}) == ""
+    line = speculative_text(
+        {
+            "speculative": "ngram",
+            "num_speculative_tokens": 5,
+            "speculative_length": "auto",
+            "spec_drafts": 10,
+            "spec_draft_tokens": 40,
+            "spec_accepted_tokens": 30,
+        }
+    )
+    want = "  speculative ngram (up to 5, auto; 10 drafts, acceptance 75%, mean length 4.00)"
+    assert line == want
