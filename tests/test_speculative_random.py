@@ -72,7 +72,7 @@ def test_outputs_with_speculation_are_those_without(seed: int) -> None:
     assert got == want
 
 
-def test_the_random_workloads_draft_reject_and_preempt() -> None:
+def test_the_random_workloads_draft_reject_and_preempt(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the cases above go through, together: drafts accepted and rejected, preemptions
     (some of a request whose draft is in flight), and steps cut short by stop tokens."""
     drafts = accepted = drafted = 0
@@ -83,14 +83,11 @@ def test_the_random_workloads_draft_reject_and_preempt() -> None:
         mid_draft.append(seq.drafting)
         preempt(self, ws, seq, cache)
 
-    Scheduler._preempt = spy  # type: ignore[method-assign]
-    try:
-        for seed in range(40):
-            core, _ = run(seed, speculate=True)
-            drafts += core.spec_drafts
-            accepted += core.spec_accepted_tokens
-            drafted += core.spec_draft_tokens
-    finally:
-        Scheduler._preempt = preempt  # type: ignore[method-assign]
+    monkeypatch.setattr(Scheduler, "_preempt", spy)
+    for seed in range(40):
+        core, _ = run(seed, speculate=True)
+        drafts += core.spec_drafts
+        accepted += core.spec_accepted_tokens
+        drafted += core.spec_draft_tokens
     assert drafts > 100 and 0 < accepted < drafted
     assert len(mid_draft) > 10 and any(mid_draft)
