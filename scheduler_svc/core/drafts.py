@@ -10,7 +10,7 @@ from functools import partial
 
 from scheduler_svc.config import DraftLength
 from scheduler_svc.core.state import CoreState
-from scheduler_svc.output import Outputs
+from scheduler_svc.output import Event, Outputs
 from scheduler_svc.sequence import Finish, Sequence
 from scheduler_svc.speculation.acceptance import next_rate
 from scheduler_svc.speculation.length import Row, auto_lengths, fixed_lengths, worth_drafting
@@ -105,44 +105,50 @@ class Drafts(CoreState):
         self, step: Step, tokens: list[int], emitted: list[int], outputs: Outputs
     ) -> None:
         """The drafts' `tokens` (after the chunks' and the decodes'), `emitted[i]` of them for
-        draft i: each request kept still where it was planned keeps them up to the first that
-        ends it; its position advances by what the worker kept (the worker's own advance: a
-        request cut short finishes, and its KV goes), and the blocks past it (only rejected
-        positions, garbage the worker never counts as written) go back to the pool."""
-        if len(emitted) != len(step.drafts) or sum(emitted) != len(tokens):
+        draft i, into `outputs` for the requests still where they were planned; the others'
+        are dropped (preempted, moved or finished since)."""
+        drafts = step.drafts
+        if len(emitted) != len(drafts) or sum(emitted) != len(tokens):
+            raise ValueError(f"{len(tokens)} draft tokens, emitted {emitted}, {len(drafts)} drafts")
+        if any(not 1 <= n <= len(d.token_ids) + 1 for d, n in zip(drafts, emitted, strict=True)):
             raise ValueError(
-                f"{len(tokens)} draft tokens for emitted {emitted} of {len(step.drafts)} drafts"
+                f"emitted {emitted} for drafts of {[len(d.token_ids) for d in drafts]}"
             )
-        ws, at, finishes = self.workers[step.worker], 0, outputs.finishes
         assert outputs.tokens is not None
-        seqs, kept_tokens = list(outputs.tokens.seqs), list(outputs.tokens.tokens)
-        for draft, n in zip(step.drafts, emitted, strict=True):
+        ws, at = self.workers[step.worker], 0
+        seqs, kept = list(outputs.tokens.seqs), list(outputs.tokens.tokens)  # new lists: the
+        for draft, n in zip(drafts, emitted, strict=True):  # plain part's may be step.decodes
             got, at = tokens[at : at + n], at + n
             seq = draft.seq
-            if seq.handle != draft.handle or seq.worker != step.worker:
-                continue  # preempted, moved or finished since: its tokens are dropped
-            if not 1 <= n <= len(draft.token_ids) + 1:
-                raise ValueError(f"{n} tokens emitted for a draft of {len(draft.token_ids)}")
-            seq.drafting = False
-            self._count_draft(len(draft.token_ids), n - 1)
-            seq.acceptance = next_rate(seq.acceptance, len(draft.token_ids), n - 1)
-            keep = seq.kept(got)  # all of them, unless one ends it (then it finishes)
-            seq.num_computed += keep - 1  # past its input: the accepted tokens it keeps
-            seq.num_planned += keep - 1
-            seq.output_ids += got[:keep]
-            seqs += [seq] * keep
-            kept_tokens += got[:keep]
-            self.generated += keep
-            if keep and got[keep - 1] in seq.stop_ids:
-                finishes.append(self._finish(seq, Finish.STOP))
-            elif len(seq.output_ids) >= seq.output_limit:
-                finishes.append(self._finish(seq, Finish.LENGTH))
-            elif not self.reserve:
-                trimmed = ws.kv.trim(seq)
-                if trimmed is not None:
-                    ws.trims.append((seq.handle, trimmed))
-        outputs.tokens.seqs, outputs.tokens.tokens = seqs, kept_tokens  # new lists: the step's
-        # decodes may be the plain part's own list
+            if seq.handle == draft.handle and seq.worker == step.worker:
+                got = self._complete_draft(ws, draft, got, outputs.finishes)
+                seqs += [seq] * len(got)
+                kept += got
+        outputs.tokens.seqs, outputs.tokens.tokens = seqs, kept
+
+    def _complete_draft(
+        self, ws: WorkerState, draft: Draft, got: list[int], finishes: list[Event]
+    ) -> list[int]:
+        """One request's draft answer: it keeps the tokens up to the first that ends it (then
+        it finishes, and its KV goes); its position advances by what it kept (the worker's own
+        advance, when it runs on), and the blocks past it (only rejected positions, garbage the
+        worker never counts as written) go back to the pool. Returns the tokens kept."""
+        seq, drafted = draft.seq, len(draft.token_ids)
+        seq.drafting = False
+        self._count_draft(drafted, len(got) - 1)
+        seq.acceptance = next_rate(seq.acceptance, drafted, len(got) - 1)
+        got = got[: seq.kept(got)]
+        seq.num_computed += len(got) - 1  # past its input: the accepted tokens it keeps
+        seq.num_planned += len(got) - 1
+        seq.output_ids += got
+        self.generated += len(got)
+        if got[-1] in seq.stop_ids:
+            finishes.append(self._finish(seq, Finish.STOP))
+        elif len(seq.output_ids) >= seq.output_limit:
+            finishes.append(self._finish(seq, Finish.LENGTH))
+        elif not self.reserve and (keep := ws.kv.trim(seq)) is not None:
+            ws.trims.append((seq.handle, keep))
+        return got
 
     def _count_draft(self, drafted: int, accepted: int) -> None:
         """vLLM's counters: drafts, draft tokens, accepted tokens, accepted by position."""
