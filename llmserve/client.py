@@ -192,6 +192,12 @@ def status_dict(reply: scheduler_pb2.StatusReply) -> dict:
         "step_time_window",
         "decode_steps",
         "run_steps",
+        "speculative",
+        "num_speculative_tokens",
+        "speculative_length",
+        "spec_drafts",
+        "spec_draft_tokens",
+        "spec_accepted_tokens",
         "explanation_withheld",
     ]
     out = {k: getattr(reply, k) for k in keys}

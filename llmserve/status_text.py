@@ -18,7 +18,8 @@ def format_status(s: dict, explain: bool = False) -> str:
         f"  overlap {'on' if s['overlap'] else 'off'}"
         f"  prefix caching {'on' if s['prefix_caching'] else 'off'}"
         + time_budget_text(s)
-        + decode_steps_text(s),
+        + decode_steps_text(s)
+        + speculative_text(s),
         f"steps {s['steps']}  admitted {s['admitted']}  finished {s['finished']}"
         f"  preemptions {s['preemptions']}",
         f"waiting {s['waiting']} ({s['waiting_tokens']} tokens, oldest {s['oldest_wait_s']:.2f} s)"
@@ -72,6 +73,23 @@ def decode_steps_text(s: dict) -> str:
     if runs <= 1:
         return ""
     return f"  decode steps up to {runs} per step ({s.get('run_steps', 0)} such steps)"
+
+
+def speculative_text(s: dict) -> str:
+    """--speculative: the proposer, the longest draft, and how the drafts have done (vLLM's
+    acceptance rate and mean acceptance length)."""
+    mode = s.get("speculative", "off") or "off"
+    if mode == "off" and not s.get("spec_drafts"):
+        return ""
+    drafts, drafted = s.get("spec_drafts", 0), s.get("spec_draft_tokens", 0)
+    accepted = s.get("spec_accepted_tokens", 0)
+    rate = f"{accepted / drafted:.0%}" if drafted else "-"
+    length = f"{1 + accepted / drafts:.2f}" if drafts else "-"
+    return (
+        f"  speculative {mode} (up to {s.get('num_speculative_tokens', 0)}, "
+        f"{s.get('speculative_length', 'auto')}; {drafts} drafts, acceptance {rate}, "
+        f"mean length {length})"
+    )
 
 
 def held_over(s: dict) -> str:

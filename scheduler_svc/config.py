@@ -27,8 +27,23 @@ class QueuePolicy(StrEnum):
     DEADLINE = "deadline"  # earliest TTFT deadline that can still be met first
 
 
+class Speculative(StrEnum):
+    """Speculative decoding's proposer (scheduler_svc/speculation/)."""
+
+    OFF = "off"
+    NGRAM = "ngram"  # prompt lookup in the request's own prompt and output (vLLM's ngram)
+    SUFFIX = "suffix"  # a suffix index over recent requests' tokens, per prefix-cache salt
+    NGRAM_SUFFIX = "ngram+suffix"  # prompt lookup; the suffix index where it finds nothing
+
+
+class DraftLength(StrEnum):
+    FIXED = "fixed"  # --num-speculative-tokens whenever the proposal is that long
+    AUTO = "auto"  # per step, what maximises expected tokens per predicted second
+
+
 MAX_TIME_WINDOW = 64  # steps: --step-time-window's largest
 MAX_DECODE_STEPS = 32  # executions: --decode-steps's largest
+MAX_SPECULATIVE_TOKENS = 16  # --num-speculative-tokens's largest
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +90,28 @@ class CoreConfig:
         "within a priority level), deadline (the earliest TTFT deadline that can still be met "
         "first; those past theirs after, still served)",
     )
+    speculative: Speculative = setting(
+        Speculative.OFF,
+        "speculative decoding: running requests decode with a draft that the worker verifies "
+        "in one execution: ngram (prompt lookup in the request's own prompt and output), "
+        "suffix (an index over recent requests' tokens, per prefix-cache salt), ngram+suffix "
+        "(prompt lookup, the index where it finds nothing); the output is the same as without",
+    )
+    num_speculative_tokens: int = setting(
+        5, "the longest draft a request takes in one step (speculative decoding)"
+    )
+    speculative_length: DraftLength = setting(
+        DraftLength.AUTO,
+        "draft lengths: auto (each step, from the requests' acceptance rates and the worker's "
+        "step-time model, what maximises expected tokens per predicted second; 0 under load), "
+        "fixed (the longest the proposal and the limits allow)",
+    )
+    prompt_lookup_min: int = setting(
+        5, "the shortest n-gram of a request's end that a proposer matches (vLLM's name)"
+    )
+    prompt_lookup_max: int = setting(
+        5, "the longest n-gram of a request's end that a proposer matches, tried first"
+    )
 
     def __post_init__(self) -> None:
         if self.token_budget < 1:
@@ -91,6 +128,18 @@ class CoreConfig:
             raise ValueError(
                 f"decode_steps must be 1 to {MAX_DECODE_STEPS}, got {self.decode_steps}"
             )
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be 1 to {MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min {self.prompt_lookup_min} and prompt_lookup_max "
+                f"{self.prompt_lookup_max}: need 1 <= min <= max"
+            )
+        object.__setattr__(self, "speculative", Speculative(self.speculative))
+        object.__setattr__(self, "speculative_length", DraftLength(self.speculative_length))
         object.__setattr__(self, "policy", KvPolicy(self.policy))
         object.__setattr__(self, "mode", BatchMode(self.mode))
         object.__setattr__(self, "queue_policy", QueuePolicy(self.queue_policy))

@@ -160,6 +160,8 @@ def copy_of(core: Scheduler) -> Scheduler:
     admission stops at the head (nobody behind it starts before it), and the rest would be
     most of the copy's cost on a long queue."""
     memo: dict[int, object] = {id(core.clock): core.clock}
+    if core.proposer is not None:  # drafts come after admission: the copy plans none (and
+        memo[id(core.proposer)] = None  # copies no suffix index)
     for seq in core.seqs.values():
         memo[id(seq.sampling)] = seq.sampling
     if len(core.waiting) > 1:
@@ -212,7 +214,8 @@ def _budget_left(planned: Scheduler, step: Step | None) -> int | None:
     if planned.static or step is None:
         return None
     added = set(step.added)
-    spent = len(step.decodes) + sum(w.num_tokens for w in step.chunks if w.seq not in added)
+    spent = len(step.decodes) + len(step.drafts)  # a draft row's own token (its draft: leftover)
+    spent += sum(w.num_tokens for w in step.chunks if w.seq not in added)
     return planned.config.token_budget - spent
 
 

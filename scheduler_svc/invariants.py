@@ -4,12 +4,15 @@ After every step, per worker: free + written + reserved-but-unwritten = capacity
 free, evictable (cached, held by nobody) or held, and its reference count is the number of running
 requests' tables that list it; no request writes into a block another holds; every running
 request holds the KV its planned tokens need and has a handle of its own; a request prefilling
-there runs there; a waiting request holds none.
+there runs there; a waiting request holds none and has no draft in flight; a block of a running
+request's table is cached only if every token it holds is known (the prefix cache never keeps a
+draft's unverified positions).
 
 Of each planned step (`check_step`): it stays within the token budget; every work item belongs to
 a request running on that worker under the item's handle, at most once, and the blocks its
-positions need are the first blocks of that request's own table; every grant extends the table
-of a request running there.
+positions need are the first blocks of that request's own table (a draft's: its input and every
+draft position); a request whose draft is in flight is in no other work; a step with drafts runs
+once; every grant extends the table of a request running there.
 """
 
 from __future__ import annotations
@@ -71,6 +74,12 @@ def check_invariants(core: Scheduler) -> None:
                 not shared,
                 f"{s.request_id}: writes into block {shared[:1]} on {name}, which others hold",
             )
+            unknown = [b for b in table[s.num_tokens // bs :] if b in pool.key_of]
+            _require(
+                not unknown,
+                f"{s.request_id}: block {unknown[:1]} on {name} is cached but holds positions "
+                f"past its {s.num_tokens} known tokens",
+            )
             _require(
                 0 <= s.num_inflight <= 2 * core.longest_run and s.num_computed <= s.num_planned,
                 f"{s.request_id}: {s.num_planned} tokens known, {s.num_tokens} + {s.num_inflight} "
@@ -86,7 +95,8 @@ def check_invariants(core: Scheduler) -> None:
             and s.worker is None
             and s.num_computed == 0
             and s.num_planned == s.num_tokens
-            and s.handle == NO_HANDLE,
+            and s.handle == NO_HANDLE
+            and not s.drafting,
             f"{s.request_id}: waiting with status {s.status}, worker {s.worker}, "
             f"{s.num_computed} positions written",
         )
@@ -140,6 +150,20 @@ def check_step(core: Scheduler, step: Step) -> None:
     items = [(w.seq, w.handle, w.start + w.num_tokens) for w in step.chunks]
     decodes = zip(step.decodes, step.decode_handles, strict=True)
     items += [(s, h, s.num_computed) for s, h in decodes]  # a decode writes its last position
+    items += [(d.seq, d.handle, d.start + 1 + len(d.token_ids)) for d in step.drafts]
+    _require(not step.drafts or step.repeat <= 1, f"{name}: a step with drafts runs {step.repeat}")
+    drafted = {d.handle for d in step.drafts}
+    for seq, handle, _ in items:
+        _require(
+            not seq.drafting or handle in drafted,
+            f"{seq.request_id}: planned on {name} while its draft is in flight",
+        )
+    for d in step.drafts:
+        _require(
+            bool(d.token_ids) and d.start == d.seq.num_computed - 1 and d.seq.drafting,
+            f"{d.seq.request_id}: a draft of {len(d.token_ids)} at {d.start} on {name}, "
+            f"{d.seq.num_computed} positions computed",
+        )
     limit = sys.maxsize if core.static else core.config.token_budget
     _require(
         step.num_tokens <= limit, f"{name}: a step of {step.num_tokens} tokens, budget {limit}"

@@ -37,4 +37,6 @@ def step_message(number: int, step: Step) -> worker_pb2.Step:
             start_position=work.start,
             sample=work.sample,
         )
+    for draft in step.drafts:
+        msg.drafts.add(handle=draft.handle, token_ids=draft.token_ids)
     return msg

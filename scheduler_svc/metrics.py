@@ -26,7 +26,7 @@ from llmcommon.metrics_http import (
     serve_metrics,
 )
 from llmcommon.tenancy import DEFAULT_TENANT
-from scheduler_svc.config import QueuePolicy
+from scheduler_svc.config import QueuePolicy, Speculative
 from scheduler_svc.core import Scheduler
 from scheduler_svc.live_settings import NAMES
 from scheduler_svc.output import Snapshot, TenantCounts
@@ -162,6 +162,7 @@ def families(snap: Snapshot, core: Scheduler) -> Iterator[Metric]:
     yield from _counters(snap)
     yield from _workers(snap)
     yield from _prefix_cache(snap)
+    yield from _speculative(core)
     yield _setting_changes(core)
 
 
@@ -236,6 +237,38 @@ def _counters(snap: Snapshot) -> Iterator[Metric]:
     yield _total(
         "steps", "Executions planned (a step of several executions counts each)", snap.steps
     )
+
+
+def _speculative(core: Scheduler) -> Iterator[Metric]:
+    """Speculative decoding, under vLLM's names (spec_decode_*): acceptance rate =
+    accepted / draft tokens; mean acceptance length per draft = 1 + accepted / drafts."""
+    cfg = core.config
+    on = cfg.speculative is not Speculative.OFF
+    yield _gauge(
+        "spec_decode_num_speculative_tokens",
+        "The longest draft a request takes in a step (--num-speculative-tokens; 0 = off)",
+        cfg.num_speculative_tokens if on else 0,
+    )
+    yield _total(
+        "spec_decode_num_drafts", "Drafts verified (decodes with a draft)", core.spec_drafts
+    )
+    yield _total(
+        "spec_decode_num_draft_tokens", "Draft tokens proposed and verified", core.spec_draft_tokens
+    )
+    yield _total(
+        "spec_decode_num_accepted_tokens",
+        "Draft tokens the worker accepted",
+        core.spec_accepted_tokens,
+    )
+    per_pos = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by their position in the draft (0 = the first)",
+        labels=["position"],
+    )
+    counts = core.spec_accepted_per_pos
+    for pos in range(max(cfg.num_speculative_tokens, max(counts, default=-1) + 1)):
+        per_pos.add_metric([str(pos)], counts.get(pos, 0))
+    yield per_pos
 
 
 def _workers(snap: Snapshot) -> Iterator[Metric]:

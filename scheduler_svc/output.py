@@ -68,15 +68,27 @@ class StepLogprobs:
     items: list[tuple[str, object]]
 
     @staticmethod
-    def owners(step) -> list[str | None]:  # step: scheduler_svc.step.Step
+    def owners(
+        step, tokens: list[int] | None = None, emitted: list[int] | None = None
+    ) -> list[str | None]:  # step: scheduler_svc.step.Step
         """Whose logprobs each of the step's sampled tokens carries, in the worker's order
-        (sampling chunks, then decodes); None for a token that is dropped or not asked for."""
+        (sampling chunks, then decodes, then each draft's `emitted` tokens); None for a token
+        that is dropped (a draft's past the one that ends its request too) or not asked for.
+        Read before `complete`, which moves and finishes requests."""
         chunks = [(w.seq, w.handle) for w in step.chunks if w.sample]
         pairs = chunks + list(zip(step.decodes, step.decode_handles, strict=True))
-        return [
+        owners = [
             seq.request_id if seq.handle == handle and seq.sampling.logprobs is not None else None
             for seq, handle in pairs
         ]
+        at = len(owners)
+        for draft, n in zip(step.drafts, emitted or (), strict=False):
+            seq = draft.seq
+            asked = seq.handle == draft.handle and seq.sampling.logprobs is not None
+            keep = seq.kept((tokens or [])[at : at + n]) if asked else 0
+            owners += [seq.request_id] * keep + [None] * (n - keep)
+            at += n
+        return owners
 
 
 @dataclass(slots=True)

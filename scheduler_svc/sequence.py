@@ -7,6 +7,7 @@ from enum import Enum, StrEnum
 
 from llmcommon.sampling import SamplingParams
 from llmcommon.tenancy import Tenancy
+from scheduler_svc.speculation.acceptance import ACCEPT_PRIOR
 
 NO_HANDLE = -1
 
@@ -64,6 +65,10 @@ class Sequence:
     # its tokens are taken one execution at a time (logprobs, a grammar): never in a run of
     # several executions (--decode-steps)
     stepwise: bool = False
+    # speculative decoding: a step with its draft is in flight (its position is known only when
+    # it completes: it is planned into no other step before), and its running acceptance rate
+    drafting: bool = False
+    acceptance: float = ACCEPT_PRIOR
     # its tenant, priority and SLO class: what the queue's ordering reads (the gateway's)
     tenancy: Tenancy = field(default_factory=Tenancy)
 
@@ -93,6 +98,16 @@ class Sequence:
     def max_length(self, max_context: int) -> int:
         """The most positions this request can ever hold: what `reserve` sets aside."""
         return min(len(self.prompt_ids) + self.max_tokens, max_context)
+
+    def kept(self, tokens: list[int]) -> int:
+        """How many of `tokens`, appended to its output one after another, it keeps: up to the
+        first that ends it (a stop token, its length), that one included."""
+        room = self.output_limit - len(self.output_ids)
+        stops = self.stop_ids
+        for i, token in enumerate(tokens[:room]):
+            if token in stops:
+                return i + 1
+        return min(len(tokens), max(room, 0))
 
     @property
     def is_finished(self) -> bool:

@@ -230,6 +230,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             step_time_window=cfg.step_time_window,
             decode_steps=cfg.decode_steps,
             run_steps=self.core.run_steps,
+            speculative=cfg.speculative.value,
+            num_speculative_tokens=cfg.num_speculative_tokens,
+            speculative_length=cfg.speculative_length.value,
+            spec_drafts=self.core.spec_drafts,
+            spec_draft_tokens=self.core.spec_draft_tokens,
+            spec_accepted_tokens=self.core.spec_accepted_tokens,
         )
         reply.stalls.update(snap.stalls)
         reply.refused.update(snap.refused)

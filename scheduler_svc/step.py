@@ -34,6 +34,18 @@ class Work:
 
 
 @dataclass(slots=True)
+class Draft:
+    """A decode with a draft (speculative decoding): the worker feeds the request the token it
+    sampled last, at `start`, then `token_ids` at the positions after, in one execution, and
+    answers with the tokens it kept (1 to len(token_ids) + 1)."""
+
+    seq: Sequence
+    handle: int
+    start: int
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
 class Step:
     """What one worker executes next. Decodes carry no tokens: the worker feeds each request
     the token it sampled itself in the step before (it keeps it, with the block table and the
@@ -63,29 +75,37 @@ class Step:
     # executions of the decodes in this step (--decode-steps): each feeds the token it sampled
     # to the next; the worker answers with `repeat` groups of the decodes' tokens, in order
     repeat: int = 1
+    # decodes with a draft (speculative decoding; never with repeat > 1): their tokens follow
+    # the decodes' in the worker's answer, draft by draft, as many as it kept of each
+    drafts: list[Draft] = field(default_factory=list)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.decodes or self.chunks)
+        return bool(self.decodes or self.chunks or self.drafts)
 
     @property
     def num_requests(self) -> int:
-        return len(self.decodes) + len(self.chunks)
+        return len(self.decodes) + len(self.chunks) + len(self.drafts)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(w.num_tokens for w in self.chunks)
+        drafted = sum(1 + len(d.token_ids) for d in self.drafts) if self.drafts else 0
+        return len(self.decodes) + sum(w.num_tokens for w in self.chunks) + drafted
 
     @property
     def num_sampled(self) -> int:
-        return len(self.decodes) * self.repeat + sum(1 for w in self.chunks if w.sample)
+        """Tokens the worker returns at least (a draft row returns one or more)."""
+        sampled = len(self.decodes) * self.repeat + len(self.drafts)
+        return sampled + sum(1 for w in self.chunks if w.sample)
 
     def sampled_seqs(self) -> list[Sequence]:
-        """The requests whose tokens the worker returns, in its order."""
-        return [w.seq for w in self.chunks if w.sample] + self.decodes * self.repeat
+        """The requests whose tokens the worker returns, in its order (a draft row's first)."""
+        drafts = [d.seq for d in self.drafts]
+        return [w.seq for w in self.chunks if w.sample] + self.decodes * self.repeat + drafts
 
     def ran(self) -> dict[str, int]:
         """request id -> tokens processed in this step (all its executions)."""
         out = {s.request_id: self.repeat for s in self.decodes}
         out.update((w.seq.request_id, w.num_tokens) for w in self.chunks)
+        out.update((d.seq.request_id, 1 + len(d.token_ids)) for d in self.drafts)
         return out

@@ -56,6 +56,13 @@ class BatchShape:
         """One request's share: `n` tokens from position `start`."""
         return BatchShape(n, int(sample), start + n, n * start + n * (n + 1) // 2)
 
+    @staticmethod
+    def draft(start: int, k: int) -> BatchShape:
+        """A decode with a draft of `k` (speculative decoding): 1 + k tokens from `start`,
+        every row through the LM head (each verifies a draft token or samples the next)."""
+        n = 1 + k
+        return BatchShape(n, n, start + n, n * start + n * (n + 1) // 2)
+
     def __add__(self, other: BatchShape) -> BatchShape:
         return BatchShape(
             self.tokens + other.tokens,
@@ -124,4 +131,7 @@ def step_shape(step: Step) -> BatchShape:
     its request had computed up to when planned)."""
     items = [(w.start, w.num_tokens, w.sample) for w in step.chunks]
     items += [(s.num_computed - 1, 1, True) for s in step.decodes]
-    return BatchShape.of(items)
+    shape = BatchShape.of(items)
+    for draft in step.drafts:
+        shape += BatchShape.draft(draft.start, len(draft.token_ids))
+    return shape

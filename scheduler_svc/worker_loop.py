@@ -220,8 +220,18 @@ class WorkerLoop:
             for handle, why in result.failed.items():
                 log.warning("worker %s could not run request handle %d: %s", name, handle, why)
             events += self.core.fail_items(step, dict(result.failed), name)
+        tokens, emitted = list(result.tokens), list(result.emitted)
+        if not result.error and len(emitted) != len(step.drafts):
+            result.error = (
+                f"{len(emitted)} draft results for {len(step.drafts)} drafts (a worker that "
+                f"does not verify drafts? speculative decoding needs one that does)"
+            )
         # whose logprobs the tokens carry: read before `complete` moves or finishes requests
-        owners = StepLogprobs.owners(step) if result.logprobs and not result.error else []
+        owners = (
+            StepLogprobs.owners(step, tokens, emitted)
+            if result.logprobs and not result.error
+            else []
+        )
         if result.error:
             log.error(
                 "worker %s failed a step of %d requests: %s", name, step.num_requests, result.error
@@ -230,7 +240,7 @@ class WorkerLoop:
                 step, f"the model failed on this request's batch on {name} (see its log)"
             )
         else:
-            events += self.core.complete(step, list(result.tokens)).parts()
+            events += self.core.complete(step, tokens, emitted).parts()
         now = time.perf_counter()
         host.check()
         client.last_forward = result.forward_seconds

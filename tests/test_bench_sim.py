@@ -147,3 +147,17 @@ def test_the_simulated_scheduler_learns_each_workers_own_speed() -> None:
     # each model predicts its own worker's steps (the slow one's take twice as long)
     assert all(m["steps"] > 100 and m["error_p90"] < 0.15 for m in models)
     assert summarize(result)["itl_s"]["p90"] <= 0.011  # the slow worker's steps too
+
+
+def test_speculation_in_the_simulator_keeps_every_length_and_takes_fewer_steps() -> None:
+    """The simulated model repeats one token: prompt lookup drafts it, the simulator verifies
+    greedily; every request still ends at its length, in fewer steps at one stream."""
+    work = fixed(8, prompt_tokens=64, output_tokens=96, concurrency=1)
+    steps = {}
+    for mode in ("off", "ngram"):
+        settings = replace(SMALL, workers=1, max_running=1, speculative=mode)
+        sim = Simulation(settings, Policy.parse("continuous+paged"), COST)
+        result = sim.run(work, progress=False)
+        assert all(r.ok and r.completion_tokens == 96 for r in result.records)
+        steps[mode] = sim.steps
+    assert steps["ngram"] < steps["off"] / 4  # 5 plain steps, then drafts of 5 (6 a step)

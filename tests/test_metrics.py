@@ -44,6 +44,7 @@ LABELS = {
     "slo_class",  # configured with --slo-classes
     "met",
     "limit",
+    "position",  # of a draft token (speculative decoding): at most --num-speculative-tokens
     "le",
 }
 

@@ -159,6 +159,7 @@ def add_bench_parser(sub) -> None:
     _time_budget_flag(sim, "; the simulated scheduler's online model learns each simulated "
                       "worker's step times")  # fmt: skip
     _sweep_flags(sim, "at each load and policy")
+    _speculative_flags(sim)
     sim.add_argument("--max-running", type=int, default=256)
     sim.add_argument("--max-context", type=int, default=32768)
     sim.add_argument("--block-size", type=int, default=16)
@@ -281,6 +282,18 @@ def add_bench_parser(sub) -> None:
     _out_flags(core, "core")
     core.set_defaults(func=_cmd_core)
     add_tenants_parser(kinds)
+
+
+def _speculative_flags(p: argparse.ArgumentParser) -> None:
+    """The core's speculative decoding (the simulated worker verifies drafts greedily)."""
+    for name in ("speculative", "speculative_length"):
+        field = CoreConfig.__dataclass_fields__[name]
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            choices=[m.value for m in type(field.default)],
+            default=field.default.value,
+            help=help_of(CoreConfig, name),
+        )
 
 
 def _time_budget_flag(p: argparse.ArgumentParser, where: str) -> None:

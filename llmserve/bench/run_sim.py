@@ -378,4 +378,6 @@ def _read_settings(args: argparse.Namespace) -> SimSettings:
         speedup=args.speedup,
         step_overhead_s=args.step_overhead,
         worker_speeds=tuple(float(v) for v in args.sim_worker_speeds.split(",") if v),
+        speculative=getattr(args, "speculative", "off"),
+        speculative_length=getattr(args, "speculative_length", "auto"),
     )

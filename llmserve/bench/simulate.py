@@ -56,6 +56,8 @@ class SimSettings:
     step_overhead_s: float = 0.0  # added to every step (scheduling + RPC), virtual seconds
     status_every_s: float = 1.0  # virtual seconds between Status samples
     worker_speeds: tuple[float, ...] = ()  # per worker, x the speedup (2: twice as fast); () all 1
+    speculative: str = "off"  # the core's proposer (docs/speculative.md); drafts verified greedily
+    speculative_length: str = "auto"
 
     def __post_init__(self) -> None:
         if self.worker_speeds and len(self.worker_speeds) != self.workers:
@@ -74,6 +76,9 @@ class SimSettings:
             extra["step_time_window"] = self.step_time_window
         if policy.queue:
             extra["queue_policy"] = policy.queue
+        if self.speculative != "off":
+            extra["speculative"] = self.speculative
+            extra["speculative_length"] = self.speculative_length
         return CoreConfig(
             token_budget=self.token_budget,
             max_running=self.max_running,
@@ -240,9 +245,20 @@ class Simulation:
         finished: list[str] = []
         for index in done:
             run = self.inflight.pop(index)
-            tokens = [self._token(s) for s in run.step.sampled_seqs()]
+            step = run.step
+            drafts = getattr(step, "drafts", ())  # (a baseline revision's step has none)
+            plain = step.sampled_seqs()[: step.num_sampled - len(drafts)]
+            tokens = [self._token(s) for s in plain]
+            emitted = []
+            for draft in drafts:
+                kept = self._verify(draft.seq, draft.token_ids)
+                tokens += kept
+                emitted.append(len(kept))
             t = time.perf_counter()
-            outputs = self.core.complete(run.step, tokens)
+            if drafts:
+                outputs = self.core.complete(step, tokens, emitted)
+            else:
+                outputs = self.core.complete(step, tokens)
             completed = time.perf_counter() - t
             self.models.observe(index, run.shape, run.forward_s)
             self.core_s += completed
@@ -282,9 +298,20 @@ class Simulation:
             )
         return out
 
-    def _token(self, seq: Sequence) -> int:
-        ends = len(seq.output_ids) + 1 >= self.target[seq.request_id]
+    def _token(self, seq: Sequence, ahead: int = 0) -> int:
+        """The simulated model's next token (`ahead` tokens past its known output)."""
+        ends = len(seq.output_ids) + ahead + 1 >= self.target[seq.request_id]
         return EOS_ID if ends and not seq.ignore_eos else WORD_ID
+
+    def _verify(self, seq: Sequence, draft: list[int]) -> list[int]:
+        """A draft's tokens as greedy verification keeps them: the draft's while they are the
+        model's own, then the model's next."""
+        kept: list[int] = []
+        for token in draft:
+            if token != self._token(seq, len(kept)):
+                break
+            kept.append(token)
+        return kept + [self._token(seq, len(kept))]
 
     def _arrive(self, spec: RequestSpec, due: float) -> None:
         rid = str(spec.index)

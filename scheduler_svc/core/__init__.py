@@ -18,7 +18,8 @@ which cannot share, and it is the baseline the seed's figures compare against.
 
 The core is a folder: `state.py` holds what every concern shares; `membership.py` (workers in
 and out, live settings), `admission.py` (the queue's head: placement or a stall reason),
-`planning.py` (the running requests' next work), `runs.py` (what a step sampled; decode runs)
+`planning.py` (the running requests' next work), `drafts.py` (speculative decoding: drafts
+into a step, their results out, docs/speculative.md), `runs.py` (what a step sampled; decode runs)
 and `failures.py` (a worker's failed work and the KV it wrote) each hold one concern;
 `scheduler.py` puts them together. The waiting queue is `request_queue.py`'s type.
 """

@@ -27,6 +27,7 @@ class Failures(CoreState):
                 error = f"worker {where} could not run this request: {failed[seq.handle]}"
                 finishes.append(self._finish(seq, Finish.ERROR, error))
         step.chunks = [w for w in step.chunks if w.handle not in failed]
+        step.drafts = [d for d in step.drafts if d.handle not in failed]
         kept = [
             p for p in zip(step.decodes, step.decode_handles, strict=True) if p[1] not in failed
         ]
@@ -38,9 +39,13 @@ class Failures(CoreState):
         """The worker answered that this execution raised: fail its requests (re-queueing them
         would carry a request that breaks the model to every worker). Returns their finishes."""
         failed = []
-        self._distrust(step, {w.handle for w in step.chunks} | set(step.decode_handles))
-        for seq, handle in [(w.seq, w.handle) for w in step.chunks] + list(
-            zip(step.decodes, step.decode_handles, strict=True)
+        drafts = [(d.seq, d.handle) for d in step.drafts]
+        handles = {w.handle for w in step.chunks} | set(step.decode_handles)
+        self._distrust(step, handles | {handle for _, handle in drafts})
+        for seq, handle in (
+            [(w.seq, w.handle) for w in step.chunks]
+            + drafts
+            + list(zip(step.decodes, step.decode_handles, strict=True))
         ):
             if seq.handle == handle and not seq.is_finished:
                 failed.append(self._finish(seq, Finish.ERROR, error))
@@ -60,9 +65,11 @@ class Failures(CoreState):
             for w in step.chunks
             if w.handle in handles
         ]
-        failed += [  # a decode writes past the prompt
+        decodes = list(zip(step.decodes, step.decode_handles, strict=True))
+        decodes += [(d.seq, d.handle) for d in step.drafts]
+        failed += [  # a decode (with a draft or not) writes past the prompt
             self._failed_work(ws, seq, h, len(seq.prompt_ids), [])
-            for seq, h in zip(step.decodes, step.decode_handles, strict=True)
+            for seq, h in decodes
             if h in handles
         ]
         others = [s for s in ws.running if s.handle not in handles]

@@ -9,6 +9,7 @@ from scheduler_svc.core.state import CoreState
 from scheduler_svc.live_settings import stranded
 from scheduler_svc.request_queue import create_request_queue
 from scheduler_svc.sequence import NO_HANDLE, SeqStatus, Sequence
+from scheduler_svc.speculation.proposer import Proposer
 
 RUNNING, FINISHED = SeqStatus.RUNNING, SeqStatus.FINISHED
 
@@ -63,12 +64,14 @@ class Membership(CoreState):
         self.reserve = config.policy is KvPolicy.RESERVE
         self.static = config.mode is BatchMode.STATIC
         self.caching = config.prefix_caching and not self.reserve
+        self.proposer = Proposer.of(config, self.proposer)
         for ws in self.workers:
             ws.caching = self.caching
             ws.kv.set_caching(self.caching)
             for seq in ws.running if release else ():
-                if seq.handle == NO_HANDLE:
-                    continue  # finished since its last step: all its blocks go at the next
+                if seq.handle == NO_HANDLE or seq.drafting:
+                    continue  # finished since its last step: all its blocks go at the next;
+                    # drafting: its draft writes past its position, trimmed when it completes
                 keep = ws.kv.trim(seq)
                 if keep is not None:
                     ws.trims.append((seq.handle, keep))

@@ -30,8 +30,8 @@ class Planning(CoreState):
         held = ws.kv.held
         for seq in ws.running:  # a preemption removes from the end: safe to iterate
             computed, planned = seq.num_computed, seq.num_planned
-            if planned >= seq.max_planned:
-                continue  # finished, or its last token is in flight: nothing to compute
+            if planned >= seq.max_planned or seq.drafting:
+                continue  # finished, its last token in flight, or its draft: not known yet
             if computed >= held(seq) and not self._make_room(ws, seq, computed + 1, step):
                 continue  # it preempted itself
             seq.num_computed, seq.num_planned = computed + 1, planned + 1
@@ -52,14 +52,16 @@ class Planning(CoreState):
         timer, ahead, held = step.timer, 0, ws.kv.held
         if timer is not None:
             decoding = [
-                s for s in ws.running if s not in ws.prefilling and s.num_planned < s.max_planned
+                s
+                for s in ws.running
+                if s not in ws.prefilling and s.num_planned < s.max_planned and not s.drafting
             ]
             timer.add_decodes(sum(s.num_computed + 1 for s in decoding), len(decoding))
             ahead = len(decoding)
         for seq in ws.running:
             computed, planned = seq.num_computed, seq.num_planned
-            if planned >= seq.max_planned or step.budget == 0:
-                continue  # finished, its last token in flight, or no budget left
+            if planned >= seq.max_planned or step.budget == 0 or seq.drafting:
+                continue  # finished, its last token or its draft in flight, or no budget left
             if seq not in ws.prefilling:
                 if computed >= held(seq) and not self._make_room(ws, seq, computed + 1, step):
                     continue

@@ -12,11 +12,12 @@ from operator import attrgetter
 from llmcommon.request_checks import context_problem
 from llmcommon.sampling import SamplingParams
 from scheduler_svc.core.admission import Admission
+from scheduler_svc.core.drafts import Drafts
 from scheduler_svc.core.failures import Failures
 from scheduler_svc.core.membership import Membership
 from scheduler_svc.core.planning import Planning
 from scheduler_svc.core.runs import Runs
-from scheduler_svc.output import Event, Refused, Snapshot, TenantCounts
+from scheduler_svc.output import Event, Outputs, Refused, Snapshot, TenantCounts
 from scheduler_svc.reasons import RefusalReason
 from scheduler_svc.request_queue import RequestQueue
 from scheduler_svc.sequence import SeqStatus, Sequence
@@ -28,7 +29,7 @@ TENANT = attrgetter("tenancy.tenant")
 _NO_VICTIM = RequestQueue.victim  # an ordering that never preempts for its head
 
 
-class Scheduler(Membership, Admission, Planning, Runs, Failures):
+class Scheduler(Membership, Admission, Planning, Drafts, Runs, Failures):
     """The batching core: `add`/`abort` requests, `schedule(w)` before every execution of
     worker w, `complete(step, tokens)` after it, `snapshot()` for what it holds."""
 
@@ -116,6 +117,9 @@ class Scheduler(Membership, Admission, Planning, Runs, Failures):
             self._note_time_left(steps)
         else:
             self.time_full.clear()
+        if self.proposer is not None:  # drafts take what is left, after the time left is noted
+            for index, step in steps.items():
+                self._speculate(self.workers[index], step)
         if self.config.decode_steps > 1 and not self.waiting:
             for index, step in steps.items():
                 self._lengthen(self.workers[index], step)
@@ -136,6 +140,18 @@ class Scheduler(Membership, Admission, Planning, Runs, Failures):
                     ws.planned_s.extend([step.timer.predicted()] * step.repeat)
         return list(steps.values())
 
+    def complete(self, step: Step, tokens: list[int], emitted: list[int] | None = None) -> Outputs:
+        """Record what an execution sampled (`Runs.complete`): `tokens` in the step's order,
+        sampling chunks, then decodes, then each draft's, `emitted[i]` of them for draft i
+        (`Drafts._complete_drafts`)."""
+        if not step.drafts:
+            return Runs.complete(self, step, tokens)
+        plain = step.num_sampled - len(step.drafts)
+        outputs = Runs.complete(self, step, tokens[:plain])
+        assert outputs.tokens is not None
+        self._complete_drafts(step, tokens[plain:], list(emitted or ()), outputs)
+        return outputs
+
     def _charge(self, steps: Iterable[Step]) -> None:
         """Tell the queue the service each tenant's requests got in these steps (fair share).
         The decodes' split by tenant is counted again only when a step's decodes may differ
@@ -147,6 +163,8 @@ class Scheduler(Membership, Admission, Planning, Runs, Failures):
         for step in steps:
             for work in step.chunks:
                 prefill[work.seq.tenancy.tenant] += work.num_tokens
+            for draft in step.drafts:
+                decode[draft.seq.tenancy.tenant] += 1 + len(draft.token_ids)
             decodes = step.decodes
             if not decodes:
                 continue

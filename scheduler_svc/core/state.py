@@ -14,6 +14,7 @@ from scheduler_svc.output import Event
 from scheduler_svc.reasons import StallReason
 from scheduler_svc.request_queue import RequestQueue, create_request_queue
 from scheduler_svc.sequence import NO_HANDLE, Finish, SeqStatus, Sequence
+from scheduler_svc.speculation.proposer import Proposer
 from scheduler_svc.step import Step, Work
 from scheduler_svc.step_cost import BatchShape
 from scheduler_svc.step_model import BUILTIN_PRIOR, StepPredictor
@@ -61,6 +62,10 @@ class CoreState:
         self.setting_changes: Counter[str] = Counter()  # live changes applied, by setting
         self.longest_run = 1  # the most executions a step has been planned with (--decode-steps)
         self.run_steps = 0  # steps planned with several executions
+        # speculative decoding (--speculative): the proposer, and vLLM's counters of the drafts
+        self.proposer = Proposer.of(config)
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self.spec_accepted_per_pos: Counter[int] = Counter()  # draft position (0-based) -> kept
         # (head, admitted, finished, preemptions) when the head last found nobody to preempt,
         # and the workers it was asked for then
         self._found_nobody: tuple[tuple, set[int]] = ((), set())
@@ -93,7 +98,10 @@ class CoreState:
 
     def _finish(self, seq: Sequence, finish: Finish, error: str = "") -> Event:
         seq.status, seq.finish, seq.error = FINISHED, finish, error
+        seq.drafting = False  # planned into no step again: a draft in flight is dropped
         self.finished += 1
+        if self.proposer is not None:
+            self.proposer.learn(seq)
         if seq.worker is not None and seq.handle != NO_HANDLE:
             self.workers[seq.worker].done.append((seq, seq.handle))
             seq.handle, seq.max_planned = NO_HANDLE, 0
@@ -106,7 +114,7 @@ class CoreState:
         ws.kv.free(seq, keep_cache=cache)  # its recompute (or another request) may find these
         ws.released.append(seq.handle)
         seq.status, seq.worker, seq.handle = SeqStatus.WAITING, None, NO_HANDLE
-        seq.num_computed = 0
+        seq.num_computed, seq.drafting = 0, False
         seq.num_planned = seq.num_tokens
         seq.preemptions += 1
         self.preemptions += 1
