@@ -31,12 +31,12 @@ def prompts(n: int, blocks: int, seed: int) -> list[list[int]]:
 def decision_us(cells: int, policy: RoutePolicy, keys: list[list[int]], reps: int) -> list[float]:
     router = Router([f"cell{i}" for i in range(cells)], RouterSettings(policy=policy))
     for k in keys:  # warm: every prompt routed once, so matches are found
-        router.done(router.route(k))
+        router.done(router.route(k, 2048, 128))
     times = []
     for _ in range(reps):
         for k in keys:
             t = time.perf_counter()
-            router.done(router.route(k, session="s"))
+            router.done(router.route(k, 2048, 128, session="s"))
             times.append(1e6 * (time.perf_counter() - t))
     return times
 

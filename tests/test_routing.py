@@ -48,12 +48,22 @@ def test_a_prompt_matching_nothing_goes_to_the_least_loaded_cell():
 
 
 def test_unbalanced_loads_override_the_match():
-    r = router(balance_abs_threshold=2, balance_rel_threshold=1.5)
-    prompt = ids(1, 8 * BS)
-    placed = [r.route(prompt_keys(prompt, BS)) for _ in range(3)]  # the match keeps them there
-    assert {p.cell for p in placed} == {placed[0].cell}
-    fourth = r.route(prompt_keys(prompt, BS))  # 3 in flight there, 0 elsewhere: unbalanced
-    assert fourth.reason is Reason.LOAD and fourth.cell != placed[0].cell
+    r = router(balance_abs_threshold=200, balance_rel_threshold=1.5, load_weight=0.1)
+    keys = prompt_keys(ids(1, 8 * BS), BS)
+    first = r.route(keys, 8 * BS, 40)  # 168 tokens of work: nothing cached
+    second = r.route(keys, 8 * BS, 40)  # its prompt cached there: 40 more
+    assert (second.cell, second.reason, second.weight) == (first.cell, Reason.MATCH, 40)
+    third = r.route(keys, 8 * BS, 40)  # 208 in flight there, 0 elsewhere: unbalanced
+    assert third.reason is Reason.LOAD and third.cell != first.cell
+
+
+def test_a_cell_loaded_past_what_its_cache_saves_loses_to_an_idle_one():
+    r = router()  # load_weight 1: a cell's load in tokens weighs what its cache saves
+    keys = prompt_keys(ids(1, 8 * BS), BS)
+    placed = r.route(keys, 8 * BS, 16)
+    r.report_load(placed.cell, 400)  # busy with others' requests
+    moved = r.route(keys, 8 * BS, 16)
+    assert moved.cell != placed.cell and moved.reason is Reason.LOAD
 
 
 def test_a_dead_cell_is_routed_around_and_the_route_says_fallback():

@@ -4,12 +4,14 @@ cache-aware (after SGLang's cache_aware policy and vLLM production stack's score
 1. loads unbalanced (the most loaded cell's load exceeds the least loaded's by more than
    `balance_abs_threshold` and by more than `balance_rel_threshold` times): the least loaded;
 2. no live cell holds `cache_threshold` of the prompt's blocks: the least loaded;
-3. else the best score, matched share - `load_weight` x load / the most loaded cell's load.
+3. else the best score, matched share - `load_weight` x load / the request's own tokens (the
+   least loaded cell, when it scores best, makes the route LOAD).
 least-loaded: the least loaded (ties in turn); round-robin: in turn; session: rendezvous
 hashing of the session over the live cells (the least loaded when the request has none).
 
-A cell's load is the work the router has routed there and not yet seen finish (each request
-its `weight`, 1 by default), plus what the cell reports beyond that (other gateways' requests).
+A cell's load is the work the router has routed there and not yet seen finish (each request its
+prompt tokens not cached there and its output tokens), plus what the cell reports beyond that
+(other gateways' requests).
 A route that avoided a dead, hung or excluded cell it would have chosen says FALLBACK.
 """
 
@@ -119,12 +121,15 @@ class Router:
     def route(
         self,
         keys: list[int],
+        prompt_tokens: int = 0,
+        output_tokens: int = 0,
         session: str = "",
         exclude: frozenset[str] = frozenset(),
-        weight: float = 1.0,
     ) -> Route | None:
-        """The cell for a request whose prompt has block keys `keys` (prompt_keys), or None
-        when no live cell is left; the route counts in the cell's load until `done`."""
+        """The cell for a request whose prompt has block keys `keys` (prompt_keys) of its
+        `prompt_tokens`, asking for up to `output_tokens`; None when no live cell is left. The
+        route adds its work (the prompt tokens not cached there and the output, at least 1) to
+        the cell's load until `done`."""
         among = self.alive_mask
         for name in exclude:
             slot = self.slots.get(name)
@@ -132,15 +137,18 @@ class Router:
                 among &= ~(1 << slot)
         if not among:
             return None
-        preferred = None if among == self.members else self._would_choose(keys, session)
+        size = float(max(1, prompt_tokens + output_tokens))
+        preferred = None if among == self.members else self._would_choose(keys, session, size)
         depths = self.index.depths(keys, among)
-        slot, reason = self._choose(among, depths, len(keys), session)
+        slot, reason = self._choose(among, depths, len(keys), session, size)
         if preferred is not None and not among >> preferred & 1:
             reason = Reason.FALLBACK
         self.index.insert(slot, keys)
+        matched = _depth_of(depths, slot)
+        cached = min(prompt_tokens, matched * self.settings.block_size)
+        weight = float(max(1, prompt_tokens - cached + output_tokens))
         self.inflight[slot] += weight
         self.loads[slot] += weight
-        matched = _depth_of(depths, slot)
         return Route(self.names[slot], reason, matched, len(keys), weight)  # type: ignore[arg-type]
 
     def done(self, route: Route) -> None:
@@ -151,7 +159,7 @@ class Router:
             self.loads[slot] = self.inflight[slot] + self.extra[slot]
 
     def _choose(
-        self, among: int, depths: list[tuple[int, int]], blocks: int, session: str
+        self, among: int, depths: list[tuple[int, int]], blocks: int, session: str, size: float
     ) -> tuple[int, Reason]:
         policy = self.settings.policy
         live, digests = self._slots(among)
@@ -161,15 +169,19 @@ class Router:
         if policy is RoutePolicy.SESSION and session:
             return _rendezvous(session, live, digests), Reason.SESSION
         if policy is RoutePolicy.CACHE_AWARE:
-            chosen = self._by_match(live, depths, blocks)
+            chosen = self._by_match(live, depths, blocks, size)
             if chosen is not None:
                 return chosen, Reason.MATCH
         return self._least_loaded(live), Reason.LOAD
 
-    def _by_match(self, live: list[int], depths: list[tuple[int, int]], blocks: int) -> int | None:
-        """cache-aware's choice, or None to route by load. Of the cells that match, only the
-        deepest can score best (within a depth the least loaded does), and of the others the
-        least loaded cell: those two are scored."""
+    def _by_match(
+        self, live: list[int], depths: list[tuple[int, int]], blocks: int, size: float
+    ) -> int | None:
+        """cache-aware's choice, or None to route by load. Each cell scores its matched share
+        of the prompt's blocks less `load_weight` x its load relative to this request's size
+        (its prompt and output tokens): a cell is worth its load in work for the prompt it
+        would not recompute. Within a depth the least loaded scores best, so one cell a depth
+        is scored, and the least loaded cell of all."""
         s, loads = self.settings, self.loads
         if not depths or depths[-1][0] < s.cache_threshold * blocks:
             return None
@@ -178,12 +190,20 @@ class Router:
         lo, hi = loads[idle], max(map(load, live))
         if hi - lo > s.balance_abs_threshold and hi > s.balance_rel_threshold * lo:
             return None
-        depth, mask = depths[-1]
-        best = idle if mask >> idle & 1 else min(bits(mask), key=load)
-        scale, beta = max(hi, 1.0), s.load_weight
-        ours = depth / blocks - beta * loads[best] / scale
-        theirs = _depth_of(depths, idle) / blocks - beta * lo / scale
-        return best if ours >= theirs else idle
+        beta = s.load_weight / size
+        # a prefix that several cells hold is one every cell soon holds (a shared system
+        # prompt): the least loaded is credited with it, so that it spreads new conversations
+        shared = max((d for d, mask in depths if mask & (mask - 1)), default=0)
+        held = _depth_of(depths, idle)
+        best, score = idle, (max(held, shared) / blocks - beta * lo, held)
+        for depth, mask in depths:  # (equal scores: the cell that holds more)
+            slot = idle if mask >> idle & 1 else min(bits(mask), key=load)
+            mine = (depth / blocks - beta * loads[slot], depth)
+            if mine > score:
+                best, score = slot, mine
+        if _depth_of(depths, best) < s.cache_threshold * blocks:
+            return None  # (the least loaded won: by load)
+        return best
 
     def _least_loaded(self, live: list[int]) -> int:
         """The least loaded of `live`; among equals, the next in turn."""
@@ -200,11 +220,11 @@ class Router:
             self._live = (mask, slots, [self.digests[s] for s in slots])
         return self._live[1], self._live[2]
 
-    def _would_choose(self, keys: list[int], session: str) -> int:
+    def _would_choose(self, keys: list[int], session: str, size: float) -> int:
         """Where the request would go were every cell up (nothing changed): for FALLBACK."""
         everyone, turn, live = self.members, self.turn, self._live
         depths = self.index.depths(keys, everyone)
-        slot, _ = self._choose(everyone, depths, len(keys), session)
+        slot, _ = self._choose(everyone, depths, len(keys), session, size)
         self.turn, self._live = turn, live
         return slot
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from llmcommon.flags import setting
+
 
 class RoutePolicy(Enum):
     CACHE_AWARE = "cache-aware"  # the cell that cached most of the prompt, unless loads say no
@@ -16,20 +18,32 @@ class RoutePolicy(Enum):
 
 @dataclass(frozen=True, slots=True)
 class RouterSettings:
-    policy: RoutePolicy = RoutePolicy.CACHE_AWARE
-    # cache-aware: below this share of the prompt's blocks matched in any cell, route by load
-    cache_threshold: float = 0.3
-    # cache-aware: loads are unbalanced (route to the least loaded, whatever the match) when the
-    # most loaded cell's load exceeds the least loaded's by more than `balance_abs_threshold`
-    # and by more than `balance_rel_threshold` times
-    balance_abs_threshold: float = 8.0
-    balance_rel_threshold: float = 1.5
-    # cache-aware: score = matched share - load_weight x (load / the most loaded cell's)
-    load_weight: float = 0.5
-    # per cell, at most this many block keys remembered (least recently routed forgotten first)
-    index_blocks: int = 32768
-    # at most this many leading blocks of a prompt are keyed (bounds the hashing per request)
-    max_prompt_blocks: int = 1024
+    policy: RoutePolicy = setting(
+        RoutePolicy.CACHE_AWARE,
+        "how a request's cell is chosen: cache-aware (the cell that cached most of its prompt, "
+        "unless loads are unbalanced), least-loaded, round-robin, session (a conversation id or "
+        "the user sticks to a cell)",
+    )
+    cache_threshold: float = setting(
+        0.3, "cache-aware: below this share of the prompt's blocks matched in a cell, by load"
+    )
+    balance_abs_threshold: float = setting(
+        4096.0,
+        "cache-aware: loads are unbalanced (the least loaded cell, whatever the match) when the "
+        "most loaded cell's load (tokens of work in flight) exceeds the least loaded's by more "
+        "than this...",
+    )
+    balance_rel_threshold: float = setting(1.5, "... and by more than this many times")
+    load_weight: float = setting(
+        1.0,
+        "cache-aware: score = matched share - this x load / the request's tokens (prompt and "
+        "output): at 1, a cell's load in tokens of work weighs what its cache saves",
+    )
+    block_size: int = setting(16, "the cells' KV block size, in tokens (from their status)")
+    index_blocks: int = setting(
+        32768, "per cell, at most this many block keys remembered (the oldest forgotten first)"
+    )
+    max_prompt_blocks: int = setting(1024, "at most this many leading blocks of a prompt keyed")
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, RoutePolicy):
@@ -40,8 +54,8 @@ class RouterSettings:
             raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
         if self.load_weight < 0:
             raise ValueError(f"load_weight must be >= 0, got {self.load_weight}")
-        if self.index_blocks < 1 or self.max_prompt_blocks < 1:
-            raise ValueError("index_blocks and max_prompt_blocks must be >= 1")
+        if self.index_blocks < 1 or self.max_prompt_blocks < 1 or self.block_size < 1:
+            raise ValueError("index_blocks, max_prompt_blocks and block_size must be >= 1")
 
 
 def parse_policy(text: str) -> RoutePolicy:
