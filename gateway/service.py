@@ -7,6 +7,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 
 import grpc
 
@@ -17,6 +18,7 @@ from gateway.core import Delta, Finish, GatewayCore, GenerateInput
 from gateway.generation_errors import GenerationError
 from gateway.usage import Tally
 from llmcommon.auth import internal_token, internal_token_of
+from llmcommon.protocol import CELL_KEY, ROUTE_KEY, SESSION_KEY
 from llmcommon.sampling_wire import params_of
 from llmcommon.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 
@@ -110,18 +112,31 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             _refuse(context, grpc.StatusCode.UNAUTHENTICATED, API_KEY_REFUSAL)
             return
         rid = uuid.uuid4().hex
-        jobs = choice_inputs(generate_input(request), _n(request))
+        session = dict(context.invocation_metadata() or ()).get(SESSION_KEY, "")
+        job = replace(generate_input(request), session=str(session))
+        jobs = choice_inputs(job, _n(request))
         streams = [
             self.core.generate(job, context.time_remaining, f"{rid}-{i}" if i else rid, key)
             for i, job in enumerate(jobs)
         ]
         # closed here, not when collected: a client that left frees its KV at the next step
+        routes: dict[int, tuple[str, str]] = {}
         async with aclosing(merged(streams)) as events:
             try:
                 async for index, event in events:
+                    if isinstance(event, Finish) and event.cell:
+                        routes[index] = (event.cell, event.route)
                     yield _message(request, index, event)
             except GenerationError as err:
                 _refuse(context, err.code, err.message)
+        if routes:
+            ordered = [routes[i] for i in sorted(routes)]
+            context.set_trailing_metadata(
+                (
+                    (CELL_KEY, ",".join(cell for cell, _ in ordered)),
+                    (ROUTE_KEY, ",".join(why for _, why in ordered)),
+                )
+            )
 
 
 def withhold_cache_figures(reply: scheduler_pb2.StatusReply) -> None:
