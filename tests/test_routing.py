@@ -13,6 +13,8 @@ CELLS = ["a", "b", "c", "d"]
 
 
 def router(policy: RoutePolicy = RoutePolicy.CACHE_AWARE, **kw) -> Router:
+    """Loads of the work in flight only, unless the test says otherwise."""
+    kw.setdefault("recent_half_life_s", 0.0)
     return Router(CELLS, RouterSettings(policy=policy, **kw))
 
 
@@ -74,9 +76,15 @@ def test_a_dead_cell_is_routed_around_and_the_route_says_fallback():
     r.set_alive(first.cell, False)
     again = r.route(prompt_keys(prompt, BS))
     assert again.cell != first.cell and again.reason is Reason.FALLBACK
+    r.done(again)
     r.set_alive(first.cell, True)
-    back = r.route(prompt_keys(prompt, BS))
-    assert back.cell == first.cell and back.reason is Reason.MATCH
+    longer = prompt_keys(ids(2, 8 * BS), BS)  # one cell holds it: its next turn goes there
+    held = r.route(longer)
+    r.done(held)
+    r.set_alive(held.cell, False)
+    r.set_alive(held.cell, True)
+    back = r.route(prompt_keys(ids(2, 8 * BS) + ids(3, 2 * BS), BS))
+    assert back.cell == held.cell and back.reason is Reason.MATCH
 
 
 def test_excluded_cells_are_not_chosen_and_none_when_no_cell_is_left():
@@ -101,6 +109,23 @@ def test_least_loaded_counts_the_routes_not_done_and_the_cells_reports():
     r.report_load("a", 10)  # a says 10: its 1 from this router and 9 from other gateways
     assert r.load("a") == 10
     assert "a" not in {r.route([]).cell for _ in range(3)}
+
+
+def test_work_sent_lately_counts_in_a_load_and_halves_every_half_life():
+    now = [0.0]
+    r = Router(
+        CELLS,
+        RouterSettings(RoutePolicy.LEAST_LOADED, recent_half_life_s=10.0),
+        clock=lambda: now[0],
+    )
+    first = r.route([], 100, 0)
+    r.done(first)
+    assert r.load(first.cell) == 100  # finished, but its conversation may come back
+    now[0] = 10.0
+    assert r.load(first.cell) == 50
+    assert r.route([], 100, 0).cell != first.cell  # the others took nothing lately
+    now[0] = 1000.0  # (past the rebase: the figures stay exact)
+    assert r.load(first.cell) < 1e-20
 
 
 def test_a_session_sticks_to_one_cell_and_moves_only_when_it_dies():

@@ -12,8 +12,9 @@ keys are always touched together, so a cell's set is prefix-closed: if it holds 
 it holds keys 0..d. Matching therefore binary-searches where cells drop out along the prompt
 instead of walking every block: O(depths x log blocks) lookups, whatever the number of cells.
 
-Memory: at most cells x `capacity` keys, each in one of its cell's sets and in the mask dict
-(about 150 bytes a key in CPython; docs/cells.md gives the figure measured).
+Memory: at most cells x `capacity` keys, each in one of its cell's sets and in the mask dict,
+and as many branch points at most (about 170 bytes a key in CPython; docs/cells.md gives the
+figure measured).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class PrefixIndex:
         self.capacity = capacity
         self.cells: dict[int, _CellKeys] = {}
         self.masks: dict[int, int] = {}  # key -> bit mask of the slots that have it
+        # keys where a routed prompt's match ended and the prompt went on with blocks of its
+        # own: branch points, as a shared system prompt is (cleared when it outgrows the keys)
+        self.branches: set[int] = set()
 
     def add_cell(self, slot: int) -> None:
         self.cells.setdefault(slot, _CellKeys())
@@ -70,6 +74,17 @@ class PrefixIndex:
         if 2 * len(cell.young) >= self.capacity:
             self._clear(cell.old, bit)
             cell.old, cell.young = cell.young, set()
+
+    def branched(self, key: int) -> None:
+        """A prompt matched up to `key`, then went on with its own blocks."""
+        if len(self.branches) >= max(len(self.masks), 1024):
+            self.branches.clear()
+        self.branches.add(key)
+
+    def shared(self, key: int, mask: int) -> bool:
+        """Is the prefix ending at `key` (held by the slots of `mask`) a shared one: held by
+        several cells, or a branch point already?"""
+        return bool(mask & (mask - 1)) or key in self.branches
 
     def forget(self, slot: int, keys: list[int]) -> None:
         """`slot` reports these keys evicted."""

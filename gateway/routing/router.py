@@ -11,12 +11,16 @@ hashing of the session over the live cells (the least loaded when the request ha
 
 A cell's load is the work the router has routed there and not yet seen finish (each request its
 prompt tokens not cached there and its output tokens), plus what the cell reports beyond that
-(other gateways' requests).
+(other gateways' requests), plus the work it was sent lately, halving every
+`recent_half_life_s`: conversations stick to the cell of their history, so the cell that took
+many lately will be sent their next turns, in flight or not yet.
 A route that avoided a dead, hung or excluded cell it would have chosen says FALLBACK.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from itertools import compress, repeat
@@ -48,15 +52,23 @@ class Route:
 
 
 class Router:
-    def __init__(self, cells: list[str], settings: RouterSettings | None = None) -> None:
+    def __init__(
+        self,
+        cells: list[str],
+        settings: RouterSettings | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.settings = settings or RouterSettings()
+        self.clock = clock
         self.index = PrefixIndex(self.settings.index_blocks)
         self.slots: dict[str, int] = {}
         self.names: list[str | None] = []
         self.digests: list[int] = []
         self.inflight: list[float] = []  # per slot: the weights routed and not done
         self.extra: list[float] = []  # per slot: the load it reports beyond this router's own
-        self.loads: list[float] = []  # per slot: inflight + extra
+        self.recent: list[float] = []  # per slot: work sent lately, x 2^((now - base) / half-life)
+        self.base = clock()
+        self.loads: list[float] = []  # per slot: inflight + extra + recent (as of the last route)
         self.alive_mask = 0
         self.members = 0  # bit mask of the slots that name a cell
         self.turn = 0
@@ -74,10 +86,11 @@ class Router:
         free = [s for s, n in enumerate(self.names) if n is None]
         slot = free[0] if free else len(self.names)
         if not free:
-            for column in (self.names, self.digests, self.inflight, self.extra, self.loads):
+            columns = (self.names, self.digests, self.inflight, self.extra, self.recent, self.loads)
+            for column in columns:
                 column.append(0)  # type: ignore[arg-type]
         self.names[slot], self.digests[slot] = name, digest64(name)
-        self.inflight[slot] = self.extra[slot] = self.loads[slot] = 0.0
+        self.inflight[slot] = self.extra[slot] = self.recent[slot] = self.loads[slot] = 0.0
         self.slots[name] = slot
         self.index.add_cell(slot)
         self.alive_mask |= 1 << slot
@@ -106,10 +119,29 @@ class Router:
         """The cell's own figure for its load (all gateways' requests, same unit as weights)."""
         slot = self.slots[name]
         self.extra[slot] = max(0.0, load - self.inflight[slot])
-        self.loads[slot] = self.inflight[slot] + self.extra[slot]
 
     def load(self, name: str) -> float:
-        return self.loads[self.slots[name]]
+        slot, f = self.slots[name], self._decay()  # (first: it may rebase `recent`)
+        return self.inflight[slot] + self.extra[slot] + self.recent[slot] * f
+
+    def _decay(self) -> float:
+        """What work sent at `base` still counts now (recent work is stored as of `base`)."""
+        half = self.settings.recent_half_life_s
+        if not half:
+            return 0.0
+        ages = (self.clock() - self.base) / half
+        if ages > 32:  # rebase before the stored figures grow past what a float holds well
+            self.recent = [r * 2.0**-ages for r in self.recent]
+            self.base, ages = self.clock(), 0.0
+        return 2.0**-ages
+
+    def _refresh_loads(self) -> float:
+        """Every slot's load now; the decay factor."""
+        f = self._decay()
+        self.loads = [
+            a + b + r * f for a, b, r in zip(self.inflight, self.extra, self.recent, strict=True)
+        ]
+        return f
 
     def configure(self, settings: RouterSettings) -> None:
         """Live: new thresholds or policy; the index is kept (resized from the next insert)."""
@@ -137,18 +169,22 @@ class Router:
                 among &= ~(1 << slot)
         if not among:
             return None
+        decay = self._refresh_loads()
         size = float(max(1, prompt_tokens + output_tokens))
         preferred = None if among == self.members else self._would_choose(keys, session, size)
         depths = self.index.depths(keys, among)
-        slot, reason = self._choose(among, depths, len(keys), session, size)
+        slot, reason = self._choose(among, depths, keys, session, size)
         if preferred is not None and not among >> preferred & 1:
             reason = Reason.FALLBACK
-        self.index.insert(slot, keys)
         matched = _depth_of(depths, slot)
+        if 0 < matched < len(keys):
+            self.index.branched(keys[matched - 1])
+        self.index.insert(slot, keys)
         cached = min(prompt_tokens, matched * self.settings.block_size)
         weight = float(max(1, prompt_tokens - cached + output_tokens))
         self.inflight[slot] += weight
-        self.loads[slot] += weight
+        if decay:
+            self.recent[slot] += weight / decay
         return Route(self.names[slot], reason, matched, len(keys), weight)  # type: ignore[arg-type]
 
     def done(self, route: Route) -> None:
@@ -156,10 +192,9 @@ class Router:
         slot = self.slots.get(route.cell)
         if slot is not None:
             self.inflight[slot] = max(0.0, self.inflight[slot] - route.weight)
-            self.loads[slot] = self.inflight[slot] + self.extra[slot]
 
     def _choose(
-        self, among: int, depths: list[tuple[int, int]], blocks: int, session: str, size: float
+        self, among: int, depths: list[tuple[int, int]], keys: list[int], session: str, size: float
     ) -> tuple[int, Reason]:
         policy = self.settings.policy
         live, digests = self._slots(among)
@@ -169,41 +204,41 @@ class Router:
         if policy is RoutePolicy.SESSION and session:
             return _rendezvous(session, live, digests), Reason.SESSION
         if policy is RoutePolicy.CACHE_AWARE:
-            chosen = self._by_match(live, depths, blocks, size)
+            chosen = self._by_match(live, depths, keys, size)
             if chosen is not None:
                 return chosen, Reason.MATCH
         return self._least_loaded(live), Reason.LOAD
 
     def _by_match(
-        self, live: list[int], depths: list[tuple[int, int]], blocks: int, size: float
+        self, live: list[int], depths: list[tuple[int, int]], keys: list[int], size: float
     ) -> int | None:
         """cache-aware's choice, or None to route by load. Each cell scores its matched share
         of the prompt's blocks less `load_weight` x its load relative to this request's size
         (its prompt and output tokens): a cell is worth its load in work for the prompt it
-        would not recompute. Within a depth the least loaded scores best, so one cell a depth
-        is scored, and the least loaded cell of all."""
-        s, loads = self.settings, self.loads
+        would not recompute. The deepest match's least loaded cell is scored against the least
+        loaded cell of all, credited with the shared prefix it would soon hold."""
+        s, loads, blocks = self.settings, self.loads, len(keys)
         if not depths or depths[-1][0] < s.cache_threshold * blocks:
             return None
         load = loads.__getitem__
-        idle = min(live, key=load)
+        idle = self._least_loaded(live)  # (among equals, the next in turn)
         lo, hi = loads[idle], max(map(load, live))
         if hi - lo > s.balance_abs_threshold and hi > s.balance_rel_threshold * lo:
             return None
         beta = s.load_weight / size
-        # a prefix that several cells hold is one every cell soon holds (a shared system
-        # prompt): the least loaded is credited with it, so that it spreads new conversations
-        shared = max((d for d, mask in depths if mask & (mask - 1)), default=0)
-        held = _depth_of(depths, idle)
-        best, score = idle, (max(held, shared) / blocks - beta * lo, held)
-        for depth, mask in depths:  # (equal scores: the cell that holds more)
-            slot = idle if mask >> idle & 1 else min(bits(mask), key=load)
-            mine = (depth / blocks - beta * loads[slot], depth)
-            if mine > score:
-                best, score = slot, mine
-        if _depth_of(depths, best) < s.cache_threshold * blocks:
-            return None  # (the least loaded won: by load)
-        return best
+        # a shared prefix (a system prompt: several cells hold it, or other prompts branched
+        # off where this one does) is one every cell soon holds: the least loaded is credited
+        # with it, so that new conversations spread; a history only one cell holds, and that
+        # only its own next turn extends, is not
+        shared = max((d for d, mask in depths if self.index.shared(keys[d - 1], mask)), default=0)
+        depth, mask = depths[-1]
+        if depth <= shared:
+            return None  # only a shared prefix matches: by load
+        best = idle if mask >> idle & 1 else min(bits(mask), key=load)
+        held = max(_depth_of(depths, idle), shared)
+        if depth / blocks - beta * loads[best] >= held / blocks - beta * lo:
+            return best
+        return None  # (the least loaded scores best: by load)
 
     def _least_loaded(self, live: list[int]) -> int:
         """The least loaded of `live`; among equals, the next in turn."""
@@ -224,7 +259,7 @@ class Router:
         """Where the request would go were every cell up (nothing changed): for FALLBACK."""
         everyone, turn, live = self.members, self.turn, self._live
         depths = self.index.depths(keys, everyone)
-        slot, _ = self._choose(everyone, depths, len(keys), session, size)
+        slot, _ = self._choose(everyone, depths, keys, session, size)
         self.turn, self._live = turn, live
         return slot
 

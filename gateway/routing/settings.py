@@ -39,6 +39,11 @@ class RouterSettings:
         "cache-aware: score = matched share - this x load / the request's tokens (prompt and "
         "output): at 1, a cell's load in tokens of work weighs what its cache saves",
     )
+    recent_half_life_s: float = setting(
+        30.0,
+        "the work a cell was sent lately counts in its load, halving every this many seconds "
+        "(its conversations' next turns will follow); 0 = only the work in flight",
+    )
     block_size: int = setting(16, "the cells' KV block size, in tokens (from their status)")
     index_blocks: int = setting(
         32768, "per cell, at most this many block keys remembered (the oldest forgotten first)"
@@ -52,6 +57,8 @@ class RouterSettings:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
+        if self.recent_half_life_s < 0:
+            raise ValueError(f"recent_half_life_s must be >= 0, got {self.recent_half_life_s}")
         if self.load_weight < 0:
             raise ValueError(f"load_weight must be >= 0, got {self.load_weight}")
         if self.index_blocks < 1 or self.max_prompt_blocks < 1 or self.block_size < 1:

@@ -53,6 +53,7 @@ class CellsSimulation:
         router: RouterSettings,
     ) -> None:
         self.settings, self.policy = settings, policy
+        self.now = 0.0
         self.cells = [Simulation(settings, policy, cost) for _ in range(cells)]
         first = self.cells[0]
         for cell in self.cells[1:]:  # one set of records, one history per conversation
@@ -63,11 +64,10 @@ class CellsSimulation:
             )
             cell.kept = first.kept
         router = replace(router, block_size=settings.block_size)
-        self.router = Router([f"cell{i}" for i in range(cells)], router)
+        self.router = Router([f"cell{i}" for i in range(cells)], router, clock=lambda: self.now)
         self.routes: dict[str, Route] = {}
         self.root: dict[int, int] = {}  # request -> its conversation's first request
         self.reasons: dict[str, int] = {r.value: 0 for r in Reason}
-        self.now = 0.0
         self.arrivals: list[tuple[float, int, RequestSpec]] = []
         self.followers: dict[int, RequestSpec] = {}
 
