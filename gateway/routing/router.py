@@ -11,9 +11,10 @@ hashing of the session over the live cells (the least loaded when the request ha
 
 A cell's load is the work the router has routed there and not yet seen finish (each request its
 prompt tokens not cached there and its output tokens), plus what the cell reports beyond that
-(other gateways' requests), plus the work it was sent lately, halving every
-`recent_half_life_s`: conversations stick to the cell of their history, so the cell that took
-many lately will be sent their next turns, in flight or not yet.
+(other gateways' requests). Where a request goes by load, the work each cell was sent lately
+counts too, halving every `recent_half_life_s`: conversations stick to the cell of their
+history, so the cell that took many lately will be sent their next turns, in flight or not yet;
+new conversations go where fewer live.
 A route that avoided a dead, hung or excluded cell it would have chosen says FALLBACK.
 """
 
@@ -68,7 +69,8 @@ class Router:
         self.extra: list[float] = []  # per slot: the load it reports beyond this router's own
         self.recent: list[float] = []  # per slot: work sent lately, x 2^((now - base) / half-life)
         self.base = clock()
-        self.loads: list[float] = []  # per slot: inflight + extra + recent (as of the last route)
+        self.loads: list[float] = []  # per slot: inflight + extra (as of the last route)
+        self.spread: list[float] = []  # per slot: loads + recent (as of the last route)
         self.alive_mask = 0
         self.members = 0  # bit mask of the slots that name a cell
         self.turn = 0
@@ -86,11 +88,15 @@ class Router:
         free = [s for s, n in enumerate(self.names) if n is None]
         slot = free[0] if free else len(self.names)
         if not free:
-            columns = (self.names, self.digests, self.inflight, self.extra, self.recent, self.loads)
+            columns = (
+                self.names, self.digests, self.inflight, self.extra, self.recent, self.loads,
+                self.spread,
+            )  # fmt: skip
             for column in columns:
                 column.append(0)  # type: ignore[arg-type]
         self.names[slot], self.digests[slot] = name, digest64(name)
-        self.inflight[slot] = self.extra[slot] = self.recent[slot] = self.loads[slot] = 0.0
+        self.inflight[slot] = self.extra[slot] = self.recent[slot] = 0.0
+        self.loads[slot] = self.spread[slot] = 0.0
         self.slots[name] = slot
         self.index.add_cell(slot)
         self.alive_mask |= 1 << slot
@@ -120,9 +126,10 @@ class Router:
         slot = self.slots[name]
         self.extra[slot] = max(0.0, load - self.inflight[slot])
 
-    def load(self, name: str) -> float:
+    def load(self, name: str, lately: bool = True) -> float:
+        """The cell's load: in flight, and (`lately`) the work it was sent lately."""
         slot, f = self.slots[name], self._decay()  # (first: it may rebase `recent`)
-        return self.inflight[slot] + self.extra[slot] + self.recent[slot] * f
+        return self.inflight[slot] + self.extra[slot] + lately * self.recent[slot] * f
 
     def _decay(self) -> float:
         """What work sent at `base` still counts now (recent work is stored as of `base`)."""
@@ -138,9 +145,8 @@ class Router:
     def _refresh_loads(self) -> float:
         """Every slot's load now; the decay factor."""
         f = self._decay()
-        self.loads = [
-            a + b + r * f for a, b, r in zip(self.inflight, self.extra, self.recent, strict=True)
-        ]
+        self.loads = [a + b for a, b in zip(self.inflight, self.extra, strict=True)]
+        self.spread = [a + r * f for a, r in zip(self.loads, self.recent, strict=True)]
         return f
 
     def configure(self, settings: RouterSettings) -> None:
@@ -221,10 +227,11 @@ class Router:
         if not depths or depths[-1][0] < s.cache_threshold * blocks:
             return None
         load = loads.__getitem__
-        idle = self._least_loaded(live)  # (among equals, the next in turn)
-        lo, hi = loads[idle], max(map(load, live))
-        if hi - lo > s.balance_abs_threshold and hi > s.balance_rel_threshold * lo:
+        least, hi = min(map(load, live)), max(map(load, live))
+        if hi - least > s.balance_abs_threshold and hi > s.balance_rel_threshold * least:
             return None
+        idle = self._least_loaded(live)  # where it goes if not to its match
+        lo = loads[idle]
         beta = s.load_weight / size
         # a shared prefix (a system prompt: several cells hold it, or other prompts branched
         # off where this one does) is one every cell soon holds: the least loaded is credited
@@ -241,8 +248,9 @@ class Router:
         return None  # (the least loaded scores best: by load)
 
     def _least_loaded(self, live: list[int]) -> int:
-        """The least loaded of `live`; among equals, the next in turn."""
-        load = self.loads.__getitem__
+        """The least loaded of `live` (counting the work sent lately); among equals, the next
+        in turn."""
+        load = self.spread.__getitem__
         low = min(map(load, live))
         ties = list(compress(live, map(low.__eq__, map(load, live))))
         self.turn += 1

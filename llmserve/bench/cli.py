@@ -343,6 +343,7 @@ def _cells_flags(p: argparse.ArgumentParser) -> None:
         "balance_rel_threshold",
         "load_weight",
         "index_blocks",
+        "recent_half_life_s",
     ):
         value = getattr(defaults, name)
         g.add_argument(
