@@ -98,6 +98,27 @@ class Cells:
             log.warning("cell %s lost: routed around until it answers", route.cell)
             self.router.set_alive(route.cell, False)
 
+    async def statuses(self) -> list[scheduler_pb2.CellStatus]:
+        """Every cell as this gateway sees it, with its scheduler's own figures (`status`
+        across cells)."""
+        return list(await asyncio.gather(*(self._status(c) for c in self.cells.values())))
+
+    async def _status(self, cell: Cell) -> scheduler_pb2.CellStatus:
+        up = self.router.alive(cell.address)
+        out = scheduler_pb2.CellStatus(
+            address=cell.address, up=up, load=self.router.load(cell.address), routed=cell.routed
+        )
+        if up:
+            try:
+                reply = await cell.stub.Status(
+                    scheduler_pb2.StatusRequest(), timeout=CHECK_TIMEOUT_S
+                )
+            except grpc.aio.AioRpcError:
+                return out
+            out.waiting, out.running = reply.waiting, reply.running
+            out.prompt_tokens, out.hit_tokens = reply.prompt_tokens, reply.hit_tokens
+        return out
+
     async def watch(self, on_change=None) -> None:
         """Every WATCH_PERIOD_S: each cell's health and load; cells that joined or left."""
         while True:

@@ -93,6 +93,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             timeout = context.time_remaining() or STATUS_TIMEOUT_S
             metadata = forwarded_metadata(context) if request.explain else ()  # its admin key
             reply = await self.core.scheduler.Status(request, timeout=timeout, metadata=metadata)
+            if self.core.cells is not None:  # the first cell's reply, and every cell's figures
+                reply.cells.extend(await self.core.cells.statuses())
         except grpc.aio.AioRpcError as err:
             await context.abort(err.code(), f"the scheduler's status: {err.details()}")
         if self.operator_token is None:
@@ -146,6 +148,9 @@ def withhold_cache_figures(reply: scheduler_pb2.StatusReply) -> None:
             kv.ClearField(name)
     for name in ("prompt_tokens", "hit_tokens", "evictions"):
         reply.ClearField(name)
+    for cell in reply.cells:
+        cell.ClearField("prompt_tokens")
+        cell.ClearField("hit_tokens")
     reply.cache_figures_withheld = True
 
 

@@ -13,6 +13,9 @@ import pytest
 
 from llmcommon.protocol import CELL_KEY, ROUTE_KEY
 from llmcommon.v1 import gateway_pb2_grpc
+from llmserve import client
+from llmserve.client import status_dict
+from llmserve.status_text import format_status
 from tests.stack_checks import greedy_request, wait_for
 from tests.stacks import free_run, running_stack
 from tests.streams import Streams
@@ -45,6 +48,13 @@ def test_requests_spread_over_both_cells_and_say_where_they_went(tmp_path) -> No
     settings = two_cells()
     with running_stack(settings, tmp_path):
         seen = [routed(settings.gateway, greedy_request(i, 8)) for i in range(6)]
+        status = client.gateway_status(settings.gateway)  # across cells
+    assert [(c.address, c.up) for c in status.cells] == [
+        (settings.cell_scheduler(0), True),
+        (settings.cell_scheduler(1), True),
+    ]
+    assert sum(sum(c.routed.values()) for c in status.cells) == 6
+    assert "cells (2;" in format_status(status_dict(status))
     cells = {cell for cell, _ in seen}
     assert cells == {settings.cell_scheduler(0), settings.cell_scheduler(1)}
     assert {why for _, why in seen} <= {"match", "load"}
