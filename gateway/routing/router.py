@@ -69,8 +69,8 @@ class Router:
         self.extra: list[float] = []  # per slot: the load it reports beyond this router's own
         self.recent: list[float] = []  # per slot: work sent lately, x 2^((now - base) / half-life)
         self.base = clock()
-        self.loads: list[float] = []  # per slot: inflight + extra (as of the last route)
-        self.spread: list[float] = []  # per slot: loads + recent (as of the last route)
+        self.loads: list[float] = []  # per slot: inflight + extra
+        self.decay = 1.0  # what work sent at `base` counts, as of the route being decided
         self.alive_mask = 0
         self.members = 0  # bit mask of the slots that name a cell
         self.turn = 0
@@ -90,13 +90,12 @@ class Router:
         if not free:
             columns = (
                 self.names, self.digests, self.inflight, self.extra, self.recent, self.loads,
-                self.spread,
             )  # fmt: skip
             for column in columns:
                 column.append(0)  # type: ignore[arg-type]
         self.names[slot], self.digests[slot] = name, digest64(name)
         self.inflight[slot] = self.extra[slot] = self.recent[slot] = 0.0
-        self.loads[slot] = self.spread[slot] = 0.0
+        self.loads[slot] = 0.0
         self.slots[name] = slot
         self.index.add_cell(slot)
         self.alive_mask |= 1 << slot
@@ -125,6 +124,7 @@ class Router:
         """The cell's own figure for its load (all gateways' requests, same unit as weights)."""
         slot = self.slots[name]
         self.extra[slot] = max(0.0, load - self.inflight[slot])
+        self.loads[slot] = self.inflight[slot] + self.extra[slot]
 
     def load(self, name: str, lately: bool = True) -> float:
         """The cell's load: in flight, and (`lately`) the work it was sent lately."""
@@ -141,13 +141,6 @@ class Router:
             self.recent = [r * 2.0**-ages for r in self.recent]
             self.base, ages = self.clock(), 0.0
         return 2.0**-ages
-
-    def _refresh_loads(self) -> float:
-        """Every slot's load now; the decay factor."""
-        f = self._decay()
-        self.loads = [a + b for a, b in zip(self.inflight, self.extra, strict=True)]
-        self.spread = [a + r * f for a, r in zip(self.loads, self.recent, strict=True)]
-        return f
 
     def configure(self, settings: RouterSettings) -> None:
         """Live: new thresholds or policy; the index is kept (resized from the next insert)."""
@@ -175,7 +168,7 @@ class Router:
                 among &= ~(1 << slot)
         if not among:
             return None
-        decay = self._refresh_loads()
+        decay = self.decay = self._decay()
         size = float(max(1, prompt_tokens + output_tokens))
         preferred = None if among == self.members else self._would_choose(keys, session, size)
         depths = self.index.depths(keys, among)
@@ -189,6 +182,7 @@ class Router:
         cached = min(prompt_tokens, matched * self.settings.block_size)
         weight = float(max(1, prompt_tokens - cached + output_tokens))
         self.inflight[slot] += weight
+        self.loads[slot] += weight
         if decay:
             self.recent[slot] += weight / decay
         return Route(self.names[slot], reason, matched, len(keys), weight)  # type: ignore[arg-type]
@@ -198,6 +192,7 @@ class Router:
         slot = self.slots.get(route.cell)
         if slot is not None:
             self.inflight[slot] = max(0.0, self.inflight[slot] - route.weight)
+            self.loads[slot] = self.inflight[slot] + self.extra[slot]
 
     def _choose(
         self, among: int, depths: list[tuple[int, int]], keys: list[int], session: str, size: float
@@ -250,9 +245,10 @@ class Router:
     def _least_loaded(self, live: list[int]) -> int:
         """The least loaded of `live` (counting the work sent lately); among equals, the next
         in turn."""
-        load = self.spread.__getitem__
-        low = min(map(load, live))
-        ties = list(compress(live, map(low.__eq__, map(load, live))))
+        loads, recent, f = self.loads, self.recent, self.decay
+        spread = [loads[slot] + recent[slot] * f for slot in live]
+        low = min(spread)
+        ties = list(compress(live, map(low.__eq__, spread)))
         self.turn += 1
         return ties[self.turn % len(ties)]
 
