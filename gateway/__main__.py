@@ -222,7 +222,11 @@ async def serve(settings: GatewaySettings) -> None:
         settings, tokenizer, stub, status.max_context, status.model, name, keys, cells
     )
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayService(core), server.server)
-    admin = GatewayAdmin(scheduler_pb2_grpc.AdminStub(channel))
+    if cells is None:
+        admin = GatewayAdmin(scheduler_pb2_grpc.AdminStub(channel))
+    else:  # the router's settings live here; the schedulers' go to every cell
+        others = [scheduler_pb2_grpc.AdminStub(c.channel) for c in list(cells.cells.values())[1:]]
+        admin = GatewayAdmin(scheduler_pb2_grpc.AdminStub(channel), cells.router, others)
     scheduler_pb2_grpc.add_AdminServicer_to_server(admin, server.server)
     gateway_pb2_grpc.add_GatewayAdminServicer_to_server(GatewayKeysAdmin(keys), server.server)
     if metrics:

@@ -115,6 +115,9 @@ class GatewaySettings:
     router_index_blocks: int = setting(
         _ROUTER.index_blocks, help_of(RouterSettings, "index_blocks")
     )
+    router_recent_half_life_s: float = setting(
+        _ROUTER.recent_half_life_s, help_of(RouterSettings, "recent_half_life_s")
+    )
     scheduler_streams: str = setting(
         "session",
         "how requests travel to the scheduler: session = all of them on one stream, each "
@@ -165,6 +168,7 @@ class GatewaySettings:
             balance_rel_threshold=self.router_balance_rel_threshold,
             load_weight=self.router_load_weight,
             index_blocks=self.router_index_blocks,
+            recent_half_life_s=self.router_recent_half_life_s,
             block_size=block_size,
         )
 

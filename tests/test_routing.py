@@ -178,3 +178,15 @@ def test_settings_are_checked():
         RouterSettings(cache_threshold=1.5)
     with pytest.raises(ValueError):
         RouterSettings(balance_rel_threshold=0.5)
+
+
+def test_live_router_settings_change_all_or_nothing_and_name_the_one_at_fault():
+    from gateway.routing.settings import live_values, with_changes
+
+    s = RouterSettings()
+    changed = with_changes(s, {"router": "least-loaded", "router_cache_threshold": "0.5"})
+    assert changed.policy is RoutePolicy.LEAST_LOADED and changed.cache_threshold == 0.5
+    assert live_values(changed)["router"] == "least-loaded"
+    for bad in ({"router": "fastest"}, {"router_cache_threshold": "2"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            with_changes(s, bad)

@@ -3,7 +3,7 @@ an operator changes it live."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from llmcommon.flags import setting
@@ -71,3 +71,41 @@ def parse_policy(text: str) -> RoutePolicy:
     except ValueError:
         known = ", ".join(p.value for p in RoutePolicy)
         raise ValueError(f"router policy {text!r}: want one of {known}") from None
+
+
+# The router's live settings, as `llmserve set` names them (the gateway's flags without "--")
+LIVE = {
+    "router": "policy",
+    "router_cache_threshold": "cache_threshold",
+    "router_balance_abs_threshold": "balance_abs_threshold",
+    "router_balance_rel_threshold": "balance_rel_threshold",
+    "router_load_weight": "load_weight",
+    "router_index_blocks": "index_blocks",
+    "router_recent_half_life_s": "recent_half_life_s",
+}
+
+
+def live_values(settings: RouterSettings) -> dict[str, str]:
+    """Each live setting's value, as its flag takes it."""
+    out = {}
+    for name, field in LIVE.items():
+        value = getattr(settings, field)
+        out[name] = value.value if isinstance(value, RoutePolicy) else str(value)
+    return out
+
+
+def with_changes(settings: RouterSettings, changes: dict[str, str]) -> RouterSettings:
+    """`settings` with `changes` (live names, flag values); ValueError naming the one at fault,
+    and nothing changed."""
+    given = {}
+    for name, text in changes.items():
+        field = LIVE[name]
+        kind = type(getattr(settings, field))
+        try:
+            given[field] = parse_policy(text) if field == "policy" else kind(text)
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
+    try:
+        return replace(settings, **given)
+    except ValueError as err:
+        raise ValueError(f"{', '.join(changes)}: {err}") from None
