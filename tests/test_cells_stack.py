@@ -80,3 +80,39 @@ def test_a_killed_cells_streams_complete_in_the_other_identical(tmp_path) -> Non
         assert moved and len(moved) == len(set(moved)) < n  # some moved, each once
         after = baseline(gw, 4, 16)  # new requests go to the live cell
         assert all(len(tokens) == 16 for tokens in after)
+
+
+def chat_hits(target: str, conversations: int = 6, turns: int = 4) -> float:
+    """Multi-turn chats, each turn resending its conversation's text and answers (two shared
+    system texts): the share of prompt tokens the prefix caches served."""
+    systems = [
+        " ".join(f"rule {k} of system {s}: answer briefly and kindly." for k in range(24))
+        for s in range(2)
+    ]
+    texts = [systems[c % 2] + f" Conversation {c} starts." for c in range(conversations)]
+    cached = prompt = 0
+    for turn in range(turns):
+        for c in range(conversations):
+            texts[c] += f" User turn {turn}: tell me more about item {c * 10 + turn}."
+            request = client.make_request(
+                prompt=texts[c], max_tokens=16, temperature=0.0, ignore_eos=True
+            )
+            messages = list(client.stream(target, request, timeout=60))
+            texts[c] += "".join(m.delta.text for m in messages[:-1])
+            usage = messages[-1].final.usage
+            cached, prompt = cached + usage.cached_tokens, prompt + usage.prompt_tokens
+    return cached / prompt
+
+
+def test_multi_turn_chats_keep_their_hits_across_two_cells(tmp_path) -> None:
+    """The same chats through one cell of two workers and through two cells of one worker
+    (cache-aware): the two cells' hit rate is within 10% of the one cell's."""
+    one = replace(two_cells(), cells=1, workers=2)
+    with running_stack(one, tmp_path / "one"):
+        single = chat_hits(one.gateway)
+    two = two_cells()
+    with running_stack(two, tmp_path / "two"):
+        routed_hits = chat_hits(two.gateway)
+    print(f"\nprefix hit rate: one cell {single:.1%}, two cells {routed_hits:.1%}")
+    assert single > 0.5
+    assert routed_hits >= 0.9 * single
