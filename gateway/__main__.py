@@ -198,6 +198,7 @@ async def serve(settings: GatewaySettings) -> None:
             settings.router_settings(),
             lambda address: internal_channel(address, token),
             settings.scheduler_streams == "session",
+            hung_after=settings.scheduler_timeout,
         )
         channel, stub = cells.first().channel, cells.first().stub
         log.info("cells: %s; router %s", ", ".join(cells.cells), settings.router)
@@ -221,6 +222,8 @@ async def serve(settings: GatewaySettings) -> None:
     core = GatewayCore(
         settings, tokenizer, stub, status.max_context, status.model, name, keys, cells
     )
+    if cells is not None:
+        cells.on_hung = core.abandon_cell
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayService(core), server.server)
     if cells is None:
         admin = GatewayAdmin(scheduler_pb2_grpc.AdminStub(channel))

@@ -1,7 +1,8 @@
 """The cells a gateway routes to: one connection (and Session stream) per cell's scheduler, the
 router (gateway/routing/) that picks one per request, and each cell's health and load, asked
-every WATCH_PERIOD_S: a cell that answers no check is routed around (dead or hung) until it
-answers again, when it is taken to have restarted with an empty cache.
+every WATCH_PERIOD_S: a cell whose connection is closed (dead), or that has answered no check for
+--scheduler-timeout (hung), is routed around until it answers again, when it is taken to have
+restarted with an empty cache; a hung cell's held requests are moved to other cells at once.
 
 --cells lists host:port addresses; a name that resolves to several addresses (a headless
 Service) is one cell per address, resolved again at every check, so that cells that join take
@@ -12,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
 from gateway.routing import Route, Router, RouterSettings, prompt_keys
 from gateway.scheduler_session import SchedulerSession, SessionCall
+from gateway.scheduler_watch import SilenceBound, Verdict
 from llmcommon.health import check_health
 from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -33,6 +36,7 @@ class Cell:
     stub: scheduler_pb2_grpc.SchedulerStub
     session: SchedulerSession | None
     routed: dict[str, int] = field(default_factory=dict)  # reason -> routes
+    silence: SilenceBound | None = None  # how long it has answered no health check
 
 
 def cell_addresses(text: str) -> list[str]:
@@ -53,9 +57,20 @@ def cell_addresses(text: str) -> list[str]:
 
 
 class Cells:
-    def __init__(self, spec: str, settings: RouterSettings, channel_of, sessions: bool) -> None:
-        """`channel_of(address)`: the gRPC channel to a scheduler (with the internal token)."""
+    def __init__(
+        self,
+        spec: str,
+        settings: RouterSettings,
+        channel_of,
+        sessions: bool,
+        hung_after: float = 5.0,
+    ) -> None:
+        """`channel_of(address)`: the gRPC channel to a scheduler (with the internal token).
+        A cell silent for `hung_after` seconds (its connection open) is hung: routed around,
+        and `on_hung(address)` moves the requests it holds."""
         self.spec, self.channel_of, self.sessions = spec, channel_of, sessions
+        self.hung_after = hung_after
+        self.on_hung: Callable[[str], None] | None = None
         self.cells: dict[str, Cell] = {}
         self.router = Router([], settings)
         for address in cell_addresses(spec):
@@ -132,11 +147,17 @@ class Cells:
         try:
             await check_health(cell.channel, timeout=CHECK_TIMEOUT_S)
             status = await cell.stub.Status(scheduler_pb2.StatusRequest(), timeout=CHECK_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            if self.router.alive(cell.address):
-                log.warning("cell %s answers no health check: routed around", cell.address)
+        except grpc.aio.AioRpcError as err:
+            silent = err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            hung = cell.silence.observe(silent) is not Verdict.ANSWERS  # type: ignore[union-attr]
+            if self.router.alive(cell.address) and (hung or not silent):
+                why = "answers nothing (hung?)" if hung else "is down"
+                log.warning("cell %s %s: routed around", cell.address, why)
                 self.router.set_alive(cell.address, False)
+                if hung and self.on_hung is not None:
+                    self.on_hung(cell.address)
             return
+        cell.silence.observe(False)  # type: ignore[union-attr]
         if not self.router.alive(cell.address):
             log.info(
                 "cell %s answers again: it takes traffic (its cache taken as empty)", cell.address
@@ -161,5 +182,6 @@ class Cells:
         channel = self.channel_of(address)
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         session = SchedulerSession(stub) if self.sessions else None
-        self.cells[address] = Cell(address, channel, stub, session)
+        silence = SilenceBound(self.hung_after, self.hung_after)
+        self.cells[address] = Cell(address, channel, stub, session, silence=silence)
         self.router.add_cell(address)

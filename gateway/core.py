@@ -31,7 +31,7 @@ from gateway.key_table import KeyTable
 from gateway.queue_limits import QueueLimits, QueueRefusal
 from gateway.request_tenancy import tenancy_for
 from gateway.routing import Route
-from gateway.scheduler_session import SchedulerSession, SessionCall
+from gateway.scheduler_session import SchedulerSession, SessionCall, rpc_error
 from gateway.settings import GatewaySettings
 from gateway.stops import StopMatcher
 from gateway.tokenizer import Tokenizer
@@ -116,6 +116,7 @@ class GatewayCore:
         self.refusal: str | None = None  # set while the workers serve another model
         self.scheduler_hung: str | None = None  # set while the scheduler answers nothing
         self.held: set = set()  # the scheduler calls of the requests in flight
+        self.cell_of: dict = {}  # with --cells: each held call's cell
         session = settings.scheduler_streams == "session"
         self.session = SchedulerSession(scheduler) if session else None
         self.cells = cells  # several schedulers (--cells): each request routed to one
@@ -223,7 +224,7 @@ class GatewayCore:
             if flight.queued:
                 self.queue.leave(count, tenant)
             flight.call.cancel()
-            self.held.discard(flight.call)
+            self._release(flight.call)
             if flight.route is not None and self.cells is not None:
                 self.cells.router.done(flight.route)
             if self.observer is not None:
@@ -280,7 +281,7 @@ class GatewayCore:
         flight.tally.resubmits += 1
         del flight.submit.resume_token_ids[:]
         flight.submit.resume_token_ids.extend(flight.streamed)
-        self.held.discard(flight.call)
+        self._release(flight.call)
         if flight.route is not None and self.cells is not None:
             self.cells.router.done(flight.route)
             flight.route = None
@@ -311,7 +312,7 @@ class GatewayCore:
         flight.tally.resubmits += 1
         del flight.submit.resume_token_ids[:]
         flight.submit.resume_token_ids.extend(flight.streamed)
-        self.held.discard(flight.call)
+        self._release(flight.call)
         flight.call = self._submit(flight.submit, time_remaining, flight, frozenset({lost.cell}))
         return True
 
@@ -365,6 +366,7 @@ class GatewayCore:
             if self.on_route is not None:
                 self.on_route(flight.route)
             self.held.add(call)
+            self.cell_of[call] = flight.route.cell
             return call
         if self.session is not None:
             call = self.session.submit(submit, time_remaining())
@@ -372,6 +374,23 @@ class GatewayCore:
             call = self.scheduler.Submit(submit, timeout=time_remaining())
         self.held.add(call)
         return call
+
+    def _release(self, call) -> None:
+        self.held.discard(call)
+        self.cell_of.pop(call, None)
+
+    def abandon_cell(self, cell: str) -> None:
+        """With --cells: `cell` is hung (its connection open, no answer): each request it holds
+        fails there as on a dead cell's stream, and is resubmitted to another (the hung cell's
+        call cancelled first: the cancel reaches it when it runs again)."""
+        lost = rpc_error(grpc.StatusCode.UNAVAILABLE, f"cell {cell} answers nothing (hung?)")
+        for call, where in list(self.cell_of.items()):
+            if where != cell or call not in self.held:
+                continue
+            if isinstance(call, SessionCall):
+                call.abandon(lost)
+            else:
+                call.cancel()
 
     def give_up_on_scheduler(self, problem: str) -> None:
         """The scheduler has answered nothing for too long: end every request it holds with

@@ -6,6 +6,7 @@ run (the simulated model samples the same greedy tokens wherever a request is re
 from __future__ import annotations
 
 import re
+import signal
 from dataclasses import replace
 
 import grpc
@@ -116,3 +117,28 @@ def test_multi_turn_chats_keep_their_hits_across_two_cells(tmp_path) -> None:
     print(f"\nprefix hit rate: one cell {single:.1%}, two cells {routed_hits:.1%}")
     assert single > 0.5
     assert routed_hits >= 0.9 * single
+
+
+def test_a_hung_cells_streams_move_to_the_other_and_complete_identical(tmp_path) -> None:
+    """SIGSTOP one cell's scheduler under 12 streams (its connection stays open, nothing
+    answers): past --scheduler-timeout (5 s) the gateway routes around it and moves the requests
+    it held; every stream completes token for token as in an undisturbed run."""
+    settings = two_cells()
+    n, max_tokens = 12, 900  # 9 s or more a stream: they outlast the hang's detection
+    with running_stack(settings, tmp_path) as stack:
+        gw = settings.gateway
+        expected = baseline(gw, n, max_tokens)
+        streams = Streams(gw, [greedy_request(i, max_tokens) for i in range(n)])
+        wait_for(lambda: streams.all_have(3), 60, "every stream has tokens")
+        hung = stack.procs["scheduler1"]
+        hung.send_signal(signal.SIGSTOP)
+        try:
+            outcomes = streams.join(120)
+        finally:
+            hung.send_signal(signal.SIGCONT)
+        assert [o.code for o in outcomes] == [None] * n, {o.details for o in outcomes}
+        assert [o.tokens for o in outcomes] == expected
+        log = stack.log("gateway").read_text()
+        assert "answers nothing (hung?): routed around" in log
+        moved = re.findall(r"request (\w+): cell \S+ lost \(UNAVAILABLE\); resubmitting", log)
+        assert moved and len(moved) == len(set(moved)) < n
