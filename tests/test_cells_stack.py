@@ -81,6 +81,13 @@ def test_a_killed_cells_streams_complete_in_the_other_identical(tmp_path) -> Non
         assert moved and len(moved) == len(set(moved)) < n  # some moved, each once
         after = baseline(gw, 4, 16)  # new requests go to the live cell
         assert all(len(tokens) == 16 for tokens in after)
+        stack.restart("scheduler1")  # it comes back: it takes traffic again
+        back = settings.cell_scheduler(1)
+        wait_for(
+            lambda: back in {routed(gw, greedy_request(100 + i, 4))[0] for i in range(4)},
+            30,
+            "the restarted cell routed to",
+        )
 
 
 def chat_hits(target: str, conversations: int = 6, turns: int = 4) -> float:

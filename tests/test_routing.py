@@ -190,3 +190,10 @@ def test_live_router_settings_change_all_or_nothing_and_name_the_one_at_fault():
     for bad in ({"router": "fastest"}, {"router_cache_threshold": "2"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             with_changes(s, bad)
+
+
+def test_cell_addresses_keep_each_entry_once_and_an_unresolvable_one_as_given():
+    from gateway.cells import cell_addresses
+
+    given = "127.0.0.1:50052, 127.0.0.1:50053,127.0.0.1:50052,no-such-host.invalid:1"
+    assert cell_addresses(given) == ["127.0.0.1:50052", "127.0.0.1:50053", "no-such-host.invalid:1"]
