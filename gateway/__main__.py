@@ -13,6 +13,7 @@ import grpc
 from gateway.admin import GatewayAdmin, GatewayAdminKeyInterceptor, GatewayKeysAdmin
 from gateway.api_keys import KeysFileError
 from gateway.auth import ApiKeyInterceptor
+from gateway.cells import Cells
 from gateway.core import GatewayCore
 from gateway.inflate import SERVER_OPTIONS
 from gateway.key_table import KeyTable
@@ -190,12 +191,24 @@ async def serve(settings: GatewaySettings) -> None:
         "on" if settings.tls else "off",
         "sent to the scheduler" if token else "off",
     )
-    channel = internal_channel(settings.scheduler, token)
-    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    cells = None
+    if settings.cells:  # several cells: the first answers for the model and the context
+        cells = Cells(
+            settings.cells,
+            settings.router_settings(),
+            lambda address: internal_channel(address, token),
+            settings.scheduler_streams == "session",
+            hung_after=settings.scheduler_timeout,
+        )
+        channel, stub = cells.first().channel, cells.first().stub
+        log.info("cells: %s; router %s", ", ".join(cells.cells), settings.router)
+    else:
+        channel = internal_channel(settings.scheduler, token)
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
     status = await scheduler_status(stub)
-    log.info(
-        "scheduler %s: model %s, context %d", settings.scheduler, status.model, status.max_context
-    )
+    log.info("scheduler: model %s, context %d", status.model, status.max_context)
+    if cells is not None and status.block_size:
+        cells.router.configure(settings.router_settings(status.block_size))
     source = resolve(settings.model, status.model)
     try:
         tokenizer = load_tokenizer(tokenizer_source(source))
@@ -206,16 +219,27 @@ async def serve(settings: GatewaySettings) -> None:
     if problem:
         raise SystemExit(f"the gateway cannot serve these workers: {problem}")
     log.info("model %s (--model %s): %d tokens", name, source, tokenizer.vocab_size)
-    core = GatewayCore(settings, tokenizer, stub, status.max_context, status.model, name, keys)
+    core = GatewayCore(
+        settings, tokenizer, stub, status.max_context, status.model, name, keys, cells
+    )
+    if cells is not None:
+        cells.on_hung = core.abandon_cell
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayService(core), server.server)
-    admin = GatewayAdmin(scheduler_pb2_grpc.AdminStub(channel))
+    if cells is None:
+        admin = GatewayAdmin(scheduler_pb2_grpc.AdminStub(channel))
+    else:  # the router's settings live here; the schedulers' go to every cell
+        others = [scheduler_pb2_grpc.AdminStub(c.channel) for c in list(cells.cells.values())[1:]]
+        admin = GatewayAdmin(scheduler_pb2_grpc.AdminStub(channel), cells.router, others)
     scheduler_pb2_grpc.add_AdminServicer_to_server(admin, server.server)
     gateway_pb2_grpc.add_GatewayAdminServicer_to_server(GatewayKeysAdmin(keys), server.server)
     if metrics:
         metrics.attach(core)
         start_metrics(metrics, settings, log)
     follower = asyncio.create_task(follow_workers(stub, core, server, token))
-    watcher = asyncio.create_task(watch_scheduler(channel, core, server))
+    if cells is None:
+        watcher = asyncio.create_task(watch_scheduler(channel, core, server))
+    else:  # a cell that dies or hangs is routed around (gateway/cells.py)
+        watcher = asyncio.create_task(cells.watch())
     http = None
     if http_socket is not None:
         from gateway.http_api import HttpApi

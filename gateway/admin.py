@@ -6,33 +6,77 @@ read again), it answers itself, behind the same key."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import grpc
 
 from gateway.api_keys import KeysFileError
 from gateway.key_table import KeyTable
+from gateway.routing import Router
+from gateway.routing.settings import LIVE, live_values, with_changes
 from llmcommon.admin_auth import (
     ADMIN_KEY_HEADER,
     FORWARDED_FOR,
     AdminKeyInterceptor,
     admin_key_of,
 )
-from llmcommon.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2_grpc
+from llmcommon.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 TIMEOUT_S = 30.0  # an explanation plans the core a few dozen times
 
 
 class GatewayAdmin(scheduler_pb2_grpc.AdminServicer):
-    def __init__(self, stub: scheduler_pb2_grpc.AdminStub) -> None:
-        self.stub = stub
+    """With several cells (`router` given): the router's live settings (router, router_*) are
+    the gateway's own, set here; the others go to every cell's scheduler (the first's reply)."""
+
+    def __init__(
+        self,
+        stub: scheduler_pb2_grpc.AdminStub,
+        router: Router | None = None,
+        others: list[scheduler_pb2_grpc.AdminStub] | None = None,
+    ) -> None:
+        self.stub, self.router, self.others = stub, router, others or []
 
     async def GetSettings(self, request, context):
-        return await forward(self.stub.GetSettings, request, context)
+        reply = await forward(self.stub.GetSettings, request, context)
+        if self.router is not None:
+            reply.settings.extend(_settings(live_values(self.router.settings)))
+        return reply
 
     async def SetSettings(self, request, context):
-        return await forward(self.stub.SetSettings, request, context)
+        if self.router is None:
+            return await forward(self.stub.SetSettings, request, context)
+        ours = {c.name: c.value for c in request.changes if c.name in LIVE}
+        try:
+            routing = with_changes(self.router.settings, ours)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        rest = scheduler_pb2.SetSettingsRequest(
+            changes=[c for c in request.changes if c.name not in LIVE]
+        )
+        if rest.changes:
+            reply = await forward(self.stub.SetSettings, rest, context)
+            for other in self.others:
+                await forward(other.SetSettings, rest, context)
+        else:
+            reply = scheduler_pb2.SetSettingsReply()
+            now = await forward(self.stub.GetSettings, scheduler_pb2.GetSettingsRequest(), context)
+            reply.settings.extend(now.settings)
+        before = live_values(self.router.settings)
+        self.router.configure(replace(routing, block_size=self.router.settings.block_size))
+        after = live_values(self.router.settings)
+        reply.settings.extend(_settings(after))
+        for name in ours:
+            if before[name] != after[name]:
+                reply.changed.add(name=name, old_value=before[name], new_value=after[name])
+        return reply
 
     async def Explain(self, request, context):
         return await forward(self.stub.Explain, request, context)
+
+
+def _settings(values: dict[str, str]) -> list[scheduler_pb2.Setting]:
+    return [scheduler_pb2.Setting(name=k, value=v) for k, v in values.items()]
 
 
 def forwarded_metadata(context) -> tuple[tuple[str, str], ...]:

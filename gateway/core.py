@@ -23,13 +23,15 @@ import grpc
 
 from gateway.api_keys import KeyEntry
 from gateway.auth import cache_salt
+from gateway.cells import Cells
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.generation_errors import ContextLengthExceeded, GenerationError, QueueFull
 from gateway.intake import GenerateInput, Intake
 from gateway.key_table import KeyTable
 from gateway.queue_limits import QueueLimits, QueueRefusal
 from gateway.request_tenancy import tenancy_for
-from gateway.scheduler_session import SchedulerSession, SessionCall
+from gateway.routing import Route
+from gateway.scheduler_session import SchedulerSession, SessionCall, rpc_error
 from gateway.settings import GatewaySettings
 from gateway.stops import StopMatcher
 from gateway.tokenizer import Tokenizer
@@ -69,6 +71,8 @@ class Finish:
     reason: int  # common_pb2.FinishReason
     usage: common_pb2.Usage
     error: str = ""
+    cell: str = ""  # with --cells: the cell that finished it
+    route: str = ""  # ... and why it went there (match, load, round-robin, session, fallback)
 
 
 @dataclass(slots=True)
@@ -82,6 +86,9 @@ class _Flight:
     finish: int = common_pb2.FINISH_REASON_UNSPECIFIED
     error: str = ""
     streamed: list[int] = field(default_factory=list)  # every token received
+    route: Route | None = None  # with --cells: the cell it is on now, and why
+    keys: list[int] = field(default_factory=list)  # with --cells: its prompt's block keys
+    session: str = ""  # with --cells: what the session policy sticks by
 
     @property
     def rid(self) -> str:
@@ -98,6 +105,7 @@ class GatewayCore:
         model: str = "",
         model_name: str = "",
         keys: KeyTable | None = None,
+        cells: Cells | None = None,
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
@@ -108,8 +116,11 @@ class GatewayCore:
         self.refusal: str | None = None  # set while the workers serve another model
         self.scheduler_hung: str | None = None  # set while the scheduler answers nothing
         self.held: set = set()  # the scheduler calls of the requests in flight
+        self.cell_of: dict = {}  # with --cells: each held call's cell
         session = settings.scheduler_streams == "session"
         self.session = SchedulerSession(scheduler) if session else None
+        self.cells = cells  # several schedulers (--cells): each request routed to one
+        self.on_route: Callable[[Route], None] | None = None  # metrics hook
         self.keys = keys or KeyTable(settings)  # who may send requests, and as which tenant
         self.queue = QueueLimits(settings.max_queued_requests, settings.max_queued_tokens)
         self.pool = ThreadPoolExecutor(settings.tokenize_threads, thread_name_prefix="tokenize")
@@ -168,7 +179,15 @@ class GatewayCore:
             tenancy=tenancy_to_wire(tally.tenancy),
         )
         self.queue.enter(count, tenant)
-        flight = _Flight(submit, self._submit(submit, time_remaining), tally)
+        flight = _Flight(submit, None, tally)  # type: ignore[arg-type]
+        if self.cells is not None:
+            flight.keys = self.cells.keys_of(prompt_ids, submit.cache_salt)
+            flight.session = job.session or tenant
+        try:
+            flight.call = self._submit(submit, time_remaining, flight)
+        except GenerationError:
+            self.queue.leave(count, tenant)
+            raise
         detok = IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=job.skip_special_tokens, prompt_ids=prompt_ids
         )
@@ -205,10 +224,13 @@ class GatewayCore:
             if flight.queued:
                 self.queue.leave(count, tenant)
             flight.call.cancel()
-            self.held.discard(flight.call)
+            self._release(flight.call)
+            if flight.route is not None and self.cells is not None:
+                self.cells.router.done(flight.route)
             if self.observer is not None:
                 self.observer(flight.finish, tally)
-        yield Finish(rid, flight.finish, tally.usage(), flight.error)
+        cell, why = (flight.route.cell, flight.route.reason.value) if flight.route else ("", "")
+        yield Finish(rid, flight.finish, tally.usage(), flight.error, cell, why)
 
     def _tenancy(self, entry: KeyEntry, job: GenerateInput) -> Tenancy:
         """The request's tenancy from its key and what it asks for, or INVALID_ARGUMENT naming
@@ -236,6 +258,8 @@ class GatewayCore:
                         yield delta
                 return
             except grpc.aio.AioRpcError as err:
+                if await self._other_cell(flight, err, time_remaining):
+                    continue
                 if not await _scheduler_lost(flight.call, err, resume_by is not None):
                     raise
                 wire = flight.submit.sampling
@@ -257,8 +281,40 @@ class GatewayCore:
         flight.tally.resubmits += 1
         del flight.submit.resume_token_ids[:]
         flight.submit.resume_token_ids.extend(flight.streamed)
-        self.held.discard(flight.call)
-        flight.call = self._submit(flight.submit, time_remaining)
+        self._release(flight.call)
+        if flight.route is not None and self.cells is not None:
+            self.cells.router.done(flight.route)
+            flight.route = None
+        flight.call = self._submit(flight.submit, time_remaining, flight)
+
+    async def _other_cell(self, flight: _Flight, err: grpc.aio.AioRpcError, time_remaining) -> bool:
+        """With --cells: the request's cell failed it as a lost scheduler does (UNAVAILABLE,
+        or its stream broke): the cell is routed around, and the request, unless its tokens say
+        it has ended, goes to another live cell at once, resuming after the tokens streamed (the
+        dead cell's call cancelled first: it is never on two cells). False: no other cell."""
+        if self.cells is None or flight.route is None:
+            return False
+        if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            return False
+        if err.code() is grpc.StatusCode.CANCELLED and not await _accepted(flight.call):
+            return False  # (the client's own cancel, or a refusal)
+        lost = flight.route
+        wire = flight.submit.sampling
+        ended = _known_end(flight.streamed, wire.max_tokens, wire.stop_token_ids)
+        others = self.cells.router.alive_mask & ~(1 << self.cells.router.slots[lost.cell])
+        if ended or not others:
+            return False
+        flight.call.cancel()
+        self.cells.lost(lost)
+        flight.route = None
+        log.warning("request %s: cell %s lost (%s); resubmitting to another", flight.rid,
+                    lost.cell, err.code().name)  # fmt: skip
+        flight.tally.resubmits += 1
+        del flight.submit.resume_token_ids[:]
+        flight.submit.resume_token_ids.extend(flight.streamed)
+        self._release(flight.call)
+        flight.call = self._submit(flight.submit, time_remaining, flight, frozenset({lost.cell}))
+        return True
 
     async def _stream(
         self, flight: _Flight, detok: IncrementalDetokenizer, stops: StopMatcher
@@ -291,13 +347,50 @@ class GatewayCore:
                 flight.finish, flight.error = event.finish_reason, event.error
                 tally.preemptions = event.preemptions
 
-    def _submit(self, submit: scheduler_pb2.SubmitRequest, time_remaining):
+    def _submit(
+        self,
+        submit: scheduler_pb2.SubmitRequest,
+        time_remaining,
+        flight: _Flight | None = None,
+        exclude: frozenset[str] = frozenset(),
+    ):
+        if self.cells is not None and flight is not None:
+            placed = self.cells.place(
+                submit, flight.keys, flight.session, time_remaining(), exclude
+            )
+            if placed is None:
+                raise GenerationError(
+                    grpc.StatusCode.UNAVAILABLE, "no cell answers (every scheduler down); retry"
+                )
+            call, flight.route = placed
+            if self.on_route is not None:
+                self.on_route(flight.route)
+            self.held.add(call)
+            self.cell_of[call] = flight.route.cell
+            return call
         if self.session is not None:
             call = self.session.submit(submit, time_remaining())
         else:
             call = self.scheduler.Submit(submit, timeout=time_remaining())
         self.held.add(call)
         return call
+
+    def _release(self, call) -> None:
+        self.held.discard(call)
+        self.cell_of.pop(call, None)
+
+    def abandon_cell(self, cell: str) -> None:
+        """With --cells: `cell` is hung (its connection open, no answer): each request it holds
+        fails there as on a dead cell's stream, and is resubmitted to another (the hung cell's
+        call cancelled first: the cancel reaches it when it runs again)."""
+        lost = rpc_error(grpc.StatusCode.UNAVAILABLE, f"cell {cell} answers nothing (hung?)")
+        for call, where in list(self.cell_of.items()):
+            if where != cell or call not in self.held:
+                continue
+            if isinstance(call, SessionCall):
+                call.abandon(lost)
+            else:
+                call.cancel()
 
     def give_up_on_scheduler(self, problem: str) -> None:
         """The scheduler has answered nothing for too long: end every request it holds with

@@ -52,6 +52,7 @@ class GenerateInput:
     tools: Sequence[dict] = ()  # offered (tool_choice auto): the chat template describes them
     priority: object = None  # as sent (None: the key's default); checked by gateway/request_tenancy
     slo_class: str = ""  # "" = the key's default class
+    session: str = ""  # with --cells --router session: what sticks to a cell ("" = the tenant)
 
 
 class Intake:

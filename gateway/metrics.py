@@ -24,6 +24,7 @@ from prometheus_client import (
     Histogram,
 )
 
+from gateway.cell_metrics import CellMetrics
 from gateway.tenant_metrics import TenantMetrics
 from llmcommon.metrics_http import LATENCY_BUCKETS, TOKEN_GAP_BUCKETS, serve_metrics
 from llmcommon.v1 import common_pb2
@@ -126,6 +127,7 @@ class GatewayMetrics:
         for label in FINISH_LABELS.values():
             self.finished.labels(label)
         self.tenants = TenantMetrics(registry, FINISH_LABELS.values())
+        self.cells = CellMetrics(registry)
 
     # ---- hooks of GatewayCore ------------------------------------------------------------
 
@@ -139,6 +141,9 @@ class GatewayMetrics:
         self.follow_keys(keys)
         self.queued_requests.set_function(lambda: core.queue.requests)
         self.queued_tokens.set_function(lambda: core.queue.tokens)
+        if core.cells is not None:
+            core.on_route = self.cells.on_route
+            self.cells.follow(core.cells)
 
     def follow_keys(self, keys: KeyTable) -> None:
         """The tenants' and classes' label sets, as configured now."""

@@ -157,6 +157,7 @@ class Sampling(StructuredFields, Body):
     cache_salt: str | None = None  # vLLM's: only requests of equal salt share cached KV blocks
     priority: Any = None  # vLLM's (lower first); checked with gRPC's (gateway/request_tenancy.py)
     slo_class: str | None = None  # an --slo-classes class; None: the API key's default
+    user: str | None = None  # OpenAI's end-user id: what --router session sticks by (--cells)
 
     # ranges are checked with the gRPC API's (llmcommon/sampling.py)
     presence_penalty: float | None = None
@@ -250,6 +251,7 @@ class Sampling(StructuredFields, Body):
             cache_salt=self.cache_salt or "",
             priority=self.priority,
             slo_class=self.slo_class or "",
+            session=self.user or "",
             fit_context=True,
             include_stop=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,

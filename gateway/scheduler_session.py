@@ -92,6 +92,13 @@ class SessionCall:
         if not self.over:
             self._end(err)
 
+    def abandon(self, err: grpc.aio.AioRpcError) -> None:
+        """Fail it here with `err` and cancel it there (a hung scheduler reads the cancel when
+        it runs again): the gateway resubmits it elsewhere."""
+        if not self.over:
+            self._end(err)
+            self.stream.send(scheduler_pb2.SessionRequest(cancel={"request_id": self.rid}))
+
     def _end(self, item) -> None:
         self.over = True
         self.stream.calls.pop(self.rid, None)

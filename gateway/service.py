@@ -7,6 +7,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 
 import grpc
 
@@ -17,6 +18,7 @@ from gateway.core import Delta, Finish, GatewayCore, GenerateInput
 from gateway.generation_errors import GenerationError
 from gateway.usage import Tally
 from llmcommon.auth import internal_token, internal_token_of
+from llmcommon.protocol import CELL_KEY, ROUTE_KEY, SESSION_KEY
 from llmcommon.sampling_wire import params_of
 from llmcommon.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 
@@ -91,6 +93,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             timeout = context.time_remaining() or STATUS_TIMEOUT_S
             metadata = forwarded_metadata(context) if request.explain else ()  # its admin key
             reply = await self.core.scheduler.Status(request, timeout=timeout, metadata=metadata)
+            if self.core.cells is not None:  # the first cell's reply, and every cell's figures
+                reply.cells.extend(await self.core.cells.statuses())
         except grpc.aio.AioRpcError as err:
             await context.abort(err.code(), f"the scheduler's status: {err.details()}")
         if self.operator_token is None:
@@ -110,18 +114,31 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             _refuse(context, grpc.StatusCode.UNAUTHENTICATED, API_KEY_REFUSAL)
             return
         rid = uuid.uuid4().hex
-        jobs = choice_inputs(generate_input(request), _n(request))
+        session = dict(context.invocation_metadata() or ()).get(SESSION_KEY, "")
+        job = replace(generate_input(request), session=str(session))
+        jobs = choice_inputs(job, _n(request))
         streams = [
             self.core.generate(job, context.time_remaining, f"{rid}-{i}" if i else rid, key)
             for i, job in enumerate(jobs)
         ]
         # closed here, not when collected: a client that left frees its KV at the next step
+        routes: dict[int, tuple[str, str]] = {}
         async with aclosing(merged(streams)) as events:
             try:
                 async for index, event in events:
+                    if isinstance(event, Finish) and event.cell:
+                        routes[index] = (event.cell, event.route)
                     yield _message(request, index, event)
             except GenerationError as err:
                 _refuse(context, err.code, err.message)
+        if routes:
+            ordered = [routes[i] for i in sorted(routes)]
+            context.set_trailing_metadata(
+                (
+                    (CELL_KEY, ",".join(cell for cell, _ in ordered)),
+                    (ROUTE_KEY, ",".join(why for _, why in ordered)),
+                )
+            )
 
 
 def withhold_cache_figures(reply: scheduler_pb2.StatusReply) -> None:
@@ -131,6 +148,9 @@ def withhold_cache_figures(reply: scheduler_pb2.StatusReply) -> None:
             kv.ClearField(name)
     for name in ("prompt_tokens", "hit_tokens", "evictions"):
         reply.ClearField(name)
+    for cell in reply.cells:
+        cell.ClearField("prompt_tokens")
+        cell.ClearField("hit_tokens")
     reply.cache_figures_withheld = True
 
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from gateway.routing import RouterSettings
+from gateway.routing.settings import parse_policy
 from llmcommon.admin_auth import ADMIN_KEY_HELP
 from llmcommon.auth import INTERNAL_TOKEN_HELP, read_secret_file
-from llmcommon.flags import setting
+from llmcommon.flags import help_of, setting
 from llmcommon.metrics_http import METRICS_HOST_HELP
 from llmcommon.tenancy import SloClass, parse_slo_classes
 
+_ROUTER = RouterSettings()  # the router's defaults
 ENV_PREFIX = "LLMSERVE_GATEWAY_"  # $LLMSERVE_GATEWAY_HTTP_PORT=8000 = --http-port 8000
 
 
@@ -92,6 +95,29 @@ class GatewaySettings:
         "answer) turns the gateway NOT_SERVING and new requests are refused; the requests it "
         "holds end with UNAVAILABLE after --resubmit-timeout, as had it died",
     )
+    cells: str = setting(
+        "",
+        "several cells (a scheduler and its workers each): their schedulers' host:port, "
+        "comma-separated, a name resolving to several addresses (a headless Service) one cell "
+        "each; every request is routed to one by --router; empty = --scheduler alone",
+    )
+    router: str = setting("cache-aware", help_of(RouterSettings, "policy"))
+    router_cache_threshold: float = setting(
+        _ROUTER.cache_threshold, help_of(RouterSettings, "cache_threshold")
+    )
+    router_balance_abs_threshold: float = setting(
+        _ROUTER.balance_abs_threshold, help_of(RouterSettings, "balance_abs_threshold")
+    )
+    router_balance_rel_threshold: float = setting(
+        _ROUTER.balance_rel_threshold, help_of(RouterSettings, "balance_rel_threshold")
+    )
+    router_load_weight: float = setting(_ROUTER.load_weight, help_of(RouterSettings, "load_weight"))
+    router_index_blocks: int = setting(
+        _ROUTER.index_blocks, help_of(RouterSettings, "index_blocks")
+    )
+    router_recent_half_life_s: float = setting(
+        _ROUTER.recent_half_life_s, help_of(RouterSettings, "recent_half_life_s")
+    )
     scheduler_streams: str = setting(
         "session",
         "how requests travel to the scheduler: session = all of them on one stream, each "
@@ -133,6 +159,19 @@ class GatewaySettings:
         """--slo-classes, parsed (checked at start)."""
         return parse_slo_classes(self.slo_classes)
 
+    def router_settings(self, block_size: int = 16) -> RouterSettings:
+        """--router and its thresholds (`block_size`: the cells' KV block, from their status)."""
+        return RouterSettings(
+            policy=parse_policy(self.router),
+            cache_threshold=self.router_cache_threshold,
+            balance_abs_threshold=self.router_balance_abs_threshold,
+            balance_rel_threshold=self.router_balance_rel_threshold,
+            load_weight=self.router_load_weight,
+            index_blocks=self.router_index_blocks,
+            recent_half_life_s=self.router_recent_half_life_s,
+            block_size=block_size,
+        )
+
     @property
     def tls(self) -> tuple[str, str] | None:
         return (self.tls_cert, self.tls_key) if self.tls_cert else None
@@ -159,6 +198,7 @@ class GatewaySettings:
         for name in ("http_header_timeout", "http_body_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        self.router_settings()  # ValueError naming the policy or threshold at fault
         if self.scheduler_streams not in ("session", "request"):
             raise ValueError("--scheduler-streams must be session or request")
         if self.scheduler_timeout <= 0 or self.resubmit_timeout <= 0:

@@ -33,16 +33,20 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     settings = from_args(StackSettings, args)
     stack = Stack(settings, Path(args.log_dir))
+    cells = f"{settings.cells} cells of " if settings.cells > 1 else ""
     print(
-        f"starting {settings.workers} worker(s), scheduler and gateway ({settings.model}, "
-        f"{settings.policy}, {settings.mode}); logs in {args.log_dir}/",
+        f"starting {cells}{settings.workers} worker(s) and a scheduler, and the gateway "
+        f"({settings.model}, {settings.policy}, {settings.mode}); logs in {args.log_dir}/",
         flush=True,
     )
     stack.start()
     print(f"gateway   {settings.gateway}   (llmserve generate --target {settings.gateway} ...)")
     if settings.http_url:
         print(f"http      {settings.http_url}   (OpenAI-compatible; curl .../v1/models)")
-    print(f"scheduler {settings.scheduler}   (llmserve status --target {settings.gateway})")
+    for cell in range(settings.cells):
+        name = f"cell{cell} sch" if settings.cells > 1 else "scheduler"
+        status = f"llmserve status --target {settings.gateway}"
+        print(f"{name} {settings.cell_scheduler(cell)}   ({status})")
     if settings.admin_key_file:
         print(
             f"admin     llmserve set --target {settings.gateway} --admin-key-file "
@@ -53,7 +57,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"tenants   the keys of {settings.api_keys_file}; after editing it: llmserve "
             f"reload-keys --target {settings.gateway} --admin-key-file FILE (docs/tenants.md)"
         )
-    for i in range(settings.workers):
+    for i in range(settings.all_workers):
         print(f"worker{i}   {settings.worker_address(i)}")
     if settings.metrics_base_port:
         print(

@@ -162,6 +162,12 @@ def chat_request(
     return make_request(prompt=prompt, **sampling)
 
 
+def cell_dict(cell: scheduler_pb2.CellStatus) -> dict:
+    """One cell of a gateway with --cells, as plain data."""
+    keys = ["address", "up", "load", "waiting", "running", "prompt_tokens", "hit_tokens"]
+    return {k: getattr(cell, k) for k in keys} | {"routed": dict(cell.routed)}
+
+
 def status_dict(reply: scheduler_pb2.StatusReply) -> dict:
     """The Status reply as plain data (what `llmserve status --json` prints)."""
     keys = [
@@ -204,6 +210,7 @@ def status_dict(reply: scheduler_pb2.StatusReply) -> dict:
     out["explanation"] = explanation_dict(reply.explanation)
     out["stalls"] = dict(reply.stalls)
     out["refused"] = dict(reply.refused)
+    out["cells"] = [cell_dict(c) for c in reply.cells]
     out["workers"] = [
         {
             "name": w.name,

@@ -1,4 +1,5 @@
-"""Start scheduler + N workers + gateway as plain processes on loopback; stop them all."""
+"""Start scheduler + N workers + gateway as plain processes on loopback (or several cells, a
+scheduler and its workers each, behind the gateway); stop them all."""
 
 from __future__ import annotations
 
@@ -40,7 +41,13 @@ class StackSettings(CoreConfig):
         "auto", help_of(WK, "quantization")
     )
     device: str = setting("auto", "each worker's device: " + help_of(WK, "device"))
-    workers: int = setting(1, "worker processes, each with its own KV pool")
+    workers: int = setting(1, "worker processes, each with its own KV pool (per cell)")
+    cells: int = setting(
+        1,
+        "cells, each a scheduler with --workers workers, behind the gateway's router (cell c's "
+        "scheduler on --scheduler-port + c, its workers after the cells before it)",
+    )
+    router: str = setting("cache-aware", help_of(GW, "router"))
     kv_capacity: int = setting(16384, "KV positions per worker")
     block_size: int = setting(16, help_of(WK, "block_size"))
     gateway_port: int = setting(
@@ -88,6 +95,20 @@ class StackSettings(CoreConfig):
     @property
     def scheduler(self) -> str:
         return f"127.0.0.1:{self.scheduler_port}"
+
+    def cell_scheduler(self, cell: int) -> str:
+        return f"127.0.0.1:{self.scheduler_port + cell}"
+
+    def cell_name(self, cell: int) -> str:
+        """Cell 0's scheduler is "scheduler" (as with one cell), cell c's "scheduler{c}"."""
+        return f"scheduler{cell}" if cell else "scheduler"
+
+    def cell_workers(self, cell: int) -> range:
+        return range(cell * self.workers, (cell + 1) * self.workers)
+
+    @property
+    def all_workers(self) -> int:
+        return self.cells * self.workers
 
     def worker_address(self, i: int) -> str:
         return f"127.0.0.1:{self.worker_base_port + i}"
@@ -139,19 +160,28 @@ class Stack:
 
     def commands(self) -> dict[str, list[str]]:
         s = self.settings
-        py = [sys.executable, "-m"]
         cmds = {}
-        for i in range(s.workers):
+        for i in range(s.all_workers):
             cmds[f"worker{i}"] = self.worker_command(i, s.worker_base_port + i)
-        cmds["scheduler"] = [
-            *py,
+        for cell in range(s.cells):
+            cmds[s.cell_name(cell)] = self.scheduler_command(cell)
+        cmds["gateway"] = self.gateway_command()
+        return cmds | self.joined
+
+    def scheduler_command(self, cell: int) -> list[str]:
+        """Cell `cell`'s scheduler, over its workers (metrics: cell 0 at +1, cell c after every
+        worker's port)."""
+        s = self.settings
+        workers = [s.worker_address(i) for i in s.cell_workers(cell)]
+        metrics = s.metrics_port(1 if cell == 0 else 1 + s.all_workers + cell)
+        return [
+            sys.executable,
+            "-m",
             "scheduler_svc",
             "--port",
-            str(s.scheduler_port),
+            str(s.scheduler_port + cell),
             "--workers",
-            ",".join(
-                [s.worker_address(i) for i in range(s.workers)] + [s.discover] * bool(s.discover)
-            ),
+            ",".join(workers + [s.discover] * bool(s.discover and cell == 0)),
             *(["--discovery-interval", str(s.discovery_interval)] if s.discover else []),
             *to_flags(s, CoreConfig),  # the core's settings, as the stack has them
             "--kv-capacity",
@@ -161,18 +191,23 @@ class Stack:
             str(s.stream_interval_ms),
             *(["--cost-model", os.path.abspath(s.cost_model)] if s.cost_model else []),
             "--metrics-port",
-            str(s.metrics_port(1)),
+            str(metrics),
             *s.token_flags,
             *s.admin_flags,
             *shlex.split(s.scheduler_flags),
         ]
-        cmds["gateway"] = [
-            *py,
+
+    def gateway_command(self) -> list[str]:
+        s = self.settings
+        cells = ",".join(s.cell_scheduler(c) for c in range(s.cells))
+        return [
+            sys.executable,
+            "-m",
             "gateway",
             "--port",
             str(s.gateway_port),
-            "--scheduler",
-            s.scheduler,
+            *(["--scheduler", s.scheduler] if s.cells == 1 else ["--cells", cells]),
+            *(["--router", s.router] if s.cells > 1 else []),
             "--max-queued-requests",
             str(s.max_queued_requests),
             "--max-queued-tokens",
@@ -189,14 +224,13 @@ class Stack:
             *s.admin_flags,
             *s.tenancy_flags,
         ]
-        return cmds | self.joined
 
     def worker_command(self, index: int, port: int, *extra: str) -> list[str]:
         s = self.settings
-        threads = s.threads or max(1, (os.cpu_count() or 1) // s.workers)
+        threads = s.threads or max(1, (os.cpu_count() or 1) // s.all_workers)
         small = s.small_step_threads
         if small < 0:  # the control plane shares these cores when the workers take them all
-            every_core = threads * s.workers >= (os.cpu_count() or 1)
+            every_core = threads * s.all_workers >= (os.cpu_count() or 1)
             small = threads - 1 if every_core and host_features().small_steps_leave_a_core else 0
         return [
             sys.executable,
@@ -279,10 +313,10 @@ class Stack:
         return proc
 
     async def _wait_all(self, timeout: float, only: str = "") -> None:
-        targets = {
-            f"worker{i}": self.settings.worker_address(i) for i in range(self.settings.workers)
-        }
-        targets |= {"scheduler": self.settings.scheduler, "gateway": self.settings.gateway}
+        s = self.settings
+        targets = {f"worker{i}": s.worker_address(i) for i in range(s.all_workers)}
+        targets |= {s.cell_name(c): s.cell_scheduler(c) for c in range(s.cells)}
+        targets["gateway"] = s.gateway
         if only:
             targets = {only: targets[only]}
         deadline = time.monotonic() + timeout
@@ -309,7 +343,8 @@ class Stack:
 
     def stop(self, grace: float = 15.0) -> dict[str, int | None]:
         """SIGTERM the gateway first, then the scheduler, then the workers; SIGKILL stragglers."""
-        order = ["gateway", "scheduler", *[n for n in self.procs if n.startswith("worker")]]
+        schedulers = [n for n in self.procs if n.startswith("scheduler")]
+        order = ["gateway", *schedulers, *[n for n in self.procs if n.startswith("worker")]]
         codes: dict[str, int | None] = {}
         for name in order:
             proc = self.procs.get(name)

@@ -57,6 +57,7 @@ def format_status(s: dict, explain: bool = False) -> str:
         f"admission stalls by reason (steps): {stalls}",
         f"refused at submit: {refused}",
     ]
+    lines += cells_lines(s)
     if explain or s.get("explanation") or s.get("explanation_withheld"):
         lines.append(explanation_text(s))
     return "\n".join(lines)
@@ -109,6 +110,24 @@ def step_time_text(w: dict) -> str:
         f"{100 * w['step_time_error_p50']:.0f}%  p90 {100 * w['step_time_error_p90']:.0f}% "
         f"(last {w['step_time_error_steps']} steps)"
     )
+
+
+def cells_lines(s: dict) -> list[str]:
+    """With a gateway of several cells: each cell, as the gateway routes to it (the figures
+    above are the first cell's)."""
+    cells = s.get("cells") or []
+    if not cells:
+        return []
+    withheld = s.get("cache_figures_withheld", False)
+    lines = [f"cells ({len(cells)}; the figures above are the first's), as the gateway routes:"]
+    for c in cells:
+        routed = ", ".join(f"{k} {v}" for k, v in sorted(c["routed"].items()) if v) or "none"
+        hits = "" if withheld else f"  hit rate {hit_rate(c):>6}"
+        lines.append(
+            f"  {c['address']:<21} {'up' if c['up'] else 'DOWN':<4}  load {c['load']:>9.0f}  "
+            f"waiting {c['waiting']:>4}  running {c['running']:>4}{hits}  routed: {routed}"
+        )
+    return lines
 
 
 def hit_rate(figures: dict) -> str:

@@ -7,52 +7,24 @@ A block is in exactly one of three states:
 - **evictable**: nobody holds it, but its contents are a cached prefix block (it has a key);
   it is counted as free, and taken (least recently used first) when no free block is left.
 
-A cached block's key is a hash chain over token ids (`block_keys`): equal keys mean equal
+A cached block's key is a hash chain over token ids (`block_keys`, llmcommon/block_keys.py, which
+the gateway's router computes too): equal keys mean equal
 tokens at equal positions from the start of the sequence, so equal KV.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import repeat
 
+from llmcommon.block_keys import block_keys
+
+__all__ = ["BlockPool", "Keys", "block_keys", "blocks_for", "common_blocks"]
+
 
 def blocks_for(positions: int, block_size: int) -> int:
     return -(-positions // block_size)
-
-
-def block_keys(
-    tokens: list[int],
-    block_size: int,
-    keys: list[bytes],
-    upto: int,
-    salt: bytes = b"",
-    offset: int = 0,
-) -> list[bytes]:
-    """Extend `keys` (the keys of `tokens`' first full blocks, as computed so far) to `upto`
-    blocks; `tokens` may start at position `offset`, a block boundary at or before the first
-    block still to hash. Each key is BLAKE2b (512 bits, its own size) over the previous key and
-    this block's token ids: a cryptographic hash, so that no client can craft a prompt whose
-    blocks collide with another's and read or poison its KV (a plain 64-bit hash of the tokens
-    would allow it). The previous key and a block of 16 ids are one 128-byte BLAKE2b block; the
-    ids are packed once, then hashed a slice at a time, about 0.5 µs a block (the C hash is most
-    of it: a `digest_size` of 32 or 16 bytes costs 15% more, for the keyword alone; SHA-256
-    twice as much). A `salt` seeds the chain (hashed apart, so that no salt can equal a key):
-    chains of different salts share no key, hence no block.
-    """
-    first = len(keys)
-    if upto <= first:
-        return keys
-    prev = keys[-1] if keys else salt and hashlib.blake2b(salt, person=b"llmserve-salt").digest()
-    data = array("I", tokens[first * block_size - offset : upto * block_size - offset]).tobytes()
-    blake2b, width = hashlib.blake2b, 4 * block_size
-    for at in range(0, len(data), width):
-        prev = blake2b(prev + data[at : at + width]).digest()
-        keys.append(prev)
-    return keys
 
 
 def common_blocks(a: list[int], b: list[int], block_size: int, limit: int, start: int = 0) -> int:

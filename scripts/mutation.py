@@ -102,6 +102,7 @@ GROUPS = {
             "scheduler_svc/kv.py",
             "scheduler_svc/kv_records.py",
             "scheduler_svc/blocks.py",
+            "llmcommon/block_keys.py",
             "scheduler_svc/worker_state.py",
             "scheduler_svc/time_budget.py",
             "scheduler_svc/step_model.py",
@@ -113,6 +114,7 @@ GROUPS = {
     "prefix": Group(
         (
             "scheduler_svc/blocks.py",
+            "llmcommon/block_keys.py",
             "scheduler_svc/kv.py",
             "scheduler_svc/kv_records.py",
             *CORE,
@@ -122,6 +124,7 @@ GROUPS = {
         part_of="core",
         functions=(
             "scheduler_svc.blocks.*",
+            "llmcommon.block_keys.*",
             "scheduler_svc.kv.*",
             "scheduler_svc.kv_records.*",
             *(

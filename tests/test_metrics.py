@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.metrics import GatewayMetrics
+from gateway.routing import Router
 from gateway.service import Tally
 from llmcommon.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2
 from scheduler_svc.config import CoreConfig, KvPolicy, WorkerSpec
@@ -41,6 +42,7 @@ LABELS = {
     "quantile",
     "setting",
     "tenant",  # configured in the gateway's keys file; at most 64 named
+    "cell",  # a gateway's --cells: one per cell's scheduler
     "slo_class",  # configured with --slo-classes
     "met",
     "limit",
@@ -268,7 +270,9 @@ def test_gateway_counts_calls_by_method_and_final_status_code() -> None:
 
 def all_families() -> list:
     registry = CollectorRegistry()
-    GatewayMetrics(registry).tenants.configure(["default"], ["interactive"])  # a class's too
+    gateway = GatewayMetrics(registry)
+    gateway.tenants.configure(["default"], ["interactive"])  # a class's too
+    gateway.cells.follow(SimpleNamespace(cells={"cell0": None}, router=Router(["cell0"])))
     WorkerMetrics("worker0", registry)
     models = StepModels()
     models.observe(0, BatchShape(1, 1, 5, 5), 0.02)  # a step seen: its error is exported

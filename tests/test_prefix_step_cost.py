@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-import scheduler_svc.blocks as blocks_module
+import llmcommon.block_keys as blocks_module  # (the block keys the pool hashes with)
 from scheduler_svc.blocks import BlockPool, block_keys, common_blocks
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler

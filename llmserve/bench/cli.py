@@ -181,6 +181,7 @@ def add_bench_parser(sub) -> None:
         help="also simulate every load and policy with the scheduler core of this git "
         "revision, and print the core's real µs per step side by side (e.g. bc5c0ff)",
     )
+    _cells_flags(sim)
     _slo_flag(sim)
     _out_flags(sim, "sim")
     sim.set_defaults(func=_cmd_sim)
@@ -328,6 +329,43 @@ def _sweep_flags(p: argparse.ArgumentParser, where: str) -> None:
         help="sweep mode: one run per step-time budget, each under the cap --token-budget; TxW: "
         "T held on average over W steps (--step-time-window)",
     )
+
+
+def _cells_flags(p: argparse.ArgumentParser) -> None:
+    from gateway.routing import RouterSettings
+    from llmcommon.flags import help_of
+
+    g = p.add_argument_group("cells (several schedulers behind the gateway's router)")
+    g.add_argument(
+        "--cells",
+        type=int,
+        default=0,
+        help="simulate this many cells, each a scheduler with --sim-workers workers, behind "
+        "the router; 0 = one scheduler (no router)",
+    )
+    g.add_argument(
+        "--router",
+        default="cache-aware,round-robin,least-loaded,session,single",
+        help="with --cells: the router policies to compare, comma-separated; single = one "
+        "scheduler over all the cells' workers (the same total KV)",
+    )
+    defaults = RouterSettings()
+    for name in (
+        "cache_threshold",
+        "balance_abs_threshold",
+        "balance_rel_threshold",
+        "load_weight",
+        "index_blocks",
+        "recent_half_life_s",
+    ):
+        value = getattr(defaults, name)
+        g.add_argument(
+            "--router-" + name.replace("_", "-"),
+            dest=f"router_{name}",
+            type=type(value),
+            default=None,
+            help=f"{help_of(RouterSettings, name)} (default: {value})",
+        )
 
 
 def _slo_flag(p: argparse.ArgumentParser) -> None:

@@ -17,6 +17,7 @@ from llmserve.bench.goodput import Slo
 from llmserve.bench.plots import write_plots
 from llmserve.bench.policy import parse_policies
 from llmserve.bench.report import Report, print_table
+from llmserve.bench.run_cells import run_cells
 from llmserve.bench.simulate import SimSettings, Simulation
 from llmserve.bench.sweep_plot import write_sweep_plot
 from llmserve.bench.tenant_report import print_tenant_section, tenant_section
@@ -25,8 +26,10 @@ from llmserve.bench.workload_args import build_workload
 
 
 def run_sim(args: argparse.Namespace, command: str) -> int:
-    cost = CostModel.load(args.cost_model or DEFAULT_COST_MODEL)
     settings = sim_settings(args)
+    if getattr(args, "cells", 0):
+        return run_cells(args, command, settings)
+    cost = CostModel.load(args.cost_model or DEFAULT_COST_MODEL)
     policies = parse_policies(args.policies, args.prefix_caching, args.queue_policies)
     rows: list[dict[str, Any]] = []
     for load in [float(x) for x in args.loads.split(",")]:

@@ -313,7 +313,8 @@ class Simulation:
             kept.append(token)
         return kept + [self._token(seq, len(kept))]
 
-    def _arrive(self, spec: RequestSpec, due: float) -> None:
+    def _arrive(self, spec: RequestSpec, due: float, prompt: list[int] | None = None) -> None:
+        """`spec` arrives; `prompt`: its ids, when the caller built them (a router's cells)."""
         rid = str(spec.index)
         arrival = due if spec.arrival_s is None else spec.arrival_s
         record = RequestRecord(
@@ -327,7 +328,7 @@ class Simulation:
         )  # type: ignore[arg-type]
         self.records[rid] = record
         self.target[rid] = spec.output_tokens
-        prompt = self._prompt(spec)
+        prompt = self._prompt(spec) if prompt is None else prompt
         record.prompt_tokens = len(prompt)
         self.prompt_tokens += len(prompt)
         if spec.index in self.followers:

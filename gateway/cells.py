@@ -1,0 +1,187 @@
+"""The cells a gateway routes to: one connection (and Session stream) per cell's scheduler, the
+router (gateway/routing/) that picks one per request, and each cell's health and load, asked
+every WATCH_PERIOD_S: a cell whose connection is closed (dead), or that has answered no check for
+--scheduler-timeout (hung), is routed around until it answers again, when it is taken to have
+restarted with an empty cache; a hung cell's held requests are moved to other cells at once.
+
+--cells lists host:port addresses; a name that resolves to several addresses (a headless
+Service) is one cell per address, resolved again at every check, so that cells that join take
+traffic and cells that leave are dropped."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.routing import Route, Router, RouterSettings, prompt_keys
+from gateway.scheduler_session import SchedulerSession, SessionCall
+from gateway.scheduler_watch import SilenceBound, Verdict
+from llmcommon.health import check_health
+from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger("gateway")
+WATCH_PERIOD_S = 1.0
+CHECK_TIMEOUT_S = 2.0
+
+
+@dataclass(slots=True)
+class Cell:
+    address: str
+    channel: grpc.aio.Channel
+    stub: scheduler_pb2_grpc.SchedulerStub
+    session: SchedulerSession | None
+    routed: dict[str, int] = field(default_factory=dict)  # reason -> routes
+    silence: SilenceBound | None = None  # how long it has answered no health check
+
+
+def cell_addresses(text: str) -> list[str]:
+    """--cells: host:port entries, each name resolved to its addresses (one cell each)."""
+    out: list[str] = []
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        host, _, port = entry.rpartition(":")
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except (socket.gaierror, ValueError):
+            out.append(entry)  # (not resolvable now: tried, and routed around, as a dead cell)
+            continue
+        found = sorted({f"{info[4][0]}:{port}" for info in infos if info[0] == socket.AF_INET})
+        out += found if len(found) > 1 else [entry]
+    return list(dict.fromkeys(out))
+
+
+class Cells:
+    def __init__(
+        self,
+        spec: str,
+        settings: RouterSettings,
+        channel_of,
+        sessions: bool,
+        hung_after: float = 5.0,
+    ) -> None:
+        """`channel_of(address)`: the gRPC channel to a scheduler (with the internal token).
+        A cell silent for `hung_after` seconds (its connection open) is hung: routed around,
+        and `on_hung(address)` moves the requests it holds."""
+        self.spec, self.channel_of, self.sessions = spec, channel_of, sessions
+        self.hung_after = hung_after
+        self.on_hung: Callable[[str], None] | None = None
+        self.cells: dict[str, Cell] = {}
+        self.router = Router([], settings)
+        for address in cell_addresses(spec):
+            self._join(address)
+
+    def __len__(self) -> int:
+        return len(self.cells)
+
+    def first(self) -> Cell:
+        return next(iter(self.cells.values()))
+
+    def keys_of(self, prompt_ids: list[int], salt: bytes) -> list[int]:
+        s = self.router.settings
+        return prompt_keys(prompt_ids, s.block_size, salt, s.max_prompt_blocks)
+
+    def place(
+        self,
+        submit: scheduler_pb2.SubmitRequest,
+        keys: list[int],
+        session: str,
+        timeout: float | None,
+        exclude: frozenset[str] = frozenset(),
+    ) -> tuple[grpc.aio.UnaryStreamCall | SessionCall, Route] | None:
+        """The request sent to the cell the router picks (None: no live cell but `exclude`)."""
+        prompt = len(submit.prompt_token_ids) + len(submit.resume_token_ids)
+        output = max(1, submit.sampling.max_tokens - len(submit.resume_token_ids))
+        route = self.router.route(keys, prompt, output, session, exclude)
+        if route is None:
+            return None
+        cell = self.cells[route.cell]
+        cell.routed[route.reason.value] = cell.routed.get(route.reason.value, 0) + 1
+        if cell.session is not None:
+            return cell.session.submit(submit, timeout), route
+        return cell.stub.Submit(submit, timeout=timeout), route
+
+    def lost(self, route: Route) -> None:
+        """The cell of `route` broke a request's stream: routed around until it answers."""
+        self.router.done(route)
+        if route.cell in self.cells and self.router.alive(route.cell):
+            log.warning("cell %s lost: routed around until it answers", route.cell)
+            self.router.set_alive(route.cell, False)
+
+    async def statuses(self) -> list[scheduler_pb2.CellStatus]:
+        """Every cell as this gateway sees it, with its scheduler's own figures (`status`
+        across cells)."""
+        return list(await asyncio.gather(*(self._status(c) for c in self.cells.values())))
+
+    async def _status(self, cell: Cell) -> scheduler_pb2.CellStatus:
+        up = self.router.alive(cell.address)
+        out = scheduler_pb2.CellStatus(
+            address=cell.address, up=up, load=self.router.load(cell.address), routed=cell.routed
+        )
+        if up:
+            try:
+                reply = await cell.stub.Status(
+                    scheduler_pb2.StatusRequest(), timeout=CHECK_TIMEOUT_S
+                )
+            except grpc.aio.AioRpcError:
+                return out
+            out.waiting, out.running = reply.waiting, reply.running
+            out.prompt_tokens, out.hit_tokens = reply.prompt_tokens, reply.hit_tokens
+        return out
+
+    async def watch(self, on_change=None) -> None:
+        """Every WATCH_PERIOD_S: each cell's health and load; cells that joined or left."""
+        while True:
+            await asyncio.sleep(WATCH_PERIOD_S)
+            await asyncio.gather(*(self._check(cell) for cell in list(self.cells.values())))
+            self._resolve()
+            if on_change is not None:
+                on_change()
+
+    async def _check(self, cell: Cell) -> None:
+        try:
+            await check_health(cell.channel, timeout=CHECK_TIMEOUT_S)
+            status = await cell.stub.Status(scheduler_pb2.StatusRequest(), timeout=CHECK_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            silent = err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            hung = cell.silence.observe(silent) is not Verdict.ANSWERS  # type: ignore[union-attr]
+            if self.router.alive(cell.address) and (hung or not silent):
+                why = "answers nothing (hung?)" if hung else "is down"
+                log.warning("cell %s %s: routed around", cell.address, why)
+                self.router.set_alive(cell.address, False)
+                if hung and self.on_hung is not None:
+                    self.on_hung(cell.address)
+            return
+        cell.silence.observe(False)  # type: ignore[union-attr]
+        if not self.router.alive(cell.address):
+            log.info(
+                "cell %s answers again: it takes traffic (its cache taken as empty)", cell.address
+            )
+            self.router.restarted(cell.address)
+            self.router.set_alive(cell.address, True)
+        # the prompt tokens waiting there: beyond this gateway's own, other gateways' requests
+        self.router.report_load(cell.address, float(status.waiting_tokens))
+
+    def _resolve(self) -> None:
+        if not any(c.isalpha() for c in self.spec.replace("localhost", "")):
+            return  # addresses only: nothing to resolve
+        now = set(cell_addresses(self.spec))
+        for address in now - set(self.cells):
+            log.info("cell %s joined", address)
+            self._join(address)
+        for address in set(self.cells) - now:
+            log.info("cell %s left", address)
+            self.router.set_alive(address, False)
+
+    def _join(self, address: str) -> None:
+        channel = self.channel_of(address)
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        session = SchedulerSession(stub) if self.sessions else None
+        silence = SilenceBound(self.hung_after, self.hung_after)
+        self.cells[address] = Cell(address, channel, stub, session, silence=silence)
+        self.router.add_cell(address)

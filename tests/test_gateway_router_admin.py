@@ -1,0 +1,73 @@
+"""`llmserve set` through a gateway with several cells: the router's settings (router,
+router_*) are the gateway's own, set at once and all or nothing; the others reach every cell."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from gateway.admin import GatewayAdmin
+from gateway.routing import RoutePolicy, Router
+from llmcommon.v1 import scheduler_pb2
+
+
+class FakeAdmin:
+    """A cell's Admin stub: records what it was sent, answers one setting."""
+
+    def __init__(self) -> None:
+        self.sent: list[scheduler_pb2.SetSettingsRequest] = []
+
+    async def GetSettings(self, request, **_):
+        return scheduler_pb2.Settings(settings=[{"name": "token_budget", "value": "256"}])
+
+    async def SetSettings(self, request, **_):
+        self.sent.append(request)
+        return scheduler_pb2.SetSettingsReply(
+            settings=[{"name": "token_budget", "value": request.changes[0].value}]
+        )
+
+
+class Context:
+    def time_remaining(self):
+        return None
+
+    def invocation_metadata(self):
+        return ()
+
+    def peer(self):
+        return "ipv4:127.0.0.1:1"
+
+    async def abort(self, code, details):
+        raise grpc.RpcError(code, details)
+
+
+def set_settings(admin: GatewayAdmin, **changes: str):
+    request = scheduler_pb2.SetSettingsRequest(
+        changes=[{"name": k, "value": v} for k, v in changes.items()]
+    )
+    return asyncio.run(admin.SetSettings(request, Context()))
+
+
+def test_router_settings_change_in_the_gateway_and_the_rest_reach_every_cell():
+    first, second = FakeAdmin(), FakeAdmin()
+    router = Router(["a", "b"])
+    admin = GatewayAdmin(first, router, [second])
+    reply = set_settings(admin, router="round-robin", token_budget="512")
+    assert router.settings.policy is RoutePolicy.ROUND_ROBIN
+    assert [(c.name, c.old_value, c.new_value) for c in reply.changed] == [
+        ("router", "cache-aware", "round-robin")
+    ]
+    for cell in (first, second):
+        assert [(c.name, c.value) for c in cell.sent[0].changes] == [("token_budget", "512")]
+    names = {s.name: s.value for s in asyncio.run(admin.GetSettings(None, Context())).settings}
+    assert names["router"] == "round-robin" and names["token_budget"] == "256"
+
+
+def test_a_bad_router_setting_changes_nothing_anywhere():
+    first = FakeAdmin()
+    router = Router(["a", "b"])
+    with pytest.raises(grpc.RpcError):
+        set_settings(GatewayAdmin(first, router), router="fastest", token_budget="512")
+    assert router.settings.policy is RoutePolicy.CACHE_AWARE and first.sent == []
