@@ -78,6 +78,9 @@ class Step:
     # decodes with a draft (speculative decoding; never with repeat > 1): their tokens follow
     # the decodes' in the worker's answer, draft by draft, as many as it kept of each
     drafts: list[Draft] = field(default_factory=list)
+    # decodes (index in `decodes`, handle, the proposal's first token) that had a proposal but
+    # no draft: their sampled token tells their acceptance rate for free (drafts.py)
+    shadows: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def has_work(self) -> bool:

@@ -155,3 +155,17 @@ def test_under_load_auto_looks_up_no_proposal_at_all() -> None:
     assert asked == []
     assert worth_drafting(decodes(1), 1, ONE_STREAM.predict, 0.5, 100, 0.0)
     assert not worth_drafting(decodes(64), 64, LOADED.predict, 0.9, 100, 0.0)
+
+
+def test_a_request_whose_rate_fell_is_measured_again_by_its_proposals_and_drafts_again() -> None:
+    """A request whose acceptance rate is near 0 drafts nothing under auto, but each decode
+    that had a proposal tells whether its first token was right: the rate climbs back while
+    the text repeats, and the request drafts again (without this, it never would)."""
+    core = make(ONE_STREAM, speculative_length=DraftLength.AUTO)
+    core.add(r := Sequence("r", [3, 5, 8, 4], 60))
+    r.acceptance = 0.01
+    history = spec_sim.drive(core)
+    first = next(i for i, s in enumerate(history) if s.drafts)
+    assert first > 2  # some plain decodes first: their shadows raised the rate
+    assert any(s.shadows for s in history[:first])
+    assert r.acceptance > 0.9 and len(r.output_ids) == 60

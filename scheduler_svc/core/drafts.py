@@ -12,7 +12,7 @@ from scheduler_svc.config import DraftLength
 from scheduler_svc.core.state import CoreState
 from scheduler_svc.output import Event, Outputs
 from scheduler_svc.sequence import Finish, Sequence
-from scheduler_svc.speculation.acceptance import next_rate
+from scheduler_svc.speculation.acceptance import ACCEPT_PRIOR, next_rate
 from scheduler_svc.speculation.length import Row, auto_lengths, fixed_lengths, worth_drafting
 from scheduler_svc.step import Draft, Step
 from scheduler_svc.step_cost import step_shape
@@ -38,7 +38,8 @@ class Drafts(CoreState):
             base,
             step.num_sampled,
             predict,
-            max(s.acceptance for s in step.decodes),
+            # a fresh request's rate at least: a lower one is measured again (`_shadow`)
+            max(ACCEPT_PRIOR, max(s.acceptance for s in step.decodes)),
             min(s.num_computed for s in step.decodes) - 1,
             limit,
         ):
@@ -46,6 +47,7 @@ class Drafts(CoreState):
         most = self.config.num_speculative_tokens
         rows: list[Row] = []
         picked: list[tuple[int, list[int]]] = []
+        guesses: dict[int, int] = {}  # decodes whose proposal predicts this step's own token
         for i, seq in enumerate(step.decodes):
             ahead = seq.num_inflight - 1  # sampled by steps sent before this one
             room = seq.max_planned - seq.num_planned  # tokens it may sample after this one
@@ -55,6 +57,8 @@ class Drafts(CoreState):
             if tokens:
                 rows.append(Row(seq.num_computed - 1, len(tokens), seq.acceptance))
                 picked.append((i, tokens))
+                if not ahead:
+                    guesses[i] = tokens[0]
         if not rows:
             return
         if auto:
@@ -68,6 +72,31 @@ class Drafts(CoreState):
                 chosen[i] = tokens[:k]
         if chosen:
             self._plan_drafts(step, chosen)
+        self._shadow(step, guesses, chosen)
+
+    def _shadow(self, step: Step, guesses: dict[int, int], chosen: dict[int, list[int]]) -> None:
+        """The decodes that had a proposal and took no draft: the token each samples now says
+        whether the proposal's first token would have been kept (`shadow_rates`), so that a
+        request whose rate fell (auto drafts nothing for it) is measured again at no cost and
+        drafts again where its text starts to repeat."""
+        if not guesses:
+            return
+        at = 0  # the index in the step's decodes after the drafts left them
+        for i in range(len(step.decodes) + len(chosen)):
+            if i in chosen:
+                continue
+            if i in guesses:
+                step.shadows.append((at, step.decode_handles[at], guesses[i]))
+            at += 1
+
+    def _shadow_rates(self, step: Step, tokens: list[int]) -> None:
+        """After the step: each shadowed decode's rate, as if its proposal had been a draft of
+        one token (`tokens`: the decodes' sampled tokens, in order)."""
+        decodes = step.decodes
+        for at, handle, guess in step.shadows:
+            seq = decodes[at]
+            if seq.handle == handle:
+                seq.acceptance = next_rate(seq.acceptance, 1, int(tokens[at] == guess))
 
     def _draft_room(self, ws: WorkerState, step: Step, seq: Sequence, k: int) -> int:
         """The most of `k` draft tokens `seq` holds KV for, growing its table from the free

@@ -144,6 +144,9 @@ class Scheduler(Membership, Admission, Planning, Drafts, Runs, Failures):
         """Record what an execution sampled (`Runs.complete`): `tokens` in the step's order,
         sampling chunks, then decodes, then each draft's, `emitted[i]` of them for draft i
         (`Drafts._complete_drafts`)."""
+        if step.shadows:
+            chunks = sum(1 for w in step.chunks if w.sample)
+            self._shadow_rates(step, tokens[chunks : chunks + len(step.decodes)])
         if not step.drafts:
             return Runs.complete(self, step, tokens)
         plain = step.num_sampled - len(step.drafts)
