@@ -226,6 +226,8 @@ class WorkerLoop:
                 f"{len(emitted)} draft results for {len(step.drafts)} drafts (a worker that "
                 f"does not verify drafts? speculative decoding needs one that does)"
             )
+        elif not result.error and step.drafts:
+            result.error = draft_answer_problem(step, tokens, emitted)
         # whose logprobs the tokens carry: read before `complete` moves or finishes requests
         owners = (
             StepLogprobs.owners(step, tokens, emitted)
@@ -258,3 +260,15 @@ class WorkerLoop:
             pairs = zip(owners, result.logprobs, strict=True)
             events.append(StepLogprobs([(rid, lp) for rid, lp in pairs if rid is not None]))
         return events
+
+
+def draft_answer_problem(step, tokens: list[int], emitted: list[int]) -> str:
+    """What is wrong with a worker's answer to a step with drafts ("" if nothing): each draft
+    emits 1 to len(draft) + 1 tokens, and the tokens are the plain ones plus those."""
+    for n, draft in zip(emitted, step.drafts, strict=True):
+        if not 1 <= n <= len(draft.token_ids) + 1:
+            return f"a draft of {len(draft.token_ids)} tokens emitted {n}"
+    plain = step.num_sampled - len(step.drafts)
+    if len(tokens) != plain + sum(emitted):
+        return f"{len(tokens)} tokens for {plain} plain samples and drafts that emitted {emitted}"
+    return ""

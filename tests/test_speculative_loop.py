@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from llmcommon.sampling import SamplingParams
 from llmcommon.v1 import common_pb2, worker_pb2
 from scheduler_svc.config import WorkerSpec
@@ -92,6 +94,40 @@ def test_a_worker_that_answers_no_draft_results_fails_the_step_instead_of_the_lo
     loop.complete(step, worker_pb2.StepResult(tokens=[7]), time.perf_counter())
     assert seq.finish is Finish.ERROR
     assert core.schedule(0).released == [step.drafts[0].handle]
+
+
+@pytest.mark.parametrize("answer", ["too many", "too few tokens"])
+def test_a_worker_whose_draft_answer_does_not_add_up_fails_the_step_instead_of_the_loop(
+    answer: str,
+) -> None:
+    """A draft that emitted more than it could (or tokens that do not match the counts): the
+    step's requests fail with the cause named; the loop goes on."""
+    settings = SchedulerSettings(
+        speculative="ngram", speculative_length="fixed", prompt_lookup_min=2, prompt_lookup_max=3
+    )
+    client = InProcessClient(SPEC)
+    service = SchedulerService(settings, [client])
+    core = service.core
+    core.add_worker(SPEC)
+    loop = WorkerLoop(core, settings, service, 0, client)
+    core.add(seq := Sequence("r", [3, 5, 8, 4, 3, 5], 40))
+    for _ in range(10):
+        step = core.schedule(0)
+        if step.drafts:
+            break
+        tokens, emitted = spec_sim.run(step)
+        loop.complete(step, worker_pb2.StepResult(tokens=tokens), time.perf_counter())
+    assert step.drafts
+    tokens, emitted = spec_sim.run(step)
+    if answer == "too many":
+        emitted = [len(step.drafts[0].token_ids) + 2]
+        tokens = tokens + [7]
+    else:
+        tokens = tokens[:-1]
+    result = worker_pb2.StepResult(tokens=tokens, emitted=emitted)
+    loop.complete(step, result, time.perf_counter())
+    assert seq.finish is Finish.ERROR
+    assert "draft" in result.error
 
 
 def test_llmserve_status_shows_the_proposer_and_how_its_drafts_did() -> None:
