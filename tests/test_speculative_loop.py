@@ -72,9 +72,9 @@ def test_the_step_model_learns_a_draft_steps_shape() -> None:
     assert step_shape(step) == BatchShape.draft(10, 2) == BatchShape(3, 3, 13, 36)
 
 
-def test_a_worker_that_answers_no_draft_results_fails_the_step_instead_of_the_loop() -> None:
-    """A worker built before drafts ignores them and answers the decodes' tokens only: the
-    step's requests fail with an error naming the cause; the loop goes on."""
+def at_a_draft():
+    """A step loop on a fake worker, driven until the core plans a draft: (core, loop, the
+    request, that step), the step not completed yet."""
     settings = SchedulerSettings(
         speculative="ngram", speculative_length="fixed", prompt_lookup_min=2, prompt_lookup_max=3
     )
@@ -91,6 +91,13 @@ def test_a_worker_that_answers_no_draft_results_fails_the_step_instead_of_the_lo
         tokens, emitted = spec_sim.run(step)
         loop.complete(step, worker_pb2.StepResult(tokens=tokens), time.perf_counter())
     assert step.drafts
+    return core, loop, seq, step
+
+
+def test_a_worker_that_answers_no_draft_results_fails_the_step_instead_of_the_loop() -> None:
+    """A worker built before drafts ignores them and answers the decodes' tokens only: the
+    step's requests fail with an error naming the cause; the loop goes on."""
+    core, loop, seq, step = at_a_draft()
     loop.complete(step, worker_pb2.StepResult(tokens=[7]), time.perf_counter())
     assert seq.finish is Finish.ERROR
     assert core.schedule(0).released == [step.drafts[0].handle]
@@ -102,22 +109,7 @@ def test_a_worker_whose_draft_answer_does_not_add_up_fails_the_step_instead_of_t
 ) -> None:
     """A draft that emitted more than it could (or tokens that do not match the counts): the
     step's requests fail with the cause named; the loop goes on."""
-    settings = SchedulerSettings(
-        speculative="ngram", speculative_length="fixed", prompt_lookup_min=2, prompt_lookup_max=3
-    )
-    client = InProcessClient(SPEC)
-    service = SchedulerService(settings, [client])
-    core = service.core
-    core.add_worker(SPEC)
-    loop = WorkerLoop(core, settings, service, 0, client)
-    core.add(seq := Sequence("r", [3, 5, 8, 4, 3, 5], 40))
-    for _ in range(10):
-        step = core.schedule(0)
-        if step.drafts:
-            break
-        tokens, emitted = spec_sim.run(step)
-        loop.complete(step, worker_pb2.StepResult(tokens=tokens), time.perf_counter())
-    assert step.drafts
+    core, loop, seq, step = at_a_draft()
     tokens, emitted = spec_sim.run(step)
     if answer == "too many":
         emitted = [len(step.drafts[0].token_ids) + 2]

@@ -111,8 +111,7 @@ class ModelRunner:
         out: list[int | None] = [None] * len(items)
         if wanted:
             settings = [items[i].sampling for i in wanted]
-            plain = all(s.greedy and not s.shapes_logits and s.logprobs is None for s in settings)
-            if logits.device.type != "cpu" and plain:
+            if logits.device.type != "cpu" and plain_greedy(settings):
                 tokens = logits.argmax(dim=-1).tolist()  # the step's one device sync
             else:  # drawn rows are drawn on the host, as on the CPU: seeded draws stay exact
                 logits = logits.float().cpu()
@@ -140,11 +139,7 @@ class ModelRunner:
         for item in sampled:
             first_rows.append(row)
             row += 1 + item.drafted
-        plain = all(
-            s.greedy and not s.shapes_logits and s.logprobs is None
-            for s in (item.sampling for item in sampled)
-        )
-        if plain:  # the argmax of every row, in one copy to the host
+        if plain_greedy([item.sampling for item in sampled]):  # every row's argmax, one copy
             emitted = verify.greedy_emit(logits.argmax(dim=-1).tolist(), sampled, first_rows)
         else:
             emitted = verify.emit(logits.float().cpu(), sampled, first_rows, self.rng)
@@ -240,6 +235,11 @@ class HostStaging:
         self.pinned[:total].copy_(torch.tensor(flat, dtype=torch.int64))
         on_device = self.pinned[:total].to(self.device, non_blocking=True)
         return list(on_device.split(sizes))
+
+
+def plain_greedy(settings: list) -> bool:
+    """Every row a plain argmax: greedy, nothing shaping its logits, no logprobs asked."""
+    return all(s.greedy and not s.shapes_logits and s.logprobs is None for s in settings)
 
 
 def all_decodes(items: list[WorkItem]) -> bool:
