@@ -12,7 +12,7 @@ import torch
 from worker_svc import kernel_plan
 from worker_svc.__main__ import make_runner
 from worker_svc.cpu_features import (
-    OUTPUT_INT8_MAX_ROWS,
+    BLOCKED_INT4_MAX_ROWS,
     QUANTIZED_MAX_ROWS,
     host_features,
     parse_cpuinfo,
@@ -36,16 +36,20 @@ def describe(**fields):
 def test_describe_reports_where_auto_switches_paths(asked):
     runner, info = describe(model="smollm2", quantization="auto", quantized_max_rows=asked)
     cpu = host_features()
-    rows = asked or cpu.quantized_max_rows or 0  # 0: this CPU's table says int4 at every size
     quantized = quantized_linears(runner.model.linears)
+    kernel = quantized[0].weight.kernel  # "blocked int4" where this project's kernel runs
+    # 0: this CPU's table says int4 at every size
+    rows = asked or cpu.int4_max_rows(kernel == "blocked int4") or 0
     assert len(quantized) == 4 * runner.config.num_layers  # every layer matrix: Q4_1 in the file
     split = dual_linears(runner.model.linears)
     assert {lin.max_rows for lin in split} == ({rows} if rows else set())
     assert info.quantization == "auto" and info.quantized_max_rows == rows
     assert info.cpu == cpu.tier and info.cpu_flags == cpu.flag_text()
-    path = f"int4 kernel up to {rows} rows" if rows else "int4 kernel at every size"
+    path = f"{kernel} kernel up to {rows} rows" if rows else f"{kernel} kernel at every size"
     assert f"quantization auto: {path}" in info.kernels
-    assert info.kernels.endswith(f"; output int8 up to {OUTPUT_INT8_MAX_ROWS} rows")  # Q8_0
+    head = runner.model.lm_head.weight  # Q8_0 in the file: int8
+    head_rows = cpu.output_int8_max_rows(head.blocked is not None)
+    assert info.kernels.endswith(f"; output {head.kernel} up to {head_rows} rows")
     assert info.threads >= 1
 
 
@@ -108,7 +112,8 @@ def test_without_bf16_dot_products_auto_runs_int4_at_every_size_and_keeps_no_cop
     assert len(linears) == 4 * runner.config.num_layers
     assert all(lin.dense is None for lin in linears)  # the bf16 copies let go
     assert plan.quantized_max_rows == 0 and plan.fields()["quantized_max_rows"] == 0
-    assert plan.summary().endswith("quantization auto: int4 kernel at every size (cpu table)")
+    kernel = linears[0].weight.kernel
+    assert plan.summary().endswith(f"quantization auto: {kernel} kernel at every size (cpu table)")
 
 
 def test_asked_rows_split_even_where_the_table_would_not():
@@ -117,9 +122,11 @@ def test_asked_rows_split_even_where_the_table_would_not():
     plan = plan_kernels(runner, cpu_of(AVX2_CPU), "bf16", "auto", asked_rows=3)
     linears = quantized_linears(runner.model.linears)
     assert all(lin.dense is not None and lin.max_rows == 3 for lin in linears)
-    assert "int4 kernel up to 3 rows (--quantized-max-rows), bf16 oneDNN AVX2 above" in (
+    kernel = linears[0].weight.kernel
+    assert f"{kernel} kernel up to 3 rows (--quantized-max-rows), bf16 oneDNN AVX2 above" in (
         plan.summary()
     )
     split = plan_kernels(runner, cpu_of(ZEN4_CPU), "bf16", "auto")
-    rows = QUANTIZED_MAX_ROWS["avx512_bf16"]
+    table = BLOCKED_INT4_MAX_ROWS if kernel == "blocked int4" else QUANTIZED_MAX_ROWS
+    rows = table["avx512_bf16"]
     assert split.quantized_max_rows == rows and {lin.max_rows for lin in linears} == {rows}

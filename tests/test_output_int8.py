@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from worker_svc.cpu_features import OUTPUT_INT8_MAX_ROWS
+from worker_svc.cpu_features import host_features
 from worker_svc.linear import Linear, QuantizedLinear
 from worker_svc.loader import load_model, output_int8
 from worker_svc.memory_profile import weights_bytes
@@ -40,10 +40,12 @@ def test_few_rows_run_the_int8_kernel_and_more_the_dense_matmul():
     model = LlamaModel(config, weights, torch.bfloat16)
     head = model.lm_head
     assert isinstance(head, QuantizedLinear) and isinstance(head.dense, Linear)
-    assert head.max_rows == OUTPUT_INT8_MAX_ROWS
+    # this CPU's figure for the kernel that runs it (torch's int8, or this project's blocked)
+    rows = host_features().output_int8_max_rows(weights.lm_head_int8.blocked is not None)
+    assert head.max_rows == rows
     gen = torch.Generator().manual_seed(4)
-    few = torch.randn(OUTPUT_INT8_MAX_ROWS, config.hidden_size, generator=gen).bfloat16()
-    more = torch.randn(OUTPUT_INT8_MAX_ROWS + 1, config.hidden_size, generator=gen).bfloat16()
+    few = torch.randn(rows, config.hidden_size, generator=gen).bfloat16()
+    more = torch.randn(rows + 1, config.hidden_size, generator=gen).bfloat16()
     assert torch.equal(head(few), weights.lm_head_int8.matmul(few))  # bit for bit the kernel
     assert torch.equal(head(more), head.dense(more))
     dense = few @ weights.lm_head.t()
@@ -54,7 +56,7 @@ def test_the_codes_are_counted_in_memory_and_stay_on_the_cpu():
     config, weights = tiny_with_int8_output()
     plain = replace(weights, lm_head_int8=None)
     codes = weights.lm_head_int8
-    assert weights_bytes(weights) - weights_bytes(plain) == codes.codes.nbytes + codes.scales.nbytes
+    assert weights_bytes(weights) - weights_bytes(plain) == codes.nbytes  # its blocked layout too
     assert weights.to(torch.device("cpu")).lm_head_int8 is codes
     assert weights.to(torch.device("meta")).lm_head_int8 is None  # elsewhere the dense serves
     model = LlamaModel(config, plain, torch.bfloat16)
@@ -67,7 +69,7 @@ def test_auto_keeps_smollm2s_q8_output_and_the_other_modes_do_not():
     assert auto.lm_head_int8.shape == auto.lm_head.shape and auto.lm_head is auto.embed  # tied
     # the codes stand for the file's values (Q8_0: a scale per 32) to int8's rounding, one scale
     # per row: 1.2% measured (no clipping ratio below the row's absolute maximum does better)
-    assert relative_error(auto.lm_head_int8.codes * auto.lm_head_int8.scales[:, None].float(),
+    assert relative_error(auto.lm_head_int8.int_codes() * auto.lm_head_int8.scales[:, None].float(),
                           auto.lm_head) < 2e-2  # fmt: skip
     for mode in ("none", "int4"):
         assert load_model("smollm2", torch.bfloat16, mode)[1].lm_head_int8 is None

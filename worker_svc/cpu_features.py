@@ -32,6 +32,13 @@ QUANTIZED_MAX_ROWS: dict[str, int | None] = {
     "baseline": None,
 }
 
+# The same for this project's own int4 kernel (worker_svc/blocked_matmul.py, on AVX-512 BF16),
+# whose time grows far less with the rows than torch's: on avx512_bf16 it ties or beats oneDNN's
+# bf16 up to 64 rows, where oneDNN wins from 128 (prefill chunks). On amx the 8 is torch's
+# kernel's figure, not measured for this one (no AMX host has measured it yet): oneDNN's AMX
+# tiles are far faster at many rows. Tiers without AVX-512 BF16 never run it.
+BLOCKED_INT4_MAX_ROWS: dict[str, int] = {"amx": 8, "avx512_bf16": 64}
+
 # Logit rows up to which the output matrix (vocab x hidden: SmolLM2's is 49,152 x 576, 57 MB in
 # bf16, 46% of what a one-row decode step under auto reads) runs as int8 where the weights carry
 # it so (Weights.lm_head_int8): a step samples one row per decode and one per prompt that ends,
@@ -39,6 +46,10 @@ QUANTIZED_MAX_ROWS: dict[str, int | None] = {
 # does not: at a few rows the product is bound by reading the weights, on every tier
 # (docs/figures.md).
 OUTPUT_INT8_MAX_ROWS = 4
+# The same for this project's own int8 kernel (blocked_matmul.py): on avx512_bf16 it beats
+# oneDNN's bf16 up to 6 rows on one thread (ties at 6) and to 8 on two; 6 keeps a one-stream
+# step with a draft of 5 on it. On amx, torch's figure (not measured for this kernel).
+BLOCKED_OUTPUT_INT8_MAX_ROWS: dict[str, int] = {"amx": 4, "avx512_bf16": 6}
 
 # The tiers on which `llmserve up`, where its workers take every core, runs a worker's steps of a
 # few rows on one thread fewer (--small-step-threads -1). None: with the model loaded and its
@@ -75,6 +86,18 @@ class CpuFeatures:
     @property
     def quantized_max_rows(self) -> int | None:
         return QUANTIZED_MAX_ROWS[self.tier]
+
+    def int4_max_rows(self, blocked: bool) -> int | None:
+        """quantized_max_rows for torch's int4 kernel, or for this project's (blocked)."""
+        if blocked and self.tier in BLOCKED_INT4_MAX_ROWS:
+            return BLOCKED_INT4_MAX_ROWS[self.tier]
+        return self.quantized_max_rows
+
+    def output_int8_max_rows(self, blocked: bool) -> int:
+        """OUTPUT_INT8_MAX_ROWS for torch's int8 kernel, or for this project's (blocked)."""
+        if blocked and self.tier in BLOCKED_OUTPUT_INT8_MAX_ROWS:
+            return BLOCKED_OUTPUT_INT8_MAX_ROWS[self.tier]
+        return OUTPUT_INT8_MAX_ROWS
 
     @property
     def small_steps_leave_a_core(self) -> bool:

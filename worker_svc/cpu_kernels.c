@@ -58,10 +58,20 @@ static int kernel_threads = 1;
 
 void set_threads(int threads) { kernel_threads = threads > 0 ? threads : 1; }
 
-/* The pool row of cached position t of a request: block table lookup, then the slot's row. */
-static inline const uint16_t *position_row(const uint16_t *pool, const int64_t *table, int64_t t,
-                                           int64_t block_size, int64_t pos_stride) {
-    return pool + (table[t / block_size] * block_size + t % block_size) * pos_stride;
+/* The pool row of cached position t of a request: `off` holds each position's offset into the
+   pool, worked out once per request from its block table (position_offsets), so that no
+   position costs a division by the block size (a 64-bit division: tens of cycles, several per
+   position and KV head before). */
+static inline const uint16_t *position_row(const uint16_t *pool, const int64_t *off, int64_t t) {
+    return pool + off[t];
+}
+
+/* off[t] = the pool offset of position t's row, t in [0, len), from the block table. */
+static void position_offsets(const int64_t *table, int64_t len, int64_t block_size,
+                             int64_t pos_stride, int64_t *off) {
+    for (int64_t b = 0, t = 0; t < len; b++)
+        for (int64_t i = 0, base = table[b] * block_size; i < block_size && t < len; i++, t++)
+            off[t] = (base + i) * pos_stride;
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -147,8 +157,8 @@ static inline __m512 sum_lanes16(const __m512 v[16]) {
    cached keys of positions [0, len rounded down to 16), 16 positions at a time, with bf16 dot
    products (vdpbf16ps: exact products, fp32 sums). scores: [heads, len]; mx: running maxima.
    Returns the number of positions done. */
-static int64_t qk_scores_bf16_64(const uint16_t *q, const uint16_t *k_pool, int64_t pos_stride,
-                                 const int64_t *table, int64_t block_size, int64_t len,
+static int64_t qk_scores_bf16_64(const uint16_t *q, const uint16_t *k_pool, const int64_t *off,
+                                 int64_t len,
                                  int64_t kv_count, int64_t group, float scale, float *scores,
                                  float *mx) {
     const int64_t done = len & ~(int64_t)15;
@@ -159,9 +169,9 @@ static int64_t qk_scores_bf16_64(const uint16_t *q, const uint16_t *k_pool, int6
     for (int64_t t0 = 0; t0 < done; t0 += 16) {
         const uint16_t *rows[16];
         for (int i = 0; i < 16; i++) {
-            rows[i] = position_row(k_pool, table, t0 + i, block_size, pos_stride);
+            rows[i] = position_row(k_pool, off, t0 + i);
             if (t0 + AHEAD + i < len)
-                prefetch_row(position_row(k_pool, table, t0 + AHEAD + i, block_size, pos_stride),
+                prefetch_row(position_row(k_pool, off, t0 + AHEAD + i),
                              kv_count * 64);
         }
         for (int64_t g = 0; g < kv_count; g++) {
@@ -191,8 +201,8 @@ static int64_t qk_scores_bf16_64(const uint16_t *q, const uint16_t *k_pool, int6
 /* acc[h] = sum over positions [0, len rounded down to 2) of p[h][t] * V[t] for head_dim 64, two
    positions per vdpbf16ps. probs: [heads, len] bf16 (rounded, as torch's bf16 P @ V rounds
    them); acc: [heads, 64] fp32, overwritten. Returns the positions done. */
-static int64_t pv_bf16_64(const uint16_t *probs, const uint16_t *v_pool, int64_t pos_stride,
-                          const int64_t *table, int64_t block_size, int64_t len,
+static int64_t pv_bf16_64(const uint16_t *probs, const uint16_t *v_pool, const int64_t *off,
+                          int64_t len,
                           int64_t kv_count, int64_t group, float *acc) {
     const int64_t done = len & ~(int64_t)1;
     for (int64_t g = 0; g < kv_count; g++) {
@@ -203,13 +213,13 @@ static int64_t pv_bf16_64(const uint16_t *probs, const uint16_t *v_pool, int64_t
         for (int64_t t = 0; t < done; t += 2) {
             const int64_t u = t + 1;
             if (g == 0 && t + AHEAD + 1 < len) { /* the rows AHEAD positions on, all KV heads' */
-                prefetch_row(position_row(v_pool, table, t + AHEAD, block_size, pos_stride),
+                prefetch_row(position_row(v_pool, off, t + AHEAD),
                              kv_count * 64);
-                prefetch_row(position_row(v_pool, table, t + AHEAD + 1, block_size, pos_stride),
+                prefetch_row(position_row(v_pool, off, t + AHEAD + 1),
                              kv_count * 64);
             }
-            const uint16_t *v0 = position_row(v_pool, table, t, block_size, pos_stride) + g * 64;
-            const uint16_t *v1 = position_row(v_pool, table, u, block_size, pos_stride) + g * 64;
+            const uint16_t *v0 = position_row(v_pool, off, t) + g * 64;
+            const uint16_t *v1 = position_row(v_pool, off, u) + g * 64;
             __m512i pairs[4];
             for (int c = 0; c < 2; c++) {
                 const __m512i a = _mm512_loadu_si512(v0 + 32 * c);
@@ -348,13 +358,16 @@ static inline __attribute__((always_inline)) int attend(
         const int64_t len = lengths[r];
         const int64_t *table = tables + r * max_blocks;
         /* scores: [task_heads, len] fp32; qf, acc: [task_heads, dim]; then room for the
-           probabilities in bf16: [task_heads, len] (rounded up to whole floats) */
+           probabilities in bf16: [task_heads, len] (rounded up to whole floats); then the
+           positions' pool offsets: [len] int64 */
         const int64_t floats = task_heads * (len + 2 * dim) + (task_heads * len + 1) / 2;
-        float *buffer = malloc((size_t)floats * sizeof(float));
+        float *buffer = malloc((size_t)(floats + 1) * sizeof(float) + (size_t)len * 8);
         if (!buffer) {
             failed = 1;
             continue;
         }
+        int64_t *off = (int64_t *)(((uintptr_t)(buffer + floats) + 7) & ~(uintptr_t)7);
+        position_offsets(table, len, block_size, pos_stride, off);
         float *scores = buffer, *qf = buffer + task_heads * len, *acc = qf + task_heads * dim;
         float mx[MAX_GROUP * 64], kf[MAX_DIM];
         const uint16_t *qr = q + (r * heads + g0 * group) * dim; /* this task's query heads */
@@ -366,11 +379,11 @@ static inline __attribute__((always_inline)) int attend(
         int64_t first = 0; /* positions before this were scored by the SIMD path */
 #ifdef HAVE_AVX512_BF16
         if (dim == 64)
-            first = qk_scores_bf16_64(qr, k_pool + g0 * dim, pos_stride, table, block_size, len,
+            first = qk_scores_bf16_64(qr, k_pool + g0 * dim, off, len,
                                       task_kv, group, scale, scores, mx);
 #endif
         for (int64_t t = first; t < len; t++) {
-            const uint16_t *kr = position_row(k_pool, table, t, block_size, pos_stride) + g0 * dim;
+            const uint16_t *kr = position_row(k_pool, off, t) + g0 * dim;
             for (int64_t g = 0; g < task_kv; g++) {
                 for (int64_t d = 0; d < dim; d++) kf[d] = bf2f(kr[g * dim + d]);
                 for (int64_t j = 0; j < group; j++) {
@@ -400,12 +413,12 @@ static inline __attribute__((always_inline)) int attend(
         if (dim == 64 && group <= MAX_GROUP) {
             uint16_t *probs = (uint16_t *)(acc + task_heads * dim);
             to_bf16(scores, task_heads * len, probs);
-            first = pv_bf16_64(probs, v_pool + g0 * dim, pos_stride, table, block_size, len,
+            first = pv_bf16_64(probs, v_pool + g0 * dim, off, len,
                                task_kv, group, acc);
         }
 #endif
         for (int64_t t = first; t < len; t++) {
-            const uint16_t *vr = position_row(v_pool, table, t, block_size, pos_stride) + g0 * dim;
+            const uint16_t *vr = position_row(v_pool, off, t) + g0 * dim;
             for (int64_t g = 0; g < task_kv; g++) {
                 for (int64_t d = 0; d < dim; d++) kf[d] = bf2f(vr[g * dim + d]);
                 for (int64_t j = 0; j < group; j++) {
@@ -484,4 +497,194 @@ void refine_near_max_bf16(float *logits, int64_t rows, int64_t vocab, float frac
         for (; j < vocab; j++)
             if (row[j] >= threshold) row[j] = exact_dot(h, weight + j * in, in);
     }
+}
+
+/* y = x @ W.T for a 4-bit weight in groups of 32 inputs, W[o][k] = (code - 8) * scale + zero,
+   every row computed alone (the same operations in the same order whatever `rows` is, so a
+   row's result does not depend on the rows beside it: a draft's rows equal a plain decode's).
+
+   The weight stays 4-bit in memory and is read once per block of 16 outputs for up to 8 rows:
+   a step of a few rows costs about what one row does, where torch's int4 kernel costs ~rows
+   times one. Per block of 16 outputs (ob) and group of 32 inputs (g), `w` holds 320 bytes
+   (int4_layout in blocked_matmul.py lays it out): 256 bytes of codes, then the 16 outputs'
+   scales and zeros as bf16. Code byte j of chunk c (32 bytes) holds, for output j / 2, input
+   4c + j % 2 in its low nibble and input 4c + 2 + j % 2 in its high one: widened to 16 bits,
+   each nibble indexes a table of bf16(n - 8), which gives 16 outputs x 2 inputs as bf16 pairs,
+   the operand vdpbf16ps multiplies against a pair of x's (the codes are small integers, exact
+   in bf16). Per group: part = sum (code - 8) * x, then y += scale * part + zero * sum(x).
+   x, y: [rows, in] / [rows, out] bf16. Returns 0; -1 for a shape it does not take or a build
+   without AVX-512 BF16; -2 when out of memory. */
+#define INT4_GROUP 32
+#define INT4_BLOCK_BYTES 320
+#define INT4_TILE 8
+
+#ifdef HAVE_AVX512_BF16
+static inline __attribute__((always_inline)) void int4_tile(
+    const int R, const uint16_t *x, int64_t in, const float *xsum, const uint8_t *w,
+    int64_t groups, __m512i table, uint16_t *y, int64_t out) {
+    __m512 total[INT4_TILE];
+    for (int r = 0; r < R; r++) total[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *blk = w + g * INT4_BLOCK_BYTES;
+        if (g + 2 < groups) {
+            for (int b = 0; b < INT4_BLOCK_BYTES; b += 64)
+                _mm_prefetch((const char *)blk + 2 * INT4_BLOCK_BYTES + b, _MM_HINT_T0);
+        }
+        __m512 part[INT4_TILE];
+        for (int r = 0; r < R; r++) part[r] = _mm512_setzero_ps();
+        const uint16_t *xg = x + g * INT4_GROUP;
+        for (int c = 0; c < 8; c++) {
+            const __m512i v =
+                _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * c)));
+            const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(v, table);
+            const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+            for (int r = 0; r < R; r++) {
+                int32_t a, b;
+                memcpy(&a, xg + r * in + 4 * c, 4);
+                memcpy(&b, xg + r * in + 4 * c + 2, 4);
+                part[r] = _mm512_dpbf16_ps(part[r], lo, (__m512bh)_mm512_set1_epi32(a));
+                part[r] = _mm512_dpbf16_ps(part[r], hi, (__m512bh)_mm512_set1_epi32(b));
+            }
+        }
+        const __m512 scale = load_bf16x16((const uint16_t *)(blk + 256));
+        const __m512 zero = load_bf16x16((const uint16_t *)(blk + 288));
+        for (int r = 0; r < R; r++) {
+            total[r] = _mm512_fmadd_ps(part[r], scale, total[r]);
+            total[r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[r * groups + g]), total[r]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        _mm256_storeu_si256((__m256i *)(y + r * out), (__m256i)_mm512_cvtneps_pbh(total[r]));
+}
+#endif
+
+/* 1 where this build has int4_matmul_bf16's and int8_matmul_bf16's AVX-512 BF16 paths (a -march
+   of a CPU with it). */
+int blocked_kernels_built(void) {
+#ifdef HAVE_AVX512_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int int4_matmul_bf16(const uint16_t *x, int64_t rows, int64_t in, const uint8_t *w, int64_t out,
+                     uint16_t *y) {
+#ifndef HAVE_AVX512_BF16
+    (void)x, (void)rows, (void)in, (void)w, (void)out, (void)y;
+    return -1;
+#else
+    if (in % INT4_GROUP || out % 16 || rows < 0) return -1;
+    const int64_t groups = in / INT4_GROUP, blocks = out / 16;
+    float *xsum = malloc((size_t)(rows * groups + 1) * sizeof(float));
+    if (!xsum) return -2;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const __m512 a = load_bf16x16(x + r * in + g * INT4_GROUP);
+            const __m512 b = load_bf16x16(x + r * in + g * INT4_GROUP + 16);
+            xsum[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+        }
+    uint16_t entries[32];
+    for (int j = 0; j < 32; j++) entries[j] = f2bf((float)((j & 15) - 8));
+    const __m512i table = _mm512_loadu_si512(entries);
+#pragma omp parallel for schedule(static) if (blocks >= 8 && kernel_threads > 1) \
+    num_threads(kernel_threads)
+    for (int64_t ob = 0; ob < blocks; ob++) {
+        const uint8_t *wb = w + ob * groups * INT4_BLOCK_BYTES;
+        for (int64_t r0 = 0; r0 < rows; r0 += INT4_TILE) {
+            const int64_t left = rows - r0;
+            const uint16_t *xr = x + r0 * in;
+            const float *sr = xsum + r0 * groups;
+            uint16_t *yr = y + r0 * out + ob * 16;
+#define TILE(R) int4_tile(R, xr, in, sr, wb, groups, table, yr, out)
+            switch (left >= INT4_TILE ? INT4_TILE : left) {
+            case 1: TILE(1); break;
+            case 2: TILE(2); break;
+            case 3: TILE(3); break;
+            case 4: TILE(4); break;
+            case 5: TILE(5); break;
+            case 6: TILE(6); break;
+            case 7: TILE(7); break;
+            default: TILE(8); break;
+            }
+#undef TILE
+        }
+    }
+    free(xsum);
+    return 0;
+#endif
+}
+
+/* y = x @ W.T for an int8 weight with one scale per output, W[o][k] = code * scale[o], each row
+   computed alone (as int4_matmul_bf16). The codes are kept as u = code + 128 and split in two
+   nibbles, code = 16 * (u / 16 - 8) + u % 16: each nibble indexes a table of bf16 values (exact:
+   small multiples of 16, and 0..15), so a chunk of 32 bytes gives two bf16 operands for 16
+   outputs x 2 inputs, both multiplied against the same pair of x's. Per block of 16 outputs,
+   `w` holds in / 2 chunks of 32 bytes (byte j of chunk p: output j / 2, input 2p + j % 2), then
+   the 16 scales as bf16 (int8_layout in blocked_matmul.py lays it out). Returns as
+   int4_matmul_bf16. */
+#ifdef HAVE_AVX512_BF16
+static inline __attribute__((always_inline)) void int8_tile(
+    const int R, const uint16_t *x, int64_t in, const uint8_t *w, __m512i table_lo,
+    __m512i table_hi, uint16_t *y, int64_t out) {
+    __m512 acc[INT4_TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < in / 2; p++) {
+        if ((p & 1) == 0 && p + 8 < in / 2) _mm_prefetch((const char *)(w + 32 * (p + 8)), _MM_HINT_T0);
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 32 * p)));
+        const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(v, table_lo);
+        const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table_hi);
+        for (int r = 0; r < R; r++) {
+            int32_t a;
+            memcpy(&a, x + r * in + 2 * p, 4);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(a);
+            acc[r] = _mm512_dpbf16_ps(acc[r], lo, xb);
+            acc[r] = _mm512_dpbf16_ps(acc[r], hi, xb);
+        }
+    }
+    const __m512 scale = load_bf16x16((const uint16_t *)(w + 16 * in));
+    for (int r = 0; r < R; r++)
+        _mm256_storeu_si256((__m256i *)(y + r * out),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r], scale)));
+}
+#endif
+
+int int8_matmul_bf16(const uint16_t *x, int64_t rows, int64_t in, const uint8_t *w, int64_t out,
+                     uint16_t *y) {
+#ifndef HAVE_AVX512_BF16
+    (void)x, (void)rows, (void)in, (void)w, (void)out, (void)y;
+    return -1;
+#else
+    if (in % 2 || out % 16 || rows < 0) return -1;
+    const int64_t blocks = out / 16, block_bytes = 16 * in + 32;
+    uint16_t lo[32], hi[32];
+    for (int j = 0; j < 32; j++) {
+        lo[j] = f2bf((float)(j & 15));
+        hi[j] = f2bf((float)(16 * ((j & 15) - 8)));
+    }
+    const __m512i table_lo = _mm512_loadu_si512(lo), table_hi = _mm512_loadu_si512(hi);
+#pragma omp parallel for schedule(static) if (blocks >= 8 && kernel_threads > 1) \
+    num_threads(kernel_threads)
+    for (int64_t ob = 0; ob < blocks; ob++) {
+        const uint8_t *wb = w + ob * block_bytes;
+        for (int64_t r0 = 0; r0 < rows; r0 += INT4_TILE) {
+            const int64_t left = rows - r0;
+            const uint16_t *xr = x + r0 * in;
+            uint16_t *yr = y + r0 * out + ob * 16;
+#define TILE(R) int8_tile(R, xr, in, wb, table_lo, table_hi, yr, out)
+            switch (left >= INT4_TILE ? INT4_TILE : left) {
+            case 1: TILE(1); break;
+            case 2: TILE(2); break;
+            case 3: TILE(3); break;
+            case 4: TILE(4); break;
+            case 5: TILE(5); break;
+            case 6: TILE(6); break;
+            case 7: TILE(7); break;
+            default: TILE(8); break;
+            }
+#undef TILE
+        }
+    }
+    return 0;
+#endif
 }

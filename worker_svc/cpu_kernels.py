@@ -102,6 +102,17 @@ class CpuKernels:
         if self._refine is not None:
             self._refine.argtypes = [_P, _I, _I, _F, _P, _P, _I]
             self._refine.restype = None
+        # absent from libraries built from older sources, as silu_mul
+        self._blocked = {
+            kind: getattr(library, f"{kind}_matmul_bf16", None) for kind in ("int4", "int8")
+        }
+        built = getattr(library, "blocked_kernels_built", None)
+        present = all(fn is not None for fn in self._blocked.values())
+        self.blocked = present and built is not None and bool(built())
+        for fn in self._blocked.values():
+            if fn is not None:
+                fn.argtypes = [_P, _I, _I, _P, _I, _P]
+                fn.restype = ctypes.c_int
         self._threads = library.set_threads
         self._threads.argtypes = [ctypes.c_int]
         self._threads.restype = None
@@ -147,6 +158,26 @@ class CpuKernels:
         self._refine(logits.data_ptr(), rows, vocab, frac, h.data_ptr(), weight.data_ptr(),
                      h.shape[1])  # fmt: skip
         return True
+
+    def blocked_matmul(
+        self,
+        kind: str,  # int4 or int8
+        x: torch.Tensor,  # [rows, in] bf16, contiguous
+        blocked: torch.Tensor,  # worker_svc.blocked_matmul's layout of the weight
+        out_features: int,
+    ) -> torch.Tensor:
+        """[rows, out_features] bf16: x @ W.T for the quantized W laid out in `blocked`."""
+        fn = self._blocked[kind]
+        if not self.blocked or fn is None:
+            raise NotImplementedError("this kernel library has no AVX-512 BF16 blocked matmul")
+        rows, inputs = x.shape
+        y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+        status = fn(x.data_ptr(), rows, inputs, blocked.data_ptr(), out_features, y.data_ptr())
+        if status == -1:
+            raise ValueError(f"{kind}_matmul: unsupported shape {rows}x{inputs} -> {out_features}")
+        if status:
+            raise MemoryError(f"{kind}_matmul: no memory for the groups' sums")
+        return y
 
     def rope_store(
         self,

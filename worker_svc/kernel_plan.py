@@ -41,13 +41,18 @@ class KernelPlan:
     small_step_rows: int = 0  # steps of at most this many rows run on small_step_threads
     small_step_threads: int = 0
     output_int8_rows: int = 0  # the output matrix runs as int8 up to this many logit rows; 0: not
+    output_kernel: str = "int8"  # which int8 kernel: "int8" (torch's) or "blocked int8" (ours)
 
     def matmuls(self) -> str:
         """Which path serves which rows, in words."""
         if self.device != "cpu":
             return f"{self.dtype} torch on {self.device}"
         dense = f"bf16 {DENSE_PATHS[self.cpu]}" if self.dtype == "bf16" else f"{self.dtype} MKL"
-        head = f"; output int8 up to {self.output_int8_rows} rows" if self.output_int8_rows else ""
+        head = (
+            f"; output {self.output_kernel} up to {self.output_int8_rows} rows"
+            if self.output_int8_rows
+            else ""
+        )
         if not self.kernel:
             return dense + head
         why = f" ({self.rows_from})" if self.rows_from else ""
@@ -103,6 +108,9 @@ def plan_kernels(
         output_int8_rows=model.lm_head.max_rows
         if isinstance(model.lm_head, QuantizedLinear)
         else 0,
+        output_kernel=kernel_name(model.lm_head)
+        if isinstance(model.lm_head, QuantizedLinear)
+        else "int8",
     )
 
 
@@ -120,7 +128,8 @@ def split_rows(
             give_dense(lin, pack)
         rows, source = measure_max_rows(splittable)[0], "measured"
     else:
-        rows, source = cpu.quantized_max_rows or 0, "cpu table"
+        blocked = any(getattr(lin.weight, "blocked", None) is not None for lin in splittable)
+        rows, source = cpu.int4_max_rows(blocked) or 0, "cpu table"
     for lin in splittable:
         if rows:
             give_dense(lin, pack)
@@ -131,7 +140,7 @@ def split_rows(
 
 
 def kernel_name(lin: QuantizedLinear) -> str:
-    return "int4" if isinstance(lin.weight, Int4Weight) else "int8"
+    return lin.weight.kernel
 
 
 def describe_fields(runner) -> dict:

@@ -106,10 +106,12 @@ def make_linear(
     max_rows: int | None = None,
 ) -> Linear | QuantizedLinear:
     """max_rows: for a weight kept also dense, the rows up to which the quantized kernel runs
-    (None: this CPU's figure, worker_svc.cpu_features.QUANTIZED_MAX_ROWS; where that is None,
+    (None: this CPU's figure for the weight's kernel, worker_svc.cpu_features.QUANTIZED_MAX_ROWS
+    or BLOCKED_INT4_MAX_ROWS; where that is None,
     the quantized kernel at every size and no dense copy)."""
     if is_quantized(weight):
-        rows = host_features().quantized_max_rows if max_rows is None else max_rows
+        blocked = getattr(weight, "blocked", None) is not None
+        rows = host_features().int4_max_rows(blocked) if max_rows is None else max_rows
         if not weight.keep_dense or rows is None:
             drop_handover(weight)
             return QuantizedLinear(weight, bias)

@@ -34,7 +34,8 @@ def dense_copy_bytes(matrix) -> int:
 def _tensors(weights: Weights) -> list[torch.Tensor]:
     out = [weights.embed, weights.final_norm, weights.lm_head]
     if weights.lm_head_int8 is not None:
-        out += [weights.lm_head_int8.codes, weights.lm_head_int8.scales]
+        head = weights.lm_head_int8
+        out += [head.codes, head.scales, *([head.blocked] if head.blocked is not None else [])]
     for layer in weights.layers:
         out += [layer.attn_norm, layer.qkv, layer.o, layer.mlp_norm, layer.gate_up, layer.down]
         out += layer.biases()

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from worker_svc import cpu_kernels
 from worker_svc.attention_backend import attention_backend, requested_backend
 from worker_svc.attention_plan import AttentionPlan, PagedBatch, paged_batch
-from worker_svc.cpu_features import OUTPUT_INT8_MAX_ROWS
+from worker_svc.cpu_features import host_features
 from worker_svc.kv_pool import KvPool
 from worker_svc.linear import Linear, QuantizedLinear, make_linear, packing_available
 from worker_svc.model_config import ModelConfig
@@ -75,7 +75,8 @@ class LlamaModel:
         head = Linear(self.weights.lm_head, pack)
         codes = self.weights.lm_head_int8
         if codes is not None:  # int8 for a few logit rows, the dense matmul above
-            return linears, QuantizedLinear(codes, None, head, OUTPUT_INT8_MAX_ROWS)
+            rows = host_features().output_int8_max_rows(codes.blocked is not None)
+            return linears, QuantizedLinear(codes, None, head, rows)
         return linears, head
 
     def to(self, device: torch.device) -> LlamaModel:

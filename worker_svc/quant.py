@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from worker_svc import blocked_matmul
+
 QUANTIZATIONS = ("none", "int8", "int4", "auto")
 GROUP_SIZE = 32  # GGUF's block (and Q4_K's sub-block) length; the int4 kernel takes 32..256
 INT4_OFFSET = 8  # the kernel's convention: w = (code - 8) * scale + zero, code in [0, 15]
@@ -56,32 +58,54 @@ class Int4Codes:
 
 @dataclass(frozen=True, slots=True)
 class Int8Weight:
-    """int8 codes [out, in] with one scale per output row: w = codes * scales[:, None]."""
+    """int8 codes [out, in] with one scale per output row: w = codes * scales[:, None]; where
+    this project's own kernel runs (worker_svc.blocked_matmul), the codes in its layout
+    (`blocked`) instead, and `codes` empty ([out, 0]; int_codes() gives them back)."""
 
-    codes: torch.Tensor  # [out, in] int8
+    codes: torch.Tensor  # [out, in] int8, or [out, 0] where blocked
     scales: torch.Tensor  # [out], the activations' dtype (the kernel requires it)
     keep_dense: bool = False  # also kept as dtype values, for matmuls of many rows (auto)
+    blocked: torch.Tensor | None = None  # blocked_matmul.int8_layout's bytes, or None
+    in_features: int = 0  # where blocked (codes empty); else codes.shape[1]
 
     @property
     def shape(self) -> torch.Size:
+        if self.blocked is not None:
+            return torch.Size((self.codes.shape[0], self.in_features))
         return self.codes.shape
 
+    def int_codes(self) -> torch.Tensor:
+        """[out, in] int8: the codes, read back from the blocked layout where held so."""
+        if self.blocked is None:
+            return self.codes
+        return blocked_matmul.int8_codes(self.blocked, *self.shape)
+
     def numel(self) -> int:
-        return self.codes.numel()
+        return self.shape.numel()
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes
+        held = self.blocked.nbytes if self.blocked is not None else 0
+        return self.codes.nbytes + self.scales.nbytes + held
+
+    @property
+    def kernel(self) -> str:
+        """The kernel that runs it: "blocked int8" (this project's) or "int8" (torch's)."""
+        return "blocked int8" if self.blocked is not None else "int8"
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, in] -> [tokens, out]."""
+        if self.blocked is not None:
+            return blocked_matmul.int8_matmul(x, self.blocked, self.shape[0])
         return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
 
 
 @dataclass(frozen=True, slots=True)
 class Int4Weight:
     """int4 codes packed by `_convert_weight_to_int4pack_for_cpu` ([out, in / 2] uint8) and their
-    groups' scales and zeros [in / GROUP_SIZE, out, 2] in the activations' dtype."""
+    groups' scales and zeros [in / GROUP_SIZE, out, 2] in the activations' dtype; or, where
+    this project's own kernel runs (worker_svc.blocked_matmul), the same codes in its layout
+    (`blocked`), and `packed` and `scales_and_zeros` empty (of the activations' dtype)."""
 
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
@@ -91,6 +115,7 @@ class Int4Weight:
     # auto: those values as computed at load (from the codes, cheaply), handed over once to the
     # linear that keeps them (dense_values pops them: the weight does not hold them after)
     handover: list[torch.Tensor] = field(default_factory=list, compare=False, repr=False)
+    blocked: torch.Tensor | None = None  # blocked_matmul.int4_layout's bytes, or None
 
     @property
     def shape(self) -> torch.Size:
@@ -101,10 +126,18 @@ class Int4Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scales_and_zeros.nbytes
+        held = self.blocked.nbytes if self.blocked is not None else 0
+        return self.packed.nbytes + self.scales_and_zeros.nbytes + held
+
+    @property
+    def kernel(self) -> str:
+        """The kernel that runs it: "blocked int4" (this project's) or "int4" (torch's)."""
+        return "blocked int4" if self.blocked is not None else "int4"
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, in] -> [tokens, out]."""
+        if self.blocked is not None:
+            return blocked_matmul.int4_matmul(x, self.blocked, self.out_features)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, GROUP_SIZE, self.scales_and_zeros
         )
@@ -137,10 +170,17 @@ def dense_values(weight: QuantizedWeight, chunk: int = 512) -> torch.Tensor:
     return out
 
 
-def pack_int4(codes: Int4Codes, dtype: torch.dtype) -> Int4Weight:
+def pack_int4(codes: Int4Codes, dtype: torch.dtype, blocked: bool | None = None) -> Int4Weight:
+    """blocked: this project's kernel (None: where it can run, blocked_matmul.usable)."""
     rows, cols = codes.shape
     if cols % GROUP_SIZE:
         raise ValueError(f"int4: {cols} inputs are not a multiple of {GROUP_SIZE}")
+    if blocked is None:
+        blocked = blocked_matmul.usable(dtype, rows, cols, GROUP_SIZE)
+    if blocked:
+        layout = blocked_matmul.int4_layout(codes.codes, codes.scale, codes.zero)
+        empty = torch.empty(0, dtype=dtype)
+        return Int4Weight(torch.empty(0, dtype=torch.uint8), empty, rows, cols, blocked=layout)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32), 1)
     groups = torch.stack([codes.scale, codes.zero], dim=-1)  # [out, groups, 2]
     scales_and_zeros = groups.transpose(0, 1).contiguous().to(dtype)
@@ -164,8 +204,19 @@ def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
     """Symmetric round-to-nearest per output row: scale = max |w| / 127."""
     w = w.float()
     scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-    codes = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return Int8Weight(codes.contiguous(), scale.to(dtype))
+    codes = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+    return int8_weight(codes, scale.to(dtype))
+
+
+def int8_weight(codes: torch.Tensor, scales: torch.Tensor, blocked: bool | None = None):
+    """blocked: also laid out for this project's kernel (None: where it can run)."""
+    out, inputs = codes.shape
+    if blocked is None:
+        blocked = blocked_matmul.usable(scales.dtype, out, inputs)
+    if not blocked:
+        return Int8Weight(codes, scales)
+    layout = blocked_matmul.int8_layout(codes, scales)
+    return Int8Weight(codes[:, :0].contiguous(), scales, blocked=layout, in_features=inputs)
 
 
 Source = torch.Tensor | Int4Codes  # one projection as loaded: values, or a GGUF file's codes

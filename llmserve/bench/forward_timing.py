@@ -75,6 +75,21 @@ class Ours:
         items = [WorkItem("p", ids, 0, self.tables[0])]
         return lambda: self.runner.execute(items)
 
+    def draft(self, batch: int, drafted: int) -> Callable[[], object]:
+        """`batch` decodes, each verifying a draft of `drafted` tokens (1 + drafted rows of one
+        request: the cached context shared), fresh items each call (a draft step fills them)."""
+        context = self.context - drafted  # the same cached positions as a plain decode's end
+        per_request = -(-(context + 1 + drafted) // self.block_size)
+
+        def items() -> list[WorkItem]:
+            return [
+                WorkItem(str(i), [100 + i, *range(200, 200 + drafted)], context,
+                         self.tables[i][:per_request], sample_index=1, drafted=drafted)
+                for i in range(batch)
+            ]  # fmt: skip
+
+        return lambda: self.runner.execute(items())
+
     def mixed(self, batch: int, ids: list[int]) -> Callable[[], object]:
         """`batch` decodes beside a fresh prompt's whole chunk (max_batch must exceed batch)."""
         items = [*self.decode_items(batch), WorkItem("p", ids, 0, self.tables[batch])]

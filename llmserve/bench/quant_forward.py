@@ -4,8 +4,12 @@ python -m llmserve.bench.worker_forward --quantization none,int4,auto [--batches
     [--prefill 128] [--reps 10] [--threads 2]
 
 auto runs the int4 kernel for matmuls up to the CPU's row figure and the bf16 values above
-(worker_svc/cpu_features.py: QUANTIZED_MAX_ROWS); the table names the figure and the layer
-matrices each mode holds in memory (quantized codes, dense copies, oneDNN's packed copies).
+(worker_svc/cpu_features.py: QUANTIZED_MAX_ROWS, BLOCKED_INT4_MAX_ROWS); the table names the
+figure and the layer matrices each mode holds in memory (quantized codes, dense copies, oneDNN's
+packed copies). A mode ending in "@torch" (int4@torch, auto@torch) runs torch's int4 and int8
+kernels where this project's own (worker_svc/blocked_matmul.py) would run:
+
+python -m llmserve.bench.worker_forward --quantization none,auto@torch,auto --batches 1,6,64
 
 Every mode is loaded once and the cases run interleaved (A B C A B C ...), so load from other
 processes on a shared host hits all modes alike; the figures are medians, the ratios bf16's time
@@ -17,6 +21,9 @@ from __future__ import annotations
 
 import torch
 
+import os
+from contextlib import contextmanager
+
 from llmserve.bench.forward_timing import Ours, median_ms
 from worker_svc.cpu_features import host_features
 from worker_svc.linear import Linear, QuantizedLinear
@@ -25,12 +32,32 @@ from worker_svc.weights import Weights, matrices
 
 
 def cpu_line() -> str:
-    cpu, rows = host_features(), host_features().quantized_max_rows
-    split = f"up to {rows} rows" if rows else "at every size"
+    cpu = host_features()
+
+    def split(rows: int | None) -> str:
+        return f"up to {rows} rows" if rows else "at every size"
+
     return (
         f"cpu {cpu.model or '?'}: {cpu.tier} ({cpu.flag_text()}; torch "
-        f"{torch.backends.cpu.get_cpu_capability()}); auto's int4 kernel {split}"
+        f"{torch.backends.cpu.get_cpu_capability()}); auto's int4 kernel: torch's "
+        f"{split(cpu.int4_max_rows(False))}, this project's (where it runs) "
+        f"{split(cpu.int4_max_rows(True))}"
     )
+
+
+@contextmanager
+def int4_kernel(mode: str):
+    """Loads a mode "x@torch" with torch's quantized kernels (LLMSERVE_BLOCKED_KERNELS=0)."""
+    before = os.environ.get("LLMSERVE_BLOCKED_KERNELS")
+    if mode.endswith("@torch"):
+        os.environ["LLMSERVE_BLOCKED_KERNELS"] = "0"
+    try:
+        yield mode.removesuffix("@torch")
+    finally:
+        if before is None:
+            os.environ.pop("LLMSERVE_BLOCKED_KERNELS", None)
+        else:
+            os.environ["LLMSERVE_BLOCKED_KERNELS"] = before
 
 
 def held_bytes(ours: Ours) -> int:
@@ -67,8 +94,9 @@ def quantization_table(
     modes = ["none", *(m for m in modes if m != "none")]
     runs, read = [], []
     for mode in modes:
-        config, weights = load_model(source, torch.bfloat16, mode)
-        runs.append(Ours(config, weights, torch.bfloat16, max(batches), context))
+        with int4_kernel(mode) as plain:
+            config, weights = load_model(source, torch.bfloat16, plain)
+            runs.append(Ours(config, weights, torch.bfloat16, max(batches), context))
         read.append(bytes_per_decode_step(weights))
     print(
         f"{config.name}  bf16 activations  threads={torch.get_num_threads()}  context={context}  "
