@@ -13,7 +13,7 @@ import torch
 
 from worker_svc.cpu_features import CpuFeatures, pick_threads, usable_cpus
 from worker_svc.linear import QuantizedLinear, give_dense, packing_available
-from worker_svc.quant import Int4Weight, dense_dtype
+from worker_svc.quant import dense_dtype
 
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # measure_max_rows' candidates
 DENSE_PATHS = {

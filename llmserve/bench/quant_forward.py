@@ -19,10 +19,10 @@ compare only within one run.
 
 from __future__ import annotations
 
-import torch
-
 import os
 from contextlib import contextmanager
+
+import torch
 
 from llmserve.bench.forward_timing import Ours, median_ms
 from worker_svc.cpu_features import host_features
