@@ -33,11 +33,13 @@ QUANTIZED_MAX_ROWS: dict[str, int | None] = {
 }
 
 # The same for this project's own int4 kernel (worker_svc/blocked_matmul.py, on AVX-512 BF16),
-# whose time grows far less with the rows than torch's: on avx512_bf16 it ties or beats oneDNN's
-# bf16 up to 64 rows, where oneDNN wins from 128 (prefill chunks). On amx the 8 is torch's
-# kernel's figure, not measured for this one (no AMX host has measured it yet): oneDNN's AMX
-# tiles are far faster at many rows. Tiers without AVX-512 BF16 never run it.
-BLOCKED_INT4_MAX_ROWS: dict[str, int] = {"amx": 8, "avx512_bf16": 64}
+# whose time grows far less with the rows than torch's. On avx512_bf16 (an AMD EPYC, SmolLM2's
+# decode steps, 1 and 2 threads) it is 1.07x-1.5x faster than auto's old split (torch's int4 to
+# 8 rows, oneDNN's bf16 above) from 6 to 32 rows, and 0.95-1.05x at 64: 32 keeps every size at
+# least as fast as before (docs/figures.md). On amx the 8 is torch's kernel's figure, not
+# measured for this one (no AMX host has measured it yet): oneDNN's AMX tiles are far faster at
+# many rows. Tiers without AVX-512 BF16 never run it.
+BLOCKED_INT4_MAX_ROWS: dict[str, int] = {"amx": 8, "avx512_bf16": 32}
 
 # Logit rows up to which the output matrix (vocab x hidden: SmolLM2's is 49,152 x 576, 57 MB in
 # bf16, 46% of what a one-row decode step under auto reads) runs as int8 where the weights carry
