@@ -81,9 +81,13 @@ static void position_offsets(const int64_t *table, int64_t len, int64_t block_si
 #define AHEAD 16
 #endif
 
-/* Asks for the cache lines of `values` bf16 values from `row` on (into L1). */
+/* Asks for the cache lines of `values` bf16 values from `row` on, into L2: with the lines of 16
+   positions (6 KB for SmolLM2) in flight at once, asking for them into L1 held the loads up on
+   L1's few miss buffers; into L2 a 64-request decode's attention at 256 positions ran 1.4-1.7x
+   faster (memory at 8-9 GB/s on one thread against 5), one request's the same
+   (docs/benchmarks.md, "This project's own int4 and int8 kernels"). */
 static inline void prefetch_row(const uint16_t *row, int64_t values) {
-    for (int64_t b = 0; b < values * 2; b += 64) _mm_prefetch((const char *)row + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < values * 2; b += 64) _mm_prefetch((const char *)row + b, _MM_HINT_T1);
 }
 
 /* exp_nonpositive on 16 lanes: the same steps, so the same values as the scalar path. */
