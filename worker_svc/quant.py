@@ -209,7 +209,8 @@ def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
 
 
 def int8_weight(codes: torch.Tensor, scales: torch.Tensor, blocked: bool | None = None):
-    """blocked: also laid out for this project's kernel (None: where it can run)."""
+    """The weight of these codes; blocked: laid out for this project's kernel instead of kept
+    as they are (None: where that kernel can run)."""
     out, inputs = codes.shape
     if blocked is None:
         blocked = blocked_matmul.usable(scales.dtype, out, inputs)
