@@ -205,9 +205,9 @@ static int64_t qk_scores_bf16_64(const uint16_t *q, const uint16_t *k_pool, cons
 /* acc[h] = sum over positions [0, len rounded down to 2) of p[h][t] * V[t] for head_dim 64, two
    positions per vdpbf16ps. probs: [heads, len] bf16 (rounded, as torch's bf16 P @ V rounds
    them); acc: [heads, 64] fp32, overwritten. Returns the positions done. */
-static int64_t pv_bf16_64(const uint16_t *probs, const uint16_t *v_pool, const int64_t *off,
-                          int64_t len,
-                          int64_t kv_count, int64_t group, float *acc) {
+static inline __attribute__((always_inline)) int64_t pv_bf16_64_group(
+    const uint16_t *probs, const uint16_t *v_pool, const int64_t *off, int64_t len,
+    int64_t kv_count, const int64_t group, float *acc) {
     const int64_t done = len & ~(int64_t)1;
     for (int64_t g = 0; g < kv_count; g++) {
         /* sums[j][0..3]: dims interleaved by the 16-bit unpacks, put back in order below */
@@ -252,6 +252,22 @@ static int64_t pv_bf16_64(const uint16_t *probs, const uint16_t *v_pool, const i
         }
     }
     return done;
+}
+
+/* pv_bf16_64_group with the group size a constant where it is a common one (SmolLM2's 3, and 1,
+   2, 4, 8): its 4 x group sums then stay in registers; with a group known only at run time the
+   compiler kept them on the stack, and every vdpbf16ps waited on a store and a load (the sums'
+   loop ran about 2x slower). */
+static int64_t pv_bf16_64(const uint16_t *probs, const uint16_t *v_pool, const int64_t *off,
+                          int64_t len, int64_t kv_count, int64_t group, float *acc) {
+    switch (group) {
+    case 1: return pv_bf16_64_group(probs, v_pool, off, len, kv_count, 1, acc);
+    case 2: return pv_bf16_64_group(probs, v_pool, off, len, kv_count, 2, acc);
+    case 3: return pv_bf16_64_group(probs, v_pool, off, len, kv_count, 3, acc);
+    case 4: return pv_bf16_64_group(probs, v_pool, off, len, kv_count, 4, acc);
+    case 8: return pv_bf16_64_group(probs, v_pool, off, len, kv_count, 8, acc);
+    default: return pv_bf16_64_group(probs, v_pool, off, len, kv_count, group, acc);
+    }
 }
 #endif
 
