@@ -537,6 +537,19 @@ void refine_near_max_bf16(float *logits, int64_t rows, int64_t vocab, float frac
 #define INT4_GROUP 32
 #define INT4_BLOCK_BYTES 320
 #define INT4_TILE 8
+/* TILE(R) for the `left` rows of a tile (at most INT4_TILE), R a constant in each case so that the
+   tile's loops over its rows unroll and its sums stay in registers. */
+#define TILE_ROWS(left)                                                                          \
+    switch ((left) >= INT4_TILE ? INT4_TILE : (left)) {                                        \
+    case 1: TILE(1); break;                                                                      \
+    case 2: TILE(2); break;                                                                      \
+    case 3: TILE(3); break;                                                                      \
+    case 4: TILE(4); break;                                                                      \
+    case 5: TILE(5); break;                                                                      \
+    case 6: TILE(6); break;                                                                      \
+    case 7: TILE(7); break;                                                                      \
+    default: TILE(8); break;                                                                     \
+    }
 
 #ifdef HAVE_AVX512_BF16
 static inline __attribute__((always_inline)) void int4_tile(
@@ -617,16 +630,7 @@ int int4_matmul_bf16(const uint16_t *x, int64_t rows, int64_t in, const uint8_t 
             const float *sr = xsum + r0 * groups;
             uint16_t *yr = y + r0 * out + ob * 16;
 #define TILE(R) int4_tile(R, xr, in, sr, wb, groups, table, yr, out)
-            switch (left >= INT4_TILE ? INT4_TILE : left) {
-            case 1: TILE(1); break;
-            case 2: TILE(2); break;
-            case 3: TILE(3); break;
-            case 4: TILE(4); break;
-            case 5: TILE(5); break;
-            case 6: TILE(6); break;
-            case 7: TILE(7); break;
-            default: TILE(8); break;
-            }
+            TILE_ROWS(left);
 #undef TILE
         }
     }
@@ -692,16 +696,7 @@ int int8_matmul_bf16(const uint16_t *x, int64_t rows, int64_t in, const uint8_t 
             const uint16_t *xr = x + r0 * in;
             uint16_t *yr = y + r0 * out + ob * 16;
 #define TILE(R) int8_tile(R, xr, in, wb, table_lo, table_hi, yr, out)
-            switch (left >= INT4_TILE ? INT4_TILE : left) {
-            case 1: TILE(1); break;
-            case 2: TILE(2); break;
-            case 3: TILE(3); break;
-            case 4: TILE(4); break;
-            case 5: TILE(5); break;
-            case 6: TILE(6); break;
-            case 7: TILE(7); break;
-            default: TILE(8); break;
-            }
+            TILE_ROWS(left);
 #undef TILE
         }
     }
