@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker_svc import cpu_kernels
 from worker_svc.cpu_features import CpuFeatures, pick_threads, usable_cpus
 from worker_svc.linear import QuantizedLinear, give_dense, packing_available
 from worker_svc.quant import dense_dtype
@@ -197,6 +198,9 @@ def measure_max_rows(
 def time_both(linears: list[QuantizedLinear], rows: int, reps: int) -> tuple[float, float]:
     """Median seconds of one pass over all `linears` at `rows` rows: quantized, dense."""
     dtype = dense_dtype(linears[0].weight)
+    kernels = cpu_kernels.load()
+    if kernels is not None:  # the blocked kernels on as many threads as oneDNN, as in a step
+        kernels.set_threads(torch.get_num_threads())
     xs = [torch.randn(rows, lin.weight.shape[1], dtype=dtype) for lin in linears]
     quantized, dense = [], []
     for _ in range(reps):
