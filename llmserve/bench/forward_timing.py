@@ -88,7 +88,12 @@ class Ours:
                 for i in range(batch)
             ]  # fmt: skip
 
-        return lambda: self.runner.execute(items())
+        def step() -> list[WorkItem]:
+            batch = items()
+            self.runner.execute(batch)
+            return batch  # each item's `emitted`: what its draft gave
+
+        return step
 
     def mixed(self, batch: int, ids: list[int]) -> Callable[[], object]:
         """`batch` decodes beside a fresh prompt's whole chunk (max_batch must exceed batch)."""
