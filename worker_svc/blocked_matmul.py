@@ -38,8 +38,12 @@ def usable(dtype: torch.dtype, out_features: int, in_features: int, group: int =
         return False
     if dtype != torch.bfloat16 or out_features % BLOCK_OUTPUTS or in_features % group:
         return False
+    global _loaded
     kernels = cpu_kernels.load()
-    return kernels is not None and kernels.blocked
+    if kernels is None or not kernels.blocked:
+        return False
+    _loaded = kernels  # held for the matmuls: no lookup per call on the step's path
+    return True
 
 
 def int4_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -87,7 +91,12 @@ def int8_matmul(x: torch.Tensor, blocked: torch.Tensor, out_features: int) -> to
     return _kernels().blocked_matmul("int8", x.contiguous(), blocked, out_features)
 
 
+_loaded: cpu_kernels.CpuKernels | None = None  # set by usable() where it says yes
+
+
 def _kernels() -> cpu_kernels.CpuKernels:
-    kernels = cpu_kernels.load()
-    assert kernels is not None  # usable() said so when the weight was laid out
-    return kernels
+    if _loaded is None:  # a weight laid out by hand (blocked=True) before any usable() call
+        kernels = cpu_kernels.load()
+        assert kernels is not None and kernels.blocked
+        return kernels
+    return _loaded

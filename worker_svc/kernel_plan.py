@@ -95,6 +95,7 @@ def plan_kernels(
     quantized = quantized_linears(model.linears)
     splittable = [lin for lin in quantized if lin.weight.keep_dense]
     rows, source = split_rows(splittable, cpu, asked_rows, packing_available(model.dtype))
+    head = model.lm_head if isinstance(model.lm_head, QuantizedLinear) else None
     return KernelPlan(
         cpu=cpu.tier,
         cpu_flags=cpu.flag_text(),
@@ -106,12 +107,8 @@ def plan_kernels(
         rows_from=source,
         threads=torch.get_num_threads(),
         device=str(runner.device),
-        output_int8_rows=model.lm_head.max_rows
-        if isinstance(model.lm_head, QuantizedLinear)
-        else 0,
-        output_kernel=kernel_name(model.lm_head)
-        if isinstance(model.lm_head, QuantizedLinear)
-        else "int8",
+        output_int8_rows=head.max_rows if head is not None else 0,
+        output_kernel=kernel_name(head) if head is not None else "int8",
     )
 
 
@@ -129,7 +126,7 @@ def split_rows(
             give_dense(lin, pack)
         rows, source = measure_max_rows(splittable)[0], "measured"
     else:
-        blocked = any(getattr(lin.weight, "blocked", None) is not None for lin in splittable)
+        blocked = any(lin.weight.blocked is not None for lin in splittable)
         rows, source = cpu.int4_max_rows(blocked) or 0, "cpu table"
     for lin in splittable:
         if rows:

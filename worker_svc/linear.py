@@ -110,8 +110,11 @@ def make_linear(
     or BLOCKED_INT4_MAX_ROWS; where that is None,
     the quantized kernel at every size and no dense copy)."""
     if is_quantized(weight):
-        blocked = getattr(weight, "blocked", None) is not None
-        rows = host_features().int4_max_rows(blocked) if max_rows is None else max_rows
+        rows = (
+            host_features().int4_max_rows(weight.blocked is not None)
+            if max_rows is None
+            else max_rows
+        )
         if not weight.keep_dense or rows is None:
             drop_handover(weight)
             return QuantizedLinear(weight, bias)
