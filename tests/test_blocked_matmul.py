@@ -3,20 +3,35 @@ int4_matmul_bf16 and int8_matmul_bf16) against a matmul over the values the code
 every row tiling (1..8 rows per tile, whole and partial tiles); each row's result the same
 whatever rows share the call (a draft's rows equal a plain decode's); shapes they do not take
 refused; the layouts; and the dispatch: where they run, torch's kernels where asked
-(LLMSERVE_BLOCKED_KERNELS=0) or where they cannot."""
+(LLMSERVE_BLOCKED_KERNELS=0) or where they cannot. The AMX int4 kernel (amx_matmul.c, from 9 rows
+on an amx-tier CPU): tests/test_amx_matmul.py; here int4 weights are held off it (blocked_only)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
 from worker_svc import blocked_matmul, cpu_kernels
-from worker_svc.quant import Int4Codes, int4_codes, int8_weight, pack_int4, quantize_int8
+from worker_svc.quant import (
+    Int4Codes,
+    Int4Weight,
+    int4_codes,
+    int8_weight,
+    pack_int4,
+    quantize_int8,
+)
 
 kernels = cpu_kernels.load()
 needs_kernel = pytest.mark.skipif(
     kernels is None or not kernels.blocked, reason="no AVX-512 BF16 build of the kernels"
 )
+
+
+def blocked_only(weight: Int4Weight) -> Int4Weight:
+    """The weight with its matmuls on the blocked AVX-512 kernel at every row count."""
+    return replace(weight, amx_from_rows=0)
 
 
 def codes_of(out: int, inputs: int, seed: int = 0) -> Int4Codes:
@@ -34,7 +49,7 @@ def reference(x: torch.Tensor, codes: Int4Codes) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 21])
 def test_matches_the_values_the_codes_stand_for(rows):
     codes = codes_of(48, 96, seed=rows)
-    weight = pack_int4(codes, torch.bfloat16, blocked=True)
+    weight = blocked_only(pack_int4(codes, torch.bfloat16, blocked=True))
     assert weight.kernel == "blocked int4" and weight.blocked is not None
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(7)).bfloat16()
     got, want = weight.matmul(x), reference(x, codes)
@@ -49,7 +64,7 @@ def test_matches_the_values_the_codes_stand_for(rows):
 @needs_kernel
 def test_a_row_is_the_same_whatever_rows_share_the_call():
     codes = codes_of(64, 576, seed=3)
-    weight = pack_int4(codes, torch.bfloat16, blocked=True)
+    weight = blocked_only(pack_int4(codes, torch.bfloat16, blocked=True))
     x = torch.randn(19, 576, generator=torch.Generator().manual_seed(5)).bfloat16()
     together = weight.matmul(x)
     for start, stop in [(0, 1), (0, 6), (3, 9), (8, 19), (18, 19)]:

@@ -9,9 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from worker_svc import kernel_plan
+from worker_svc import blocked_matmul, kernel_plan
 from worker_svc.__main__ import make_runner
 from worker_svc.cpu_features import (
+    AMX_INT4_FROM_ROWS,
     BLOCKED_INT4_MAX_ROWS,
     QUANTIZED_MAX_ROWS,
     host_features,
@@ -38,14 +39,20 @@ def test_describe_reports_where_auto_switches_paths(asked):
     cpu = host_features()
     quantized = quantized_linears(runner.model.linears)
     kernel = quantized[0].weight.kernel  # "blocked int4" where this project's kernel runs
+    amx = quantized[0].weight.amx_from_rows  # 9 where the AMX tiles run (an amx-tier CPU)
+    assert amx == (AMX_INT4_FROM_ROWS if blocked_matmul.amx_usable() else 0)
     # 0: this CPU's table says int4 at every size
-    rows = asked or cpu.int4_max_rows(kernel == "blocked int4") or 0
+    rows = asked or cpu.int4_max_rows(kernel == "blocked int4", amx > 0) or 0
     assert len(quantized) == 4 * runner.config.num_layers  # every layer matrix: Q4_1 in the file
     split = dual_linears(runner.model.linears)
     assert {lin.max_rows for lin in split} == ({rows} if rows else set())
     assert info.quantization == "auto" and info.quantized_max_rows == rows
     assert info.cpu == cpu.tier and info.cpu_flags == cpu.flag_text()
-    path = f"{kernel} kernel up to {rows} rows" if rows else f"{kernel} kernel at every size"
+    if amx:
+        kernel = f"{kernel} kernel up to {amx - 1} rows, AMX int4 tiles"
+    else:
+        kernel += " kernel"
+    path = f"{kernel} up to {rows} rows" if rows else f"{kernel} at every size"
     assert f"quantization auto: {path}" in info.kernels
     head = runner.model.lm_head.weight  # Q8_0 in the file: int8
     head_rows = cpu.output_int8_max_rows(head.blocked is not None)
@@ -85,11 +92,13 @@ def test_a_measured_threshold_is_the_last_size_the_quantized_path_still_wins(mon
 
 
 def tiny_auto_runner():
-    """The tiny model with its layer matrices as 4-bit codes run as auto (both forms)."""
+    """The tiny model with its layer matrices as 4-bit codes run as auto (both forms), off the
+    AMX tiles (the plans below are for CPUs without them)."""
     config, plain = load_model("tiny", torch.bfloat16)
 
     def auto(m):
-        return fuse_matrices([int4_codes(m.float())], "auto", torch.bfloat16)
+        weight = fuse_matrices([int4_codes(m.float())], "auto", torch.bfloat16)
+        return replace(weight, amx_from_rows=0)
 
     layers = [
         replace(lw, qkv=auto(lw.qkv), o=auto(lw.o), gate_up=auto(lw.gate_up), down=auto(lw.down))

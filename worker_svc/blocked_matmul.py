@@ -15,8 +15,14 @@ in the high one), then the 16 outputs' scales and zeros in bf16.
 int8, per block of 16 outputs (16 * in + 32 bytes): in / 2 chunks of 32 bytes (byte j of chunk
 p: code + 128 of output j // 2, input 2p + j % 2), then the 16 outputs' scales in bf16.
 
+On a CPU with AMX (and a library built with it), int4 matmuls of AMX_INT4_FROM_ROWS rows and
+more run on the tiles instead (amx_matmul.c: the same layout, turned into bf16 tiles once per
+call and multiplied by tdpbf16ps), which from 9 rows on is faster than both the blocked kernel
+and oneDNN's bf16 on the dense copy (worker_svc/cpu_features.py, AMX_INT4_MAX_ROWS).
+
 LLMSERVE_BLOCKED_KERNELS=0 keeps torch's kernels (for comparison: llmserve.bench.draft_step,
-worker_forward's "@torch" modes).
+worker_forward's "@torch" modes); LLMSERVE_AMX_KERNELS=0 keeps the blocked and dense paths on an
+AMX host (worker_forward's "@noamx" modes).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import os
 import torch
 
 from worker_svc import cpu_kernels
+from worker_svc.cpu_features import AMX_INT4_FROM_ROWS, host_features
 
 GROUP = 32
 BLOCK_OUTPUTS = 16
@@ -44,6 +51,24 @@ def usable(dtype: torch.dtype, out_features: int, in_features: int, group: int =
         return False
     _loaded = kernels  # held for the matmuls: no lookup per call on the step's path
     return True
+
+
+def amx_allowed(kernels: cpu_kernels.CpuKernels | None) -> bool:
+    """Whether int4 matmuls of many rows run by the AMX kernel: built and granted (kernels.amx),
+    an amx-tier CPU, and not turned off (LLMSERVE_AMX_KERNELS=0)."""
+    return (
+        kernels is not None
+        and kernels.amx
+        and host_features().tier == "amx"
+        and os.environ.get("LLMSERVE_AMX_KERNELS", "1") != "0"
+    )
+
+
+def amx_usable() -> bool:
+    """amx_allowed for this process's kernels, where the blocked kernels run at all."""
+    return os.environ.get("LLMSERVE_BLOCKED_KERNELS", "1") != "0" and amx_allowed(
+        cpu_kernels.load()
+    )
 
 
 def int4_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -81,8 +106,18 @@ def int8_codes(layout: torch.Tensor, out: int, inputs: int) -> torch.Tensor:
     return shifted.to(torch.int8)
 
 
-def int4_matmul(x: torch.Tensor, blocked: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [rows, in] bf16 -> [rows, out_features] bf16."""
+def amx_rows() -> int:
+    """The rows from which an int4 weight laid out now runs on AMX tiles (0: never here)."""
+    return AMX_INT4_FROM_ROWS if amx_usable() else 0
+
+
+def int4_matmul(
+    x: torch.Tensor, blocked: torch.Tensor, out_features: int, amx_from_rows: int = 0
+) -> torch.Tensor:
+    """x [rows, in] bf16 -> [rows, out_features] bf16; on AMX tiles from `amx_from_rows` rows
+    (0: never)."""
+    if amx_from_rows and x.shape[0] >= amx_from_rows:
+        return _kernels().int4_matmul_amx(x.contiguous(), blocked, out_features)
     return _kernels().blocked_matmul("int4", x.contiguous(), blocked, out_features)
 
 

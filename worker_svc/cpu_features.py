@@ -41,6 +41,18 @@ QUANTIZED_MAX_ROWS: dict[str, int | None] = {
 # many rows. Tiers without AVX-512 BF16 never run it.
 BLOCKED_INT4_MAX_ROWS: dict[str, int] = {"amx": 8, "avx512_bf16": 32}
 
+# With this project's AMX int4 kernel (worker_svc/amx_matmul.c; amx tier, where it is built and
+# the process may use the tiles): the blocked AVX-512 kernel below AMX_INT4_FROM_ROWS rows (each
+# row computed alone: a draft's rows equal a plain decode's up to 8 rows, as before on amx),
+# AMX tiles from there up to AMX_INT4_MAX_ROWS, oneDNN's bf16 on the dense copy above. On the
+# Intel Xeon (2 threads, SmolLM2's 30 layers' matrices, weights not in cache) the tiles were
+# 1.8x oneDNN's bf16 at 8-32 rows, 1.3x at 64 and level at 128; at 256 rows and more oneDNN
+# was 1.6-1.8x faster (the tile kernel re-reads the activations per pair of output blocks,
+# which no longer stay in L2), so prompt chunks above 128 rows stay on the dense copy
+# (docs/figures.md, "The AMX int4 kernel").
+AMX_INT4_FROM_ROWS = 9
+AMX_INT4_MAX_ROWS = 128
+
 # Logit rows up to which the output matrix (vocab x hidden: SmolLM2's is 49,152 x 576, 57 MB in
 # bf16, 46% of what a one-row decode step under auto reads) runs as int8 where the weights carry
 # it so (Weights.lm_head_int8): a step samples one row per decode and one per prompt that ends,
@@ -89,8 +101,11 @@ class CpuFeatures:
     def quantized_max_rows(self) -> int | None:
         return QUANTIZED_MAX_ROWS[self.tier]
 
-    def int4_max_rows(self, blocked: bool) -> int | None:
-        """quantized_max_rows for torch's int4 kernel, or for this project's (blocked)."""
+    def int4_max_rows(self, blocked: bool, amx: bool = False) -> int | None:
+        """quantized_max_rows for torch's int4 kernel, or for this project's (blocked; with its
+        AMX kernel where `amx`: it runs on amx only)."""
+        if blocked and amx and self.tier == "amx":
+            return AMX_INT4_MAX_ROWS
         if blocked and self.tier in BLOCKED_INT4_MAX_ROWS:
             return BLOCKED_INT4_MAX_ROWS[self.tier]
         return self.quantized_max_rows

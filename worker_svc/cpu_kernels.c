@@ -131,6 +131,18 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+/* f2bf on 16 lanes, in integer steps, so bit for bit f2bf (vcvtneps2bf16 would flush
+   denormals to zero). */
+static inline __m256i f2bf16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000)); /* NaN stays NaN */
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
 /* dst[i] = src[i] rounded to bf16 (nearest even, as f2bf), 16 at a time. */
 static inline void to_bf16(const float *src, int64_t n, uint16_t *dst) {
     int64_t i = 0;
@@ -302,30 +314,47 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t rows, int64_t inter, uint16_
 }
 
 /* x[r] += delta[r] (if delta), rounded to bf16; h[r] = x[r] / rms(x[r]) * weight.
-   x, delta, h: [rows, hidden]; weight: [hidden]. */
+   x, delta, h: [rows, hidden]; weight: [hidden]. The SIMD path rounds every value as the scalar
+   one does; its sum of squares is in 16 lanes (fused multiply-adds), so the sum (and at most
+   rarely a last bit of h) may differ from the scalar order's. */
 void add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weight, int64_t rows,
                        int64_t hidden, float eps, uint16_t *h) {
 #pragma omp parallel for schedule(static) if (rows >= 16) num_threads(kernel_threads)
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *xr = x + r * hidden;
+        const uint16_t *dr = delta ? delta + r * hidden : NULL;
         float sum = 0.f;
-        if (delta) {
-            const uint16_t *dr = delta + r * hidden;
-            for (int64_t i = 0; i < hidden; i++) {
-                uint16_t s = f2bf(bf2f(xr[i]) + bf2f(dr[i]));
-                xr[i] = s;
-                float v = bf2f(s);
-                sum += v * v;
+        int64_t i = 0;
+#ifdef HAVE_AVX512_BF16
+        __m512 squares = _mm512_setzero_ps();
+        for (; i + 16 <= hidden; i += 16) {
+            __m512 v = load_bf16x16(xr + i);
+            if (dr) {
+                const __m256i s = f2bf16(_mm512_add_ps(v, load_bf16x16(dr + i)));
+                _mm256_storeu_si256((__m256i *)(xr + i), s);
+                v = load_bf16x16(xr + i);
             }
-        } else {
-            for (int64_t i = 0; i < hidden; i++) {
-                float v = bf2f(xr[i]);
-                sum += v * v;
-            }
+            squares = _mm512_fmadd_ps(v, v, squares);
+        }
+        sum = _mm512_reduce_add_ps(squares);
+#endif
+        for (; i < hidden; i++) {
+            if (dr) xr[i] = f2bf(bf2f(xr[i]) + bf2f(dr[i]));
+            const float v = bf2f(xr[i]);
+            sum += v * v;
         }
         const float scale = 1.f / sqrtf(sum / (float)hidden + eps);
         uint16_t *hr = h + r * hidden;
-        for (int64_t i = 0; i < hidden; i++) hr[i] = f2bf(bf2f(xr[i]) * scale * bf2f(weight[i]));
+        i = 0;
+#ifdef HAVE_AVX512_BF16
+        const __m512 scale_v = _mm512_set1_ps(scale);
+        for (; i + 16 <= hidden; i += 16) {
+            const __m512 v = _mm512_mul_ps(_mm512_mul_ps(load_bf16x16(xr + i), scale_v),
+                                           load_bf16x16(weight + i));
+            _mm256_storeu_si256((__m256i *)(hr + i), f2bf16(v));
+        }
+#endif
+        for (; i < hidden; i++) hr[i] = f2bf(bf2f(xr[i]) * scale * bf2f(weight[i]));
     }
 }
 
@@ -346,9 +375,23 @@ void rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *s
             const uint16_t *x = row + hd * dim;
             uint16_t *dst = hd < heads ? q_out + (t * heads + hd) * dim
                                        : k_pool + (slots[t] * kv_heads + hd - heads) * dim;
-            for (int64_t d = 0; d < half; d++) /* rotate_half: (x_lo, x_hi) -> (-x_hi, x_lo) */
+            int64_t d = 0;
+#ifdef HAVE_AVX512_BF16
+            /* rotate_half's two halves at once, 16 dims of each; a (x * c) + (y * s) as the
+               scalar loop below compiles (one product fused into the add), rounded once */
+            for (; half % 16 == 0 && d < half; d += 16) {
+                const __m512 lo = load_bf16x16(x + d), hi = load_bf16x16(x + d + half);
+                const __m512 lo_out = _mm512_fmadd_ps(lo, load_bf16x16(c + d),
+                                                      _mm512_mul_ps(hi, load_bf16x16(s + d)));
+                const __m512 hi_out = _mm512_fmadd_ps(
+                    hi, load_bf16x16(c + d + half), _mm512_mul_ps(lo, load_bf16x16(s + d + half)));
+                _mm256_storeu_si256((__m256i *)(dst + d), f2bf16(lo_out));
+                _mm256_storeu_si256((__m256i *)(dst + d + half), f2bf16(hi_out));
+            }
+#endif
+            for (; d < half; d++) /* rotate_half: (x_lo, x_hi) -> (-x_hi, x_lo) */
                 dst[d] = f2bf(bf2f(x[d]) * bf2f(c[d]) + bf2f(x[d + half]) * bf2f(s[d]));
-            for (int64_t d = half; d < dim; d++)
+            for (d = d < half ? half : d + half; d < dim; d++)
                 dst[d] = f2bf(bf2f(x[d]) * bf2f(c[d]) + bf2f(x[d - half]) * bf2f(s[d]));
         }
         memcpy(v_pool + slots[t] * kv_heads * dim, row + (heads + kv_heads) * dim,
@@ -703,3 +746,6 @@ int int8_matmul_bf16(const uint16_t *x, int64_t rows, int64_t in, const uint8_t 
     return 0;
 #endif
 }
+
+/* The AMX tile kernels (where -march has them), in their own file. */
+#include "amx_matmul.c"

@@ -24,6 +24,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# the files SOURCE includes: part of what names the built library
+INCLUDED = (Path(__file__).with_name("amx_matmul.c"),)
 FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros"]
 # reassociation lets the compiler vectorise the dot products' sums
 FLAGS += ["-fassociative-math", "-fopenmp"]
@@ -37,7 +39,8 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 def _library_name() -> str:
     flags = " ".join([*FLAGS, ARCH]).encode()
-    digest = hashlib.sha256(SOURCE.read_bytes() + flags).hexdigest()[:12]
+    text = b"".join(path.read_bytes() for path in (SOURCE, *INCLUDED))
+    digest = hashlib.sha256(text + flags).hexdigest()[:12]
     return f"_cpu_kernels-{digest}.so"
 
 
@@ -113,6 +116,14 @@ class CpuKernels:
             if fn is not None:
                 fn.argtypes = [_P, _I, _I, _P, _I, _P]
                 fn.restype = ctypes.c_int
+        # absent from libraries built from older sources, as silu_mul; 0 where not built (no AMX
+        # in -march) or the tiles are not granted to this process
+        ready = getattr(library, "amx_kernels_ready", None)
+        self._amx = getattr(library, "int4_matmul_amx", None)
+        self.amx = self.blocked and ready is not None and self._amx is not None and bool(ready())
+        if self._amx is not None:
+            self._amx.argtypes = [_P, _I, _I, _P, _I, _P]
+            self._amx.restype = ctypes.c_int
         self._threads = library.set_threads
         self._threads.argtypes = [ctypes.c_int]
         self._threads.restype = None
@@ -177,6 +188,28 @@ class CpuKernels:
             raise ValueError(f"{kind}_matmul: unsupported shape {rows}x{inputs} -> {out_features}")
         if status:
             raise MemoryError(f"{kind}_matmul: no memory for the groups' sums")
+        return y
+
+    def int4_matmul_amx(
+        self,
+        x: torch.Tensor,  # [rows, in] bf16, contiguous
+        blocked: torch.Tensor,  # worker_svc.blocked_matmul's int4 layout of the weight
+        out_features: int,
+    ) -> torch.Tensor:
+        """[rows, out_features] bf16 by AMX tiles, from the same layout as blocked_matmul's
+        int4 (amx_matmul.c)."""
+        if not self.amx:
+            raise NotImplementedError("this kernel library or process has no AMX int4 matmul")
+        rows, inputs = x.shape
+        y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+        status = self._amx(x.data_ptr(), rows, inputs, blocked.data_ptr(), out_features,
+                           y.data_ptr())  # fmt: skip
+        if status == -1:
+            raise ValueError(
+                f"int4_matmul_amx: unsupported shape {rows}x{inputs} -> {out_features}"
+            )
+        if status:
+            raise MemoryError("int4_matmul_amx: no memory for the tiles")
         return y
 
     def rope_store(

@@ -16,7 +16,7 @@ from worker_svc.cpu_features import CpuFeatures, pick_threads, usable_cpus
 from worker_svc.linear import QuantizedLinear, give_dense, packing_available
 from worker_svc.quant import dense_dtype
 
-CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # measure_max_rows' candidates
+CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)  # measure_max_rows' candidates
 DENSE_PATHS = {
     "amx": "oneDNN AMX",
     "avx512_bf16": "oneDNN AVX-512 BF16",
@@ -43,6 +43,7 @@ class KernelPlan:
     small_step_threads: int = 0
     output_int8_rows: int = 0  # the output matrix runs as int8 up to this many logit rows; 0: not
     output_kernel: str = "int8"  # which int8 kernel: "int8" (torch's) or "blocked int8" (ours)
+    amx_from_rows: int = 0  # int4 matmuls of this many rows and more on AMX tiles; 0: never
 
     def matmuls(self) -> str:
         """Which path serves which rows, in words."""
@@ -57,11 +58,14 @@ class KernelPlan:
         if not self.kernel:
             return dense + head
         why = f" ({self.rows_from})" if self.rows_from else ""
+        kernel = self.kernel
+        if self.amx_from_rows:
+            kernel = f"{kernel} kernel up to {self.amx_from_rows - 1} rows, AMX int4 tiles"
+        else:
+            kernel += " kernel"
         if not self.quantized_max_rows:
-            return f"{self.kernel} kernel at every size{why}{head}"
-        return (
-            f"{self.kernel} kernel up to {self.quantized_max_rows} rows{why}, {dense} above{head}"
-        )
+            return f"{kernel} at every size{why}{head}"
+        return f"{kernel} up to {self.quantized_max_rows} rows{why}, {dense} above{head}"
 
     def fields(self) -> dict:
         """The WorkerInfo (Describe) fields that report it."""
@@ -109,7 +113,13 @@ def plan_kernels(
         device=str(runner.device),
         output_int8_rows=head.max_rows if head is not None else 0,
         output_kernel=kernel_name(head) if head is not None else "int8",
+        amx_from_rows=amx_from_rows(quantized),
     )
+
+
+def amx_from_rows(quantized: list[QuantizedLinear]) -> int:
+    """The rows from which the layers' int4 matmuls run on AMX tiles (0: they never do)."""
+    return max((getattr(lin.weight, "amx_from_rows", 0) for lin in quantized), default=0)
 
 
 def split_rows(
@@ -127,7 +137,8 @@ def split_rows(
         rows, source = measure_max_rows(splittable)[0], "measured"
     else:
         blocked = any(lin.weight.blocked is not None for lin in splittable)
-        rows, source = cpu.int4_max_rows(blocked) or 0, "cpu table"
+        rows = cpu.int4_max_rows(blocked, amx_from_rows(splittable) > 0) or 0
+        source = "cpu table"
     for lin in splittable:
         if rows:
             give_dense(lin, pack)

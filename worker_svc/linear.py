@@ -106,15 +106,15 @@ def make_linear(
     max_rows: int | None = None,
 ) -> Linear | QuantizedLinear:
     """max_rows: for a weight kept also dense, the rows up to which the quantized kernel runs
-    (None: this CPU's figure for the weight's kernel, worker_svc.cpu_features.QUANTIZED_MAX_ROWS
-    or BLOCKED_INT4_MAX_ROWS; where that is None,
+    (None: this CPU's figure for the weight's kernel, worker_svc.cpu_features.QUANTIZED_MAX_ROWS,
+    BLOCKED_INT4_MAX_ROWS or AMX_INT4_MAX_ROWS; where that is None,
     the quantized kernel at every size and no dense copy)."""
     if is_quantized(weight):
-        rows = (
-            host_features().int4_max_rows(weight.blocked is not None)
-            if max_rows is None
-            else max_rows
-        )
+        if max_rows is None:
+            amx = bool(getattr(weight, "amx_from_rows", 0))
+            rows = host_features().int4_max_rows(weight.blocked is not None, amx)
+        else:
+            rows = max_rows
         if not weight.keep_dense or rows is None:
             drop_handover(weight)
             return QuantizedLinear(weight, bias)

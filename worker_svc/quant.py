@@ -116,6 +116,7 @@ class Int4Weight:
     # linear that keeps them (dense_values pops them: the weight does not hold them after)
     handover: list[torch.Tensor] = field(default_factory=list, compare=False, repr=False)
     blocked: torch.Tensor | None = None  # blocked_matmul.int4_layout's bytes, or None
+    amx_from_rows: int = 0  # where blocked: matmuls of this many rows on AMX tiles (0: never)
 
     @property
     def shape(self) -> torch.Size:
@@ -137,7 +138,9 @@ class Int4Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, in] -> [tokens, out]."""
         if self.blocked is not None:
-            return blocked_matmul.int4_matmul(x, self.blocked, self.out_features)
+            return blocked_matmul.int4_matmul(
+                x, self.blocked, self.out_features, self.amx_from_rows
+            )
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, GROUP_SIZE, self.scales_and_zeros
         )
@@ -180,7 +183,10 @@ def pack_int4(codes: Int4Codes, dtype: torch.dtype, blocked: bool | None = None)
     if blocked:
         layout = blocked_matmul.int4_layout(codes.codes, codes.scale, codes.zero)
         empty = torch.empty(0, dtype=dtype)
-        return Int4Weight(torch.empty(0, dtype=torch.uint8), empty, rows, cols, blocked=layout)
+        return Int4Weight(
+            torch.empty(0, dtype=torch.uint8), empty, rows, cols, blocked=layout,
+            amx_from_rows=blocked_matmul.amx_rows(),
+        )  # fmt: skip
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32), 1)
     groups = torch.stack([codes.scale, codes.zero], dim=-1)  # [out, groups, 2]
     scales_and_zeros = groups.transpose(0, 1).contiguous().to(dtype)

@@ -11,6 +11,11 @@ kernels where this project's own (worker_svc/blocked_matmul.py) would run:
 
 python -m llmserve.bench.worker_forward --quantization none,auto@torch,auto --batches 1,6,64
 
+A mode ending in "@noamx" (auto@noamx) keeps the many-row int4 matmuls off the AMX tiles
+(LLMSERVE_AMX_KERNELS=0: the blocked kernel and the dense copy, as before the AMX kernel):
+
+python -m llmserve.bench.worker_forward --quantization auto@noamx,auto --batches 1,8,16,64
+
 Every mode is loaded once and the cases run interleaved (A B C A B C ...), so load from other
 processes on a shared host hits all modes alike; the figures are medians, the ratios bf16's time
 over the mode's (above 1: the mode is faster). The host's CPU flags are printed with the table:
@@ -25,6 +30,7 @@ from contextlib import contextmanager
 import torch
 
 from llmserve.bench.forward_timing import Ours, median_ms
+from worker_svc import blocked_matmul
 from worker_svc.cpu_features import host_features
 from worker_svc.linear import Linear, QuantizedLinear
 from worker_svc.loader import load_model
@@ -37,27 +43,42 @@ def cpu_line() -> str:
     def split(rows: int | None) -> str:
         return f"up to {rows} rows" if rows else "at every size"
 
+    amx = (
+        f", with AMX tiles from {blocked_matmul.amx_rows()} rows "
+        f"{split(cpu.int4_max_rows(True, True))}"
+        if blocked_matmul.amx_rows()
+        else ""
+    )
+
     return (
         f"cpu {cpu.model or '?'}: {cpu.tier} ({cpu.flag_text()}; torch "
         f"{torch.backends.cpu.get_cpu_capability()}); auto's int4 kernel: torch's "
         f"{split(cpu.int4_max_rows(False))}, this project's (where it runs) "
-        f"{split(cpu.int4_max_rows(True))}"
+        f"{split(cpu.int4_max_rows(True))}{amx}"
     )
+
+
+SUFFIXES = {"@torch": "LLMSERVE_BLOCKED_KERNELS", "@noamx": "LLMSERVE_AMX_KERNELS"}
 
 
 @contextmanager
 def int4_kernel(mode: str):
-    """Loads a mode "x@torch" with torch's quantized kernels (LLMSERVE_BLOCKED_KERNELS=0)."""
-    before = os.environ.get("LLMSERVE_BLOCKED_KERNELS")
-    if mode.endswith("@torch"):
-        os.environ["LLMSERVE_BLOCKED_KERNELS"] = "0"
+    """Loads a mode "x@torch" with torch's quantized kernels (LLMSERVE_BLOCKED_KERNELS=0), a
+    mode "x@noamx" without the AMX int4 kernel (LLMSERVE_AMX_KERNELS=0)."""
+    suffix = next((s for s in SUFFIXES if mode.endswith(s)), None)
+    if suffix is None:
+        yield mode
+        return
+    name = SUFFIXES[suffix]
+    before = os.environ.get(name)
+    os.environ[name] = "0"
     try:
-        yield mode.removesuffix("@torch")
+        yield mode.removesuffix(suffix)
     finally:
         if before is None:
-            os.environ.pop("LLMSERVE_BLOCKED_KERNELS", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["LLMSERVE_BLOCKED_KERNELS"] = before
+            os.environ[name] = before
 
 
 def held_bytes(ours: Ours) -> int:
