@@ -41,15 +41,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def base_kernels(rev: str, workdir: Path) -> cpu_kernels.CpuKernels:
-    """The fused kernels as they stood at `rev`, built here with this checkout's flags."""
+    """The fused kernels as they stood at `rev`, built here with this checkout's flags (with the
+    files it includes as they stood then, where it had them)."""
     source = workdir / "cpu_kernels_base.c"
-    shown = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{rev}:worker_svc/cpu_kernels.c"],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    if shown.returncode:
-        raise SystemExit(f"git show {rev}: {shown.stderr.strip()}")
-    source.write_text(shown.stdout)
+    source.write_text(git_show(rev, "worker_svc/cpu_kernels.c"))
+    for included in cpu_kernels.INCLUDED:
+        try:
+            (workdir / included.name).write_text(git_show(rev, f"worker_svc/{included.name}"))
+        except SystemExit:
+            pass  # not there at rev: nor is the #include
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise SystemExit("no C compiler: the fused kernels cannot be built")
@@ -60,6 +60,16 @@ def base_kernels(rev: str, workdir: Path) -> cpu_kernels.CpuKernels:
     if built.returncode:
         raise SystemExit(f"building {rev}'s kernels failed: {built.stderr[-800:]}")
     return cpu_kernels.CpuKernels(ctypes.CDLL(str(library)))
+
+
+def git_show(rev: str, path: str) -> str:
+    shown = subprocess.run(
+        ["git", "-C", str(REPO), "show", f"{rev}:{path}"], capture_output=True, text=True,
+        check=False,
+    )  # fmt: skip
+    if shown.returncode:
+        raise SystemExit(f"git show {rev}: {shown.stderr.strip()}")
+    return shown.stdout
 
 
 LAYERS, BLOCK, HEADS, KV_HEADS, DIM = 30, 16, 9, 3, 64  # SmolLM2's attention, 30 layers
