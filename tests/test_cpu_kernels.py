@@ -51,6 +51,30 @@ def test_add_rms_norm_matches_torch() -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows,hidden", [(20, 576), (17, 77), (3, 8)])
+def test_add_rms_norm_rounds_as_torch_across_threads_and_ragged_rows(
+    rows: int, hidden: int
+) -> None:
+    """Rows split over threads from 16, a hidden size with a tail beyond 16-value steps (and
+    one below a step): the residual add exactly torch's, the norm within bf16's rounding."""
+    assert KERNELS is not None
+    KERNELS.set_threads(2)
+    gen = torch.Generator().manual_seed(4)
+    x = (4 * torch.randn(rows, hidden, generator=gen)).to(BF16)
+    delta = torch.randn(rows, hidden, generator=gen).to(BF16)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(BF16)
+    expect_x = x + delta
+    expect_h = F.rms_norm(expect_x.float(), (hidden,), weight.float(), 1e-5)
+    out = torch.empty_like(x)
+    KERNELS.add_rms_norm(x, delta, weight, 1e-5, out)
+    assert torch.equal(x, expect_x)
+    assert bf16_ulps(out, expect_h.to(BF16)) <= 1.0
+    KERNELS.add_rms_norm(x, None, weight, 1e-5, out)
+    assert torch.equal(x, expect_x)
+    assert bf16_ulps(out, expect_h.to(BF16)) <= 1.0
+
+
+@needs_kernels
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (3, 40), (20, 77)])
 def test_silu_mul_matches_fp32_rounded_once(rows: int, inter: int) -> None:
     """Each row [gate | up] -> silu(gate) * up: within bf16's rounding of the fp32 result, for
@@ -100,13 +124,17 @@ def test_rope_store_matches_apply_rope_and_writes_kv_to_its_slots() -> None:
 @needs_kernels
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
-@pytest.mark.parametrize("lengths", [[1, 13, 37], [1, 16, 17, 33, 40, 31]])
+@pytest.mark.parametrize(
+    "lengths", [[1, 13, 37], [1, 16, 17, 33, 40, 31], [40, 1, 2, 3, 5, 39, 1, 2]]
+)
 def test_decode_attention_matches_fp32_attention(
     heads: int, kv_heads: int, dim: int, threads: int, lengths: list[int]
 ) -> None:
     """Scattered, out-of-order blocks, different lengths per request (one ends mid-block);
     single-threaded and split over OpenMP threads; three requests (a task per KV head) and six
-    (a task per request), lengths on both sides of the 16 positions the kernel reads ahead."""
+    (a task per request), lengths on both sides of the 16 positions the kernel reads ahead;
+    eight of very different lengths (the threads' shares of positions: one long request against
+    many short ones)."""
     assert KERNELS is not None
     KERNELS.set_threads(threads)
     block_size = 4

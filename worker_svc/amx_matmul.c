@@ -20,7 +20,6 @@
    either. */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(HAVE_AVX512_BF16)
 #define HAVE_AMX 1
-#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 

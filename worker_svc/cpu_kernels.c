@@ -9,6 +9,12 @@
 
    bf16 is handled as uint16_t; arithmetic is fp32, rounded once to bf16 (nearest even) on store. */
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_num_threads(void) { return 1; }
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -77,6 +83,11 @@ static void position_offsets(const int64_t *table, int64_t len, int64_t block_si
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_AVX512_BF16 1
+/* The most value-row bytes of one task that qk_scores_bf16_64 asks for while it scores the keys
+   (a quarter of a 2 MB L2: they must still be there when P @ V reads them). */
+#ifndef EARLY_VALUE_BYTES
+#define EARLY_VALUE_BYTES (512 * 1024)
+#endif
 #ifndef AHEAD
 #define AHEAD 16
 #endif
@@ -173,15 +184,18 @@ static inline __m512 sum_lanes16(const __m512 v[16]) {
    cached keys of positions [0, len rounded down to 16), 16 positions at a time, with bf16 dot
    products (vdpbf16ps: exact products, fp32 sums). scores: [heads, len]; mx: running maxima.
    Returns the number of positions done. */
-static int64_t qk_scores_bf16_64(const uint16_t *q, const uint16_t *k_pool, const int64_t *off,
-                                 int64_t len,
+static int64_t qk_scores_bf16_64(const uint16_t *q, const uint16_t *k_pool,
+                                 const uint16_t *v_pool, const int64_t *off, int64_t len,
                                  int64_t kv_count, int64_t group, float scale, float *scores,
                                  float *mx) {
     const int64_t done = len & ~(int64_t)15;
     const __m512 scale_v = _mm512_set1_ps(scale);
     /* positions outer, heads inner: each cached key row is read from memory once, and the next
        16 positions' rows are prefetched while these are scored (a block table scatters them,
-       which the hardware prefetcher cannot follow) */
+       which the hardware prefetcher cannot follow); so are these 16 positions' value rows, so
+       that P @ V later finds them all in L2 (prefetched only AHEAD positions before their use
+       there, with little work between, they came too late: half of attention's time was
+       spent waiting on value rows) */
     for (int64_t t0 = 0; t0 < done; t0 += 16) {
         const uint16_t *rows[16];
         for (int i = 0; i < 16; i++) {
@@ -189,6 +203,7 @@ static int64_t qk_scores_bf16_64(const uint16_t *q, const uint16_t *k_pool, cons
             if (t0 + AHEAD + i < len)
                 prefetch_row(position_row(k_pool, off, t0 + AHEAD + i),
                              kv_count * 64);
+            if (v_pool) prefetch_row(position_row(v_pool, off, t0 + i), kv_count * 64);
         }
         for (int64_t g = 0; g < kv_count; g++) {
             for (int64_t j = 0; j < group; j++) {
@@ -211,6 +226,8 @@ static int64_t qk_scores_bf16_64(const uint16_t *q, const uint16_t *k_pool, cons
             }
         }
     }
+    for (int64_t t = done; v_pool && t < len; t++)
+        prefetch_row(position_row(v_pool, off, t), kv_count * 64);
     return done;
 }
 
@@ -219,7 +236,7 @@ static int64_t qk_scores_bf16_64(const uint16_t *q, const uint16_t *k_pool, cons
    them); acc: [heads, 64] fp32, overwritten. Returns the positions done. */
 static inline __attribute__((always_inline)) int64_t pv_bf16_64_group(
     const uint16_t *probs, const uint16_t *v_pool, const int64_t *off, int64_t len,
-    int64_t kv_count, const int64_t group, float *acc) {
+    int64_t kv_count, const int64_t group, int ahead, float *acc) {
     const int64_t done = len & ~(int64_t)1;
     for (int64_t g = 0; g < kv_count; g++) {
         /* sums[j][0..3]: dims interleaved by the 16-bit unpacks, put back in order below */
@@ -228,11 +245,11 @@ static inline __attribute__((always_inline)) int64_t pv_bf16_64_group(
             for (int c = 0; c < 4; c++) sums[j][c] = _mm512_setzero_ps();
         for (int64_t t = 0; t < done; t += 2) {
             const int64_t u = t + 1;
-            if (g == 0 && t + AHEAD + 1 < len) { /* the rows AHEAD positions on, all KV heads' */
-                prefetch_row(position_row(v_pool, off, t + AHEAD),
-                             kv_count * 64);
-                prefetch_row(position_row(v_pool, off, t + AHEAD + 1),
-                             kv_count * 64);
+            /* the rows AHEAD positions on, all KV heads', where qk_scores_bf16_64 did not ask
+               for every row already (a context too long for L2 to keep them all) */
+            if (ahead && g == 0 && t + AHEAD + 1 < len) {
+                prefetch_row(position_row(v_pool, off, t + AHEAD), kv_count * 64);
+                prefetch_row(position_row(v_pool, off, t + AHEAD + 1), kv_count * 64);
             }
             const uint16_t *v0 = position_row(v_pool, off, t) + g * 64;
             const uint16_t *v1 = position_row(v_pool, off, u) + g * 64;
@@ -271,14 +288,14 @@ static inline __attribute__((always_inline)) int64_t pv_bf16_64_group(
    compiler kept them on the stack, and every vdpbf16ps waited on a store and a load (the sums'
    loop ran about 2x slower). */
 static int64_t pv_bf16_64(const uint16_t *probs, const uint16_t *v_pool, const int64_t *off,
-                          int64_t len, int64_t kv_count, int64_t group, float *acc) {
+                          int64_t len, int64_t kv_count, int64_t group, int ahead, float *acc) {
     switch (group) {
-    case 1: return pv_bf16_64_group(probs, v_pool, off, len, kv_count, 1, acc);
-    case 2: return pv_bf16_64_group(probs, v_pool, off, len, kv_count, 2, acc);
-    case 3: return pv_bf16_64_group(probs, v_pool, off, len, kv_count, 3, acc);
-    case 4: return pv_bf16_64_group(probs, v_pool, off, len, kv_count, 4, acc);
-    case 8: return pv_bf16_64_group(probs, v_pool, off, len, kv_count, 8, acc);
-    default: return pv_bf16_64_group(probs, v_pool, off, len, kv_count, group, acc);
+    case 1: return pv_bf16_64_group(probs, v_pool, off, len, kv_count, 1, ahead, acc);
+    case 2: return pv_bf16_64_group(probs, v_pool, off, len, kv_count, 2, ahead, acc);
+    case 3: return pv_bf16_64_group(probs, v_pool, off, len, kv_count, 3, ahead, acc);
+    case 4: return pv_bf16_64_group(probs, v_pool, off, len, kv_count, 4, ahead, acc);
+    case 8: return pv_bf16_64_group(probs, v_pool, off, len, kv_count, 8, ahead, acc);
+    default: return pv_bf16_64_group(probs, v_pool, off, len, kv_count, group, ahead, acc);
     }
 }
 #endif
@@ -375,11 +392,12 @@ void rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *s
             const uint16_t *x = row + hd * dim;
             uint16_t *dst = hd < heads ? q_out + (t * heads + hd) * dim
                                        : k_pool + (slots[t] * kv_heads + hd - heads) * dim;
-            int64_t d = 0;
+            int64_t done = 0; /* dims of each half done by the SIMD path */
 #ifdef HAVE_AVX512_BF16
             /* rotate_half's two halves at once, 16 dims of each; a (x * c) + (y * s) as the
                scalar loop below compiles (one product fused into the add), rounded once */
-            for (; half % 16 == 0 && d < half; d += 16) {
+            for (; half % 16 == 0 && done < half; done += 16) {
+                const int64_t d = done;
                 const __m512 lo = load_bf16x16(x + d), hi = load_bf16x16(x + d + half);
                 const __m512 lo_out = _mm512_fmadd_ps(lo, load_bf16x16(c + d),
                                                       _mm512_mul_ps(hi, load_bf16x16(s + d)));
@@ -389,15 +407,40 @@ void rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *s
                 _mm256_storeu_si256((__m256i *)(dst + d + half), f2bf16(hi_out));
             }
 #endif
-            for (; d < half; d++) /* rotate_half: (x_lo, x_hi) -> (-x_hi, x_lo) */
+            for (int64_t d = done; d < half; d++) /* rotate_half: (x_lo, x_hi) -> (-x_hi, x_lo) */
                 dst[d] = f2bf(bf2f(x[d]) * bf2f(c[d]) + bf2f(x[d + half]) * bf2f(s[d]));
-            for (d = d < half ? half : d + half; d < dim; d++)
+            for (int64_t d = half + done; d < dim; d++)
                 dst[d] = f2bf(bf2f(x[d]) * bf2f(c[d]) + bf2f(x[d - half]) * bf2f(s[d]));
         }
         memcpy(v_pool + slots[t] * kv_heads * dim, row + (heads + kv_heads) * dim,
                (size_t)(kv_heads * dim) * sizeof(uint16_t));
     }
 }
+
+/* The first task of thread `part` of `parts` (part == parts: the end): tasks are
+   `split` per request, each costing its request's length; a part's tasks start at the first
+   whose preceding cost reaches part / parts of the total. */
+static int64_t task_share(const int64_t *lengths, int64_t split, int64_t tasks, int64_t total,
+                          int64_t part, int64_t parts) {
+    if (part >= parts) return tasks;
+    int64_t task = 0;
+    for (int64_t before = 0; task < tasks && before * parts < total * part; task++)
+        before += lengths[task / split];
+    return task;
+}
+
+#ifdef HAVE_AVX512_BF16
+/* Asks for the rows (values [from, from + values) of each) of the first AHEAD positions of a
+   request from its block table. */
+static void prefetch_first_rows(const uint16_t *pool, const int64_t *table, int64_t len,
+                                int64_t block_size, int64_t pos_stride, int64_t from,
+                                int64_t values) {
+    for (int64_t t = 0; t < len && t < AHEAD; t++)
+        prefetch_row(pool + (table[t / block_size] * block_size + t % block_size) * pos_stride +
+                         from,
+                     values);
+}
+#endif
 
 /* One query token per request against its cached K/V in a paged pool.
    q, out: [nd, heads, dim]; k_pool, v_pool: [num_blocks, block_size, kv_heads, dim] (one layer);
@@ -413,88 +456,111 @@ static inline __attribute__((always_inline)) int attend(
        each cached position is read as one contiguous row of all KV heads; else one KV head per
        task, so that even one request keeps every thread busy. */
     const int64_t split = nd >= 4 ? 1 : kv_heads;
-    const int64_t task_kv = kv_heads / split, task_heads = task_kv * group;
+    const int64_t task_kv = kv_heads / split, task_heads = task_kv * group, tasks = nd * split;
+    int64_t total = 0, longest = 0;
+    for (int64_t r = 0; r < nd; r++) {
+        total += lengths[r];
+        longest = lengths[r] > longest ? lengths[r] : longest;
+    }
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) if (nd * split >= 2) num_threads(kernel_threads)
-    for (int64_t task = 0; task < nd * split; task++) {
-        const int64_t r = task / split, g0 = (task % split) * task_kv;
-        const int64_t len = lengths[r];
-        const int64_t *table = tables + r * max_blocks;
-        /* scores: [task_heads, len] fp32; qf, acc: [task_heads, dim]; then room for the
-           probabilities in bf16: [task_heads, len] (rounded up to whole floats); then the
-           positions' pool offsets: [len] int64 */
-        const int64_t floats = task_heads * (len + 2 * dim) + (task_heads * len + 1) / 2;
-        float *buffer = malloc((size_t)(floats + 1) * sizeof(float) + (size_t)len * 8);
-        if (!buffer) {
+    /* each thread takes one run of tasks, with an even share of the positions (a request's KV
+       read is its cost), so that it knows its next task and asks for that task's first rows
+       while it finishes this one (dynamic scheduling: each task started on rows not yet asked
+       for, twice, for K and for V) */
+#pragma omp parallel if (tasks >= 2) num_threads(kernel_threads)
+    {
+        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t lo = task_share(lengths, split, tasks, total * split, me, threads);
+        const int64_t hi = task_share(lengths, split, tasks, total * split, me + 1, threads);
+        /* the positions' pool offsets: [longest] int64; then scores: [task_heads, len] fp32;
+           qf, acc: [task_heads, dim]; then room for the probabilities in bf16:
+           [task_heads, len] (rounded up to whole floats) */
+        const int64_t floats = task_heads * (longest + 2 * dim) + (task_heads * longest + 1) / 2;
+        int64_t *off = lo < hi ? malloc((size_t)longest * 8 + (size_t)floats * sizeof(float))
+                               : NULL;
+        if (lo < hi && !off) {
+#pragma omp atomic write
             failed = 1;
-            continue;
         }
-        int64_t *off = (int64_t *)(((uintptr_t)(buffer + floats) + 7) & ~(uintptr_t)7);
-        position_offsets(table, len, block_size, pos_stride, off);
-        float *scores = buffer, *qf = buffer + task_heads * len, *acc = qf + task_heads * dim;
-        float mx[MAX_GROUP * 64], kf[MAX_DIM];
-        const uint16_t *qr = q + (r * heads + g0 * group) * dim; /* this task's query heads */
-        for (int64_t i = 0; i < task_heads * dim; i++) {
-            qf[i] = bf2f(qr[i]) * scale;
-            acc[i] = 0.f;
-        }
-        for (int64_t h = 0; h < task_heads; h++) mx[h] = -INFINITY;
-        int64_t first = 0; /* positions before this were scored by the SIMD path */
+        for (int64_t task = lo; off && task < hi; task++) {
+            const int64_t r = task / split, g0 = (task % split) * task_kv;
+            const int64_t len = lengths[r];
+            const int64_t *table = tables + r * max_blocks;
+            float *buffer = (float *)(off + longest);
+            position_offsets(table, len, block_size, pos_stride, off);
+            float *scores = buffer, *qf = buffer + task_heads * len, *acc = qf + task_heads * dim;
+            float mx[MAX_GROUP * 64], kf[MAX_DIM];
+            const uint16_t *qr = q + (r * heads + g0 * group) * dim; /* this task's query heads */
+            for (int64_t i = 0; i < task_heads * dim; i++) {
+                qf[i] = bf2f(qr[i]) * scale;
+                acc[i] = 0.f;
+            }
+            for (int64_t h = 0; h < task_heads; h++) mx[h] = -INFINITY;
+            int64_t first = 0; /* positions before this were scored by the SIMD path */
 #ifdef HAVE_AVX512_BF16
-        if (dim == 64)
-            first = qk_scores_bf16_64(qr, k_pool + g0 * dim, off, len,
-                                      task_kv, group, scale, scores, mx);
+            if (dim == 64) {
+                /* a context whose value rows L2 keeps: all asked for while the keys are
+                   scored; a longer one: each asked for AHEAD positions before P @ V reads it */
+                const int early = len * task_kv * dim * 2 <= EARLY_VALUE_BYTES;
+                first = qk_scores_bf16_64(qr, k_pool + g0 * dim, early ? v_pool + g0 * dim : NULL,
+                                          off, len, task_kv, group, scale, scores, mx);
+                if (task + 1 < hi) /* the next task's first key rows, during this one's P @ V */
+                    prefetch_first_rows(k_pool, tables + (task + 1) / split * max_blocks,
+                                        lengths[(task + 1) / split], block_size, pos_stride,
+                                        ((task + 1) % split) * task_kv * dim, task_kv * dim);
+            }
 #endif
-        for (int64_t t = first; t < len; t++) {
-            const uint16_t *kr = position_row(k_pool, off, t) + g0 * dim;
-            for (int64_t g = 0; g < task_kv; g++) {
-                for (int64_t d = 0; d < dim; d++) kf[d] = bf2f(kr[g * dim + d]);
-                for (int64_t j = 0; j < group; j++) {
-                    const float *qh = qf + (g * group + j) * dim;
-                    float s = 0.f;
-                    for (int64_t d = 0; d < dim; d++) s += qh[d] * kf[d];
-                    scores[(g * group + j) * len + t] = s;
-                    if (s > mx[g * group + j]) mx[g * group + j] = s;
+            for (int64_t t = first; t < len; t++) {
+                const uint16_t *kr = position_row(k_pool, off, t) + g0 * dim;
+                for (int64_t g = 0; g < task_kv; g++) {
+                    for (int64_t d = 0; d < dim; d++) kf[d] = bf2f(kr[g * dim + d]);
+                    for (int64_t j = 0; j < group; j++) {
+                        const float *qh = qf + (g * group + j) * dim;
+                        float s = 0.f;
+                        for (int64_t d = 0; d < dim; d++) s += qh[d] * kf[d];
+                        scores[(g * group + j) * len + t] = s;
+                        if (s > mx[g * group + j]) mx[g * group + j] = s;
+                    }
                 }
             }
-        }
-        float inv[MAX_GROUP * 64];
-        for (int64_t h = 0; h < task_heads; h++) {
-            float *row = scores + h * len, sum = 0.f;
-            int64_t t = 0;
+            float inv[MAX_GROUP * 64];
+            for (int64_t h = 0; h < task_heads; h++) {
+                float *row = scores + h * len, sum = 0.f;
+                int64_t t = 0;
 #ifdef HAVE_AVX512_BF16
-            t = exp_rows16(row, len, mx[h], &sum);
+                t = exp_rows16(row, len, mx[h], &sum);
 #endif
-            for (; t < len; t++) {
-                row[t] = exp_nonpositive(row[t] - mx[h]);
-                sum += row[t];
+                for (; t < len; t++) {
+                    row[t] = exp_nonpositive(row[t] - mx[h]);
+                    sum += row[t];
+                }
+                inv[h] = 1.f / sum;
             }
-            inv[h] = 1.f / sum;
-        }
-        first = 0;
+            first = 0;
 #ifdef HAVE_AVX512_BF16
-        if (dim == 64 && group <= MAX_GROUP) {
-            uint16_t *probs = (uint16_t *)(acc + task_heads * dim);
-            to_bf16(scores, task_heads * len, probs);
-            first = pv_bf16_64(probs, v_pool + g0 * dim, off, len,
-                               task_kv, group, acc);
-        }
+            if (dim == 64 && group <= MAX_GROUP) {
+                uint16_t *probs = (uint16_t *)(acc + task_heads * dim);
+                to_bf16(scores, task_heads * len, probs);
+                first = pv_bf16_64(probs, v_pool + g0 * dim, off, len, task_kv, group,
+                                   len * task_kv * dim * 2 > EARLY_VALUE_BYTES, acc);
+            }
 #endif
-        for (int64_t t = first; t < len; t++) {
-            const uint16_t *vr = position_row(v_pool, off, t) + g0 * dim;
-            for (int64_t g = 0; g < task_kv; g++) {
-                for (int64_t d = 0; d < dim; d++) kf[d] = bf2f(vr[g * dim + d]);
-                for (int64_t j = 0; j < group; j++) {
-                    const float p = scores[(g * group + j) * len + t];
-                    float *a = acc + (g * group + j) * dim;
-                    for (int64_t d = 0; d < dim; d++) a[d] += p * kf[d];
+            for (int64_t t = first; t < len; t++) {
+                const uint16_t *vr = position_row(v_pool, off, t) + g0 * dim;
+                for (int64_t g = 0; g < task_kv; g++) {
+                    for (int64_t d = 0; d < dim; d++) kf[d] = bf2f(vr[g * dim + d]);
+                    for (int64_t j = 0; j < group; j++) {
+                        const float p = scores[(g * group + j) * len + t];
+                        float *a = acc + (g * group + j) * dim;
+                        for (int64_t d = 0; d < dim; d++) a[d] += p * kf[d];
+                    }
                 }
             }
+            uint16_t *o = out + (r * heads + g0 * group) * dim;
+            for (int64_t h = 0; h < task_heads; h++)
+                for (int64_t d = 0; d < dim; d++) o[h * dim + d] = f2bf(acc[h * dim + d] * inv[h]);
         }
-        uint16_t *o = out + (r * heads + g0 * group) * dim;
-        for (int64_t h = 0; h < task_heads; h++)
-            for (int64_t d = 0; d < dim; d++) o[h * dim + d] = f2bf(acc[h * dim + d] * inv[h]);
-        free(buffer);
+        free(off);
     }
     return failed ? -1 : 0;
 }
