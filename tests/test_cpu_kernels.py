@@ -75,6 +75,29 @@ def test_add_rms_norm_rounds_as_torch_across_threads_and_ragged_rows(
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (20, 576), (17, 77)])
+def test_add_rms_norm_keeps_an_fp32_residual_unrounded(rows: int, hidden: int) -> None:
+    """The residual stream in fp32 (the model's CPU bf16 path): x += delta exactly as fp32 adds
+    it, never rounded to bf16; h the norm of that fp32 x, rounded once to bf16."""
+    assert KERNELS is not None
+    KERNELS.set_threads(2)
+    gen = torch.Generator().manual_seed(9)
+    x = 4 * torch.randn(rows, hidden, generator=gen)
+    delta = torch.randn(rows, hidden, generator=gen).to(BF16)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(BF16)
+    expect_x = x + delta.float()
+    out = torch.empty(rows, hidden, dtype=BF16)
+    KERNELS.add_rms_norm(x, delta, weight, 1e-5, out)
+    try:
+        assert x.dtype == torch.float32 and torch.equal(x, expect_x)
+        assert not torch.equal(x, x.to(BF16).float())  # kept finer than bf16
+        expect_h = F.rms_norm(expect_x, (hidden,), weight.float(), 1e-5)
+        assert bf16_ulps(out, expect_h.to(BF16)) <= 1.0
+    finally:
+        KERNELS.set_threads(torch.get_num_threads())
+
+
+@needs_kernels
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (3, 40), (20, 77)])
 def test_silu_mul_matches_fp32_rounded_once(rows: int, inter: int) -> None:
     """Each row [gate | up] -> silu(gate) * up: within bf16's rounding of the fp32 result, for
@@ -119,6 +142,15 @@ def test_rope_store_matches_apply_rope_and_writes_kv_to_its_slots() -> None:
     untouched = torch.ones(64, dtype=torch.bool)
     untouched[slots] = False
     assert not k_pool[untouched].any() and not v_pool[untouched].any()
+    # with k_out (a prompt chunk's step): the same pool and q, and the rotated keys in k_out too
+    k_pool2, v_pool2 = torch.zeros_like(k_pool), torch.zeros_like(v_pool)
+    q2, k_out = torch.empty_like(q), torch.empty(n, kv_heads, dim, dtype=BF16)
+    KERNELS.rope_store(
+        qkv, rope.cos, rope.sin, positions, slots, q2, k_pool2.data_ptr(), v_pool2.data_ptr(),
+        kv_heads, k_out=k_out,
+    )  # fmt: skip
+    assert torch.equal(q2, q) and torch.equal(k_pool2, k_pool) and torch.equal(v_pool2, v_pool)
+    assert torch.equal(k_out, k_pool[slots])
 
 
 @needs_kernels

@@ -93,8 +93,10 @@ static inline __attribute__((always_inline)) void make_tiles(tile_maker *mk, int
     for (int64_t end = mk->next + count < mk->total ? mk->next + count : mk->total;
          mk->next < end; mk->next++) {
         const uint8_t *blk = mk->w + mk->next * INT4_BLOCK_BYTES; /* blocks follow each other */
+        /* 12 groups ahead (3.8 KB): 2 ahead left the conversion waiting on memory (alone it ran
+           1.7x slower) */
         for (int k = 0; k < INT4_BLOCK_BYTES; k += 64)
-            _mm_prefetch((const char *)blk + 2 * INT4_BLOCK_BYTES + k, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + 12 * INT4_BLOCK_BYTES + k, _MM_HINT_T0);
         int4_b_tile(blk, mk->b + mk->next * 512);
     }
 }
@@ -106,12 +108,13 @@ static inline void store_rows(const float *c, int64_t valid, uint16_t *y, int64_
                             (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + 16 * r)));
 }
 
-/* 16 * MB rows of x (a: their A tiles, [row tile][group][512]) against NB blocks of B tiles
-   (b: [block][group][512]); y's columns [0, 16 * NB) of those rows (valid: real rows left),
-   `per_group` of the next pair's tiles made after each group's products. */
+/* 16 * MB rows of x (a0, a1: the first row of each 16, `stride` bytes from row to row) against
+   NB blocks of B tiles (b: [block][group][512]); y's columns [0, 16 * NB) of those rows (valid:
+   real rows left), `per_group` of the next pair's tiles made after each group's products. */
 static inline __attribute__((always_inline)) void amx_block(
-    const int MB, const int NB, const uint16_t *a, const uint16_t *b, int64_t groups, float *c,
-    int64_t valid, uint16_t *y, int64_t out, tile_maker *mk, int64_t per_group) {
+    const int MB, const int NB, const uint16_t *a0, const uint16_t *a1, int64_t stride,
+    const uint16_t *b, int64_t groups, float *c, int64_t valid, uint16_t *y, int64_t out,
+    tile_maker *mk, int64_t per_group) {
     _tile_zero(0);
     if (NB == 2) _tile_zero(1);
     if (MB == 2) _tile_zero(2);
@@ -119,36 +122,59 @@ static inline __attribute__((always_inline)) void amx_block(
     for (int64_t g = 0; g < groups; g++) {
         _tile_loadd(6, b + g * 512, 64);
         if (NB == 2) _tile_loadd(7, b + (groups + g) * 512, 64);
-        _tile_loadd(4, a + g * 512, 64);
+        _tile_loadd(4, a0 + g * 32, stride);
         _tile_dpbf16ps(0, 4, 6);
         if (NB == 2) _tile_dpbf16ps(1, 4, 7);
         if (MB == 2) {
-            _tile_loadd(5, a + (groups + g) * 512, 64);
+            _tile_loadd(5, a1 + g * 32, stride);
             _tile_dpbf16ps(2, 5, 6);
             if (NB == 2) _tile_dpbf16ps(3, 5, 7);
         }
         make_tiles(mk, per_group);
     }
+    /* the real rows of each row tile: at most 16 */
+    const int64_t first = valid < 16 ? valid : 16, second = valid - 16 < 16 ? valid - 16 : 16;
     _tile_stored(0, c, 64);
-    store_rows(c, valid < 16 ? valid : 16, y, out);
+    store_rows(c, first, y, out);
     if (NB == 2) {
         _tile_stored(1, c, 64);
-        store_rows(c, valid < 16 ? valid : 16, y + 16, out);
+        store_rows(c, first, y + 16, out);
     }
     if (MB == 2) {
         _tile_stored(2, c, 64);
-        store_rows(c, valid - 16, y + 16 * out, out);
+        store_rows(c, second, y + 16 * out, out);
         if (NB == 2) {
             _tile_stored(3, c, 64);
-            store_rows(c, valid - 16, y + 16 * out + 16, out);
+            store_rows(c, second, y + 16 * out + 16, out);
         }
     }
 }
 
+/* A thread's scratch memory, kept from call to call (the OpenMP threads live as long as the
+   process): grown where a call needs more, never freed. A malloc per call of these sizes (tens
+   to hundreds of KB) was an mmap and its page faults every time. */
+typedef struct {
+    void *data;
+    size_t bytes;
+} scratch_space;
+
+static __thread scratch_space tile_buffer, tail_buffer;
+
+static void *scratch(scratch_space *space, size_t bytes) {
+    if (space->bytes < bytes) {
+        free(space->data);
+        space->bytes = (bytes + 4095) & ~(size_t)4095;
+        space->data = aligned_alloc(64, space->bytes);
+        if (!space->data) space->bytes = 0;
+    }
+    return space->data;
+}
+
 /* Pairs [p0, p1) of output blocks (the last pair of an odd count is one block). */
-static void amx_pairs(const uint16_t *a, int64_t rows, int64_t padded, int64_t groups,
+static void amx_pairs(const uint16_t *x, const uint16_t *tail, int64_t rows, int64_t in,
                       const uint8_t *w, int64_t blocks, int64_t p0, int64_t p1, uint16_t *bufs,
                       float *c, uint16_t *y, int64_t out) {
+    const int64_t groups = in / INT4_GROUP, padded = (rows + 15) & ~(int64_t)15;
     const int64_t pair_tiles = 2 * groups, passes = (padded + 31) / 32;
     /* the next pair's tiles spread over this pair's passes and groups, rounded up */
     const int64_t per_group = (pair_tiles + passes * groups - 1) / (passes * groups);
@@ -163,14 +189,18 @@ static void amx_pairs(const uint16_t *a, int64_t rows, int64_t padded, int64_t g
         mk.next = 0;
         mk.total = p + 1 >= p1 ? 0 : (2 * (p + 1) + 1 < blocks ? 2 : 1) * groups;
         for (int64_t m0 = 0; m0 < padded; m0 += 32) {
-            const uint16_t *am = a + (m0 / 16) * groups * 512;
+            /* a row tile past the last whole one reads the padded copy of its rows */
+            const uint16_t *a0 = m0 + 16 <= rows ? x + m0 * in : tail;
+            const uint16_t *a1 = m0 + 32 <= rows ? x + (m0 + 16) * in : tail;
             uint16_t *ym = y + m0 * out + ob * 16;
-            const int64_t valid = rows - m0;
+            const int64_t valid = rows - m0, st = in * 2;
             const int mb = padded - m0 >= 32 ? 2 : 1;
-            if (mb == 2 && nb == 2) amx_block(2, 2, am, b, groups, c, valid, ym, out, &mk, per_group);
-            else if (mb == 2) amx_block(2, 1, am, b, groups, c, valid, ym, out, &mk, per_group);
-            else if (nb == 2) amx_block(1, 2, am, b, groups, c, valid, ym, out, &mk, per_group);
-            else amx_block(1, 1, am, b, groups, c, valid, ym, out, &mk, per_group);
+#define BLOCK(MB, NB) amx_block(MB, NB, a0, a1, st, b, groups, c, valid, ym, out, &mk, per_group)
+            if (mb == 2 && nb == 2) BLOCK(2, 2);
+            else if (mb == 2) BLOCK(2, 1);
+            else if (nb == 2) BLOCK(1, 2);
+            else BLOCK(1, 1);
+#undef BLOCK
         }
         make_tiles(&mk, mk.total); /* any left */
     }
@@ -202,38 +232,33 @@ int int4_matmul_amx(const uint16_t *x, int64_t rows, int64_t in, const uint8_t *
     if (in % INT4_GROUP || out % 16 || rows < 0 || !amx_kernels_ready()) return -1;
     if (rows == 0) return 0;
     const int64_t groups = in / INT4_GROUP, blocks = out / 16, pairs = (blocks + 1) / 2;
-    const int64_t padded = (rows + 15) & ~(int64_t)15;
-    /* x as A tiles, each 16 rows x 32 inputs contiguous (1 KB): [row tile][group][16][32],
-       the rows past `rows` zeros (their results are not stored) */
-    uint16_t *a = aligned_alloc(64, (size_t)(padded * in * 2));
-    if (!a) return -2;
-    for (int64_t m = 0; m < padded; m++)
-        for (int64_t g = 0; g < groups; g++) {
-            uint16_t *dst = a + ((m / 16) * groups + g) * 512 + (m % 16) * 32;
-            if (m < rows) memcpy(dst, x + m * in + g * 32, 64);
-            else memset(dst, 0, 64);
-        }
+    /* the rows past the last whole 16, padded with zeros to 16 (their results not stored) */
+    const int64_t whole = rows & ~(int64_t)15;
+    uint16_t *tail = NULL;
+    if (whole < rows) {
+        tail = scratch(&tail_buffer, (size_t)(16 * in * 2));
+        if (!tail) return -2;
+        memcpy(tail, x + whole * in, (size_t)((rows - whole) * in * 2));
+        memset(tail + (rows - whole) * in, 0, (size_t)((16 - rows + whole) * in * 2));
+    }
     int failed = 0;
     const int threads = pairs >= 2 && kernel_threads > 1 ? kernel_threads : 1;
 #pragma omp parallel num_threads(threads)
     {
-        /* two pairs' B tiles: the current pair's, and the next one's being made */
-        uint16_t *bufs = aligned_alloc(64, (size_t)(4 * groups * 1024));
-        float *c = aligned_alloc(64, 16 * 16 * sizeof(float));
-        if (!bufs || !c) {
+        /* two pairs' B tiles: the current pair's, and the next one's being made; then a C tile */
+        uint16_t *bufs = scratch(&tile_buffer, (size_t)(4 * groups * 1024 + 1024));
+        if (!bufs) {
 #pragma omp atomic write
             failed = 1;
         } else {
             const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
             const int64_t p0 = pairs * me / team, p1 = pairs * (me + 1) / team;
             configure_tiles();
-            if (p0 < p1) amx_pairs(a, rows, padded, groups, w, blocks, p0, p1, bufs, c, y, out);
+            float *c = (float *)(bufs + 4 * groups * 512);
+            if (p0 < p1) amx_pairs(x, tail, rows, in, w, blocks, p0, p1, bufs, c, y, out);
             _tile_release();
         }
-        free(bufs);
-        free(c);
     }
-    free(a);
     return failed ? -2 : 0;
 #endif
 }

@@ -89,8 +89,13 @@ class CpuKernels:
         self._norm = library.add_rms_norm_bf16
         self._norm.argtypes = [_P, _P, _P, _I, _I, _F, _P]
         self._norm.restype = None
+        # absent from libraries built from older sources, as silu_mul
+        self._norm_f32 = getattr(library, "add_rms_norm_f32", None)
+        if self._norm_f32 is not None:
+            self._norm_f32.argtypes = [_P, _P, _P, _I, _I, _F, _P]
+            self._norm_f32.restype = None
         self._rope = library.rope_store_bf16
-        self._rope.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P]
+        self._rope.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P]
         self._rope.restype = None
         self._attend = library.decode_attention_bf16
         self._attend.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P]
@@ -134,15 +139,20 @@ class CpuKernels:
 
     def add_rms_norm(
         self,
-        x: torch.Tensor,  # [rows, hidden], updated in place: x += delta
-        delta: torch.Tensor | None,  # [rows, hidden]
-        weight: torch.Tensor,  # [hidden]
+        x: torch.Tensor,  # [rows, hidden] bf16 or fp32 (the residual), updated: x += delta
+        delta: torch.Tensor | None,  # [rows, hidden] bf16
+        weight: torch.Tensor,  # [hidden] bf16
         eps: float,
-        out: torch.Tensor,  # [rows, hidden]: rms_norm(x) * weight
+        out: torch.Tensor,  # [rows, hidden] bf16: rms_norm(x) * weight
     ) -> None:
         rows, hidden = x.shape
         d = delta.data_ptr() if delta is not None else None
-        self._norm(x.data_ptr(), d, weight.data_ptr(), rows, hidden, eps, out.data_ptr())
+        norm = self._norm
+        if x.dtype == torch.float32:
+            if self._norm_f32 is None:
+                raise NotImplementedError("this kernel library has no fp32-residual norm")
+            norm = self._norm_f32
+        norm(x.data_ptr(), d, weight.data_ptr(), rows, hidden, eps, out.data_ptr())
 
     def silu_mul(
         self,
@@ -223,6 +233,7 @@ class CpuKernels:
         k_layer: int,  # data pointers of one layer's pool: [slots, kv_heads, dim]
         v_layer: int,
         kv_heads: int,
+        k_out: torch.Tensor | None = None,  # [n, kv_heads, dim]: the rotated keys here too
     ) -> None:
         n, heads, dim = q_out.shape
         self._rope(
@@ -238,6 +249,7 @@ class CpuKernels:
             q_out.data_ptr(),
             k_layer,
             v_layer,
+            k_out.data_ptr() if k_out is not None else None,
         )
 
     def decode_attention(

@@ -142,23 +142,38 @@ class LlamaModel:
         q_size, kv_size = cfg.q_size, cfg.kv_size
         qk_heads = cfg.num_heads + cfg.num_kv_heads
         eps = cfg.rms_norm_eps
-        cos, sin = self.rope.lookup(positions)  # [tokens, 1, head_dim]
         x = w.embed[token_ids]  # x: [tokens, hidden], a fresh tensor
         kern = self.kernels  # bf16 on CPU: residual adds and norms fused, x updated in place
         if kern is not None:
             kern.set_threads(torch.get_num_threads())
-            h = torch.empty_like(x)  # the normed input of the next matmul
+            h = torch.empty_like(x)  # the normed input of the next matmul, bf16
+            x = x.float()  # the residual stream in fp32 (add_rms_norm_f32)
             kern.add_rms_norm(x, None, w.layers[0].attn_norm, eps, h)
+            # RoPE and the K/V store in one kernel (as a decode-only step's), the rotated q and
+            # k written here for attention: a fifth of a 128-token prompt's step went to
+            # torch's RoPE ops and index_copy_ before
+            q = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=h.dtype)
+            k = torch.empty(num_tokens, cfg.num_kv_heads, cfg.head_dim, dtype=h.dtype)
+            layer_bytes = pool.k.stride(0) * pool.k.element_size()
+        else:
+            cos, sin = self.rope.lookup(positions)  # [tokens, 1, head_dim]
         for layer_index, (layer, lin) in enumerate(zip(w.layers, self.linears, strict=True)):
             if kern is None:
                 h = rms_norm(x, layer.attn_norm, eps)
             qkv = lin.qkv(h)  # qkv: [tokens, (heads + 2 * kv_heads) * head_dim]
-            qk = qkv[:, : q_size + kv_size].view(num_tokens, qk_heads, cfg.head_dim)
-            qk = apply_rope(qk, cos, sin)  # qk: [tokens, heads + kv_heads, head_dim]
-            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [tokens, (kv_)heads, dim]
             v = qkv[:, q_size + kv_size :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            pool.k[layer_index].index_copy_(0, slots, k)
-            pool.v[layer_index].index_copy_(0, slots, v)
+            if kern is not None:
+                kern.rope_store(
+                    qkv, self.rope.cos, self.rope.sin, positions, slots, q,
+                    pool.k.data_ptr() + layer_index * layer_bytes,
+                    pool.v.data_ptr() + layer_index * layer_bytes, cfg.num_kv_heads, k_out=k,
+                )  # fmt: skip
+            else:
+                qk = qkv[:, : q_size + kv_size].view(num_tokens, qk_heads, cfg.head_dim)
+                qk = apply_rope(qk, cos, sin)  # qk: [tokens, heads + kv_heads, head_dim]
+                q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [tokens, (kv_)heads, dim]
+                pool.k[layer_index].index_copy_(0, slots, k)
+                pool.v[layer_index].index_copy_(0, slots, v)
             attn = attend(layer_index, q, k, v)  # [tokens, q_size]
             if kern is None:
                 x = x + lin.o(attn)
@@ -189,9 +204,9 @@ class LlamaModel:
         cfg, w, kern = self.config, self.weights, self.kernels
         assert kern is not None
         n, eps, kv_heads = token_ids.shape[0], cfg.rms_norm_eps, cfg.num_kv_heads
-        x = w.embed[token_ids]  # x: [n, hidden], a fresh tensor: updated in place below
-        h = torch.empty_like(x)  # the normed input of the next matmul
-        q = torch.empty(n, cfg.num_heads, cfg.head_dim, dtype=x.dtype)
+        h = w.embed[token_ids]  # [n, hidden] bf16, a fresh tensor: the next matmul's input
+        x = h.float()  # the residual stream in fp32 (add_rms_norm_f32), updated in place below
+        q = torch.empty(n, cfg.num_heads, cfg.head_dim, dtype=h.dtype)
         attn = torch.empty_like(q)
         tables = plan.decode_blocks.view(n, -1)  # [n, max_blocks]
         # one layer's K (or V) pool in bytes; pointers instead of per-layer views

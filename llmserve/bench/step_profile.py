@@ -3,6 +3,7 @@ norm and RoPE kernels, sampling (with the near-tie recompute), and the rest (Pyt
 kernels, the embedding, the attention plan), at each row count.
 
     python -m llmserve.bench.step_profile --rows 1,8,64 --context 256 --quantization auto
+    python -m llmserve.bench.step_profile --rows 64 --prefill 128   (a 128-token prompt too)
 
 Each part is timed where the real step calls it (the step is the worker's own `execute`, its
 callees wrapped by timers for the run), so the parts add up to the step, less the rest. Medians
@@ -102,9 +103,8 @@ def timed(timers: Timers) -> Iterator[None]:
             setattr(owner, name, fn)
 
 
-def profile(ours: Ours, rows: int, reps: int) -> tuple[float, dict[str, float]]:
+def profile(step: Callable[[], object], reps: int) -> tuple[float, dict[str, float]]:
     """(the step's median ms untimed, median ms per part timed)."""
-    step = ours.decode(rows)
     for _ in range(2):
         step()
     plain, parts = [], defaultdict(list)
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantization", default="auto", help="none, int8, int4, auto")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--prefill", type=int, default=0, help="a prompt of this many tokens too")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -146,10 +147,16 @@ def main(argv: list[str] | None = None) -> None:
         f"{' '.join(sorted(host_features().flags))}"
     )
     print(f"{'rows':>5} {'step ms':>8} {'timed':>8}  " + " ".join(f"{p:>18}" for p in PARTS))
-    for n in rows:
-        plain, ms = profile(ours, n, args.reps)
+    steps = [(str(n), ours.decode(n)) for n in rows]
+    if args.prefill:
+        prompt = torch.randint(
+            0, config.vocab_size, (args.prefill,), generator=torch.Generator().manual_seed(0)
+        ).tolist()
+        steps.append((f"p{args.prefill}", ours.prefill(prompt)))
+    for name, step in steps:
+        plain, ms = profile(step, args.reps)
         cells = " ".join(f"{ms[p]:>11.1f} ({ms[p] / ms['step']:>4.0%})" for p in PARTS)
-        print(f"{n:>5} {plain:>8.1f} {ms['step']:>8.1f} {cells}")
+        print(f"{name:>5} {plain:>8.1f} {ms['step']:>8.1f} {cells}")
 
 
 if __name__ == "__main__":
