@@ -157,7 +157,14 @@ def test_rope_store_matches_apply_rope_and_writes_kv_to_its_slots() -> None:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
 @pytest.mark.parametrize(
-    "lengths", [[1, 13, 37], [1, 16, 17, 33, 40, 31], [40, 1, 2, 3, 5, 39, 1, 2]]
+    "lengths",
+    [
+        [1, 13, 37],
+        [1, 16, 17, 33, 40, 31],
+        [40, 1, 2, 3, 5, 39, 1, 2],
+        [40, 1, 2, 3, 5, 39, 1, 2, 17, 16, 33, 1, 9, 40, 2, 6, 21, 3],
+        [38],
+    ],
 )
 def test_decode_attention_matches_fp32_attention(
     heads: int, kv_heads: int, dim: int, threads: int, lengths: list[int]
@@ -165,8 +172,8 @@ def test_decode_attention_matches_fp32_attention(
     """Scattered, out-of-order blocks, different lengths per request (one ends mid-block);
     single-threaded and split over OpenMP threads; three requests (a task per KV head) and six
     (a task per request), lengths on both sides of the 16 positions the kernel reads ahead;
-    eight of very different lengths (the threads' shares of positions: one long request against
-    many short ones)."""
+    eight and eighteen of very different lengths (the threads' fixed shares of positions: long
+    requests against many short ones); the three tasks of one request are taken one at a time."""
     assert KERNELS is not None
     KERNELS.set_threads(threads)
     block_size = 4

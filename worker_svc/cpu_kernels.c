@@ -465,6 +465,12 @@ void rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *s
     }
 }
 
+/* The fewest tasks (requests, or a few requests' KV heads) that attention shares out in fixed
+   runs per thread; below, the threads take them one at a time. */
+#ifndef SHARED_TASKS
+#define SHARED_TASKS 4
+#endif
+
 /* The first task of thread `part` of `parts` (part == parts: the end): tasks are
    `split` per request, each costing its request's length; a part's tasks start at the first
    whose preceding cost reaches part / parts of the total. */
@@ -511,15 +517,22 @@ static inline __attribute__((always_inline)) int attend(
         longest = lengths[r] > longest ? lengths[r] : longest;
     }
     int failed = 0;
-    /* each thread takes one run of tasks, with an even share of the positions (a request's KV
-       read is its cost), so that it knows its next task and asks for that task's first rows
-       while it finishes this one (dynamic scheduling: each task started on rows not yet asked
-       for, twice, for K and for V) */
+    /* With many tasks each thread takes one run of them, with an even share of the positions (a
+       request's KV read is its cost), so that it knows its next task and asks for that task's
+       first rows while it finishes this one (dynamic scheduling: each task started on rows not
+       yet asked for, twice, for K and for V). With few, the threads take the next task left as
+       they come free (dynamic): a fixed share would leave the whole step waiting on a thread that
+       the gateway or the scheduler has preempted, and a few tasks cannot be shared evenly. */
+    const int shared = tasks >= SHARED_TASKS;
+    int64_t taken = 0; /* dynamic: the tasks handed out so far */
 #pragma omp parallel if (tasks >= 2) num_threads(kernel_threads)
     {
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t lo = task_share(lengths, split, tasks, total * split, me, threads);
-        const int64_t hi = task_share(lengths, split, tasks, total * split, me + 1, threads);
+        const int64_t lo = shared ? task_share(lengths, split, tasks, total * split, me, threads)
+                                  : 0;
+        const int64_t hi = shared ? task_share(lengths, split, tasks, total * split, me + 1,
+                                               threads)
+                                  : tasks;
         /* the positions' pool offsets: [longest] int64; then scores: [task_heads, len] fp32;
            qf, acc: [task_heads, dim]; then room for the probabilities in bf16:
            [task_heads, len] (rounded up to whole floats) */
@@ -530,7 +543,9 @@ static inline __attribute__((always_inline)) int attend(
 #pragma omp atomic write
             failed = 1;
         }
-        for (int64_t task = lo; off && task < hi; task++) {
+        for (int64_t next = lo; off;) {
+            const int64_t task = shared ? next++ : __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
+            if (task >= hi) break;
             const int64_t r = task / split, g0 = (task % split) * task_kv;
             const int64_t len = lengths[r];
             const int64_t *table = tables + r * max_blocks;
@@ -552,7 +567,7 @@ static inline __attribute__((always_inline)) int attend(
                 const int early = len * task_kv * dim * 2 <= EARLY_VALUE_BYTES;
                 first = qk_scores_bf16_64(qr, k_pool + g0 * dim, early ? v_pool + g0 * dim : NULL,
                                           off, len, task_kv, group, scale, scores, mx);
-                if (task + 1 < hi) /* the next task's first key rows, during this one's P @ V */
+                if (shared && task + 1 < hi) /* the next task's first keys, during this P @ V */
                     prefetch_first_rows(k_pool, tables + (task + 1) / split * max_blocks,
                                         lengths[(task + 1) / split], block_size, pos_stride,
                                         ((task + 1) % split) * task_kv * dim, task_kv * dim);
