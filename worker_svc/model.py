@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,11 @@ class LlamaModel:
         kv_of_head = torch.arange(config.num_heads) // groups  # [heads]
         self.head_of_query = kv_of_head.view(1, config.num_heads, 1, 1)
         self.kernels = cpu_kernels.load() if use_kernels and dtype == torch.bfloat16 else None
+        # the fused kernels' residual stream: fp32 (next-token KL to an fp32 run half of a bf16
+        # residual's on SmolLM2, docs/figures.md); LLMSERVE_RESIDUAL=bf16 keeps it bf16, as
+        # before (for comparison: llmserve.bench.quant_accuracy --reference fp32)
+        bf16 = os.environ.get("LLMSERVE_RESIDUAL", "fp32") == "bf16"
+        self.residual_dtype = torch.bfloat16 if bf16 else torch.float32
         self.attention_choice = requested_backend()  # auto: Triton on CUDA, torch on CPU
 
     def make_linears(self, pack: bool) -> tuple[list[LayerLinears], Linear | QuantizedLinear]:
@@ -147,7 +153,7 @@ class LlamaModel:
         if kern is not None:
             kern.set_threads(torch.get_num_threads())
             h = torch.empty_like(x)  # the normed input of the next matmul, bf16
-            x = x.float()  # the residual stream in fp32 (add_rms_norm_f32)
+            x = x.to(self.residual_dtype)  # the residual stream, fp32 (add_rms_norm_f32)
             kern.add_rms_norm(x, None, w.layers[0].attn_norm, eps, h)
             # RoPE and the K/V store in one kernel (as a decode-only step's), the rotated q and
             # k written here for attention: a fifth of a 128-token prompt's step went to
@@ -205,7 +211,7 @@ class LlamaModel:
         assert kern is not None
         n, eps, kv_heads = token_ids.shape[0], cfg.rms_norm_eps, cfg.num_kv_heads
         h = w.embed[token_ids]  # [n, hidden] bf16, a fresh tensor: the next matmul's input
-        x = h.float()  # the residual stream in fp32 (add_rms_norm_f32), updated in place below
+        x = h.to(self.residual_dtype, copy=True)  # the residual stream, updated in place below
         q = torch.empty(n, cfg.num_heads, cfg.head_dim, dtype=h.dtype)
         attn = torch.empty_like(q)
         tables = plan.decode_blocks.view(n, -1)  # [n, max_blocks]

@@ -2,6 +2,8 @@
 unquantized (none) path on a fixed prompt set, and the demo's greedy answers.
 
 python -m llmserve.bench.quant_accuracy [--source smollm2] [--modes int8,int4,auto] [--tokens 24]
+python -m llmserve.bench.quant_accuracy --reference fp32 --modes auto   (every bf16 mode, none
+    too, against the file's values run in fp32; LLMSERVE_RESIDUAL=bf16 for the bf16 residual)
 
 Every position of every prompt is scored (teacher forcing: the prompt's own next token is fed,
 whatever a mode would pick), so the figures compare distributions, not diverging generations:
@@ -65,10 +67,12 @@ def chat_ids(tokenizer, question: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def make_runner(source: str, quantization: str, max_tokens: int = 512) -> ModelRunner:
+def make_runner(
+    source: str, quantization: str, max_tokens: int = 512, dtype: torch.dtype = torch.bfloat16
+) -> ModelRunner:
     """A runner whose quantized matrices serve every row count (the small steps' path)."""
-    config, weights = load_model(source, torch.bfloat16, quantization)
-    runner = ModelRunner(config, weights, -(-max_tokens // BLOCK), BLOCK, torch.bfloat16)
+    config, weights = load_model(source, dtype, quantization)
+    runner = ModelRunner(config, weights, -(-max_tokens // BLOCK), BLOCK, dtype)
     linears = quantized_linears(runner.model.linears)  # the layers'
     if isinstance(runner.model.lm_head, QuantizedLinear):
         linears.append(runner.model.lm_head)  # auto's int8 output matrix
@@ -112,15 +116,26 @@ def main() -> None:
     parser.add_argument("--source", default="smollm2")
     parser.add_argument("--modes", default="int8,int4,auto")
     parser.add_argument("--tokens", type=int, default=24, help="greedy tokens per question")
+    parser.add_argument(
+        "--reference", default="none", choices=("none", "fp32"),
+        help="none: the bf16 unquantized path; fp32: the file's values run in fp32",
+    )  # fmt: skip
     args = parser.parse_args()
     tokenizer = load_default_tokenizer()
     prompts = prompt_set(tokenizer)
     modes = ["none", *args.modes.split(",")]
     runners = {mode: make_runner(args.source, mode) for mode in modes}
-    reference = next_token_logits(runners["none"], prompts)
-    print(f"{args.source}: {reference.shape[0]} positions in {len(prompts)} prompts")
+    if args.reference == "fp32":
+        reference = next_token_logits(
+            make_runner(args.source, "none", dtype=torch.float32), prompts
+        )
+        scored = modes
+    else:
+        reference, scored = next_token_logits(runners["none"], prompts), modes[1:]
+    print(f"{args.source}: {reference.shape[0]} positions in {len(prompts)} prompts, against "
+          f"{args.reference}")  # fmt: skip
     print(f"{'mode':<6}{'top-1':>8}{'mean KL':>10}{'max KL':>9}")
-    for mode in modes[1:]:
+    for mode in scored:
         a = agreement(reference, next_token_logits(runners[mode], prompts))
         print(f"{mode:<6}{a.top1:>8.3f}{a.mean_kl:>10.4f}{a.max_kl:>9.3f}")
     stop = (tokenizer.eos_token_id,)
