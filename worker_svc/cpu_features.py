@@ -62,8 +62,14 @@ AMX_INT4_MAX_ROWS = 256
 OUTPUT_INT8_MAX_ROWS = 4
 # The same for this project's own int8 kernel (blocked_matmul.py): on avx512_bf16 it beats
 # oneDNN's bf16 up to 6 rows on one thread (ties at 6) and to 8 on two; 6 keeps a one-stream
-# step with a draft of 5 on it. On amx, torch's figure (not measured for this kernel).
-BLOCKED_OUTPUT_INT8_MAX_ROWS: dict[str, int] = {"amx": 4, "avx512_bf16": 6}
+# step with a draft of 5 on it. On amx (the Intel Xeon, 2 threads, SmolLM2's steps at 200
+# positions: `llmserve.bench.step_profile` with the table patched): level at one row (the int8
+# matrix reads 28 MB less, and the layers' weights stay in cache: 7.4 against 7.4 ms), but
+# oneDNN's bf16 ahead from 2 rows (8.5 against 9.3 ms at 2, 10.9 against 12.9 at 4; the matrix
+# alone, hot: 1.3 ms bf16 from 1 to 8 rows, int8 2.0 at 1, 2.7 at 4): hence 1. Greedy picks
+# the same token either way: the logits near each row's maximum are recomputed from the bf16
+# matrix (near_ties.py).
+BLOCKED_OUTPUT_INT8_MAX_ROWS: dict[str, int] = {"amx": 1, "avx512_bf16": 6}
 
 # The tiers on which `llmserve up`, where its workers take every core, runs a worker's steps of a
 # few rows on one thread fewer (--small-step-threads -1). None: with the model loaded and its
