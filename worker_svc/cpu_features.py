@@ -45,11 +45,12 @@ BLOCKED_INT4_MAX_ROWS: dict[str, int] = {"amx": 8, "avx512_bf16": 32}
 # the process may use the tiles): the blocked AVX-512 kernel below AMX_INT4_FROM_ROWS rows (each
 # row computed alone: a draft's rows equal a plain decode's up to 8 rows, as before on amx),
 # AMX tiles from there up to AMX_INT4_MAX_ROWS, oneDNN's bf16 on the dense copy above. On the
-# Intel Xeon (SmolLM2's 30 layers' matrices, weights not in cache) the tiles against oneDNN's
-# bf16 were, on 2 threads, 1.7-2.0x at 8-32 rows, 1.5x at 64 and 128, 1.1x at 256 and 1.1-1.2x
-# at 512-1024; on 1 thread 1.9x at 9 rows, 1.6x at 64, 1.1x at 128, 0.92x at 256, 0.85x at 512.
-# 256 keeps every size at least level on 2 threads and within 8% on one; the dense copy serves
-# the long prompt chunks above (docs/figures.md, "The AMX int4 kernel").
+# Intel Xeon (SmolLM2's 30 layers' matrices, weights not in cache: llmserve.bench.layer_matmuls)
+# the tiles against oneDNN's bf16 were, on 2 threads, 2.1-2.3x at 1-32 rows, 1.7x at 64, 1.6x
+# at 128, 1.1x at 256 and 1.0-1.2x at 512-1024; on 1 thread 2.2x at 9 rows, 1.7x at 64, 1.3x at
+# 128, 0.97x at 256, 0.88x at 512. 256 keeps every size at least level on 2 threads and within
+# 3% on one; the dense copy serves the long prompt chunks above (docs/figures.md, "The AMX int4
+# kernel's rows").
 AMX_INT4_FROM_ROWS = 9
 AMX_INT4_MAX_ROWS = 256
 
