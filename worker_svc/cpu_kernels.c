@@ -330,49 +330,60 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t rows, int64_t inter, uint16_
     }
 }
 
+/* One row of the fused residual add and RMSNorm: x += delta (if delta), then h = x / rms(x) *
+   weight rounded to bf16. The residual x is bf16 (F32 0: the sum rounded to bf16, as torch's
+   bf16 add) or fp32 (F32 1: kept unrounded). A constant F32 in each caller. */
+static inline __attribute__((always_inline)) void add_rms_norm_row(
+    const int F32, void *x, const uint16_t *dr, const uint16_t *weight, int64_t hidden, float eps,
+    uint16_t *hr) {
+    uint16_t *xb = x;
+    float *xf = x;
+    float sum = 0.f;
+    int64_t i = 0;
+#ifdef HAVE_AVX512_BF16
+    __m512 squares = _mm512_setzero_ps();
+    for (; i + 16 <= hidden; i += 16) {
+        __m512 v = F32 ? _mm512_loadu_ps(xf + i) : load_bf16x16(xb + i);
+        if (dr) {
+            v = _mm512_add_ps(v, load_bf16x16(dr + i));
+            if (F32) {
+                _mm512_storeu_ps(xf + i, v);
+            } else {
+                _mm256_storeu_si256((__m256i *)(xb + i), f2bf16(v));
+                v = load_bf16x16(xb + i);
+            }
+        }
+        squares = _mm512_fmadd_ps(v, v, squares);
+    }
+    sum = _mm512_reduce_add_ps(squares);
+#endif
+    for (; i < hidden; i++) {
+        if (dr && F32) xf[i] += bf2f(dr[i]);
+        if (dr && !F32) xb[i] = f2bf(bf2f(xb[i]) + bf2f(dr[i]));
+        const float v = F32 ? xf[i] : bf2f(xb[i]);
+        sum += v * v;
+    }
+    const float scale = 1.f / sqrtf(sum / (float)hidden + eps);
+    i = 0;
+#ifdef HAVE_AVX512_BF16
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    for (; i + 16 <= hidden; i += 16) {
+        const __m512 v = F32 ? _mm512_loadu_ps(xf + i) : load_bf16x16(xb + i);
+        _mm256_storeu_si256((__m256i *)(hr + i),
+                            f2bf16(_mm512_mul_ps(_mm512_mul_ps(v, scale_v), load_bf16x16(weight + i))));
+    }
+#endif
+    for (; i < hidden; i++) hr[i] = f2bf((F32 ? xf[i] : bf2f(xb[i])) * scale * bf2f(weight[i]));
+}
+
 /* x[r] += delta[r] (if delta), rounded to bf16; h[r] = x[r] / rms(x[r]) * weight.
-   x, delta, h: [rows, hidden]; weight: [hidden]. The SIMD path rounds every value as the scalar
-   one does; its sum of squares is in 16 lanes (fused multiply-adds), so the sum (and at most
-   rarely a last bit of h) may differ from the scalar order's. */
+   x, delta, h: [rows, hidden]; weight: [hidden]. */
 void add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weight, int64_t rows,
                        int64_t hidden, float eps, uint16_t *h) {
 #pragma omp parallel for schedule(static) if (rows >= 16) num_threads(kernel_threads)
-    for (int64_t r = 0; r < rows; r++) {
-        uint16_t *xr = x + r * hidden;
-        const uint16_t *dr = delta ? delta + r * hidden : NULL;
-        float sum = 0.f;
-        int64_t i = 0;
-#ifdef HAVE_AVX512_BF16
-        __m512 squares = _mm512_setzero_ps();
-        for (; i + 16 <= hidden; i += 16) {
-            __m512 v = load_bf16x16(xr + i);
-            if (dr) {
-                const __m256i s = f2bf16(_mm512_add_ps(v, load_bf16x16(dr + i)));
-                _mm256_storeu_si256((__m256i *)(xr + i), s);
-                v = load_bf16x16(xr + i);
-            }
-            squares = _mm512_fmadd_ps(v, v, squares);
-        }
-        sum = _mm512_reduce_add_ps(squares);
-#endif
-        for (; i < hidden; i++) {
-            if (dr) xr[i] = f2bf(bf2f(xr[i]) + bf2f(dr[i]));
-            const float v = bf2f(xr[i]);
-            sum += v * v;
-        }
-        const float scale = 1.f / sqrtf(sum / (float)hidden + eps);
-        uint16_t *hr = h + r * hidden;
-        i = 0;
-#ifdef HAVE_AVX512_BF16
-        const __m512 scale_v = _mm512_set1_ps(scale);
-        for (; i + 16 <= hidden; i += 16) {
-            const __m512 v = _mm512_mul_ps(_mm512_mul_ps(load_bf16x16(xr + i), scale_v),
-                                           load_bf16x16(weight + i));
-            _mm256_storeu_si256((__m256i *)(hr + i), f2bf16(v));
-        }
-#endif
-        for (; i < hidden; i++) hr[i] = f2bf(bf2f(xr[i]) * scale * bf2f(weight[i]));
-    }
+    for (int64_t r = 0; r < rows; r++)
+        add_rms_norm_row(0, x + r * hidden, delta ? delta + r * hidden : NULL, weight, hidden, eps,
+                         h + r * hidden);
 }
 
 /* add_rms_norm_bf16 with the residual stream x kept in fp32: x[r] += delta[r] (bf16), not
@@ -384,40 +395,9 @@ void add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weigh
 void add_rms_norm_f32(float *x, const uint16_t *delta, const uint16_t *weight, int64_t rows,
                       int64_t hidden, float eps, uint16_t *h) {
 #pragma omp parallel for schedule(static) if (rows >= 16) num_threads(kernel_threads)
-    for (int64_t r = 0; r < rows; r++) {
-        float *xr = x + r * hidden;
-        const uint16_t *dr = delta ? delta + r * hidden : NULL;
-        float sum = 0.f;
-        int64_t i = 0;
-#ifdef HAVE_AVX512_BF16
-        __m512 squares = _mm512_setzero_ps();
-        for (; i + 16 <= hidden; i += 16) {
-            __m512 v = _mm512_loadu_ps(xr + i);
-            if (dr) {
-                v = _mm512_add_ps(v, load_bf16x16(dr + i));
-                _mm512_storeu_ps(xr + i, v);
-            }
-            squares = _mm512_fmadd_ps(v, v, squares);
-        }
-        sum = _mm512_reduce_add_ps(squares);
-#endif
-        for (; i < hidden; i++) {
-            if (dr) xr[i] += bf2f(dr[i]);
-            sum += xr[i] * xr[i];
-        }
-        const float scale = 1.f / sqrtf(sum / (float)hidden + eps);
-        uint16_t *hr = h + r * hidden;
-        i = 0;
-#ifdef HAVE_AVX512_BF16
-        const __m512 scale_v = _mm512_set1_ps(scale);
-        for (; i + 16 <= hidden; i += 16) {
-            const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + i), scale_v),
-                                           load_bf16x16(weight + i));
-            _mm256_storeu_si256((__m256i *)(hr + i), f2bf16(v));
-        }
-#endif
-        for (; i < hidden; i++) hr[i] = f2bf(xr[i] * scale * bf2f(weight[i]));
-    }
+    for (int64_t r = 0; r < rows; r++)
+        add_rms_norm_row(1, x + r * hidden, delta ? delta + r * hidden : NULL, weight, hidden, eps,
+                         h + r * hidden);
 }
 
 /* Rotary embedding of q and k (HF rotate_half layout) and the K/V store into one layer's pool.

@@ -12,16 +12,13 @@ kernels: not timed here).
 from __future__ import annotations
 
 import argparse
-import ctypes
-import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
 
 from llmserve.bench.forward_timing import median_ms
-from llmserve.bench.kernels_vs import attention_pass
+from llmserve.bench.kernels_vs import attention_pass, built_kernels
 from worker_svc import cpu_kernels
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,16 +31,7 @@ def built(source: Path, workdir: Path, name: str) -> cpu_kernels.CpuKernels:
     )
     copy = workdir / f"{name}.c"
     copy.write_text(text + "\n")
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise SystemExit("no C compiler")
-    library = workdir / f"{name}.so"
-    command = [compiler, *cpu_kernels.FLAGS, *cpu_kernels.ARCH_FLAGS[0], "-o", str(library),
-               str(copy), "-lm"]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise SystemExit(f"building {source} failed: {done.stderr[-800:]}")
-    return cpu_kernels.CpuKernels(ctypes.CDLL(str(library)))
+    return built_kernels(copy, workdir / f"{name}.so", str(source))
 
 
 def small_kernels(rows: int, layers: int = 30):

@@ -50,15 +50,19 @@ def base_kernels(rev: str, workdir: Path) -> cpu_kernels.CpuKernels:
             (workdir / included.name).write_text(git_show(rev, f"worker_svc/{included.name}"))
         except SystemExit:
             pass  # not there at rev: nor is the #include
+    return built_kernels(source, workdir / "base.so", f"{rev}'s kernels")
+
+
+def built_kernels(source: Path, library: Path, what: str) -> cpu_kernels.CpuKernels:
+    """`source` compiled into `library` with this checkout's flags, loaded."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise SystemExit("no C compiler: the fused kernels cannot be built")
-    library = workdir / "base.so"
     command = [compiler, *cpu_kernels.FLAGS, *cpu_kernels.ARCH_FLAGS[0], "-o", str(library),
                str(source), "-lm"]  # fmt: skip
     built = subprocess.run(command, capture_output=True, text=True, check=False)
     if built.returncode:
-        raise SystemExit(f"building {rev}'s kernels failed: {built.stderr[-800:]}")
+        raise SystemExit(f"building {what} failed: {built.stderr[-800:]}")
     return cpu_kernels.CpuKernels(ctypes.CDLL(str(library)))
 
 
