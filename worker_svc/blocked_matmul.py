@@ -53,22 +53,16 @@ def usable(dtype: torch.dtype, out_features: int, in_features: int, group: int =
     return True
 
 
-def amx_allowed(kernels: cpu_kernels.CpuKernels | None) -> bool:
-    """Whether int4 matmuls of many rows run by the AMX kernel: built and granted (kernels.amx),
-    an amx-tier CPU, and not turned off (LLMSERVE_AMX_KERNELS=0)."""
-    return (
-        kernels is not None
-        and kernels.amx
-        and host_features().tier == "amx"
-        and os.environ.get("LLMSERVE_AMX_KERNELS", "1") != "0"
-    )
-
-
 def amx_usable() -> bool:
-    """amx_allowed for this process's kernels, where the blocked kernels run at all."""
-    return os.environ.get("LLMSERVE_BLOCKED_KERNELS", "1") != "0" and amx_allowed(
-        cpu_kernels.load()
-    )
+    """Whether int4 matmuls of many rows run by the AMX kernel here: the blocked kernels on,
+    the AMX one built and granted (kernels.amx), an amx-tier CPU, and not turned off
+    (LLMSERVE_AMX_KERNELS=0)."""
+    if os.environ.get("LLMSERVE_BLOCKED_KERNELS", "1") == "0":
+        return False
+    if os.environ.get("LLMSERVE_AMX_KERNELS", "1") == "0" or host_features().tier != "amx":
+        return False
+    kernels = cpu_kernels.load()
+    return kernels is not None and kernels.amx
 
 
 def int4_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

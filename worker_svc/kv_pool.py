@@ -49,6 +49,11 @@ class KvPool:
     def pool_bytes(self) -> int:
         return self.num_slots * self.bytes_per_position
 
+    def layer_pointers(self, layer: int) -> tuple[int, int]:
+        """Addresses of a layer's K and V (the fused C kernels take pointers, not views)."""
+        layer_bytes = self.k.stride(0) * self.k.element_size()
+        return self.k.data_ptr() + layer * layer_bytes, self.v.data_ptr() + layer * layer_bytes
+
     def blocks(self, layer: int, which: str) -> torch.Tensor:
         """A layer's K or V by block: [num_blocks, block_size * kv_heads * head_dim]."""
         pool = self.k if which == "k" else self.v

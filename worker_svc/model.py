@@ -161,7 +161,6 @@ class LlamaModel:
             # torch's RoPE ops and index_copy_ before
             q = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=h.dtype)
             k = torch.empty(num_tokens, cfg.num_kv_heads, cfg.head_dim, dtype=h.dtype)
-            layer_bytes = pool.k.stride(0) * pool.k.element_size()
         else:
             cos, sin = self.rope.lookup(positions)  # [tokens, 1, head_dim]
         for layer_index, (layer, lin) in enumerate(zip(w.layers, self.linears, strict=True)):
@@ -172,8 +171,7 @@ class LlamaModel:
             if kern is not None:
                 kern.rope_store(
                     qkv, self.rope.cos, self.rope.sin, positions, slots, q,
-                    pool.k.data_ptr() + layer_index * layer_bytes,
-                    pool.v.data_ptr() + layer_index * layer_bytes, cfg.num_kv_heads, k_out=k,
+                    *pool.layer_pointers(layer_index), cfg.num_kv_heads, k_out=k,
                 )  # fmt: skip
             else:
                 qk = qkv[:, : q_size + kv_size].view(num_tokens, qk_heads, cfg.head_dim)
@@ -217,15 +215,12 @@ class LlamaModel:
         attn = torch.empty_like(q)
         tables = plan.decode_blocks.view(n, -1)  # [n, max_blocks]
         # one layer's K (or V) pool in bytes; pointers instead of per-layer views
-        layer_bytes = pool.k.stride(0) * pool.k.element_size()
-        k_base, v_base = pool.k.data_ptr(), pool.v.data_ptr()
         scale = cfg.head_dim**-0.5
         cos, sin = self.rope.cos, self.rope.sin  # whole tables: the kernel indexes positions
         kern.set_threads(torch.get_num_threads())  # as many as the matmuls use
         kern.add_rms_norm(x, None, w.layers[0].attn_norm, eps, h)
         for layer_index, lin in enumerate(self.linears):
-            k_layer = k_base + layer_index * layer_bytes
-            v_layer = v_base + layer_index * layer_bytes
+            k_layer, v_layer = pool.layer_pointers(layer_index)
             qkv = lin.qkv(h)  # [n, (heads + 2 * kv_heads) * head_dim]
             kern.rope_store(qkv, cos, sin, positions, slots, q, k_layer, v_layer, kv_heads)
             kern.decode_attention(
@@ -322,11 +317,10 @@ class LlamaModel:
         than its decodes and its chunk apart (docs/figures.md)."""
         assert self.kernels is not None
         cfg = self.config
-        layer_bytes = pool.k.stride(0) * pool.k.element_size()  # run_layers set the threads
+        k_layer, v_layer = pool.layer_pointers(layer_index)  # run_layers set the threads
         self.kernels.decode_attention(
-            q, pool.k.data_ptr() + layer_index * layer_bytes,
-            pool.v.data_ptr() + layer_index * layer_bytes, plan.decode_blocks.view(q.shape[0], -1),
-            plan.decode_lengths, pool.block_size, cfg.num_kv_heads, cfg.head_dim**-0.5, out,
+            q, k_layer, v_layer, plan.decode_blocks.view(q.shape[0], -1), plan.decode_lengths,
+            pool.block_size, cfg.num_kv_heads, cfg.head_dim**-0.5, out,
         )  # fmt: skip
 
     def paged_attention(
