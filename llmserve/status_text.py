@@ -73,7 +73,13 @@ def decode_steps_text(s: dict) -> str:
     runs = s.get("decode_steps", 1)
     if runs <= 1:
         return ""
-    return f"  decode steps up to {runs} per step ({s.get('run_steps', 0)} such steps)"
+    line = f"  decode steps up to {runs} per step ({s.get('run_steps', 0)} such steps)"
+    if s.get("decode_runs", "fixed") == "auto":
+        line += (
+            f", auto: loop {s.get('loop_overhead_ms', 0.0):.2f} ms a step beside the forward,"
+            f" {s.get('arrivals_per_s', 0.0):.1f} arrivals/s"
+        )
+    return line
 
 
 def speculative_text(s: dict) -> str:

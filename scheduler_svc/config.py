@@ -36,6 +36,13 @@ class Speculative(StrEnum):
     NGRAM_SUFFIX = "ngram+suffix"  # prompt lookup; the suffix index where it finds nothing
 
 
+class DecodeRuns(StrEnum):
+    """When a decode-only step runs several executions (--decode-steps at most)."""
+
+    AUTO = "auto"  # where the loop's measured time outside the forward outweighs the arrivals held
+    FIXED = "fixed"  # always --decode-steps (the remaining lengths and the run limit allowing)
+
+
 class DraftLength(StrEnum):
     FIXED = "fixed"  # --num-speculative-tokens whenever the proposal is that long
     AUTO = "auto"  # per step, what maximises expected tokens per predicted second
@@ -74,12 +81,19 @@ class CoreConfig:
         "chunk after short decode steps); 1 = every step within the budget",
     )
     decode_steps: int = setting(
-        1,
-        "executions a worker runs in one step when its batch only decodes and no request "
-        "waits: each feeds the token it sampled to the next, and their tokens come back "
-        "together (less scheduling and messaging per token; a request arriving meanwhile "
-        "waits up to that many executions more; requests asking for logprobs or structured "
-        "output run one per step); 1 = one execution per step",
+        8,
+        "the most executions a worker runs in one step when its batch only decodes and no "
+        "request waits: each feeds the token it sampled to the next, and their tokens come "
+        "back together (less scheduling and messaging per token; a request arriving meanwhile "
+        "waits for the run's end; requests asking for logprobs or structured output run one "
+        "per step); how many, --decode-runs; 1 = one execution per step",
+    )
+    decode_runs: DecodeRuns = setting(
+        DecodeRuns.AUTO,
+        "decode runs' length: auto (as long as the loop's measured time outside the forward, "
+        "saved for every row, outweighs the arrivals the run holds back, by the worker's "
+        "step-time model and the recent arrival rate; none where the loop costs nothing "
+        "beside the forward), fixed (always --decode-steps)",
     )
 
     queue_policy: QueuePolicy = setting(
@@ -140,6 +154,7 @@ class CoreConfig:
             )
         object.__setattr__(self, "speculative", Speculative(self.speculative))
         object.__setattr__(self, "speculative_length", DraftLength(self.speculative_length))
+        object.__setattr__(self, "decode_runs", DecodeRuns(self.decode_runs))
         object.__setattr__(self, "policy", KvPolicy(self.policy))
         object.__setattr__(self, "mode", BatchMode(self.mode))
         object.__setattr__(self, "queue_policy", QueuePolicy(self.queue_policy))

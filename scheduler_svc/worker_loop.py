@@ -252,6 +252,8 @@ class WorkerLoop:
         if step.has_work:
             slot = now - max(sent, self.last_result)  # this step's share of the wall time
             host.times.add(slot, result.forward_seconds, now - started, step.repeat)
+            if not result.error:  # the loop's time outside the forward (--decode-runs auto)
+                self.core.workers[self.index].overhead.observe(slot, result.forward_seconds)
             if host.on_step is not None:  # once per execution
                 for _ in range(step.repeat):
                     host.on_step(self.index, step, result.forward_seconds / step.repeat)

@@ -9,6 +9,7 @@ from scheduler_svc.config import MAX_TIME_WINDOW, WorkerSpec
 from scheduler_svc.kv import KvManager
 from scheduler_svc.kv_records import KvRecords
 from scheduler_svc.output import WorkerKv
+from scheduler_svc.run_rule import LoopOverhead
 from scheduler_svc.sequence import Sequence
 
 
@@ -31,6 +32,7 @@ class WorkerState:
         self.gone = False  # left the stack; its index stays taken
         self.batch_closed = False  # static mode: the batch has started (a step planned for it)
         self.steps = 0
+        self.overhead = LoopOverhead()  # its loop's period outside the forward (--decode-runs)
         # the predicted seconds of its last planned steps (--step-time-window), newest last
         self.planned_s: deque[float] = deque(maxlen=MAX_TIME_WINDOW)
         self.stalls: Counter[str] = Counter()

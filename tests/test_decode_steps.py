@@ -26,6 +26,7 @@ def make(capacity: int = 24, block_size: int = 1, step_s: float = 0.001, **cfg) 
     """The seed's worker: KV capacity 24 positions, token budget 8; each execution predicted
     to take `step_s`."""
     cfg.setdefault("token_budget", 8)
+    cfg.setdefault("decode_runs", "fixed")  # the length asked for (auto: test_decode_runs_auto)
     spec = WorkerSpec("w0", capacity // block_size, block_size, 4096)
     return Recording(CoreConfig(**cfg), [spec], predict=lambda worker, shape: step_s)
 
@@ -171,7 +172,8 @@ def test_random_workloads_through_the_worker_session_match_one_execution_per_ste
     results = []
     for runs in (1, 3, 8):
         core = Scheduler(
-            CoreConfig(token_budget=16, max_running=4, policy=policy, decode_steps=runs),
+            CoreConfig(token_budget=16, max_running=4, policy=policy, decode_steps=runs,
+                       decode_runs="fixed"),
             [WorkerSpec("w0", 10, 4, 64), WorkerSpec("w1", 12, 4, 64)],
         )
         reqs = [seq(f"r{i}", p, m) for i, (p, m) in enumerate(specs)]
@@ -329,7 +331,7 @@ def test_each_worker_bounds_its_runs_by_its_own_model() -> None:
     at 10 ms (runs of 8, the setting): one request on each."""
     speeds = {0: 0.03, 1: 0.01}
     core = Recording(
-        CoreConfig(token_budget=8, decode_steps=8),
+        CoreConfig(token_budget=8, decode_steps=8, decode_runs="fixed"),
         [WorkerSpec("w0", 24, 1, 4096), WorkerSpec("w1", 24, 1, 4096)],
         predict=lambda worker, shape: speeds[worker],
     )

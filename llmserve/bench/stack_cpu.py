@@ -48,6 +48,7 @@ class Config:
     threads: int
     small_step_threads: int = -1  # the stack's --small-step-threads
     decode_steps: int = 1  # the scheduler's --decode-steps
+    decode_runs: str = "auto"  # the scheduler's --decode-runs (a checkout without it: fixed)
 
 
 @dataclass(slots=True)
@@ -232,7 +233,7 @@ def child(config: Config, rev: str, log_dir: Path) -> Row:
         workers=1,
         threads=config.threads,
         small_step_threads=config.small_step_threads,
-        **({"decode_steps": config.decode_steps} if config.decode_steps != 1 else {}),
+        **known(StackSettings, decode_steps=config.decode_steps, decode_runs=config.decode_runs),
         token_budget=max(256, c * 2),
         max_running=c,
         kv_capacity=max(4096, c * 16 * -(-(config.prompt_tokens + config.max_tokens + 32) // 16)),
@@ -249,13 +250,16 @@ def child(config: Config, rev: str, log_dir: Path) -> Row:
         return loop.run_until_complete(measure(config, settings, pids, rev))
 
 
+def known(settings: type, **fields) -> dict:
+    """The fields a checkout's settings have (an older one lacks the newer settings)."""
+    return {k: v for k, v in fields.items() if k in settings.__dataclass_fields__}
+
+
 def run_child(config: Config, rev: str, root: Path, out: Path) -> Row:
     log_dir = out / f"{rev.replace(' ', '-')}-{config.model}-{config.concurrency}-{config.api}"
     fields = asdict(config)
     if fields["small_step_threads"] == -1:  # the default: a checkout from before it knows none
         del fields["small_step_threads"]
-    if fields["decode_steps"] == 1:
-        del fields["decode_steps"]
     command = [sys.executable, str(HERE), "--child", json.dumps(fields), rev, str(log_dir)]
     env = {**os.environ, "PYTHONPATH": str(root)}
     for attempt in (1, 2):
@@ -321,14 +325,17 @@ def main() -> int:
         "--small-step-threads", default="-1", help="the stack's, comma-separated: one run each"
     )
     p.add_argument(
-        "--decode-steps", default="1", help="the scheduler's, comma-separated: one run each"
+        "--decode-steps",
+        default="1",
+        help="the scheduler's, comma-separated: one run each; K runs --decode-runs auto, Kf "
+        "fixed (e.g. 1,8,8f)",
     )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("results/stack_cpu"))
     args = p.parse_args()
     roots = {"new": args.new.resolve()} | ({"base": args.base.resolve()} if args.base else {})
     smalls = [int(v) for v in args.small_step_threads.split(",")]
-    runs_per_step = [int(v) for v in args.decode_steps.split(",")]
+    runs_per_step = args.decode_steps.split(",")
     revs = {  # the variants run: a checkout, with one --small-step-threads and --decode-steps
         " ".join(
             [rev]
@@ -347,7 +354,8 @@ def main() -> int:
         for _ in range(args.repeats):
             for rev, (root, small, d) in reversed(revs.items()):  # base first, then new
                 config = Config(model, conc, api, args.window, args.prompt_tokens,
-                                args.max_tokens, args.threads, small, d)  # fmt: skip
+                                args.max_tokens, args.threads, small, int(d.rstrip("f")),
+                                "fixed" if d.endswith("f") else "auto")  # fmt: skip
                 row = run_child(config, rev, root, args.out.resolve())
                 runs[rev].append(row)
                 print(f"  {rev} {model} {api} c={conc}: {row.tok_s:.1f} tok/s, "

@@ -3,8 +3,10 @@ decodes when nothing waits (--decode-steps)."""
 
 from __future__ import annotations
 
+from scheduler_svc.config import DecodeRuns
 from scheduler_svc.core.state import CoreState
 from scheduler_svc.output import Event, Outputs, StepTokens
+from scheduler_svc.run_rule import worthwhile_runs
 from scheduler_svc.sequence import Finish, SeqStatus, Sequence
 from scheduler_svc.step import Step
 from scheduler_svc.step_cost import step_shape
@@ -94,9 +96,20 @@ class Runs(CoreState):
         elif len(seq.output_ids) >= seq.output_limit:
             finishes.append(self._finish(seq, Finish.LENGTH))
 
+    def loop_overhead_s(self) -> float:
+        """The live workers' mean loop time outside the forward, per step (0: none seen)."""
+        seen = [w.overhead.seconds for w in self.workers if w.live and w.overhead.observed]
+        return sum(seen) / len(seen) if seen else 0.0
+
+    def _arrivals_here(self) -> float:
+        """A worker's share of the recent arrival rate: new requests go to any live worker."""
+        live = sum(1 for w in self.workers if w.live) or 1
+        return self.arrivals.per_second(self.clock()) / live
+
     def _lengthen(self, ws: WorkerState, step: Step) -> None:
         """Nothing waits and the step only decodes: run its decodes up to --decode-steps times,
-        each execution feeding the next the token it sampled. As many as every request may
+        each execution feeding the next the token it sampled; under --decode-runs auto only as
+        many as pay for the arrivals they hold back (run_rule.py). As many as every request may
         still sample (its length, its context) and hold KV for without preempting anyone; a
         request whose tokens are taken one at a time (logprobs, a grammar) keeps the step
         at one execution. A run is predicted to last at most RUN_LIMIT_S: where one execution
@@ -116,6 +129,12 @@ class Runs(CoreState):
         one = self.predict(ws.index, step_shape(step))  # an execution, as the worker's model says
         if one > 0:
             runs = min(runs, max(1, int(RUN_LIMIT_S / one)))
+            if runs < 2:
+                return
+        if self.config.decode_runs is DecodeRuns.AUTO:
+            runs = worthwhile_runs(
+                len(decodes), one, ws.overhead.seconds, self._arrivals_here(), runs
+            )
             if runs < 2:
                 return
         granted = {handle: i for i, (handle, _) in enumerate(step.grants)}

@@ -39,7 +39,9 @@ class Scheduler(Membership, Admission, Planning, Drafts, Runs, Failures):
                 RefusalReason.DUPLICATE, f"request id {seq.request_id!r} is already in flight"
             )
         self._check_can_ever_run(seq)
-        seq.status, seq.arrival = SeqStatus.WAITING, seq.arrival or self.clock()
+        now = self.clock()
+        seq.status, seq.arrival = SeqStatus.WAITING, seq.arrival or now
+        self.arrivals.add(now)
         self.seqs[seq.request_id] = seq
         self.stop_ids |= seq.stop_ids
         seq.stepwise = _stepwise(seq.sampling)

@@ -12,6 +12,7 @@ from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.kv_records import KvRecords
 from scheduler_svc.output import Event
 from scheduler_svc.reasons import StallReason
+from scheduler_svc.run_rule import ArrivalRate
 from scheduler_svc.request_queue import RequestQueue, create_request_queue
 from scheduler_svc.sequence import NO_HANDLE, Finish, SeqStatus, Sequence
 from scheduler_svc.speculation.proposer import Proposer
@@ -62,6 +63,7 @@ class CoreState:
         self.setting_changes: Counter[str] = Counter()  # live changes applied, by setting
         self.longest_run = 1  # the most executions a step has been planned with (--decode-steps)
         self.run_steps = 0  # steps planned with several executions
+        self.arrivals = ArrivalRate()  # requests added per second, recently (--decode-runs auto)
         # speculative decoding (--speculative): the proposer, and vLLM's counters of the drafts
         self.proposer = Proposer.of(config)
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
