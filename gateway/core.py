@@ -330,14 +330,14 @@ class GatewayCore:
                 tally.cached_tokens = event.cached_tokens
             if event.token_ids:
                 now = time.monotonic()
+                text, kept, hit = _until_stop(detok, stops, list(event.token_ids))
+                ids, lps = list(event.token_ids[:kept]), list(event.logprobs[:kept])
                 if self.on_tokens is not None:
-                    self.on_tokens(tally, len(event.token_ids), now)
+                    self.on_tokens(tally, kept, now)
                 tally.first_token_at = tally.first_token_at or now
                 tally.last_token_at = now
-                tally.completion_tokens += len(event.token_ids)
-                flight.streamed += event.token_ids
-                text, hit = stops.push(detok.push(list(event.token_ids)))
-                ids, lps = list(event.token_ids), list(event.logprobs)
+                tally.completion_tokens += kept
+                flight.streamed += ids
                 yield Delta(text, ids, lps, tally.prompt_tokens)
                 if hit:
                     flight.finish = common_pb2.FINISH_REASON_STOP
@@ -404,6 +404,25 @@ class GatewayCore:
         leaving cancels the task)?"""
         task = asyncio.current_task()
         return self.scheduler_hung is not None and task is not None and not task.cancelling()
+
+
+def _until_stop(
+    detok: IncrementalDetokenizer, stops: StopMatcher, ids: list[int]
+) -> tuple[str, int, bool]:
+    """The text of `ids` that may be emitted, how many of them count, and whether a stop string
+    was hit. Several tokens in one event (a decode run's) are pushed one at a time while stop
+    strings are watched, so the output ends at the token that completes a stop: the tokens after
+    it are neither sent nor counted in usage."""
+    if len(ids) == 1 or not stops.watching:
+        text, hit = stops.push(detok.push(ids))
+        return text, len(ids), hit
+    parts = []
+    for i, token in enumerate(ids):
+        text, hit = stops.push(detok.push([token]))
+        parts.append(text)
+        if hit:
+            return "".join(parts), i + 1, True
+    return "".join(parts), len(ids), False
 
 
 def _known_end(streamed: list[int], max_tokens: int, stop_token_ids: Sequence[int]) -> int:

@@ -40,6 +40,11 @@ class StopMatcher:
     def stopped(self) -> bool:
         return self._done
 
+    @property
+    def watching(self) -> bool:
+        """Are there stop strings still to look for?"""
+        return bool(self._stops) and not self._done
+
     def push(self, delta: str) -> tuple[str, bool]:
         """Add `delta`; return (text safe to emit now, whether a stop string was hit).
 

@@ -80,6 +80,7 @@ CORE_TESTS = (
     "tests/test_blocks_pins.py",
     # decode runs (--decode-steps) and the step-time window (--step-time-window)
     "tests/test_decode_steps.py",
+    "tests/test_decode_runs_auto.py",
     "tests/test_time_window.py",
     "tests/test_request_queue.py",
     # the queue's orderings (priority, fair, deadline) and what the core asks of them
@@ -140,7 +141,7 @@ GROUPS = {
     ),
     # decode runs and the step-time window alone: a quick run after changing them
     "runs": Group(
-        (*CORE, "scheduler_svc/worker_state.py"),
+        (*CORE, "scheduler_svc/worker_state.py", "scheduler_svc/run_rule.py"),
         CORE_TESTS,
         part_of="core",
         functions=(
@@ -148,6 +149,7 @@ GROUPS = {
                 f"scheduler_svc.core.*.xǁ*ǁ{name}__mutmut_*"
                 for name in "_lengthen _complete_run complete schedule_workers".split()
             ),
+            "scheduler_svc.run_rule.*__mutmut_*",  # --decode-runs auto's rule and its inputs
             "scheduler_svc.core.scheduler.x__stepwise__mutmut_*",
             "scheduler_svc.worker_state.xǁWorkerStateǁtime_limit__mutmut_*",
         ),

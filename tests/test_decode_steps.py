@@ -172,8 +172,13 @@ def test_random_workloads_through_the_worker_session_match_one_execution_per_ste
     results = []
     for runs in (1, 3, 8):
         core = Scheduler(
-            CoreConfig(token_budget=16, max_running=4, policy=policy, decode_steps=runs,
-                       decode_runs="fixed"),
+            CoreConfig(
+                token_budget=16,
+                max_running=4,
+                policy=policy,
+                decode_steps=runs,
+                decode_runs="fixed",
+            ),
             [WorkerSpec("w0", 10, 4, 64), WorkerSpec("w1", 12, 4, 64)],
         )
         reqs = [seq(f"r{i}", p, m) for i, (p, m) in enumerate(specs)]
@@ -393,3 +398,20 @@ def test_a_request_after_one_short_of_blocks_still_gets_the_kv_of_the_shorter_ru
     core.add(seq("D", 3, max_tokens=9))
     history = drive(core)
     assert history[1] == ({"B": 3, "D": 3}, 3)
+
+
+def test_a_run_the_free_blocks_cannot_hold_for_all_takes_none_it_would_not_write() -> None:
+    """Blocks of 4, five of them: B (prompt 1) and D (prompt 3) hold one each, three are free.
+    A run of 8 would need two more for each; the longest the three hold for both is 7 (B one
+    more, D two). No block is taken that the run does not write: a block taken for B before D
+    came up short would be held unwritten, and a new arrival would read it as reserved space
+    (a kv_reserved stall under paged)."""
+    core = make(capacity=20, block_size=4, decode_steps=8, token_budget=16)
+    core.add(seq("B", 1, max_tokens=16))
+    core.add(seq("D", 3, max_tokens=16))
+    step(core)
+    [run] = step(core)
+    check_invariants(core)
+    assert run.ran() == {"B": 7, "D": 7} and run.repeat == 7
+    kv = core.workers[0].kv
+    assert kv.pool.num_free == 0 and kv.reserved_unused(list(core.seqs.values())) == 0

@@ -121,13 +121,14 @@ def run_workload(policy: str, workdir: Path, keep: ExitStack) -> Run:
     with running_stack(settings, workdir / "logs"):
         wait_for(lambda: prometheus_api.value(url, "sum(up)", time.time()) == 3, "first scrapes")
         start = time.time()
-        # A greedy probe tells the output; its first tokens' text becomes the stop string.
+        # A greedy probe of STOP_AFTER tokens tells the output's start: its text becomes the
+        # stop string (a delta may hold several tokens: a decode run's)
         probe = client.make_request(
-            prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
+            prompt=PROMPT, max_tokens=STOP_AFTER, temperature=0.0, ignore_eos=True
         )
         texts, tokens, final = generate(gateway, probe)
         results = [(tokens, final)]
-        stop = "".join(texts[:STOP_AFTER])
+        stop = "".join(texts)
         assert stop, texts
         request = client.make_request(
             prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, stop=[stop]

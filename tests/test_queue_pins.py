@@ -95,7 +95,7 @@ def test_tenant_counts_under_an_ordering_that_counts_no_service_have_none():
 
 
 def test_a_run_of_several_executions_charges_each_of_them_on_every_worker():
-    core = core_of("fair", (SPEC, SPEC), decode_steps=3)
+    core = core_of("fair", (SPEC, SPEC), decode_steps=3, decode_runs="fixed")
     core.add(seq("a0", 4, 60, tenancy=of("a")))
     core.add(seq("a1", 4, 60, tenancy=of("a")))
     step(core)

@@ -167,6 +167,8 @@ class LoadGenerator:
                 n = len(message.delta.token_ids)
                 if answer is not None:
                     answer.append(message.delta.text)
+                if spec.limit > spec.output_tokens:  # a run's tokens past the length go unread
+                    n = min(n, spec.output_tokens - record.completion_tokens)
                 if not n:
                     continue
                 if last is None:

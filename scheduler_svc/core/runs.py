@@ -137,25 +137,37 @@ class Runs(CoreState):
             )
             if runs < 2:
                 return
+        runs = _kv_holds(ws, decodes, runs)
+        if runs < 2:
+            return
         granted = {handle: i for i, (handle, _) in enumerate(step.grants)}
         for seq in decodes:
-            need, held = seq.num_computed + runs - 1, ws.kv.held(seq)
-            if need <= held:
-                continue
-            new = ws.kv.allocate(seq, need)
-            if new is None:
-                runs = min(runs, held - seq.num_computed + 1)
+            need = seq.num_computed + runs - 1
+            new = ws.kv.allocate(seq, need) if need > ws.kv.held(seq) else None
+            if not new:  # (never None where _kv_holds counted the blocks free)
                 continue
             if seq.handle in granted:  # its table grew in this step already: one grant
                 i = granted[seq.handle]
                 step.grants[i] = (seq.handle, step.grants[i][1] + new)
             else:
                 step.grants.append((seq.handle, new))
-        if runs < 2:
-            return
         for seq in decodes:
             seq.num_computed += runs - 1
             seq.num_planned += runs - 1
         step.repeat = runs
         self.longest_run = max(self.longest_run, runs)
         self.run_steps += 1
+
+
+def _kv_holds(ws: WorkerState, decodes: list[Sequence], runs: int) -> int:
+    """The longest run, up to `runs`, whose new blocks the free KV holds for every request at
+    once: a run cut short after some were given blocks would leave those held unwritten, and
+    a new arrival would read them as reserved space (a kv_reserved stall under paged)."""
+    pool = ws.kv.pool
+    free = pool.num_free
+    while runs >= 2:
+        need = sum(pool.missing(seq.request_id, seq.num_computed + runs - 1) for seq in decodes)
+        if need <= free:
+            return runs
+        runs -= 1
+    return runs

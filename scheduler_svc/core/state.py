@@ -12,8 +12,8 @@ from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy, WorkerSpec
 from scheduler_svc.kv_records import KvRecords
 from scheduler_svc.output import Event
 from scheduler_svc.reasons import StallReason
-from scheduler_svc.run_rule import ArrivalRate
 from scheduler_svc.request_queue import RequestQueue, create_request_queue
+from scheduler_svc.run_rule import ArrivalRate
 from scheduler_svc.sequence import NO_HANDLE, Finish, SeqStatus, Sequence
 from scheduler_svc.speculation.proposer import Proposer
 from scheduler_svc.step import Step, Work
