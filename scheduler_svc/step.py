@@ -81,6 +81,9 @@ class Step:
     # decodes (index in `decodes`, handle, the proposal's first token) that had a proposal but
     # no draft: their sampled token tells their acceptance rate for free (drafts.py)
     shadows: list[tuple[int, int, int]] = field(default_factory=list)
+    # a decode had a proposal it could not draft (a decode run of its own in flight): the step
+    # stays one execution, so that the next one may draft (a run would only start another)
+    draft_next: bool = False
 
     @property
     def has_work(self) -> bool:

@@ -31,6 +31,14 @@ def run(step: Step, model: Model = cycling) -> tuple[list[int], list[int]]:
     """What the worker answers for `step`: its tokens (chunks, decodes, then the drafts') and
     `emitted` (tokens per draft). The context of a request is what the core knows when the step
     completes (the steps before it have completed), which is what the worker holds."""
+    if step.repeat > 1:  # a decode run: each execution feeds the next the token it sampled
+        contexts = [list(s.tokens) for s in step.decodes]
+        ran = []
+        for _ in range(step.repeat):
+            for context in contexts:
+                context.append(model(context))
+                ran.append(context[-1])
+        return ran, []
     tokens = [model(w.seq.tokens) for w in step.chunks if w.sample]
     tokens += [model(s.tokens) for s in step.decodes]
     emitted = []

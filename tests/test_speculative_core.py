@@ -292,6 +292,30 @@ def test_a_step_with_drafts_runs_once_and_decode_runs_go_on_without_them() -> No
     assert got == want and core.spec_drafts > 0
 
 
+@pytest.mark.parametrize("length", [DraftLength.FIXED, DraftLength.AUTO])
+def test_with_overlap_a_run_in_flight_gives_way_to_drafts_once_a_proposal_exists(length) -> None:
+    """Runs of 8 (cheap executions, so runs are long) with overlap: the request runs while its
+    text has no repeat; once the proposer has a proposal, the step planned while a run is in
+    flight (no draft possible then) stays one execution, and the one after drafts. Without
+    that, each step planned during a run became a run again and no draft ever came."""
+    cheap = CostModel(fixed=0.005, per_token=0.0005)
+    plain = make(cost=cheap, decode_steps=8, decode_runs="fixed")
+    want = outputs(plain, [request("a", 80)], overlap=True)
+    core = make(cost=cheap, decode_steps=8, decode_runs="fixed", speculative_length=length, **SPEC)
+    core.add(a := request("a", 80))
+    driver, kinds = Overlapped(core), []
+    for _ in range(200):
+        planned = driver.step()
+        if planned.has_work:
+            kinds.append("run" if planned.repeat > 1 else "draft" if planned.drafts else "one")
+        if driver.inflight is None and not core.workers[0].running:
+            break
+    assert list(a.output_ids) == want["a"]
+    first = kinds.index("run")
+    assert "draft" in kinds[first:] and core.spec_accepted_tokens > 0
+    assert kinds.count("run") < 8  # 80 tokens: not all of them by runs
+
+
 def test_the_step_message_carries_the_drafts() -> None:
     core = make(speculative_length=DraftLength.FIXED, **SPEC)
     core.add(request("a"))

@@ -26,7 +26,8 @@ class Drafts(CoreState):
         """Turn decodes of `step` into decodes with a draft, after everything else is planned
         (drafts take only what is left). A request with a step in flight drafts past that
         step's token, which the proposal stands in for; one with more in flight (a decode run)
-        does not draft."""
+        does not draft, and where it has a proposal the step is not made a run
+        (`Step.draft_next`): the next step may draft, where another run would start."""
         proposer = self.proposer
         if proposer is None or not step.decodes or step.budget <= 0 or step.repeat > 1:
             return
@@ -51,7 +52,10 @@ class Drafts(CoreState):
         for i, seq in enumerate(step.decodes):
             ahead = seq.num_inflight - 1  # sampled by steps sent before this one
             room = seq.max_planned - seq.num_planned  # tokens it may sample after this one
-            if ahead > 1 or room <= 0:
+            if room <= 0:
+                continue
+            if ahead > 1:  # a run in flight: no draft now, and no run either if one may follow
+                step.draft_next = step.draft_next or bool(proposer.propose(seq, 1))
                 continue
             tokens = proposer.propose(seq, min(most, room), skip=ahead)
             if tokens:

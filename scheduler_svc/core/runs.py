@@ -117,7 +117,7 @@ class Runs(CoreState):
         save little (the control plane's cost per token is small there). The blocks taken stay
         granted even if the run comes out shorter."""
         decodes = step.decodes
-        if step.chunks or step.drafts or not decodes:
+        if step.chunks or step.drafts or step.draft_next or not decodes:
             return
         runs = self.config.decode_steps
         for seq in decodes:
