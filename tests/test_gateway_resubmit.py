@@ -10,12 +10,12 @@ import asyncio
 import grpc
 import pytest
 
-from gateway.core import Delta, Finish, GatewayCore, GenerateInput
-from gateway.settings import GatewaySettings
+from gateway.core import Delta, Finish, GenerateInput
 from gateway.tokenizer_files import load_tokenizer
 from llmcommon.protocol import ACCEPTED_KEY
 from llmcommon.sampling import SamplingParams
 from llmcommon.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tests.gateway_harness import gateway_core
 
 LOST = "lost"  # the scheduler dies after the tokens: no finish reaches the gateway
 STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
@@ -77,18 +77,8 @@ def run(tokenizer, scripts, job: GenerateInput) -> tuple[list[int], Finish, Fake
 
     async def scenario():
         fake = FakeScheduler(scripts)
-        server = grpc.aio.server()
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server(fake, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = scheduler_pb2_grpc.SchedulerStub(channel)
-                settings = GatewaySettings(scheduler_streams=streams)
-                core = GatewayCore(settings, tokenizer, stub, max_context=2048)
-                events = [e async for e in core.generate(job, lambda: 30.0)]
-        finally:
-            await server.stop(0)
+        async with gateway_core(fake, streams, tokenizer) as core:
+            events = [e async for e in core.generate(job, lambda: 30.0)]
         tokens = [t for e in events if isinstance(e, Delta) for t in e.token_ids]
         assert isinstance(events[-1], Finish)
         return tokens, events[-1], fake

@@ -12,14 +12,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.core import GatewayCore, GenerateInput
+from gateway.core import GenerateInput
 from gateway.generation_errors import GenerationError
 from gateway.scheduler_watch import SilenceBound, Verdict
-from gateway.settings import GatewaySettings
-from gateway.tokenizer_files import load_tokenizer
 from llmcommon.protocol import ACCEPTED_KEY
 from llmcommon.sampling import SamplingParams
 from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tests.gateway_harness import gateway_core
 from tests.stack_checks import generate, greedy_request, stop_cleanly, wait_for
 from tests.stacks import running_stack
 from tests.streams import Streams
@@ -62,33 +61,23 @@ class HungScheduler(scheduler_pb2_grpc.SchedulerServicer):
 @pytest.mark.parametrize("streams", ["session", "request"])
 def test_giving_up_on_a_hung_scheduler_ends_held_requests_and_refuses_new_ones(streams) -> None:
     async def scenario() -> tuple[GenerationError, GenerationError, bool]:
-        server = grpc.aio.server()
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server(HungScheduler(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = scheduler_pb2_grpc.SchedulerStub(channel)
-                settings = GatewaySettings(scheduler_streams=streams)
-                core = GatewayCore(settings, load_tokenizer(""), stub, max_context=2048)
-                job = GenerateInput(prompt="Hello", sampling=SamplingParams(max_tokens=8))
+        async with gateway_core(HungScheduler(), streams) as core:
+            job = GenerateInput(prompt="Hello", sampling=SamplingParams(max_tokens=8))
 
-                async def consume() -> None:
-                    async for _ in core.generate(job, lambda: None):  # no deadline
-                        pass
+            async def consume() -> None:
+                async for _ in core.generate(job, lambda: None):  # no deadline
+                    pass
 
-                held = asyncio.create_task(consume())
-                async with asyncio.timeout(30):  # bounds a failure only: the fake accepts at once
-                    while not core.held:
-                        await asyncio.sleep(0.01)
-                core.give_up_on_scheduler("the scheduler has not answered for 30 s (hung?)")
-                with pytest.raises(GenerationError) as ended:
-                    await asyncio.wait_for(held, 10)
-                with pytest.raises(GenerationError) as refused:
-                    await consume()
-                return ended.value, refused.value, not core.held
-        finally:
-            await server.stop(0)
+            held = asyncio.create_task(consume())
+            async with asyncio.timeout(30):  # bounds a failure only: the fake accepts at once
+                while not core.held:
+                    await asyncio.sleep(0.01)
+            core.give_up_on_scheduler("the scheduler has not answered for 30 s (hung?)")
+            with pytest.raises(GenerationError) as ended:
+                await asyncio.wait_for(held, 10)
+            with pytest.raises(GenerationError) as refused:
+                await consume()
+            return ended.value, refused.value, not core.held
 
     ended, refused, released = asyncio.run(scenario())
     assert ended.code is grpc.StatusCode.UNAVAILABLE and "has not answered" in ended.message

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 
-from gateway.core import Delta, Finish, GatewayCore, GenerateInput
-from gateway.settings import GatewaySettings
+from gateway.core import Delta, Finish, GenerateInput
 from gateway.tokenizer_files import load_tokenizer
 from llmcommon.protocol import ACCEPTED_KEY
 from llmcommon.sampling import SamplingParams
 from llmcommon.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tests.gateway_harness import gateway_core
 
 TEXT = " one two three four five six seven eight nine ten"
 STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
@@ -54,18 +53,8 @@ class GroupedScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
 def run(tokenizer, streams: str, groups: list[list[int]], job: GenerateInput):
     async def scenario():
-        server = grpc.aio.server()
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server(GroupedScheduler(groups), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = scheduler_pb2_grpc.SchedulerStub(channel)
-                settings = GatewaySettings(scheduler_streams=streams)
-                core = GatewayCore(settings, tokenizer, stub, max_context=2048)
-                return [e async for e in core.generate(job, lambda: 30.0)]
-        finally:
-            await server.stop(0)
+        async with gateway_core(GroupedScheduler(groups), streams, tokenizer) as core:
+            return [e async for e in core.generate(job, lambda: 30.0)]
 
     events = asyncio.run(scenario())
     deltas = [e for e in events if isinstance(e, Delta)]
