@@ -316,6 +316,25 @@ def test_with_overlap_a_run_in_flight_gives_way_to_drafts_once_a_proposal_exists
     assert kinds.count("run") < 8  # 80 tokens: not all of them by runs
 
 
+def test_with_overlap_runs_go_on_where_auto_would_not_draft_the_proposal() -> None:
+    """The same, under auto, for a request whose acceptance rate is 0: the next step would not
+    draft its proposal, so the step planned during its run is a run again (no single step
+    between runs that no draft follows)."""
+    cheap = CostModel(fixed=0.005, per_token=0.0005)
+    core = make(cost=cheap, decode_steps=8, decode_runs="fixed", **SPEC)
+    core.add(a := request("a", 80))
+    driver, kinds = Overlapped(core), []
+    for _ in range(200):
+        a.acceptance = 0.0
+        planned = driver.step()
+        if planned.has_work:
+            kinds.append("run" if planned.repeat > 1 else "draft" if planned.drafts else "one")
+        if driver.inflight is None and not core.workers[0].running:
+            break
+    first = kinds.index("run")
+    assert "draft" not in kinds and set(kinds[first:-1]) == {"run"}, kinds
+
+
 def test_the_step_message_carries_the_drafts() -> None:
     core = make(speculative_length=DraftLength.FIXED, **SPEC)
     core.add(request("a"))

@@ -26,8 +26,9 @@ class Drafts(CoreState):
         """Turn decodes of `step` into decodes with a draft, after everything else is planned
         (drafts take only what is left). A request with a step in flight drafts past that
         step's token, which the proposal stands in for; one with more in flight (a decode run)
-        does not draft, and where it has a proposal the step is not made a run
-        (`Step.draft_next`): the next step may draft, where another run would start."""
+        does not draft; where it has a proposal that the next step would draft (`auto`'s rule
+        on this step's shape, or any under `fixed`), this step is not made a run
+        (`Step.draft_next`): another run would follow it instead of the draft."""
         proposer = self.proposer
         if proposer is None or not step.decodes or step.budget <= 0 or step.repeat > 1:
             return
@@ -47,6 +48,7 @@ class Drafts(CoreState):
             return  # not even the likeliest, cheapest draft token would pay: under load
         most = self.config.num_speculative_tokens
         rows: list[Row] = []
+        later: list[Row] = []  # those with a run in flight: they may draft in the next step
         picked: list[tuple[int, list[int]]] = []
         guesses: dict[int, int] = {}  # decodes whose proposal predicts this step's own token
         for i, seq in enumerate(step.decodes):
@@ -54,8 +56,10 @@ class Drafts(CoreState):
             room = seq.max_planned - seq.num_planned  # tokens it may sample after this one
             if room <= 0:
                 continue
-            if ahead > 1:  # a run in flight: no draft now, and no run either if one may follow
-                step.draft_next = step.draft_next or bool(proposer.propose(seq, 1))
+            if ahead > 1:  # a run in flight: no draft now
+                tokens = proposer.propose(seq, min(most, room))
+                if tokens:
+                    later.append(Row(seq.num_computed - 1, len(tokens), seq.acceptance))
                 continue
             tokens = proposer.propose(seq, min(most, room), skip=ahead)
             if tokens:
@@ -63,6 +67,10 @@ class Drafts(CoreState):
                 picked.append((i, tokens))
                 if not ahead:
                     guesses[i] = tokens[0]
+        if later:  # no run either where the next step would draft (a run would only follow)
+            step.draft_next = not auto or any(
+                auto_lengths(later, base, step.num_sampled, predict, step.budget, limit)
+            )
         if not rows:
             return
         if auto:
