@@ -114,8 +114,9 @@ class Runs(CoreState):
         request whose tokens are taken one at a time (logprobs, a grammar) keeps the step
         at one execution. A run is predicted to last at most RUN_LIMIT_S: where one execution
         takes longer (a large batch on a CPU) a run would hold a new arrival back for long and
-        save little (the control plane's cost per token is small there). The blocks taken stay
-        granted even if the run comes out shorter."""
+        save little (the control plane's cost per token is small there). Its length is the
+        longest the free blocks hold for every request (`_kv_holds`) before any is taken; a
+        request that finishes inside the run (a stop token) keeps its blocks until it is freed."""
         decodes = step.decodes
         if step.chunks or step.drafts or step.draft_next or not decodes:
             return
