@@ -14,11 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gateway.choices import U64_MAX, choice_inputs, choices_problem
 from gateway.http_errors import ApiError
 from gateway.intake import GenerateInput
-from gateway.structured import StructuredFields, checked
+from gateway.structured import VLLM_KINDS, checked, from_response_format, from_vllm, invalid
 from gateway.tools import ToolPlan, ToolsProblem
 from gateway.tools import tool_plan as plan_of
 from llmcommon.sampling import MAX_LOGPROBS, SamplingParams
 from llmcommon.sampling_wire import grammar_of
+from llmcommon.v1 import common_pb2
 
 U32_MAX = 2**32 - 1
 TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union members
@@ -52,6 +53,44 @@ CHAT_NOT_YET: dict[str, tuple[Any, ...]] = {
     "add_special_tokens": (None, False),
 }
 COMPLETION_NOT_YET: dict[str, tuple[Any, ...]] = {"add_special_tokens": (None, True)}
+
+
+class StructuredFields(BaseModel):
+    """The request fields of structured output, as sent (checked by `grammar`)."""
+
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+    def grammar(self) -> common_pb2.Grammar | None:
+        """The one grammar the request asks for, or None; ApiError 400 naming the field."""
+        outputs = self.structured_outputs
+        if outputs is not None and not isinstance(outputs, dict):
+            raise invalid("structured_outputs must be an object", "structured_outputs")
+        unknown = sorted(set(outputs or {}) - set(VLLM_KINDS) - {"disable_any_whitespace"})
+        if unknown:
+            message = (
+                f"structured_outputs.{unknown[0]} is not supported (json, regex, choice, grammar)"
+            )
+            raise invalid(message, f"structured_outputs.{unknown[0]}")
+        asked = [
+            g
+            for g in (
+                from_response_format(self.response_format),
+                from_vllm({k: (outputs or {}).get(k) for k in VLLM_KINDS}, "structured_outputs."),
+                from_vllm({k: getattr(self, f"guided_{k}") for k in VLLM_KINDS}, "guided_"),
+            )
+            if g is not None
+        ]
+        if len(asked) > 1:
+            message = (
+                "ask for one structured output: response_format, structured_outputs or guided_*"
+            )
+            raise invalid(message, "response_format")
+        return asked[0] if asked else None
 
 
 class Body(BaseModel):

@@ -13,7 +13,6 @@ from functools import lru_cache
 from typing import Any
 
 import grpc
-from pydantic import BaseModel
 
 try:
     import llguidance
@@ -154,44 +153,6 @@ def from_vllm(fields: dict[str, Any], prefix: str) -> common_pb2.Grammar | None:
     else:
         raise invalid(f"{param} must be a string", param)
     return checked(Grammar(kind=VLLM_KINDS[key], spec=spec), param)
-
-
-class StructuredFields(BaseModel):
-    """The request fields of structured output, as sent (checked by `grammar`)."""
-
-    response_format: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-
-    def grammar(self) -> common_pb2.Grammar | None:
-        """The one grammar the request asks for, or None; ApiError 400 naming the field."""
-        outputs = self.structured_outputs
-        if outputs is not None and not isinstance(outputs, dict):
-            raise invalid("structured_outputs must be an object", "structured_outputs")
-        unknown = sorted(set(outputs or {}) - set(VLLM_KINDS) - {"disable_any_whitespace"})
-        if unknown:
-            message = (
-                f"structured_outputs.{unknown[0]} is not supported (json, regex, choice, grammar)"
-            )
-            raise invalid(message, f"structured_outputs.{unknown[0]}")
-        asked = [
-            g
-            for g in (
-                from_response_format(self.response_format),
-                from_vllm({k: (outputs or {}).get(k) for k in VLLM_KINDS}, "structured_outputs."),
-                from_vllm({k: getattr(self, f"guided_{k}") for k in VLLM_KINDS}, "guided_"),
-            )
-            if g is not None
-        ]
-        if len(asked) > 1:
-            message = (
-                "ask for one structured output: response_format, structured_outputs or guided_*"
-            )
-            raise invalid(message, "response_format")
-        return asked[0] if asked else None
 
 
 def grpc_grammar_problem(grammar: common_pb2.Grammar) -> str | None:

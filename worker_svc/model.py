@@ -56,7 +56,10 @@ class LlamaModel:
         self.rope = RopeTable(
             config.head_dim, config.rope_theta, config.max_context, dtype, config.rope_scaling
         )
-        self.linears, self.lm_head = self.make_linears(packing_available(dtype))
+        # oneDNN's packed matmuls are CPU-only: weights drawn on a GPU (the GPU check's random
+        # weights) keep the plain ones
+        on_cpu = weights.embed.device.type == "cpu"
+        self.linears, self.lm_head = self.make_linears(on_cpu and packing_available(dtype))
         groups = config.num_heads // config.num_kv_heads
         kv_of_head = torch.arange(config.num_heads) // groups  # [heads]
         self.head_of_query = kv_of_head.view(1, config.num_heads, 1, 1)

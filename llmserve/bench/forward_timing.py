@@ -72,7 +72,10 @@ class Ours:
         return lambda: self.runner.execute(items)
 
     def prefill(self, ids: list[int]) -> Callable[[], object]:
-        items = [WorkItem("p", ids, 0, self.tables[0])]
+        # a prompt longer than one request's context spans the blocks of the next requests too
+        need = -(-len(ids) // self.block_size)
+        table = [block for table in self.tables for block in table][: max(need, 1)]
+        items = [WorkItem("p", ids, 0, table)]
         return lambda: self.runner.execute(items)
 
     def draft(self, batch: int, drafted: int) -> Callable[[], object]:

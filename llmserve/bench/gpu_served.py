@@ -58,7 +58,8 @@ def run(
                     row = loop.run_until_complete(measure(settings, level, window_s, max_tokens))
                     rows[str(level)] = level_figures(row, window_s)
         except Exception as error:
-            raise RuntimeError(f"{error}\n{log_tails(logs)}") from error
+            # the error last: the caller keeps the end of this process's stderr
+            raise RuntimeError(f"{log_tails(logs)}\n{error}") from error
     return {
         "shape": shape,
         "dtype": dtype,
