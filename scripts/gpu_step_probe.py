@@ -39,14 +39,16 @@ def main() -> None:
     context = 80  # the served part's: 16-token prompts, up to 128 tokens out
     config, weights = random_model(shape, dtype, args.device)
     cuda = args.device.startswith("cuda")
-    on = Ours(config, weights, dtype, max(batches) + 4, context, device=args.device, cuda_graphs=cuda)
-    off = Ours(config, weights, dtype, max(batches) + 4, context, device=args.device)
+    rows = max(batches) + 4
+    on = Ours(config, weights, dtype, rows, context, device=args.device, cuda_graphs=cuda)
+    off = Ours(config, weights, dtype, rows, context, device=args.device)
     prompt = list(range(300, 316))
     figures: dict[str, dict[str, float]] = {}
     for b in batches:
         fns = {"graphs_on": on.decode(b), "graphs_off": off.decode(b)}
         if b > 1:
-            fns["mixed_one_prompt"] = off.mixed(b - 1, prompt)
+            fns["mixed_graphs_on"] = on.mixed(b - 1, prompt)
+            fns["mixed_graphs_off"] = off.mixed(b - 1, prompt)
         ms = median_ms(list(fns.values()), reps=20, warmup=3)
         figures[f"decode@{b}"] = dict(zip(fns, [round(m, 3) for m in ms], strict=True))
         print(f"decode@{b}", figures[f"decode@{b}"], flush=True)
@@ -55,7 +57,8 @@ def main() -> None:
     for name, fn in {
         f"graphs_on decode@{big}": on.decode(big),
         f"graphs_off decode@{big}": off.decode(big),
-        f"mixed {big - 1}+16": off.mixed(big - 1, prompt),
+        f"mixed {big - 1}+16 graphs_off": off.mixed(big - 1, prompt),
+        f"mixed {big - 1}+16 graphs_on": on.mixed(big - 1, prompt),
         "graphs_on decode@1": on.decode(1),
     }.items():
         for _ in range(3):

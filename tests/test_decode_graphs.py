@@ -1,7 +1,8 @@
-"""Decode steps through the CUDA-graph path: static buffers, bucket padding onto the scratch
-block, the Triton decode kernel over the static block tables. Here the graph is not captured
-(no GPU) but its step runs eagerly in Triton's interpreter, so what a graph would replay is
-checked against the ordinary path: the same logits, and no request's KV touched by padding."""
+"""Steps through the CUDA-graph path (decode-only, and decodes beside prompt chunks): static
+buffers, bucket padding onto the scratch block, the Triton kernels over the static tables. Here
+the graph is not captured (no GPU) but its step runs eagerly in Triton's interpreter, so what a
+graph would replay is checked against the ordinary path: the same logits, and no request's KV
+touched by padding."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed")
 
 from tests.model_support import one_torch_thread  # noqa: E402, F401  (autouse fixture)
+from worker_svc.cuda_graphs import GraphShape  # noqa: E402
 from worker_svc.loader import tiny_model  # noqa: E402
 from worker_svc.runner import ModelRunner  # noqa: E402
 from worker_svc.work import WorkItem  # noqa: E402
@@ -68,7 +70,7 @@ def test_graph_decodes_give_the_ordinary_paths_logits_and_padding_touches_no_req
     owned = BS * 4 * n  # the requests' slots: identical KV in both pools
     assert torch.allclose(plain.pool.k[:, :owned], graphs.pool.k[:, :owned], atol=1e-5)
     assert graphs.pool.k[:, owned : BLOCKS * BS].abs().sum() == 0  # padding: scratch block only
-    assert graphs.graphs.captures == 1  # one bucket, made once, reused by every step
+    assert graphs.graphs.captures == 2  # the prefill's shape, and one decode bucket reused
     assert graphs.pool.num_blocks == BLOCKS + 1 and graphs.num_blocks == BLOCKS  # the scratch
 
 
@@ -78,8 +80,49 @@ def test_the_scratch_block_is_not_one_a_request_may_own(runners) -> None:
         graphs.compute_logits([WorkItem("x", [1], 0, [BLOCKS])])
 
 
-def test_prefills_and_mixed_steps_do_not_take_the_graph_path(runners) -> None:
+def advance(items: list[WorkItem], logits: torch.Tensor) -> None:
+    """Each sampled item takes its argmax as its next (decode) token."""
+    sampled = [item for item in items if item.sample]
+    for item, token in zip(sampled, logits.argmax(-1).tolist(), strict=True):
+        item.start_position, item.token_ids = item.end_position, [token]
+        item.sample_index += 1
+
+
+def mixed_steps(runner: ModelRunner) -> list[torch.Tensor]:
+    """Two prompts alone; then their decodes beside a third prompt's first chunk (not sampled),
+    then beside its second chunk (over the first's cached K/V); then three decodes."""
+    first, second = prompts(2), prompts(3)[2]
+    whole = second.token_ids
+    out = [runner.compute_logits(first).clone()]
+    advance(first, out[-1])
+    second.token_ids, second.sample = whole[:4], False
+    out.append(runner.compute_logits([*first, second]).clone())
+    advance(first, out[-1])
+    second.start_position, second.token_ids, second.sample = 4, whole[4:], True
+    out.append(runner.compute_logits([first[0], second, first[1]]).clone())  # any item order
+    advance([first[0], second, first[1]], out[-1])
+    out.append(runner.compute_logits([*first, second]).clone())
+    return out
+
+
+def test_mixed_steps_by_graph_give_the_ordinary_paths_logits(runners) -> None:
     plain, graphs = runners
-    items = prompts(2)
-    assert torch.allclose(plain.compute_logits(items), graphs.compute_logits(items), atol=1e-5)
+    expected, got = mixed_steps(plain), mixed_steps(graphs)
+    assert [len(x) for x in got] == [2, 2, 3, 3]  # one row per sampled item
+    for a, b in zip(expected, got, strict=True):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-5), (a - b).abs().max()
+    owned = BS * 4 * 3
+    assert torch.allclose(plain.pool.k[:, :owned], graphs.pool.k[:, :owned], atol=1e-5)
+    assert graphs.pool.k[:, owned : BLOCKS * BS].abs().sum() == 0  # padding: scratch block only
+    assert set(graphs.graphs.graphs) == {
+        GraphShape(0, 16, 2), GraphShape(2, 16, 1), GraphShape(4, 0, 0)
+    }  # fmt: skip
+
+
+def test_steps_with_drafts_or_beyond_the_buckets_run_eagerly(runners) -> None:
+    plain, graphs = runners
+    draft = WorkItem("d", [11, 12, 13], 0, [0, 1], drafted=2)
+    assert torch.allclose(plain.compute_logits([draft]), graphs.compute_logits([draft]), atol=1e-5)
+    many = [WorkItem(f"p{i}", [20 + i, 21], 0, [i]) for i in range(9)]  # 9 chunks > 8
+    assert torch.allclose(plain.compute_logits(many), graphs.compute_logits(many), atol=1e-4)
     assert graphs.graphs.captures == 0

@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from worker_svc import device as device_module
-from worker_svc.cuda_graphs import DecodeGraphs, StaticDecodeInputs, bucket_for
+from worker_svc.cuda_graphs import (
+    GraphShape,
+    StaticStepInputs,
+    StepBatch,
+    StepGraphs,
+    bucket_for,
+    decode_batch,
+    shape_for,
+)
 from worker_svc.device import MemoryProbe, resolve_device
 from worker_svc.kv_sizing import MemoryPlan
 
@@ -90,22 +98,32 @@ def test_a_decode_batch_runs_in_the_smallest_bucket_that_holds_it() -> None:
     assert bucket_for(5, (4, 8)) == 8
 
 
-def make_inputs(rows: int = 8, blocks: int = 4) -> StaticDecodeInputs:
-    return StaticDecodeInputs(
-        rows, blocks, scratch_block=9, block_size=16, device=torch.device("cpu")
-    )
+def make_inputs(rows: int = 8, blocks: int = 4) -> StaticStepInputs:
+    return StaticStepInputs(
+        rows, blocks, scratch_block=9, block_size=16, device=torch.device("cpu"),
+        max_chunk_tokens=32, max_chunks=4,
+    )  # fmt: skip
+
+
+def test_a_step_runs_as_the_graph_of_its_parts_buckets_and_beyond_them_eagerly() -> None:
+    assert shape_for(3, 0, 0) == GraphShape(4, 0, 0)  # decode-only
+    assert shape_for(255, 16, 1) == GraphShape(256, 16, 1)
+    assert shape_for(0, 17, 3) == GraphShape(0, 32, 4)  # prompts alone
+    assert shape_for(257, 16, 1) is None  # too many decodes
+    assert shape_for(8, 300, 1) is None  # too many chunk tokens
+    assert shape_for(8, 64, 9) is None  # too many chunks
 
 
 def test_static_inputs_hold_the_batch_and_pad_the_rest_onto_the_scratch_block() -> None:
     inputs = make_inputs()
-    batch = dict(
+    batch = decode_batch(
         token_ids=torch.tensor([5, 6, 7]),
         positions=torch.tensor([10, 20, 30]),
         slots=torch.tensor([42, 43, 44]),
         block_tables=torch.tensor([[1, 2], [3, 4], [5, 0]], dtype=torch.int32),
         context_lens=torch.tensor([11, 21, 17], dtype=torch.int32),
     )
-    inputs.fill(4, **batch)
+    inputs.fill(GraphShape(4, 0, 0), batch)
     assert inputs.token_ids[:4].tolist() == [5, 6, 7, 0]
     assert inputs.slots[:4].tolist() == [42, 43, 44, 9 * 16]  # the pad writes the scratch slot
     assert inputs.block_tables[:4].tolist() == [
@@ -115,35 +133,78 @@ def test_static_inputs_hold_the_batch_and_pad_the_rest_onto_the_scratch_block() 
         [9, 0, 0, 0],
     ]
     assert inputs.context_lens[:4].tolist() == [11, 21, 17, 1]
-    inputs.fill(2, **{k: v[:1] for k, v in batch.items()})  # a smaller batch: stale rows reset
+    one = decode_batch(*(t[:1] for t in (batch.token_ids, batch.positions, batch.slots)),
+                       batch.block_tables[:1], batch.context_lens[:1])  # fmt: skip
+    inputs.fill(GraphShape(2, 0, 0), one)  # a smaller batch: stale rows reset
     assert inputs.token_ids[:2].tolist() == [5, 0] and inputs.slots[1] == 9 * 16
     with pytest.raises(ValueError, match="do not fit"):
-        inputs.fill(2, **batch)
+        inputs.fill(GraphShape(2, 0, 0), batch)
 
 
-def test_graphs_are_made_once_per_bucket_and_return_only_the_batch_rows() -> None:
+def mixed_batch() -> StepBatch:
+    """Two decodes, then chunks of 3 tokens (a fresh prompt) and 2 (a prompt's second chunk)."""
+    return StepBatch(
+        token_ids=torch.tensor([5, 6, 70, 71, 72, 80, 81]),
+        positions=torch.tensor([10, 20, 0, 1, 2, 16, 17]),
+        slots=torch.tensor([42, 43, 96, 97, 98, 128, 129]),
+        block_tables=torch.tensor([[1], [2]], dtype=torch.int32),
+        context_lens=torch.tensor([11, 21], dtype=torch.int32),
+        chunk_tables=torch.tensor([[6, 0], [7, 8]], dtype=torch.int32),
+        chunk_lengths=torch.tensor([3, 2], dtype=torch.int32),
+        chunk_starts=torch.tensor([0, 16], dtype=torch.int32),
+    )
+
+
+def test_a_mixed_step_lays_out_decodes_then_chunk_tokens_each_part_padded() -> None:
+    inputs = make_inputs()
+    shape = GraphShape(4, 16, 4)
+    inputs.fill(shape, mixed_batch())
+    assert inputs.token_ids[:8].tolist() == [5, 6, 0, 0, 70, 71, 72, 80]  # decodes padded to 4
+    assert inputs.slots[9:20].tolist() == [9 * 16] * 11  # padded chunk tokens: the scratch slot
+    assert inputs.chunk_offsets.tolist() == [4, 7, 0, 0]  # after the 4 decode rows
+    assert inputs.chunk_lengths.tolist() == [3, 2, 0, 0]  # padded chunks have no tokens
+    assert inputs.chunk_starts[:2].tolist() == [0, 16]
+    assert inputs.chunk_tables[:3].tolist() == [[6, 0, 0, 0], [7, 8, 0, 0], [0, 0, 0, 0]]
+    assert inputs.logit_rows[:8].tolist() == [0, 1, 2, 3, 6, 8, 0, 0]  # each chunk's last
+    b = mixed_batch()
+    one = StepBatch(b.token_ids[:5], b.positions[:5], b.slots[:5], b.block_tables,
+                    b.context_lens, b.chunk_tables[:1], b.chunk_lengths[:1], b.chunk_starts[:1])
+    inputs.fill(shape, one)  # fewer chunks in the same shape: the stale one has no tokens now
+    assert inputs.chunk_lengths.tolist() == [3, 0, 0, 0]
+    assert inputs.logit_rows[4:8].tolist() == [6, 0, 0, 0]
+    assert inputs.slots[7:9].tolist() == [9 * 16] * 2
+    inputs.fill(GraphShape(2, 0, 0), decode_batch(  # then a decode step: the chunks are gone
+        torch.tensor([1]), torch.tensor([3]), torch.tensor([19]),
+        torch.tensor([[1]], dtype=torch.int32), torch.tensor([4], dtype=torch.int32),
+    ))  # fmt: skip
+    assert inputs.token_ids[:2].tolist() == [1, 0] and inputs.block_tables[1, 0] == 9
+
+
+def test_graphs_are_made_once_per_shape_and_return_only_the_batch_rows() -> None:
     calls = []
 
-    def step(inputs: StaticDecodeInputs, rows: int) -> torch.Tensor:
-        calls.append(rows)
-        return inputs.token_ids[:rows].float().unsqueeze(1) * 2  # "logits" [rows, 1]
+    def step(inputs: StaticStepInputs, shape: GraphShape) -> torch.Tensor:
+        calls.append(shape)
+        rows = inputs.logit_rows[: shape.logit_rows]
+        return inputs.token_ids[rows].float().unsqueeze(1) * 2  # "logits" [rows, 1]
 
-    graphs = DecodeGraphs(make_inputs(), step, torch.device("cpu"), buckets=(2, 4, 8))
+    graphs = StepGraphs(make_inputs(), step, torch.device("cpu"), buckets=(2, 4, 8))
 
-    def batch(ids: list[int]) -> dict:
+    def batch(ids: list[int]) -> StepBatch:
         n = len(ids)
-        return dict(
-            token_ids=torch.tensor(ids), positions=torch.zeros(n, dtype=torch.int64),
-            slots=torch.zeros(n, dtype=torch.int64),
-            block_tables=torch.zeros(n, 1, dtype=torch.int32),
-            context_lens=torch.ones(n, dtype=torch.int32),
+        return decode_batch(
+            torch.tensor(ids), torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64),
+            torch.zeros(n, 1, dtype=torch.int32), torch.ones(n, dtype=torch.int32),
         )  # fmt: skip
 
-    assert graphs.run(3, **batch([1, 2, 3])).tolist() == [[2.0], [4.0], [6.0]]
-    assert graphs.run(4, **batch([4, 5, 6, 7])).tolist() == [[8.0], [10.0], [12.0], [14.0]]
-    assert graphs.run(1, **batch([9])).tolist() == [[18.0]]
-    assert graphs.captures == 2 and calls == [4, 4, 2]  # buckets 4 and 2, each made once
-    assert graphs.run(9, **batch(list(range(9)))) is None  # beyond the largest: eager
+    assert graphs.run(batch([1, 2, 3])).tolist() == [[2.0], [4.0], [6.0]]
+    assert graphs.run(batch([4, 5, 6, 7])).tolist() == [[8.0], [10.0], [12.0], [14.0]]
+    assert graphs.run(batch([9])).tolist() == [[18.0]]
+    assert graphs.run(mixed_batch()).tolist() == [[10.0], [12.0], [144.0], [162.0]]
+    assert graphs.captures == 3 and calls == [
+        GraphShape(4, 0, 0), GraphShape(4, 0, 0), GraphShape(2, 0, 0), GraphShape(2, 16, 2)
+    ]  # fmt: skip
+    assert graphs.run(batch(list(range(9)))) is None  # beyond the largest: eager
 
 
 def test_a_worker_without_kv_capacity_sizes_its_pool_from_the_memory_limit() -> None:

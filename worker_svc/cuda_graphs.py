@@ -1,6 +1,12 @@
-"""CUDA graphs for decode steps: a decode batch of n requests runs as the graph captured for the
-smallest bucket >= n, its inputs copied into static buffers and the rest padded. Capture is once
-per bucket, after the KV pool is allocated (a graph records the pool's addresses).
+"""CUDA graphs for steps: decode-only steps and steps that mix decodes with prompt chunks. A step
+of d decodes and c chunks of t tokens in all runs as the graph captured for its shape's buckets
+(d, t and c each rounded up), its inputs copied into static buffers and the rest padded; a step
+beyond the largest buckets, or with drafts, runs eagerly. Capture is once per shape, on first
+use, after the KV pool is allocated (a graph records the pool's addresses).
+
+Why mixed steps too: on a GPU an eager step of a small model is bound by the host launching
+its ~600 kernels (docs/gpu.md: 19.6 ms for 255 decodes + a 16-token prompt on an H200, of which
+2.1 ms on the GPU), and under load almost every step admits a prompt.
 
 The bucketing and the static buffers are plain torch and are tested on the CPU; only the
 capture itself (`torch.cuda.graph`) needs a GPU."""
@@ -8,10 +14,13 @@ capture itself (`torch.cuda.graph`) needs a GPU."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+CHUNK_TOKEN_BUCKETS = (16, 32, 64, 128, 256)  # a step's prompt-chunk tokens, all chunks together
+CHUNK_BUCKETS = (1, 2, 4, 8)  # a step's prompt chunks
 
 
 def bucket_for(n: int, buckets: tuple[int, ...] = DECODE_BUCKETS) -> int | None:
@@ -22,10 +31,88 @@ def bucket_for(n: int, buckets: tuple[int, ...] = DECODE_BUCKETS) -> int | None:
     return None
 
 
-class StaticDecodeInputs:
-    """The buffers a captured decode graph reads, sized for the largest bucket. A padded row
-    decodes a dummy token at position 0 of `scratch_block` (a block no request owns: the pool
-    keeps one aside) over a context of one position, so it never touches a request's KV."""
+@dataclass(frozen=True, slots=True)
+class GraphShape:
+    """A graph's key: decode rows, prompt-chunk tokens and prompt chunks, each a bucket (or 0).
+    Its flat batch is the decode rows, then the chunks' tokens."""
+
+    decodes: int
+    chunk_tokens: int
+    chunks: int
+
+    @property
+    def tokens(self) -> int:
+        return self.decodes + self.chunk_tokens
+
+    @property
+    def logit_rows(self) -> int:
+        """Every decode row's, then each chunk's last token's."""
+        return self.decodes + self.chunks
+
+
+def shape_for(
+    decodes: int,
+    chunk_tokens: int,
+    chunks: int,
+    decode_buckets: tuple[int, ...] = DECODE_BUCKETS,
+    token_buckets: tuple[int, ...] = CHUNK_TOKEN_BUCKETS,
+    chunk_buckets: tuple[int, ...] = CHUNK_BUCKETS,
+) -> GraphShape | None:
+    """The graph a step of this size runs as; None when a part is beyond its largest bucket."""
+    d = bucket_for(decodes, decode_buckets) if decodes else 0
+    t = bucket_for(chunk_tokens, token_buckets) if chunks else 0
+    c = bucket_for(chunks, chunk_buckets) if chunks else 0
+    if d is None or t is None or c is None or not d + c:
+        return None
+    return GraphShape(d, t, c)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """A step as host tensors: the decodes (one token each), then the prompt chunks."""
+
+    token_ids: torch.Tensor  # [decodes + chunk tokens] int64
+    positions: torch.Tensor  # [decodes + chunk tokens] int64
+    slots: torch.Tensor  # [decodes + chunk tokens] int64
+    block_tables: torch.Tensor  # [decodes, blocks] int32
+    context_lens: torch.Tensor  # [decodes] int32: cached positions incl. the new token
+    chunk_tables: torch.Tensor  # [chunks, blocks] int32
+    chunk_lengths: torch.Tensor  # [chunks] int32: tokens in each chunk
+    chunk_starts: torch.Tensor  # [chunks] int32: position of each chunk's first token
+
+    @property
+    def decodes(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def chunks(self) -> int:
+        return self.chunk_tables.shape[0]
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.token_ids.shape[0] - self.decodes
+
+
+def decode_batch(
+    token_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> StepBatch:
+    """A decode-only step."""
+    none = torch.zeros(0, dtype=torch.int32)
+    return StepBatch(
+        token_ids, positions, slots, block_tables, context_lens, none.view(0, 1), none, none
+    )
+
+
+class StaticStepInputs:
+    """The buffers a captured graph reads, sized for the largest buckets. Padding decodes a
+    dummy token at position 0 of `scratch_block` (a block no request owns: the pool keeps one
+    aside) over a context of one position; padded chunk tokens write the same scratch slot and
+    no chunk reads them; padded chunks have no tokens. So padding never touches a request's KV.
+    `logits` is where every graph leaves its output (the graphs share one memory pool)."""
 
     def __init__(
         self,
@@ -34,95 +121,156 @@ class StaticDecodeInputs:
         scratch_block: int,
         block_size: int,
         device: torch.device,
+        max_chunk_tokens: int = 0,
+        max_chunks: int = 0,
     ) -> None:
         self.max_rows, self.max_blocks = max_rows, max_blocks
+        self.max_chunk_tokens, self.max_chunks = max_chunk_tokens, max_chunks
         self.scratch_block, self.scratch_slot = scratch_block, scratch_block * block_size
+        tokens = max_rows + max_chunk_tokens
         i64 = {"dtype": torch.int64, "device": device}
-        self.token_ids = torch.zeros(max_rows, **i64)  # [rows]
-        self.positions = torch.zeros(max_rows, **i64)  # [rows]
-        self.slots = torch.zeros(max_rows, **i64)  # [rows]
-        self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
-        self.context_lens = torch.ones(max_rows, dtype=torch.int32, device=device)  # [rows]
-        self.pad(0, max_rows)
+        i32 = {"dtype": torch.int32, "device": device}
+        self.token_ids = torch.zeros(tokens, **i64)  # [tokens]: the decodes, then chunk tokens
+        self.positions = torch.zeros(tokens, **i64)
+        self.slots = torch.zeros(tokens, **i64)
+        self.block_tables = torch.zeros(max_rows, max_blocks, **i32)
+        self.context_lens = torch.ones(max_rows, **i32)
+        self.chunk_tables = torch.zeros(max_chunks, max_blocks, **i32)
+        self.chunk_offsets = torch.zeros(max_chunks, **i32)  # row of a chunk's first token
+        self.chunk_lengths = torch.zeros(max_chunks, **i32)
+        self.chunk_starts = torch.zeros(max_chunks, **i32)
+        self.logit_rows = torch.zeros(max_rows + max_chunks, **i64)
+        self.decode_rows = torch.arange(max_rows, **i64)  # decode row i's logits are row i
+        self.logits: torch.Tensor | None = None  # [max_rows + max_chunks, vocab], set by the runner
+        self.pad_decodes(0, max_rows)
+        self.pad_tokens(max_rows, tokens)
 
-    def fill(
-        self,
-        bucket: int,
-        token_ids: torch.Tensor,  # [n] int64
-        positions: torch.Tensor,  # [n] int64
-        slots: torch.Tensor,  # [n] int64
-        block_tables: torch.Tensor,  # [n, blocks] int32, blocks <= max_blocks
-        context_lens: torch.Tensor,  # [n] int32
-    ) -> None:
-        """Copy a batch of n <= bucket rows in (host tensors may be pinned: the copies do not
-        wait); rows n..bucket become padding."""
-        n, blocks = block_tables.shape
-        if n > bucket or bucket > self.max_rows or blocks > self.max_blocks:
-            raise ValueError(f"{n} rows x {blocks} blocks do not fit bucket {bucket}")
-        self.token_ids[:n].copy_(token_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slots[:n].copy_(slots, non_blocking=True)
-        self.block_tables[:n, :blocks].copy_(block_tables, non_blocking=True)
-        self.block_tables[:n, blocks:].zero_()
-        self.context_lens[:n].copy_(context_lens, non_blocking=True)
-        self.pad(n, bucket)
+    def fill(self, shape: GraphShape, batch: StepBatch) -> None:
+        """Copy the batch in (host tensors may be pinned: the copies do not wait); the rest of
+        the shape becomes padding."""
+        n, c, t = batch.decodes, batch.chunks, batch.chunk_tokens
+        blocks = max(batch.block_tables.shape[1], batch.chunk_tables.shape[1])
+        if (
+            n > shape.decodes or c > shape.chunks or t > shape.chunk_tokens
+            or shape.decodes > self.max_rows or shape.chunks > self.max_chunks
+            or shape.chunk_tokens > self.max_chunk_tokens or blocks > self.max_blocks
+        ):  # fmt: skip
+            raise ValueError(
+                f"{n} decodes, {c} chunks of {t} tokens x {blocks} blocks do not fit {shape}"
+            )
+        d = shape.decodes
+        copy = {"non_blocking": True}
+        self.token_ids[:n].copy_(batch.token_ids[:n], **copy)
+        self.positions[:n].copy_(batch.positions[:n], **copy)
+        self.slots[:n].copy_(batch.slots[:n], **copy)
+        width = batch.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(batch.block_tables, **copy)
+        self.block_tables[:n, width:].zero_()
+        self.context_lens[:n].copy_(batch.context_lens, **copy)
+        self.pad_decodes(n, d)
+        self.logit_rows[:d].copy_(self.decode_rows[:d])  # a mixed step's chunks wrote there
+        if not shape.chunks:
+            return
+        self.token_ids[d : d + t].copy_(batch.token_ids[n:], **copy)
+        self.positions[d : d + t].copy_(batch.positions[n:], **copy)
+        self.slots[d : d + t].copy_(batch.slots[n:], **copy)
+        self.pad_tokens(d + t, shape.tokens)
+        width = batch.chunk_tables.shape[1]
+        self.chunk_tables[:c, :width].copy_(batch.chunk_tables, **copy)
+        self.chunk_tables[:c, width:].zero_()
+        self.chunk_tables[c : shape.chunks].zero_()
+        lengths = batch.chunk_lengths.to(torch.int64)
+        offsets = d + torch.cumsum(lengths, 0) - lengths  # host arithmetic, [c]
+        self.chunk_offsets[:c].copy_(offsets, **copy)
+        self.chunk_lengths[:c].copy_(batch.chunk_lengths, **copy)
+        self.chunk_starts[:c].copy_(batch.chunk_starts, **copy)
+        self.chunk_lengths[c : shape.chunks].zero_()  # no tokens: the kernel skips them
+        self.logit_rows[d : d + c].copy_(offsets + lengths - 1, **copy)
+        self.logit_rows[d + c : d + shape.chunks].zero_()
 
-    def pad(self, start: int, end: int) -> None:
-        self.token_ids[start:end].zero_()
-        self.positions[start:end].zero_()
-        self.slots[start:end].fill_(self.scratch_slot)
+    def pad_decodes(self, start: int, end: int) -> None:
+        self.pad_tokens(start, end)
         self.block_tables[start:end].zero_()
         self.block_tables[start:end, 0] = self.scratch_block
         self.context_lens[start:end].fill_(1)
 
+    def pad_tokens(self, start: int, end: int) -> None:
+        self.token_ids[start:end].zero_()
+        self.positions[start:end].zero_()
+        self.slots[start:end].fill_(self.scratch_slot)
 
-class DecodeGraphs:
-    """One captured graph per bucket, made on first use. `step(inputs, rows)` runs the decode
-    forward over the first `rows` of the static inputs and returns the logits [rows, vocab];
-    on a GPU it is captured once per bucket and then replayed; elsewhere it is simply called."""
+
+class StepGraphs:
+    """One captured graph per shape, made on first use. `step(inputs, shape)` runs the forward
+    over the shape's part of the static inputs and returns its logits [shape.logit_rows, vocab];
+    on a GPU it is captured once per shape and then replayed; elsewhere it is simply called."""
 
     def __init__(
         self,
-        inputs: StaticDecodeInputs,
-        step: Callable[[StaticDecodeInputs, int], torch.Tensor],
+        inputs: StaticStepInputs,
+        step: Callable[[StaticStepInputs, GraphShape], torch.Tensor],
         device: torch.device,
         buckets: tuple[int, ...] = DECODE_BUCKETS,
+        token_buckets: tuple[int, ...] = CHUNK_TOKEN_BUCKETS,
+        chunk_buckets: tuple[int, ...] = CHUNK_BUCKETS,
     ) -> None:
         self.inputs, self.step, self.device = inputs, step, device
         self.buckets = tuple(b for b in buckets if b <= inputs.max_rows)
-        self.graphs: dict[int, tuple[object, torch.Tensor]] = {}  # bucket -> (graph, logits)
+        self.token_buckets = tuple(b for b in token_buckets if b <= inputs.max_chunk_tokens)
+        self.chunk_buckets = tuple(b for b in chunk_buckets if b <= inputs.max_chunks)
+        self.graphs: dict[GraphShape, object] = {}
         self.captures = 0
+        self.pool = torch.cuda.graph_pool_handle() if self.capturing else None
 
     @property
     def capturing(self) -> bool:
         return self.device.type == "cuda"
 
-    def run(self, n: int, **batch: torch.Tensor) -> torch.Tensor | None:
-        """The logits of a decode batch of n rows, or None when n exceeds every bucket (the
-        caller runs it eagerly)."""
-        bucket = bucket_for(n, self.buckets)
-        if bucket is None:
+    def shape(self, batch: StepBatch) -> GraphShape | None:
+        return shape_for(
+            batch.decodes, batch.chunk_tokens, batch.chunks,
+            self.buckets, self.token_buckets, self.chunk_buckets,
+        )  # fmt: skip
+
+    def run(self, batch: StepBatch) -> torch.Tensor | None:
+        """The step's logits: its decodes' rows, then each chunk's last token's; None when the
+        step fits no graph (the caller runs it eagerly). The rows are overwritten by the next
+        step: read them first."""
+        shape = self.shape(batch)
+        if shape is None:
             return None
-        self.inputs.fill(bucket, **batch)
-        if bucket not in self.graphs:
-            self.graphs[bucket] = self.capture(bucket)
-        graph, logits = self.graphs[bucket]
+        self.inputs.fill(shape, batch)
+        if shape not in self.graphs:
+            self.graphs[shape] = self.capture(shape)
+        graph = self.graphs[shape]
         if graph is None:
-            logits = self.step(self.inputs, bucket)
+            logits = self.step(self.inputs, shape)
         else:
             graph.replay()
-        return logits[:n]
+            logits = self.inputs.logits
+        keep = [*range(batch.decodes), *range(shape.decodes, shape.decodes + batch.chunks)]
+        if keep == list(range(len(keep))):
+            return logits[: len(keep)]
+        return logits[torch.tensor(keep, device=logits.device)]
 
-    def capture(self, bucket: int) -> tuple[object, torch.Tensor]:
+    def capture(self, shape: GraphShape) -> object:
+        """The shape's graph (None where nothing is captured: the step is called each time).
+        Its logits land in `inputs.logits`, outside the graphs' shared pool."""
         self.captures += 1
         if not self.capturing:
-            return None, torch.empty(0)
+            return None
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm up outside the graph (allocator, autotuning)
-            self.step(self.inputs, bucket)
+            logits = self.step(self.inputs, shape)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.inputs.logits is None:
+            rows = self.inputs.max_rows + self.inputs.max_chunks
+            self.inputs.logits = torch.empty(
+                rows, logits.shape[-1], dtype=logits.dtype, device=logits.device
+            )
+        out = self.inputs.logits[: shape.logit_rows]
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = self.step(self.inputs, bucket)
-        return graph, logits
+        with torch.cuda.graph(graph, pool=self.pool):
+            out.copy_(self.step(self.inputs, shape))
+        return graph
