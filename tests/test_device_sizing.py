@@ -167,8 +167,16 @@ def test_a_mixed_step_lays_out_decodes_then_chunk_tokens_each_part_padded() -> N
     assert inputs.chunk_tables[:3].tolist() == [[6, 0, 0, 0], [7, 8, 0, 0], [0, 0, 0, 0]]
     assert inputs.logit_rows[:8].tolist() == [0, 1, 2, 3, 6, 8, 0, 0]  # each chunk's last
     b = mixed_batch()
-    one = StepBatch(b.token_ids[:5], b.positions[:5], b.slots[:5], b.block_tables,
-                    b.context_lens, b.chunk_tables[:1], b.chunk_lengths[:1], b.chunk_starts[:1])
+    one = StepBatch(
+        b.token_ids[:5],
+        b.positions[:5],
+        b.slots[:5],
+        b.block_tables,
+        b.context_lens,
+        b.chunk_tables[:1],
+        b.chunk_lengths[:1],
+        b.chunk_starts[:1],
+    )
     inputs.fill(shape, one)  # fewer chunks in the same shape: the stale one has no tokens now
     assert inputs.chunk_lengths.tolist() == [3, 0, 0, 0]
     assert inputs.logit_rows[4:8].tolist() == [6, 0, 0, 0]
