@@ -51,10 +51,10 @@ def markdown(report: dict) -> str:
 def _logits(results: list) -> list[str]:
     head = (
         "shape | dtype | max abs diff vs transformers | ours / theirs vs fp32 | greedy agreement "
-        "| ok"
+        "| graphs vs eager | ok"
     )
     rows = [_logit_row(r["shape"], dtype, r[dtype]) for r in results for dtype in ("fp32", "bf16")]
-    return _table(head, "llrrrl", rows)
+    return _table(head, "llrrrrl", rows)
 
 
 def _logit_row(shape: str, dtype: str, d: dict) -> str:
@@ -62,8 +62,17 @@ def _logit_row(shape: str, dtype: str, d: dict) -> str:
         f"| {shape} | {dtype} | {d['max_abs_diff_vs_transformers']:.2e} | "
         f"{d['ours_max_abs_diff_vs_fp32_reference']:.2e} / "
         f"{d['theirs_max_abs_diff_vs_fp32_reference']:.2e} | "
-        f"{100 * d['greedy_agreement']:.0f}% | {'ok' if d['ok'] else 'FAILED'} |"
+        f"{100 * d['greedy_agreement']:.0f}% | {graphs_vs_eager(d)} | "
+        f"{'ok' if d['ok'] else 'FAILED'} |"
     )
+
+
+def graphs_vs_eager(d: dict) -> str:
+    """Our CUDA-graph path's max abs diff from our eager path, and its greedy agreement."""
+    if "graphs_max_abs_diff_vs_eager" not in d:
+        return "—"
+    diff, same = d["graphs_max_abs_diff_vs_eager"], d["graphs_greedy_agreement_vs_eager"]
+    return f"{diff:.2e}, {100 * same:.0f}%"
 
 
 def _kernels(results: list) -> list[str]:

@@ -73,7 +73,9 @@ def check_logits(shape_name: str, device: str, decodes: int = 8) -> dict:
     weights, in fp32 and in bf16. Both follow the fp32 reference's greedy tokens (a bf16 path may
     pick another token and wander off). fp32 passes within 1e-3 of the logits' scale with every
     greedy token equal; bf16 passes when ours is no further from the fp32 reference than
-    transformers' bf16 is (twice its distance at most) and their greedy tokens mostly agree."""
+    transformers' bf16 is (twice its distance at most) and their greedy tokens mostly agree. On a
+    CUDA device ours also runs by CUDA graphs (the prefill and the decodes each as a captured
+    step), held to the same bounds against our eager path."""
     torch.backends.cuda.matmul.allow_tf32 = False
     prompt = [1, 504, 3458, 282, 4649, 314, 2, 17, 29, 41]
     blocks = -(-(len(prompt) + decodes + 1) // 16) + 1
@@ -82,13 +84,20 @@ def check_logits(shape_name: str, device: str, decodes: int = 8) -> dict:
         config, weights = random_model(shape_name, dtype, device)
         theirs = hf_model(config, weights, dtype, attn="sdpa").to(device)
         ours = ModelRunner(config, weights, blocks, 16, dtype, device=device)
-        paths[label] = (ours, theirs)
+        graphs = None
+        if torch.device(device).type == "cuda":
+            graphs = ModelRunner(
+                config, weights, blocks, 16, dtype, device=device, cuda_graphs=True
+            )
+        paths[label] = (ours, theirs, graphs)
     ids = list(prompt)
     item = WorkItem("check", list(prompt), 0, list(range(blocks)))
-    steps = {label: {"ours": [], "theirs": []} for label in paths}
+    steps = {label: {"ours": [], "theirs": [], "graphs": []} for label in paths}
     for _ in range(decodes + 1):
-        for label, (ours, theirs) in paths.items():
+        for label, (ours, theirs, graphs) in paths.items():
             steps[label]["ours"].append(ours.compute_logits([item])[0].float().cpu())
+            if graphs is not None:
+                steps[label]["graphs"].append(graphs.compute_logits([item])[0].float().cpu())
             tokens = torch.tensor([ids], device=device)
             steps[label]["theirs"].append(theirs(input_ids=tokens).logits[0, -1].float().cpu())
         token = int(steps["fp32"]["theirs"][-1].argmax())
@@ -106,6 +115,12 @@ def check_logits(shape_name: str, device: str, decodes: int = 8) -> dict:
             "theirs_max_abs_diff_vs_fp32_reference": (theirs - reference).abs().max().item(),
             "greedy_agreement": (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item(),
         }
+        if steps[label]["graphs"]:
+            graphs = torch.stack(steps[label]["graphs"])
+            result[label]["graphs_max_abs_diff_vs_eager"] = (graphs - ours).abs().max().item()
+            result[label]["graphs_greedy_agreement_vs_eager"] = (
+                (graphs.argmax(-1) == ours.argmax(-1)).float().mean().item()
+            )
     fp32, bf16 = result["fp32"], result["bf16"]
     fp32["ok"] = fp32["max_abs_diff_vs_transformers"] <= 1e-3 * scale and (
         fp32["greedy_agreement"] == 1.0
@@ -113,6 +128,13 @@ def check_logits(shape_name: str, device: str, decodes: int = 8) -> dict:
     bf16["ok"] = bf16["ours_max_abs_diff_vs_fp32_reference"] <= 2 * max(
         bf16["theirs_max_abs_diff_vs_fp32_reference"], 1e-3 * scale
     ) and (bf16["greedy_agreement"] >= 0.75)
+    for label, bound in (
+        ("fp32", 1e-3 * scale),
+        ("bf16", bf16["ours_max_abs_diff_vs_fp32_reference"]),
+    ):
+        d = result[label]
+        if "graphs_max_abs_diff_vs_eager" in d:  # graphs: no further from eager than that
+            d["ok"] = d["ok"] and d["graphs_max_abs_diff_vs_eager"] <= max(bound, 1e-3 * scale)
     result["ok"] = fp32["ok"] and bf16["ok"]
     del paths
     free_device_memory()
