@@ -59,7 +59,9 @@ class WorkerSettings:
         "--token-budget)",
     )
     cuda_graphs: bool = setting(
-        True, "replay decode steps as CUDA graphs at bucketed batch sizes (GPU only)"
+        True,
+        "replay steps (decodes, and decodes beside small prompt chunks) as CUDA graphs at "
+        "bucketed sizes (GPU only)",
     )
     block_size: int = setting(16, "positions per KV block")
     threads: int = setting(0, "torch threads; 0 = torch's default")

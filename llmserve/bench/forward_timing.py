@@ -46,7 +46,7 @@ class Ours:
         device: str = "cpu",
         cuda_graphs: bool = False,
     ) -> None:
-        """cuda_graphs: decode steps replay CUDA graphs (a CUDA device only, as in a worker)."""
+        """cuda_graphs: steps replay CUDA graphs (a CUDA device only, as in a worker)."""
         self.block_size = block_size
         per_request = -(-(context + 1) // block_size)
         num_blocks = max_batch * per_request + 8
