@@ -59,18 +59,30 @@ def main() -> None:
     slots = off.runner.pool.k.shape[1]
     on.runner.pool.k[:, :slots].copy_(off.runner.pool.k)
     on.runner.pool.v[:, :slots].copy_(off.runner.pool.v)
-    items = [*off.decode_items(big - 1), WorkItem("p", prompt, 0, off.tables[big - 1])]
-    eager = off.runner.compute_logits(items).float()
-    graph = on.runner.compute_logits(items).float()
-    scale = eager.abs().max().item()
-    figures["mixed_graph_vs_eager"] = {
-        "rows": len(items),
-        "max_abs_diff": round((graph - eager).abs().max().item(), 4),
-        "logit_scale": round(scale, 2),
-        "greedy_agreement": (graph.argmax(-1) == eager.argmax(-1)).float().mean().item(),
-        "graph_shapes": [str(s) for s in on.runner.graphs.graphs] if on.runner.graphs else [],
-    }
-    print(figures["mixed_graph_vs_eager"], flush=True)
+    drafts = [
+        WorkItem(str(i), [100 + i, *range(200, 205)], context - 5, off.tables[i], sample_index=1,
+                 drafted=5)
+        for i in range(8)
+    ]  # fmt: skip
+    for name, items in {
+        "mixed_graph_vs_eager": [
+            *off.decode_items(big - 1),
+            WorkItem("p", prompt, 0, off.tables[big - 1]),
+        ],
+        "draft_graph_vs_eager": drafts,
+    }.items():
+        eager = off.runner.compute_logits(items).float()
+        graph = on.runner.compute_logits(items).float()
+        figures[name] = {
+            "items": len(items),
+            "rows": graph.shape[0],
+            "max_abs_diff": round((graph - eager).abs().max().item(), 4),
+            "logit_scale": round(eager.abs().max().item(), 2),
+            "greedy_agreement": (graph.argmax(-1) == eager.argmax(-1)).float().mean().item(),
+        }
+        print(name, figures[name], flush=True)
+    graphs = on.runner.graphs
+    figures["graph_shapes"] = [str(s) for s in graphs.graphs] if graphs else []  # type: ignore
     tables = {}
     for name, fn in {
         f"graphs_on decode@{big}": on.decode(big),

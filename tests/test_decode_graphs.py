@@ -115,14 +115,41 @@ def test_mixed_steps_by_graph_give_the_ordinary_paths_logits(runners) -> None:
     assert torch.allclose(plain.pool.k[:, :owned], graphs.pool.k[:, :owned], atol=1e-5)
     assert graphs.pool.k[:, owned : BLOCKS * BS].abs().sum() == 0  # padding: scratch block only
     assert set(graphs.graphs.graphs) == {
-        GraphShape(0, 16, 2), GraphShape(2, 16, 1), GraphShape(4, 0, 0)
+        GraphShape(0, 16, 2, 2), GraphShape(2, 16, 1, 1), GraphShape(4, 0, 0, 0)
     }  # fmt: skip
 
 
-def test_steps_with_drafts_or_beyond_the_buckets_run_eagerly(runners) -> None:
+def draft_steps(runner: ModelRunner) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Three prompts; then a step of one decode beside two drafts (3 and 2 tokens, one of them
+    drafting the greedy tokens, so that some are kept), verified by execute."""
+    items = prompts(3)
+    runner.execute(items)
+    greedy = runner.compute_logits(items).argmax(-1).tolist()
+    for item, token in zip(items, greedy, strict=True):
+        item.start_position, item.token_ids = item.end_position, [token]
+        item.sample_index = 1
+    logits = [runner.compute_logits(items).clone()]  # the greedy next tokens, to draft
+    after = logits[0].argmax(-1).tolist()
+    items[1].token_ids, items[1].drafted = [items[1].token_ids[0], after[1], 7, 9], 3
+    items[2].token_ids, items[2].drafted = [items[2].token_ids[0], 5, 6], 2
+    logits.append(runner.compute_logits(items).clone())
+    runner.execute(items)
+    return logits, [[token for token, _ in item.emitted] for item in items[1:]]
+
+
+def test_drafts_by_graph_give_the_ordinary_paths_logits_and_verdicts(runners) -> None:
     plain, graphs = runners
-    draft = WorkItem("d", [11, 12, 13], 0, [0, 1], drafted=2)
-    assert torch.allclose(plain.compute_logits([draft]), graphs.compute_logits([draft]), atol=1e-5)
-    many = [WorkItem(f"p{i}", [20 + i, 21], 0, [i]) for i in range(9)]  # 9 chunks > 8
-    assert torch.allclose(plain.compute_logits(many), graphs.compute_logits(many), atol=1e-4)
+    (expected, kept), (got, kept_by_graph) = draft_steps(plain), draft_steps(graphs)
+    assert got[1].shape[0] == 1 + 4 + 3  # the decode's row, each draft's every position
+    for a, b in zip(expected, got, strict=True):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-5), (a - b).abs().max()
+    assert kept_by_graph == kept and len(kept[0]) >= 2  # the greedy draft's first token kept
+    assert GraphShape(1, 16, 2, 8) in graphs.graphs.graphs
+
+
+def test_steps_beyond_the_buckets_run_eagerly(runners) -> None:
+    plain, graphs = runners
+    graphs.graphs.chunk_buckets = (1, 2)  # three chunks: beyond
+    items = prompts(3)
+    assert torch.allclose(plain.compute_logits(items), graphs.compute_logits(items), atol=1e-4)
     assert graphs.graphs.captures == 0

@@ -101,17 +101,19 @@ def test_a_decode_batch_runs_in_the_smallest_bucket_that_holds_it() -> None:
 def make_inputs(rows: int = 8, blocks: int = 4) -> StaticStepInputs:
     return StaticStepInputs(
         rows, blocks, scratch_block=9, block_size=16, device=torch.device("cpu"),
-        max_chunk_tokens=32, max_chunks=4,
+        max_chunk_tokens=32, max_chunks=4, max_chunk_logits=8,
     )  # fmt: skip
 
 
 def test_a_step_runs_as_the_graph_of_its_parts_buckets_and_beyond_them_eagerly() -> None:
-    assert shape_for(3, 0, 0) == GraphShape(4, 0, 0)  # decode-only
-    assert shape_for(255, 16, 1) == GraphShape(256, 16, 1)
-    assert shape_for(0, 17, 3) == GraphShape(0, 32, 4)  # prompts alone
+    assert shape_for(3, 0, 0) == GraphShape(4, 0, 0, 0)  # decode-only
+    assert shape_for(255, 16, 1) == GraphShape(256, 16, 1, 1)
+    assert shape_for(0, 17, 3) == GraphShape(0, 32, 4, 4)  # prompts alone
+    assert shape_for(2, 18, 3, 18) == GraphShape(2, 32, 4, 32)  # three drafts of 5 + 1
     assert shape_for(257, 16, 1) is None  # too many decodes
     assert shape_for(8, 300, 1) is None  # too many chunk tokens
-    assert shape_for(8, 64, 9) is None  # too many chunks
+    assert shape_for(8, 256, 65) is None  # too many chunks
+    assert shape_for(0, 256, 64, 257) is None  # too many logit rows
 
 
 def test_static_inputs_hold_the_batch_and_pad_the_rest_onto_the_scratch_block() -> None:
@@ -123,7 +125,7 @@ def test_static_inputs_hold_the_batch_and_pad_the_rest_onto_the_scratch_block() 
         block_tables=torch.tensor([[1, 2], [3, 4], [5, 0]], dtype=torch.int32),
         context_lens=torch.tensor([11, 21, 17], dtype=torch.int32),
     )
-    inputs.fill(GraphShape(4, 0, 0), batch)
+    inputs.fill(GraphShape(4, 0, 0, 0), batch)
     assert inputs.token_ids[:4].tolist() == [5, 6, 7, 0]
     assert inputs.slots[:4].tolist() == [42, 43, 44, 9 * 16]  # the pad writes the scratch slot
     assert inputs.block_tables[:4].tolist() == [
@@ -135,10 +137,10 @@ def test_static_inputs_hold_the_batch_and_pad_the_rest_onto_the_scratch_block() 
     assert inputs.context_lens[:4].tolist() == [11, 21, 17, 1]
     one = decode_batch(*(t[:1] for t in (batch.token_ids, batch.positions, batch.slots)),
                        batch.block_tables[:1], batch.context_lens[:1])  # fmt: skip
-    inputs.fill(GraphShape(2, 0, 0), one)  # a smaller batch: stale rows reset
+    inputs.fill(GraphShape(2, 0, 0, 0), one)  # a smaller batch: stale rows reset
     assert inputs.token_ids[:2].tolist() == [5, 0] and inputs.slots[1] == 9 * 16
     with pytest.raises(ValueError, match="do not fit"):
-        inputs.fill(GraphShape(2, 0, 0), batch)
+        inputs.fill(GraphShape(2, 0, 0, 0), batch)
 
 
 def mixed_batch() -> StepBatch:
@@ -152,12 +154,13 @@ def mixed_batch() -> StepBatch:
         chunk_tables=torch.tensor([[6, 0], [7, 8]], dtype=torch.int32),
         chunk_lengths=torch.tensor([3, 2], dtype=torch.int32),
         chunk_starts=torch.tensor([0, 16], dtype=torch.int32),
+        chunk_logits=torch.tensor([1, 1]),
     )
 
 
 def test_a_mixed_step_lays_out_decodes_then_chunk_tokens_each_part_padded() -> None:
     inputs = make_inputs()
-    shape = GraphShape(4, 16, 4)
+    shape = GraphShape(4, 16, 4, 4)
     inputs.fill(shape, mixed_batch())
     assert inputs.token_ids[:8].tolist() == [5, 6, 0, 0, 70, 71, 72, 80]  # decodes padded to 4
     assert inputs.slots[9:20].tolist() == [9 * 16] * 11  # padded chunk tokens: the scratch slot
@@ -176,12 +179,13 @@ def test_a_mixed_step_lays_out_decodes_then_chunk_tokens_each_part_padded() -> N
         b.chunk_tables[:1],
         b.chunk_lengths[:1],
         b.chunk_starts[:1],
+        b.chunk_logits[:1],
     )
     inputs.fill(shape, one)  # fewer chunks in the same shape: the stale one has no tokens now
     assert inputs.chunk_lengths.tolist() == [3, 0, 0, 0]
     assert inputs.logit_rows[4:8].tolist() == [6, 0, 0, 0]
     assert inputs.slots[7:9].tolist() == [9 * 16] * 2
-    inputs.fill(GraphShape(2, 0, 0), decode_batch(  # then a decode step: the chunks are gone
+    inputs.fill(GraphShape(2, 0, 0, 0), decode_batch(  # then a decode step: the chunks are gone
         torch.tensor([1]), torch.tensor([3]), torch.tensor([19]),
         torch.tensor([[1]], dtype=torch.int32), torch.tensor([4], dtype=torch.int32),
     ))  # fmt: skip
@@ -209,8 +213,13 @@ def test_graphs_are_made_once_per_shape_and_return_only_the_batch_rows() -> None
     assert graphs.run(batch([4, 5, 6, 7])).tolist() == [[8.0], [10.0], [12.0], [14.0]]
     assert graphs.run(batch([9])).tolist() == [[18.0]]
     assert graphs.run(mixed_batch()).tolist() == [[10.0], [12.0], [144.0], [162.0]]
-    assert graphs.captures == 3 and calls == [
-        GraphShape(4, 0, 0), GraphShape(4, 0, 0), GraphShape(2, 0, 0), GraphShape(2, 16, 2)
+    drafts = mixed_batch()
+    drafts.chunk_logits = torch.tensor([3, 2])  # both chunks drafts: every position scored
+    assert graphs.run(drafts).tolist() == [[10.0], [12.0], [140.0], [142.0], [144.0], [160.0],
+                                           [162.0]]  # fmt: skip
+    assert graphs.captures == 4 and calls == [
+        GraphShape(4, 0, 0, 0), GraphShape(4, 0, 0, 0), GraphShape(2, 0, 0, 0),
+        GraphShape(2, 16, 2, 2), GraphShape(2, 16, 2, 8),
     ]  # fmt: skip
     assert graphs.run(batch(list(range(9)))) is None  # beyond the largest: eager
 

@@ -1,12 +1,15 @@
-"""CUDA graphs for steps: decode-only steps and steps that mix decodes with prompt chunks. A step
-of d decodes and c chunks of t tokens in all runs as the graph captured for its shape's buckets
-(d, t and c each rounded up), its inputs copied into static buffers and the rest padded; a step
-beyond the largest buckets, or with drafts, runs eagerly. Capture is once per shape, on first
-use, after the KV pool is allocated (a graph records the pool's addresses).
+"""CUDA graphs for steps: decode-only steps, and steps with chunks beside the decodes: prompt
+chunks, and drafts (speculative decoding: a request's last token and its draft, every position
+scored). A step of d decodes and c chunks of t tokens in all, which want l logit rows, runs as
+the graph captured for its shape's buckets (d, t, c and l each rounded up), its inputs copied
+into static buffers and the rest padded; a step beyond the largest buckets runs eagerly.
+Capture is once per shape, on first use, after the KV pool is allocated (a graph records the
+pool's addresses).
 
 Why mixed steps too: on a GPU an eager step of a small model is bound by the host launching
 its ~600 kernels (docs/gpu.md: 19.6 ms for 255 decodes + a 16-token prompt on an H200, of which
-2.1 ms on the GPU), and under load almost every step admits a prompt.
+2.1 ms on the GPU), under load almost every step admits a prompt, and a draft's step eagerly
+would cost several plain steps by graph.
 
 The bucketing and the static buffers are plain torch and are tested on the CPU; only the
 capture itself (`torch.cuda.graph`) needs a GPU."""
@@ -20,7 +23,8 @@ import torch
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 CHUNK_TOKEN_BUCKETS = (16, 32, 64, 128, 256)  # a step's prompt-chunk tokens, all chunks together
-CHUNK_BUCKETS = (1, 2, 4, 8)  # a step's prompt chunks
+CHUNK_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a step's chunks (prompt chunks and drafts)
+CHUNK_LOGIT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # their logit rows (a draft's: 1 + k)
 
 
 def bucket_for(n: int, buckets: tuple[int, ...] = DECODE_BUCKETS) -> int | None:
@@ -33,12 +37,13 @@ def bucket_for(n: int, buckets: tuple[int, ...] = DECODE_BUCKETS) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class GraphShape:
-    """A graph's key: decode rows, prompt-chunk tokens and prompt chunks, each a bucket (or 0).
-    Its flat batch is the decode rows, then the chunks' tokens."""
+    """A graph's key: decode rows, chunk tokens, chunks and the chunks' logit rows, each a
+    bucket (or 0). Its flat batch is the decode rows, then the chunks' tokens."""
 
     decodes: int
     chunk_tokens: int
     chunks: int
+    chunk_logits: int = 0
 
     @property
     def tokens(self) -> int:
@@ -46,30 +51,37 @@ class GraphShape:
 
     @property
     def logit_rows(self) -> int:
-        """Every decode row's, then each chunk's last token's."""
-        return self.decodes + self.chunks
+        """Every decode row's, then each chunk's last rows' (its last token's, a draft's last
+        1 + k)."""
+        return self.decodes + self.chunk_logits
 
 
 def shape_for(
     decodes: int,
     chunk_tokens: int,
     chunks: int,
+    chunk_logits: int = -1,
     decode_buckets: tuple[int, ...] = DECODE_BUCKETS,
     token_buckets: tuple[int, ...] = CHUNK_TOKEN_BUCKETS,
     chunk_buckets: tuple[int, ...] = CHUNK_BUCKETS,
+    logit_buckets: tuple[int, ...] = CHUNK_LOGIT_BUCKETS,
 ) -> GraphShape | None:
-    """The graph a step of this size runs as; None when a part is beyond its largest bucket."""
+    """The graph a step of this size runs as; None when a part is beyond its largest bucket.
+    chunk_logits: the chunks' logit rows (-1: one each)."""
+    chunk_logits = chunks if chunk_logits < 0 else chunk_logits
     d = bucket_for(decodes, decode_buckets) if decodes else 0
     t = bucket_for(chunk_tokens, token_buckets) if chunks else 0
     c = bucket_for(chunks, chunk_buckets) if chunks else 0
-    if d is None or t is None or c is None or not d + c:
+    r = bucket_for(chunk_logits, logit_buckets) if chunks else 0
+    if d is None or t is None or c is None or r is None or not d + c:
         return None
-    return GraphShape(d, t, c)
+    return GraphShape(d, t, c, r)
 
 
 @dataclass(slots=True)
 class StepBatch:
-    """A step as host tensors: the decodes (one token each), then the prompt chunks."""
+    """A step as host tensors: the decodes (one token each), then the chunks (prompt chunks and
+    drafts)."""
 
     token_ids: torch.Tensor  # [decodes + chunk tokens] int64
     positions: torch.Tensor  # [decodes + chunk tokens] int64
@@ -79,6 +91,7 @@ class StepBatch:
     chunk_tables: torch.Tensor  # [chunks, blocks] int32
     chunk_lengths: torch.Tensor  # [chunks] int32: tokens in each chunk
     chunk_starts: torch.Tensor  # [chunks] int32: position of each chunk's first token
+    chunk_logits: torch.Tensor  # [chunks] int64: logit rows of each (1; a draft's 1 + k)
 
     @property
     def decodes(self) -> int:
@@ -92,6 +105,10 @@ class StepBatch:
     def chunk_tokens(self) -> int:
         return self.token_ids.shape[0] - self.decodes
 
+    @property
+    def chunk_logit_rows(self) -> int:
+        return int(self.chunk_logits.sum())
+
 
 def decode_batch(
     token_ids: torch.Tensor,
@@ -103,8 +120,9 @@ def decode_batch(
     """A decode-only step."""
     none = torch.zeros(0, dtype=torch.int32)
     return StepBatch(
-        token_ids, positions, slots, block_tables, context_lens, none.view(0, 1), none, none
-    )
+        token_ids, positions, slots, block_tables, context_lens, none.view(0, 1), none, none,
+        none.long(),
+    )  # fmt: skip
 
 
 class StaticStepInputs:
@@ -123,9 +141,11 @@ class StaticStepInputs:
         device: torch.device,
         max_chunk_tokens: int = 0,
         max_chunks: int = 0,
+        max_chunk_logits: int = 0,
     ) -> None:
         self.max_rows, self.max_blocks = max_rows, max_blocks
         self.max_chunk_tokens, self.max_chunks = max_chunk_tokens, max_chunks
+        self.max_chunk_logits = max_chunk_logits
         self.scratch_block, self.scratch_slot = scratch_block, scratch_block * block_size
         tokens = max_rows + max_chunk_tokens
         i64 = {"dtype": torch.int64, "device": device}
@@ -139,24 +159,26 @@ class StaticStepInputs:
         self.chunk_offsets = torch.zeros(max_chunks, **i32)  # row of a chunk's first token
         self.chunk_lengths = torch.zeros(max_chunks, **i32)
         self.chunk_starts = torch.zeros(max_chunks, **i32)
-        self.logit_rows = torch.zeros(max_rows + max_chunks, **i64)
+        self.logit_rows = torch.zeros(max_rows + max_chunk_logits, **i64)
         self.decode_rows = torch.arange(max_rows, **i64)  # decode row i's logits are row i
-        self.logits: torch.Tensor | None = None  # [max_rows + max_chunks, vocab], set by the runner
+        self.logits: torch.Tensor | None = None  # [max_rows + max_chunk_logits, vocab]
         self.pad_decodes(0, max_rows)
         self.pad_tokens(max_rows, tokens)
 
     def fill(self, shape: GraphShape, batch: StepBatch) -> None:
         """Copy the batch in (host tensors may be pinned: the copies do not wait); the rest of
         the shape becomes padding."""
-        n, c, t = batch.decodes, batch.chunks, batch.chunk_tokens
+        n, c, t, r = batch.decodes, batch.chunks, batch.chunk_tokens, batch.chunk_logit_rows
         blocks = max(batch.block_tables.shape[1], batch.chunk_tables.shape[1])
         if (
             n > shape.decodes or c > shape.chunks or t > shape.chunk_tokens
-            or shape.decodes > self.max_rows or shape.chunks > self.max_chunks
-            or shape.chunk_tokens > self.max_chunk_tokens or blocks > self.max_blocks
+            or r > shape.chunk_logits or shape.decodes > self.max_rows
+            or shape.chunks > self.max_chunks or shape.chunk_tokens > self.max_chunk_tokens
+            or shape.chunk_logits > self.max_chunk_logits or blocks > self.max_blocks
         ):  # fmt: skip
             raise ValueError(
-                f"{n} decodes, {c} chunks of {t} tokens x {blocks} blocks do not fit {shape}"
+                f"{n} decodes, {c} chunks of {t} tokens ({r} logit rows) x {blocks} blocks "
+                f"do not fit {shape}"
             )
         d = shape.decodes
         copy = {"non_blocking": True}
@@ -185,8 +207,11 @@ class StaticStepInputs:
         self.chunk_lengths[:c].copy_(batch.chunk_lengths, **copy)
         self.chunk_starts[:c].copy_(batch.chunk_starts, **copy)
         self.chunk_lengths[c : shape.chunks].zero_()  # no tokens: the kernel skips them
-        self.logit_rows[d : d + c].copy_(offsets + lengths - 1, **copy)
-        self.logit_rows[d + c : d + shape.chunks].zero_()
+        ends = (offsets + lengths).tolist()  # each chunk's logit rows: its last `wanted` tokens
+        rows = [row for end, k in zip(ends, batch.chunk_logits.tolist(), strict=True)
+                for row in range(end - k, end)]  # fmt: skip
+        self.logit_rows[d : d + r].copy_(torch.tensor(rows, dtype=torch.int64), **copy)
+        self.logit_rows[d + r : d + shape.chunk_logits].zero_()
 
     def pad_decodes(self, start: int, end: int) -> None:
         self.pad_tokens(start, end)
@@ -213,11 +238,13 @@ class StepGraphs:
         buckets: tuple[int, ...] = DECODE_BUCKETS,
         token_buckets: tuple[int, ...] = CHUNK_TOKEN_BUCKETS,
         chunk_buckets: tuple[int, ...] = CHUNK_BUCKETS,
+        logit_buckets: tuple[int, ...] = CHUNK_LOGIT_BUCKETS,
     ) -> None:
         self.inputs, self.step, self.device = inputs, step, device
         self.buckets = tuple(b for b in buckets if b <= inputs.max_rows)
         self.token_buckets = tuple(b for b in token_buckets if b <= inputs.max_chunk_tokens)
         self.chunk_buckets = tuple(b for b in chunk_buckets if b <= inputs.max_chunks)
+        self.logit_buckets = tuple(b for b in logit_buckets if b <= inputs.max_chunk_logits)
         self.graphs: dict[GraphShape, object] = {}
         self.captures = 0
         self.pool = torch.cuda.graph_pool_handle() if self.capturing else None
@@ -228,14 +255,14 @@ class StepGraphs:
 
     def shape(self, batch: StepBatch) -> GraphShape | None:
         return shape_for(
-            batch.decodes, batch.chunk_tokens, batch.chunks,
-            self.buckets, self.token_buckets, self.chunk_buckets,
+            batch.decodes, batch.chunk_tokens, batch.chunks, batch.chunk_logit_rows,
+            self.buckets, self.token_buckets, self.chunk_buckets, self.logit_buckets,
         )  # fmt: skip
 
     def run(self, batch: StepBatch) -> torch.Tensor | None:
-        """The step's logits: its decodes' rows, then each chunk's last token's; None when the
-        step fits no graph (the caller runs it eagerly). The rows are overwritten by the next
-        step: read them first."""
+        """The step's logits: its decodes' rows, then each chunk's (its last token's, a draft's
+        last 1 + k); None when the step fits no graph (the caller runs it eagerly). The rows are
+        overwritten by the next step: read them first."""
         shape = self.shape(batch)
         if shape is None:
             return None
@@ -248,7 +275,8 @@ class StepGraphs:
         else:
             graph.replay()
             logits = self.inputs.logits
-        keep = [*range(batch.decodes), *range(shape.decodes, shape.decodes + batch.chunks)]
+        chunk_rows = range(shape.decodes, shape.decodes + batch.chunk_logit_rows)
+        keep = [*range(batch.decodes), *chunk_rows]
         if keep == list(range(len(keep))):
             return logits[: len(keep)]
         return logits[torch.tensor(keep, device=logits.device)]
@@ -265,7 +293,7 @@ class StepGraphs:
             logits = self.step(self.inputs, shape)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self.inputs.logits is None:
-            rows = self.inputs.max_rows + self.inputs.max_chunks
+            rows = self.inputs.max_rows + self.inputs.max_chunk_logits
             self.inputs.logits = torch.empty(
                 rows, logits.shape[-1], dtype=logits.dtype, device=logits.device
             )

@@ -9,6 +9,7 @@ from worker_svc.attention_backend import attention_backend
 from worker_svc.attention_plan import PagedBatch, build_plan
 from worker_svc.cuda_graphs import (
     CHUNK_BUCKETS,
+    CHUNK_LOGIT_BUCKETS,
     CHUNK_TOKEN_BUCKETS,
     DECODE_BUCKETS,
     GraphShape,
@@ -43,8 +44,8 @@ class ModelRunner:
         use_kernels: allow the fused CPU kernels for small bf16 decode steps (model.py; CPU only).
         device: where the weights, the KV pool and every step's tensors live.
         cuda_graphs: steps run as graphs at bucketed sizes (cuda_graphs.py: decode-only steps,
-        and decodes beside small prompt chunks) where the attention is Triton's (a CUDA device;
-        on the CPU only in tests, by the interpreter)."""
+        and decodes beside small prompt chunks or drafts) where the attention is Triton's (a
+        CUDA device; on the CPU only in tests, by the interpreter)."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.config = config
@@ -85,7 +86,7 @@ class ModelRunner:
         max_blocks = -(-self.config.max_context // self.block_size)
         inputs = StaticStepInputs(
             max(DECODE_BUCKETS), max_blocks, self.num_blocks, self.block_size, self.device,
-            max(CHUNK_TOKEN_BUCKETS), max(CHUNK_BUCKETS),
+            max(CHUNK_TOKEN_BUCKETS), max(CHUNK_BUCKETS), max(CHUNK_LOGIT_BUCKETS),
         )  # fmt: skip
 
         def step(inputs: StaticStepInputs, shape: GraphShape) -> torch.Tensor:
@@ -217,21 +218,26 @@ class ModelRunner:
         )
 
     def graph_logits(self, items: list[WorkItem]) -> torch.Tensor | None:
-        """The logits of a step without drafts by its graph (one row per sampled item, in item
-        order), or None when the step fits no graph."""
+        """The logits of a step by its graph (one row per sampled item, a draft's 1 + drafted,
+        in item order), or None when the step fits no graph."""
         batch = step_batch(items, self.block_size)
-        if batch is None:
-            return None
-        logits = self.graphs.run(batch)  # decodes' rows, then the chunks'
+        logits = self.graphs.run(batch)  # the decodes' rows, then the chunks'
         if logits is None:
             return None
         order = [i for i, it in enumerate(items) if len(it.token_ids) == 1]
         order += [i for i, it in enumerate(items) if len(it.token_ids) > 1]
-        picked = [row for row, i in enumerate(order) if items[i].sample]
-        by_item = sorted(picked, key=lambda row: order[row])
-        if by_item == list(range(len(order))):
+        first, row = {}, 0
+        for i in order:
+            first[i], row = row, row + 1 + items[i].drafted
+        picked = [
+            r
+            for i, item in enumerate(items)
+            if item.sample
+            for r in range(first[i], first[i] + 1 + item.drafted)
+        ]
+        if picked == list(range(row)):
             return logits
-        return logits[torch.tensor(by_item, device=logits.device)]
+        return logits[torch.tensor(picked, device=logits.device)]
 
     def check(self, item: WorkItem) -> None:
         if not item.token_ids:
@@ -273,11 +279,9 @@ def plain_greedy(settings: list) -> bool:
     return all(s.greedy and not s.shapes_logits and s.logprobs is None for s in settings)
 
 
-def step_batch(items: list[WorkItem], block_size: int) -> StepBatch | None:
+def step_batch(items: list[WorkItem], block_size: int) -> StepBatch:
     """A step as the static graph inputs take it (host tensors): its single-token items, then
-    its multi-token chunks, each group in item order; None for a step with drafts."""
-    if any(item.drafted for item in items):
-        return None
+    its chunks (prompt chunks and drafts), each group in item order."""
     decodes = [item for item in items if len(item.token_ids) == 1]
     chunks = [item for item in items if len(item.token_ids) > 1]
     token_ids: list[int] = []
@@ -299,6 +303,7 @@ def step_batch(items: list[WorkItem], block_size: int) -> StepBatch | None:
         block_table_tensor(chunks, block_size),
         torch.tensor([len(item.token_ids) for item in chunks], dtype=i32),
         torch.tensor([item.start_position for item in chunks], dtype=i32),
+        torch.tensor([1 + item.drafted for item in chunks], dtype=i64),
     )
 
 

@@ -83,7 +83,7 @@ def _kernels(results: list) -> list[str]:
 def _timings(results: list) -> list[str]:
     head = (
         "shape | case | ours, graphs on (ms) | ours, graphs off (ms) | transformers sdpa (ms) | "
-        "speed-up"
+        "speed-up (verify: its cost)"
     )
     rows = [_timing_row(r["shape"], case, t) for r in results for case, t in r["ms"].items()]
     graphs = results[0]["cuda_graphs"]
@@ -92,11 +92,16 @@ def _timings(results: list) -> list[str]:
 
 
 def _timing_row(shape: str, case: str, t: dict) -> str:
-    on = t.get("ours_graphs_on")
+    """A verify row has no transformers figure: its last column is its cost in decode steps."""
+    on, theirs = t.get("ours_graphs_on"), t.get("transformers_sdpa")
+    if theirs is None:
+        cost = t.get("times_a_decode")
+        last = "—" if cost is None else f"{cost:.2f} decode steps"
+    else:
+        last = f"{t['speedup_vs_transformers']:.2f}x"
     return (
         f"| {shape} | {case} | {'—' if on is None else f'{on:.2f}'} | "
-        f"{t['ours_graphs_off']:.2f} | {t['transformers_sdpa']:.2f} | "
-        f"{t['speedup_vs_transformers']:.2f}x |"
+        f"{t['ours_graphs_off']:.2f} | {'—' if theirs is None else f'{theirs:.2f}'} | {last} |"
     )
 
 

@@ -174,9 +174,14 @@ def run_kernel_tests(device: str, quick: bool) -> dict:
 # ---------------------------------------------------------------------------- timings
 
 
+DRAFTED = 5  # the verify rows' draft: vLLM's num_speculative_tokens in its n-gram examples
+
+
 def time_forwards(shape_name: str, device: str, quick: bool) -> dict:
     """Median ms of decode steps (batch 1/32/256, `context` cached positions each) and a
-    prefill, ours with CUDA graphs on and off and transformers' (sdpa), same weights, bf16."""
+    prefill, ours with CUDA graphs on and off and transformers' (sdpa), same weights, bf16; and
+    ours verifying drafts (1 + DRAFTED tokens a request, at 1 and 8 requests), with their cost
+    in plain decode steps of the same batch (speculation gains where a step keeps more)."""
     sizes = ([1, 4], 64, 64, 3) if quick else ([1, 32, 256], 2048, 512, 10)
     batches, prefill, context, reps = sizes
     dtype = torch.bfloat16
@@ -203,6 +208,14 @@ def time_forwards(shape_name: str, device: str, quick: bool) -> dict:
             best = min(row["ours_graphs_on"], row["ours_graphs_off"])
             row["speedup_vs_transformers"] = round(row["transformers_sdpa"] / best, 2)
         rows[case] = row
+    ours = {name: c for name, c in contenders.items() if isinstance(c, Ours)}
+    for b in batches[:1] + [8] * (not quick):  # a step verifying drafts (speculative decoding)
+        times = median_ms([c.draft(b, DRAFTED) for c in ours.values()], reps)
+        row = {name: round(ms, 3) for name, ms in zip(ours, times, strict=True)}
+        plain = min(t for name, t in rows[f"decode@{b}"].items() if name in ours) if (
+            f"decode@{b}" in rows) else None  # fmt: skip
+        row["times_a_decode"] = None if plain is None else round(min(row.values()) / plain, 2)
+        rows[f"verify@{b} 1+{DRAFTED}"] = row
     del contenders, weights
     free_device_memory()
     return {
