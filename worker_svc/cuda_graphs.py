@@ -16,10 +16,14 @@ capture itself (`torch.cuda.graph`) needs a GPU."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 CHUNK_TOKEN_BUCKETS = (16, 32, 64, 128, 256)  # a step's prompt-chunk tokens, all chunks together
@@ -287,6 +291,7 @@ class StepGraphs:
         self.captures += 1
         if not self.capturing:
             return None
+        started = time.perf_counter()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm up outside the graph (allocator, autotuning)
@@ -301,4 +306,7 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out.copy_(self.step(self.inputs, shape))
+        # a capture holds its step up: say so (a ramp of new shapes shows in the step times)
+        took = time.perf_counter() - started
+        log.info("captured %s in %.0f ms (%d graphs)", shape, 1e3 * took, self.captures)
         return graph

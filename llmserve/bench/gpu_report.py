@@ -117,8 +117,8 @@ def _kv(results: list) -> list[str]:
 
 def _served(results: list) -> list[str]:
     head = (
-        "shape | concurrent | output tok/s | worker busy | forward ms / step | outside forward "
-        "ms / step"
+        "shape | concurrent | output tok/s | tokens / step | worker busy | forward ms / step | "
+        "outside forward ms / step"
     )
     rows = [
         _served_row(r["shape"], level, c) for r in results for level, c in r["concurrency"].items()
@@ -128,12 +128,13 @@ def _served(results: list) -> list[str]:
         f"{r['dtype']}, {r['max_tokens']} tokens per request, {r['window_s']:g} s windows, "
         f"KV {r['kv_capacity']}"
     )
-    return _table(head, "lrrrrr", rows) + ["", note]
+    return _table(head, "lrrrrrr", rows) + ["", note]
 
 
 def _served_row(shape: str, level: str, c: dict) -> str:
     return (
-        f"| {shape} | {level} | {c['output_tok_s']:,.0f} | {100 * c['worker_busy']:.1f}% | "
+        f"| {shape} | {level} | {c['output_tok_s']:,.0f} | {c.get('tokens_per_step', '—')} | "
+        f"{100 * c['worker_busy']:.1f}% | "
         f"{c['step_ms']:.2f} | {c['outside_forward_ms_per_step']:.2f} |"
     )
 

@@ -80,6 +80,8 @@ def level_figures(row, window_s: float) -> dict:
         "step_ms": round(1e3 * window_s * row.busy / max(row.steps, 1), 3),
         "outside_forward_ms_per_step": round(row.outside_ms, 3),
         "steps": row.steps,
+        # tokens per step: below the streams where some are between requests (client turnaround)
+        "tokens_per_step": round(row.tokens_per_s * window_s / max(row.steps, 1), 1),
     }
 
 

@@ -87,6 +87,7 @@ class ClosedLoop:
     def __init__(self, target: str, n: int, max_tokens: int) -> None:
         self.target, self.n, self.max_tokens = target, n, max_tokens
         self.tokens = 0
+        self.started: set[int] = set()  # the streams that have received a token
         self.errors: list[str] = []
         self.stopping = False
 
@@ -110,6 +111,7 @@ class ClosedLoop:
             try:
                 async for message in call:
                     self.tokens += len(message.delta.token_ids)
+                    self.started.add(i)
                     if self.stopping:
                         call.cancel()
                         return
@@ -129,10 +131,18 @@ async def measure(settings: StackSettings, running: int, window_s: float, max_to
     load = ClosedLoop(settings.gateway, running, max_tokens)
     task = asyncio.create_task(load.run())
     try:
+        # every stream under way: `running` of them at once in the scheduler, or each has had
+        # a token (a fast worker finishes the first requests before the last are admitted, and
+        # the clients' turnaround then keeps some streams between requests at any moment)
         deadline = time.monotonic() + 60
-        while (await status(settings.scheduler)).running < running:
+        while (await status(settings.scheduler)).running < running and (
+            len(load.started) < running
+        ):
             if load.errors or time.monotonic() > deadline:
-                raise RuntimeError(f"the load never reached {running} running: {load.errors[:3]}")
+                raise RuntimeError(
+                    f"the load never reached {running} running, nor had every stream a token "
+                    f"({len(load.started)} had): {load.errors[:3]}"
+                )
             await asyncio.sleep(0.1)
         await asyncio.sleep(0.5)  # past the prefills
         before, tokens0, t0 = await status(settings.scheduler), load.tokens, time.monotonic()
