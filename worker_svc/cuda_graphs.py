@@ -257,11 +257,19 @@ class StepGraphs:
     def capturing(self) -> bool:
         return self.device.type == "cuda"
 
-    def shape(self, batch: StepBatch) -> GraphShape | None:
+    def shape_of(
+        self, decodes: int, chunk_tokens: int, chunks: int, chunk_logits: int
+    ) -> GraphShape | None:
+        """The graph a step of these sizes runs as, or None (it runs eagerly)."""
         return shape_for(
-            batch.decodes, batch.chunk_tokens, batch.chunks, batch.chunk_logit_rows,
+            decodes, chunk_tokens, chunks, chunk_logits,
             self.buckets, self.token_buckets, self.chunk_buckets, self.logit_buckets,
         )  # fmt: skip
+
+    def shape(self, batch: StepBatch) -> GraphShape | None:
+        return self.shape_of(
+            batch.decodes, batch.chunk_tokens, batch.chunks, batch.chunk_logit_rows
+        )
 
     def run(self, batch: StepBatch) -> torch.Tensor | None:
         """The step's logits: its decodes' rows, then each chunk's (its last token's, a draft's

@@ -220,8 +220,12 @@ class ModelRunner:
     def graph_logits(self, items: list[WorkItem]) -> torch.Tensor | None:
         """The logits of a step by its graph (one row per sampled item, a draft's 1 + drafted,
         in item order), or None when the step fits no graph."""
-        batch = step_batch(items, self.block_size)
-        logits = self.graphs.run(batch)  # the decodes' rows, then the chunks'
+        chunks = [item for item in items if len(item.token_ids) > 1]
+        tokens = sum(len(item.token_ids) for item in chunks)
+        logit_rows = sum(1 + item.drafted for item in chunks)
+        if self.graphs.shape_of(len(items) - len(chunks), tokens, len(chunks), logit_rows) is None:
+            return None  # a step beyond the buckets (a long prompt): its inputs are not built
+        logits = self.graphs.run(step_batch(items, self.block_size))  # decodes' rows, chunks'
         if logits is None:
             return None
         order = [i for i, it in enumerate(items) if len(it.token_ids) == 1]
