@@ -211,7 +211,8 @@ class StaticStepInputs:
         self.chunk_lengths[:c].copy_(batch.chunk_lengths, **copy)
         self.chunk_starts[:c].copy_(batch.chunk_starts, **copy)
         self.chunk_lengths[c : shape.chunks].zero_()  # no tokens: the kernel skips them
-        ends = (offsets + lengths).tolist()  # each chunk's logit rows: its last `wanted` tokens
+        # each chunk's logit rows: its last k tokens (k = 1; a draft's 1 + drafted)
+        ends = (offsets + lengths).tolist()
         rows = [row for end, k in zip(ends, batch.chunk_logits.tolist(), strict=True)
                 for row in range(end - k, end)]  # fmt: skip
         self.logit_rows[d : d + r].copy_(torch.tensor(rows, dtype=torch.int64), **copy)
