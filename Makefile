@@ -7,7 +7,7 @@ STUBS   := llmcommon/v1/__init__.py
 KERNELS := .stamp-kernels
 PROTOS  := $(wildcard protos/llmcommon/v1/*.proto)
 
-.PHONY: all setup stubs demo test test-fast mutation up lint bench bench-sim bench-worker bench-overhead clean prometheus internal-token admin-key gpu-check gpu-carry
+.PHONY: all setup stubs demo test test-fast mutation up lint bench bench-sim bench-worker bench-overhead clean prometheus internal-token admin-key gpu-check gpu-carry gpu-probe
 
 all: setup
 
@@ -117,6 +117,11 @@ GPU_OUT   ?= results/gpu-check
 GPU_CARRY := build/gpu-carry
 gpu-check:
 	$(if $(wildcard $(PYTHON)),$(PYTHON),$(PY)) scripts/gpu_check.py --device cuda --out $(GPU_OUT)
+
+# where a worker step's time goes on a GPU (about 40 s): execute timed at served shapes, graphs
+# on and off, mixed and draft steps by graph against eager on the same KV, profiler tables
+gpu-probe:
+	$(if $(wildcard $(PYTHON)),$(PYTHON),$(PY)) scripts/gpu_step_probe.py --device cuda --out $(GPU_OUT)/probe
 
 # the gRPC stubs (portable) and the services' pure-Python packages a GPU machine lacks, < 1 MiB
 gpu-carry: $(VENV)/.installed
