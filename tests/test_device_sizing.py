@@ -238,3 +238,19 @@ def test_a_worker_without_kv_capacity_sizes_its_pool_from_the_memory_limit() -> 
     assert 0.5 * 0.9 * limit < spent <= 0.9 * limit  # the fraction, less the peak forward
     with pytest.raises(ValueError, match="no room for a KV pool"):
         make_runner(WorkerSettings(model="tiny", dtype="fp32", cpu_memory_gib=1 / 1024))
+
+
+def test_a_mixed_steps_chunk_rows_follow_the_padded_decodes_and_rows_pick_in_one_order() -> None:
+    def step(inputs: StaticStepInputs, shape: GraphShape) -> torch.Tensor:
+        return inputs.token_ids[inputs.logit_rows[: shape.logit_rows]].float().unsqueeze(1)
+
+    graphs = StepGraphs(make_inputs(), step, torch.device("cpu"), buckets=(2, 4, 8))
+    b = mixed_batch()  # two decodes; here three, padded to bucket 4
+    three = StepBatch(
+        torch.cat([torch.tensor([4]), b.token_ids]), torch.cat([torch.tensor([5]), b.positions]),
+        torch.cat([torch.tensor([41]), b.slots]), torch.cat([b.block_tables, b.block_tables[:1]]),
+        torch.cat([b.context_lens, b.context_lens[:1]]), b.chunk_tables, b.chunk_lengths,
+        b.chunk_starts, b.chunk_logits,
+    )  # fmt: skip
+    assert graphs.run(three).squeeze(1).tolist() == [4.0, 5.0, 6.0, 72.0, 81.0]
+    assert graphs.run(three, [4, 0, 3]).squeeze(1).tolist() == [81.0, 4.0, 72.0]

@@ -272,10 +272,11 @@ class StepGraphs:
             batch.decodes, batch.chunk_tokens, batch.chunks, batch.chunk_logit_rows
         )
 
-    def run(self, batch: StepBatch) -> torch.Tensor | None:
+    def run(self, batch: StepBatch, rows: list[int] | None = None) -> torch.Tensor | None:
         """The step's logits: its decodes' rows, then each chunk's (its last token's, a draft's
-        last 1 + k); None when the step fits no graph (the caller runs it eagerly). The rows are
-        overwritten by the next step: read them first."""
+        last 1 + k), or only `rows` of those, in that order (one gather); None when the step
+        fits no graph (the caller runs it eagerly). The rows are overwritten by the next step:
+        read them first."""
         shape = self.shape(batch)
         if shape is None:
             return None
@@ -288,8 +289,10 @@ class StepGraphs:
         else:
             graph.replay()
             logits = self.inputs.logits
-        chunk_rows = range(shape.decodes, shape.decodes + batch.chunk_logit_rows)
-        keep = [*range(batch.decodes), *chunk_rows]
+        n, pad = batch.decodes, shape.decodes - batch.decodes  # chunks' rows follow padding
+        if rows is None:
+            rows = list(range(n + batch.chunk_logit_rows))
+        keep = [r if r < n else r + pad for r in rows]
         if keep == list(range(len(keep))):
             return logits[: len(keep)]
         return logits[torch.tensor(keep, device=logits.device)]

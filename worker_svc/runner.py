@@ -220,18 +220,14 @@ class ModelRunner:
     def graph_logits(self, items: list[WorkItem]) -> torch.Tensor | None:
         """The logits of a step by its graph (one row per sampled item, a draft's 1 + drafted,
         in item order), or None when the step fits no graph."""
-        chunks = [item for item in items if len(item.token_ids) > 1]
-        tokens = sum(len(item.token_ids) for item in chunks)
-        logit_rows = sum(1 + item.drafted for item in chunks)
-        if self.graphs.shape_of(len(items) - len(chunks), tokens, len(chunks), logit_rows) is None:
+        decodes = [i for i, item in enumerate(items) if len(item.token_ids) == 1]
+        chunks = [i for i, item in enumerate(items) if len(item.token_ids) > 1]
+        tokens = sum(len(items[i].token_ids) for i in chunks)
+        logit_rows = sum(1 + items[i].drafted for i in chunks)
+        if self.graphs.shape_of(len(decodes), tokens, len(chunks), logit_rows) is None:
             return None  # a step beyond the buckets (a long prompt): its inputs are not built
-        logits = self.graphs.run(step_batch(items, self.block_size))  # decodes' rows, chunks'
-        if logits is None:
-            return None
-        order = [i for i, it in enumerate(items) if len(it.token_ids) == 1]
-        order += [i for i, it in enumerate(items) if len(it.token_ids) > 1]
-        first, row = {}, 0
-        for i in order:
+        first, row = {}, 0  # each item's first logit row in the batch: decodes, then chunks
+        for i in decodes + chunks:
             first[i], row = row, row + 1 + items[i].drafted
         picked = [
             r
@@ -239,9 +235,8 @@ class ModelRunner:
             if item.sample
             for r in range(first[i], first[i] + 1 + item.drafted)
         ]
-        if picked == list(range(row)):
-            return logits
-        return logits[torch.tensor(picked, device=logits.device)]
+        batch = step_batch([items[i] for i in decodes], [items[i] for i in chunks], self.block_size)
+        return self.graphs.run(batch, picked)
 
     def check(self, item: WorkItem) -> None:
         if not item.token_ids:
@@ -283,11 +278,9 @@ def plain_greedy(settings: list) -> bool:
     return all(s.greedy and not s.shapes_logits and s.logprobs is None for s in settings)
 
 
-def step_batch(items: list[WorkItem], block_size: int) -> StepBatch:
+def step_batch(decodes: list[WorkItem], chunks: list[WorkItem], block_size: int) -> StepBatch:
     """A step as the static graph inputs take it (host tensors): its single-token items, then
-    its chunks (prompt chunks and drafts), each group in item order."""
-    decodes = [item for item in items if len(item.token_ids) == 1]
-    chunks = [item for item in items if len(item.token_ids) > 1]
+    its chunks (prompt chunks and drafts)."""
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
