@@ -214,6 +214,14 @@ def status_dict(reply: scheduler_pb2.StatusReply) -> dict:
     out["stalls"] = dict(reply.stalls)
     out["refused"] = dict(reply.refused)
     out["cells"] = [cell_dict(c) for c in reply.cells]
+    out["spec_potential"] = {
+        p.proposer: {
+            "requests": p.requests, "tokens": p.tokens, "steps": p.steps,
+            "draft_tokens": p.draft_tokens, "accepted_tokens": p.accepted_tokens,
+        }
+        for p in reply.spec_potential
+    }  # fmt: skip
+    out["spec_potential_skipped"] = reply.spec_potential_skipped
     out["workers"] = [
         {
             "name": w.name,

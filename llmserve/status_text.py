@@ -21,7 +21,7 @@ def format_status(s: dict, explain: bool = False) -> str:
         + decode_steps_text(s)
         + speculative_text(s),
         f"steps {s['steps']}  admitted {s['admitted']}  finished {s['finished']}"
-        f"  preemptions {s['preemptions']}",
+        f"  preemptions {s['preemptions']}" + potential_text(s),
         f"waiting {s['waiting']} ({s['waiting_tokens']} tokens, oldest {s['oldest_wait_s']:.2f} s)"
         f"  running {s['running']}",
         f"head of queue waits: {head} ({REASONS.get(head, '')})"
@@ -97,6 +97,23 @@ def speculative_text(s: dict) -> str:
         f"{s.get('speculative_length', 'auto')}; {drafts} drafts, acceptance {rate}, "
         f"mean length {length})"
     )
+
+
+def potential_text(s: dict) -> str:
+    """--speculation-potential: the tokens a step would emit on the finished requests' outputs,
+    by prompt lookup and by the oracle (empty before any replay)."""
+    figures = s.get("spec_potential") or {}
+    parts = []
+    for name, label in (("ngram", "prompt lookup"), ("oracle", "oracle")):
+        r = figures.get(name)
+        if not r or not r["steps"]:
+            continue
+        share = r["accepted_tokens"] / r["tokens"] if r["tokens"] else 0.0
+        parts.append(f"{label} {r['tokens'] / r['steps']:.2f} tokens/step ({share:.0%} drafted)")
+    if not parts:
+        return ""
+    requests = figures.get("ngram", {}).get("requests", 0)
+    return f"\n  speculation would give, on {requests} finished requests: " + ", ".join(parts)
 
 
 def held_over(s: dict) -> str:

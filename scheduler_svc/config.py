@@ -126,6 +126,13 @@ class CoreConfig:
     prompt_lookup_max: int = setting(
         5, "the longest n-gram of a request's end that a proposer matches, tried first"
     )
+    speculation_potential: bool = setting(
+        True,
+        "replay finished requests' outputs against prompt lookup (at the settings above) and an "
+        "oracle (the longest stretch found earlier in the request): the tokens per step "
+        "speculation would emit on this traffic, speculating or not (metrics "
+        "spec_potential_*, status); a hundredth of the step loop's time at most",
+    )
 
     def __post_init__(self) -> None:
         if self.token_budget < 1:

@@ -269,6 +269,41 @@ def _speculative(core: Scheduler) -> Iterator[Metric]:
     for pos in range(max(cfg.num_speculative_tokens, max(counts, default=-1) + 1)):
         per_pos.add_metric([str(pos)], counts.get(pos, 0))
     yield per_pos
+    yield from _potential(core)
+
+
+POTENTIAL_FIGURES = (
+    ("requests", "Finished requests replayed"),
+    ("tokens", "Output tokens replayed"),
+    ("steps", "Decode steps speculation would take for them (tokens / steps: tokens a step)"),
+    ("draft_tokens", "Draft tokens it would verify"),
+    ("accepted_tokens", "Draft tokens a verifying worker would accept"),
+)
+
+
+def _potential(core: Scheduler) -> Iterator[Metric]:
+    """--speculation-potential: finished requests replayed against prompt lookup and the oracle
+    (scheduler_svc/speculation/potential.py), speculating or not."""
+    replayed = core.potential.replayed
+    for figure, text in POTENTIAL_FIGURES:
+        family = CounterMetricFamily(
+            PREFIX + f"spec_potential_{figure}",
+            f"{text}, by proposer (ngram: prompt lookup at this server's settings; oracle: the "
+            "longest stretch found earlier in the request)",
+            labels=["proposer"],
+        )
+        for name, r in replayed.items():
+            family.add_metric([name], getattr(r, figure))
+        yield family
+    yield _total(
+        "spec_potential_skipped",
+        "Finished requests not replayed (a replay's quiet time: replays take at most a "
+        "hundredth of the loop's time)",
+        core.potential.skipped,
+    )
+    yield _total(
+        "spec_potential_seconds", "Time the step loop spent replaying", core.potential.seconds
+    )
 
 
 def _workers(snap: Snapshot) -> Iterator[Metric]:

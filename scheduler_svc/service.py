@@ -242,6 +242,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         )
         reply.stalls.update(snap.stalls)
         reply.refused.update(snap.refused)
+        for name, r in self.core.potential.replayed.items():
+            reply.spec_potential.add(
+                proposer=name, requests=r.requests, tokens=r.tokens, steps=r.steps,
+                draft_tokens=r.draft_tokens, accepted_tokens=r.accepted_tokens,
+            )  # fmt: skip
+        reply.spec_potential_skipped = self.core.potential.skipped
         by_name = {c.spec().name: c for c in clients if c.info is not None}
         for kv in snap.workers:
             client = by_name.get(kv.name)

@@ -47,6 +47,7 @@ LABELS = {
     "met",
     "limit",
     "position",  # of a draft token (speculative decoding): at most --num-speculative-tokens
+    "proposer",  # spec_potential_*: ngram or oracle
     "le",
 }
 

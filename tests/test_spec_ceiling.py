@@ -1,28 +1,30 @@
-"""llmserve.bench.spec_ceiling's replay: what a verifying worker would emit per step, by hand."""
+"""llmserve.bench.spec_ceiling's replay: what a verifying worker would emit per step, by hand.
+The answer's first token is the prompt's step's: the replay steps through the tokens after it."""
 
 from llmserve.bench.spec_ceiling import Replay, ngram, oracle, replay, total
 
 
 def test_a_draft_is_kept_up_to_its_first_wrong_token_plus_one():
-    drafts = iter([[7, 8, 9], [], [4]])
-    r = replay([1, 2], [7, 8, 5, 6, 4], lambda context, answer, done: next(drafts))
-    # step 1: 7, 8 kept, 9 wrong -> emits 7 8 5; step 2: no draft -> 6; step 3: 4 (last token)
+    drafts = iter([[8, 5, 9], [], [4]])
+    r = replay([1, 2], [7, 8, 5, 6, 0, 4], lambda context, answer, done: next(drafts))
+    # after 7 (the prompt's step): step 1 keeps 8 5, 9 is wrong -> emits 8 5 6; step 2: no
+    # draft -> 0; step 3: the draft is cut before the last token (the step's own) -> 4
     assert (r.tokens, r.steps, r.drafted, r.accepted) == (5, 3, 3, 2)
 
 
 def test_the_oracle_drafts_what_occurs_earlier_and_nothing_else():
     prompt = [1, 2, 3, 4, 5]
-    answer = [1, 2, 3, 9, 4, 5]
+    answer = [0, 1, 2, 3, 9, 4, 5]
     r = replay(prompt, answer, oracle(16))
-    # step 1: 1 2 3 occur in the prompt, 9 does not -> 1 2 3 kept, 9 emitted (4 tokens);
-    # step 2: 4 5 occur, but a draft stops before the answer's last token (the step's own
-    # token is that one) -> 4 kept, 5 emitted
+    # after 0: 1 2 3 occur in the prompt, 9 does not -> 1 2 3 kept, 9 emitted (4 tokens);
+    # then 4 5 occur, but a draft stops before the answer's last token (the step's own) -> 4
+    # kept, 5 emitted
     assert r.steps == 2 and r.accepted == 4 and r.tokens == 6
 
 
 def test_the_oracle_is_capped_at_k():
     prompt = list(range(20))
-    r = replay(prompt, list(range(20)), oracle(4))
+    r = replay(prompt, [99, *range(20)], oracle(4))
     assert r.steps == 4  # 5 tokens a step: 4 drafted + 1
 
 
@@ -30,8 +32,13 @@ def test_prompt_lookup_copies_the_continuation_of_its_match():
     prompt = [10, 11, 12, 13, 14, 15, 16]
     answer = [20, 10, 11, 12, 13, 14, 15, 16]
     r = replay(prompt, answer, ngram(k=3, n_min=1, n_max=2))
-    assert r.accepted > 0 and r.steps < len(answer)
+    assert r.accepted > 0 and r.steps < r.tokens
     assert r.per_step == r.tokens / r.steps
+
+
+def test_an_answer_of_one_token_has_no_decode_step():
+    r = replay([1, 2], [3], oracle(5))
+    assert (r.tokens, r.steps) == (0, 0) and r.per_step == 0.0
 
 
 def test_speedup_prices_each_drafted_row():

@@ -60,8 +60,11 @@ class Replay:
 def replay(prompt: list[int], answer: list[int], propose) -> Replay:
     """Steps through `answer` as speculative decoding would: `propose(context, answer, done)`
     gives a draft for the context (the prompt and the answer's first `done` tokens); the step
-    keeps its longest prefix that matches the answer, plus one token (the target's own)."""
-    done = steps = drafted = accepted = 0
+    keeps its longest prefix that matches the answer, plus one token (the target's own). The
+    first token is the prompt's step's (no draft there): the replay starts after it, and counts
+    the tokens after it."""
+    done = min(1, len(answer))
+    steps = drafted = accepted = 0
     while done < len(answer):
         context = prompt + answer[:done]
         draft = propose(context, answer, done)[: len(answer) - done - 1]
@@ -70,7 +73,7 @@ def replay(prompt: list[int], answer: list[int], propose) -> Replay:
             ok += 1
         steps, drafted, accepted = steps + 1, drafted + len(draft), accepted + ok
         done += ok + 1
-    return Replay(len(answer), steps, drafted, accepted)
+    return Replay(len(answer) - min(1, len(answer)), steps, drafted, accepted)
 
 
 def ngram(k: int, n_min: int, n_max: int):

@@ -15,6 +15,7 @@ from scheduler_svc.reasons import StallReason
 from scheduler_svc.request_queue import RequestQueue, create_request_queue
 from scheduler_svc.run_rule import ArrivalRate
 from scheduler_svc.sequence import NO_HANDLE, Finish, SeqStatus, Sequence
+from scheduler_svc.speculation.potential import Potential
 from scheduler_svc.speculation.proposer import Proposer
 from scheduler_svc.step import Step, Work
 from scheduler_svc.step_cost import BatchShape
@@ -68,6 +69,8 @@ class CoreState:
         self.proposer = Proposer.of(config)
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.spec_accepted_per_pos: Counter[int] = Counter()  # draft position (0-based) -> kept
+        # what speculation would give on the finished requests (--speculation-potential)
+        self.potential = Potential()
         # (head, admitted, finished, preemptions) when the head last found nobody to preempt,
         # and the workers it was asked for then
         self._found_nobody: tuple[tuple, set[int]] = ((), set())
@@ -104,6 +107,12 @@ class CoreState:
         self.finished += 1
         if self.proposer is not None:
             self.proposer.learn(seq)
+        cfg = self.config
+        if cfg.speculation_potential and finish in (Finish.STOP, Finish.LENGTH):
+            self.potential.observe(
+                seq.prompt_ids, seq.output_ids, cfg.num_speculative_tokens,
+                cfg.prompt_lookup_min, cfg.prompt_lookup_max,
+            )  # fmt: skip
         if seq.worker is not None and seq.handle != NO_HANDLE:
             self.workers[seq.worker].done.append((seq, seq.handle))
             seq.handle, seq.max_planned = NO_HANDLE, 0

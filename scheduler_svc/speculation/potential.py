@@ -1,0 +1,152 @@
+"""What speculation would give on this server's own traffic, speculating or not: each finished
+request's output replayed step by step, as a verifying worker would take drafts (the longest
+matching prefix plus one token), against two proposers:
+
+- `ngram`: prompt lookup at the server's settings (`--num-speculative-tokens`,
+  `--prompt-lookup-min/max`), as `--speculative ngram` would draft;
+- `oracle`: the longest stretch of the output's next tokens (up to the same K) that occurs
+  anywhere earlier in the request's prompt and output. No proposer that copies earlier text
+  drafts more: its tokens per step bound prompt lookup's, and the suffix index's on text that
+  does not repeat other requests'.
+
+Tokens per step (output tokens / steps) is what a step would emit; the share of tokens that came
+from drafts is what the drafts would save. The step's cost is not priced here: a draft row costs
+what a token of a prompt chunk costs on the worker (`llmserve.bench.draft_step`).
+
+The output's first token is the prompt's step's, which no draft joins: a replay steps through
+the tokens after it, as the decodes that sample them. **Bounded.** A replay takes the output's
+last `OUTPUT_TOKENS` tokens, over at most
+`CONTEXT_TOKENS` of context. It runs in the step loop when a request finishes, so it is also
+bounded in time: after a replay of d seconds none runs for the next (1 / SHARE - 1) * d, so the
+replays take at most SHARE of the loop's time, whatever the host or the traffic; a finish in that
+window is counted as skipped. The searches are `bytes.find` / `rfind` over the tokens packed as
+32-bit ids (C speed)."""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scheduler_svc.speculation.ngram import WIDTH, propose_packed
+
+OUTPUT_TOKENS = 512  # of a finished request's output, the last ones replayed
+CONTEXT_TOKENS = 8192  # of its prompt and output, the most a replay searches
+SHARE = 0.01  # of the step loop's time, the most the replays take
+PROPOSERS = ("ngram", "oracle")
+
+
+@dataclass(slots=True)
+class Replayed:
+    """A proposer's replays, summed."""
+
+    requests: int = 0
+    tokens: int = 0  # output tokens replayed
+    steps: int = 0  # decode steps they would take
+    draft_tokens: int = 0  # draft tokens verified
+    accepted_tokens: int = 0  # of those, accepted
+
+    def add(self, tokens: int, steps: int, drafted: int, accepted: int) -> None:
+        self.requests += 1
+        self.tokens += tokens
+        self.steps += steps
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+
+    @property
+    def per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+
+Propose = Callable[[bytes, int, int], tuple[int, int]]
+
+
+def replay(packed: bytes, start: int, propose: Propose) -> tuple[int, int, int, int]:
+    """Steps through the tokens of `packed` (32-bit ids) from token `start` to the end, each step
+    asking `propose(packed, done, room)` for the length of its draft after the first `done`
+    tokens (at most `room`: the tokens left minus the step's own) and how many of it match what
+    follows; returns (tokens, steps, draft tokens, accepted tokens)."""
+    total = len(packed) // WIDTH
+    done, steps, drafted, accepted = start, 0, 0, 0
+    while done < total:
+        room = total - done - 1
+        length, ok = propose(packed, done, room)
+        steps, drafted, accepted = steps + 1, drafted + length, accepted + ok
+        done += ok + 1
+    return total - start, steps, drafted, accepted
+
+
+def lookup(k: int, n_min: int, n_max: int) -> Propose:
+    """Prompt lookup's draft after the first `done` tokens: (its length, its tokens that match
+    what follows)."""
+
+    def propose(packed: bytes, done: int, room: int) -> tuple[int, int]:
+        draft = propose_packed(packed[: done * WIDTH], min(k, room), n_min, n_max)
+        want = array("I", packed[done * WIDTH : (done + len(draft)) * WIDTH]).tolist()
+        ok = 0
+        while ok < len(draft) and draft[ok] == want[ok]:
+            ok += 1
+        return len(draft), ok
+
+    return propose
+
+
+def oracle(k: int) -> Propose:
+    """The longest stretch of the next tokens (up to k) found earlier: drafted and all kept."""
+
+    def propose(packed: bytes, done: int, room: int) -> tuple[int, int]:
+        end = done * WIDTH  # the context: the first `done` tokens
+        best, at = 0, 0  # the longest found so far, and where its occurrence starts (bytes)
+        for j in range(1, min(k, room) + 1):
+            needle = packed[end : end + j * WIDTH]
+            if at + j * WIDTH <= end and packed[at : at + j * WIDTH] == needle and best:
+                best = j  # the same occurrence goes on
+                continue
+            found = _aligned_find(packed, needle, at, end)
+            if found < 0:
+                break
+            best, at = j, found
+        return best, best
+
+    return propose
+
+
+def _aligned_find(packed: bytes, needle: bytes, start: int, end: int) -> int:
+    """The first occurrence of `needle` on a token boundary in packed[start:end], or -1."""
+    while True:
+        at = packed.find(needle, start, end)
+        if at < 0 or at % WIDTH == 0:
+            return at
+        start = at + 1
+
+
+class Potential:
+    """The replays of finished requests, per proposer, within SHARE of the loop's time."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.replayed = {name: Replayed() for name in PROPOSERS}
+        self.skipped = 0  # finishes not replayed: within a replay's quiet time
+        self.seconds = 0.0  # spent replaying
+        self.clock = clock
+        self._quiet_until = 0.0
+
+    def observe(self, prompt: list[int], output: list[int], k: int, n_min: int, n_max: int):
+        """A request finished with `output` after `prompt`: replay it, unless a recent replay's
+        quiet time runs."""
+        # the first token is the prompt's step's, never drafted: the decodes' tokens are after it
+        tail = output[1:][-OUTPUT_TOKENS:]
+        if not tail:
+            return
+        now = self.clock()
+        if now < self._quiet_until:
+            self.skipped += 1
+            return
+        head = (prompt + output[: len(output) - len(tail)])[-(CONTEXT_TOKENS - len(tail)) :]
+        packed = array("I", head + tail).tobytes()
+        start = len(head)
+        for name, propose in (("ngram", lookup(k, n_min, n_max)), ("oracle", oracle(k))):
+            self.replayed[name].add(*replay(packed, start, propose))
+        spent = self.clock() - now
+        self.seconds += spent
+        self._quiet_until = now + spent / SHARE
