@@ -218,6 +218,7 @@ def status_dict(reply: scheduler_pb2.StatusReply) -> dict:
         p.proposer: {
             "requests": p.requests, "tokens": p.tokens, "steps": p.steps,
             "draft_tokens": p.draft_tokens, "accepted_tokens": p.accepted_tokens,
+            "step_seconds": p.step_seconds, "plain_seconds": p.plain_seconds,
         }
         for p in reply.spec_potential
     }  # fmt: skip

@@ -109,11 +109,19 @@ def potential_text(s: dict) -> str:
         if not r or not r["steps"]:
             continue
         share = r["accepted_tokens"] / r["tokens"] if r["tokens"] else 0.0
-        parts.append(f"{label} {r['tokens'] / r['steps']:.2f} tokens/step ({share:.0%} drafted)")
+        speed = ""
+        if r.get("step_seconds") and r.get("plain_seconds"):
+            speed = f", {r['plain_seconds'] / r['step_seconds']:.2f}x decode speed at one stream"
+        parts.append(
+            f"{label} {r['tokens'] / r['steps']:.2f} tokens/step ({share:.0%} drafted{speed})"
+        )
     if not parts:
         return ""
     requests = figures.get("ngram", {}).get("requests", 0)
-    return f"\n  speculation would give, on {requests} finished requests: " + ", ".join(parts)
+    return (
+        f"\n  speculation would give, on {requests} finished requests (by the workers' step-time "
+        "models): " + "; ".join(parts)
+    )
 
 
 def held_over(s: dict) -> str:

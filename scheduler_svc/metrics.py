@@ -278,6 +278,16 @@ POTENTIAL_FIGURES = (
     ("steps", "Decode steps speculation would take for them (tokens / steps: tokens a step)"),
     ("draft_tokens", "Draft tokens it would verify"),
     ("accepted_tokens", "Draft tokens a verifying worker would accept"),
+    (
+        "step_seconds",
+        "Seconds of those steps by the step-time model of the worker that ran each request, "
+        "alone (one stream)",
+    ),
+    (
+        "plain_seconds",
+        "Seconds of one decode a token instead, by the same model (plain / step: the decode "
+        "speed speculation would give at one stream)",
+    ),
 )
 
 

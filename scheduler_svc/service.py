@@ -246,6 +246,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             reply.spec_potential.add(
                 proposer=name, requests=r.requests, tokens=r.tokens, steps=r.steps,
                 draft_tokens=r.draft_tokens, accepted_tokens=r.accepted_tokens,
+                step_seconds=r.step_seconds, plain_seconds=r.plain_seconds,
             )  # fmt: skip
         reply.spec_potential_skipped = self.core.potential.skipped
         by_name = {c.spec().name: c for c in clients if c.info is not None}

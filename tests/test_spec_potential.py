@@ -33,7 +33,7 @@ def _cases(seed, n=60):
 def test_the_lookup_replay_takes_the_steps_the_bench_replay_takes():
     for prompt, out in _cases(1):
         for k, lo, hi in ((5, 5, 5), (10, 2, 5), (3, 1, 1)):
-            mine = replay(_packed(prompt + out), len(prompt) + 1, lookup(k, lo, hi))
+            mine = replay(_packed(prompt + out), len(prompt) + 1, lookup(k, lo, hi))[:4]
             bench = spec_ceiling.replay(prompt, out, spec_ceiling.ngram(k, lo, hi))
             assert mine == (bench.tokens, bench.steps, bench.drafted, bench.accepted)
 
@@ -41,19 +41,40 @@ def test_the_lookup_replay_takes_the_steps_the_bench_replay_takes():
 def test_the_oracle_replay_takes_the_steps_the_bench_oracle_takes():
     for prompt, out in _cases(2):
         for k in (1, 5, 16):
-            mine = replay(_packed(prompt + out), len(prompt) + 1, oracle(k))
+            mine = replay(_packed(prompt + out), len(prompt) + 1, oracle(k))[:4]
             bench = spec_ceiling.replay(prompt, out, spec_ceiling.oracle(k))
             assert mine == (bench.tokens, bench.steps, bench.drafted, bench.accepted)
 
 
 def test_an_output_that_copies_its_prompt_takes_few_steps_and_a_fresh_one_takes_one_a_token():
     prompt = list(range(100, 140))
-    copy = replay(_packed(prompt + prompt), len(prompt), oracle(5))
+    copy = replay(_packed(prompt + prompt), len(prompt), oracle(5))[:4]
     assert copy == (40, 7, 33, 33)  # 6 tokens a step (5 drafted, 1 its own), the last step 4
-    fresh = replay(_packed(prompt + list(range(200, 240))), len(prompt), oracle(5))
+    fresh = replay(_packed(prompt + list(range(200, 240))), len(prompt), oracle(5))[:4]
     assert fresh == (40, 40, 0, 0)
-    lookup_fresh = replay(_packed(prompt + list(range(200, 240))), len(prompt), lookup(5, 2, 5))
+    lookup_fresh = replay(_packed(prompt + list(range(200, 240))), len(prompt), lookup(5, 2, 5))[:4]
     assert lookup_fresh == (40, 40, 0, 0)
+
+
+def test_each_step_is_priced_at_its_position_and_draft_and_the_plain_decodes_at_theirs():
+    seen = []
+
+    def price(position, drafted):  # linear in the position, as the step-time model is
+        seen.append((position, drafted))
+        return 1.0 + 0.25 * drafted + 0.001 * position
+
+    prompt = list(range(100, 140))
+    out = [7, *prompt]  # the first token is the prompt step's; then a copy of the prompt
+    tokens, steps, drafted, accepted, seconds, plain = replay(
+        _packed(prompt + out), len(prompt) + 1, oracle(5), price, offset=1000
+    )
+    assert (tokens, steps, drafted, accepted) == (40, 7, 33, 33)
+    # the first decode feeds token 7 at position 1000 + 40; each step then 6 positions on
+    assert [p for p, _ in seen[:7]] == [1040 + 6 * i for i in range(7)]
+    assert seconds == sum(price(p, d) for p, d in seen[:7])
+    each = sum(1.0 + 0.001 * (1040 + i) for i in range(40))  # a decode for each token
+    assert abs(plain - each) < 1e-9
+    assert plain / seconds > 3  # 40 decodes against 7 steps of up to 6 rows
 
 
 def test_replays_take_at_most_their_share_of_the_time():
@@ -134,9 +155,11 @@ def test_the_scheduler_replays_each_finished_request_with_speculation_off():
     assert oracle_.requests == lookup_.requests == 2
     assert oracle_.tokens == lookup_.tokens == 39 + 29  # each output but its first token
     assert core.spec_drafts == 0  # nothing drafted: the replay only says what drafts would do
-    counting = replay(_packed([1, 5, 8, 4, *seqs[1].output_ids]), 5, oracle(5))
+    counting = replay(_packed([1, 5, 8, 4, *seqs[1].output_ids]), 5, oracle(5))[:4]
     assert counting == (29, 29, 0, 0)  # b's share: one token a step
     assert oracle_.steps < oracle_.tokens and lookup_.accepted_tokens > 0
+    # priced by the worker's model (FLAT: a step is mostly its fixed cost): faster with drafts
+    assert oracle_.plain_seconds > oracle_.step_seconds > 0
 
 
 def test_the_replay_takes_the_drafts_a_fixed_length_speculating_scheduler_takes():

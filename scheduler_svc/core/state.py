@@ -111,12 +111,24 @@ class CoreState:
         if cfg.speculation_potential and finish in (Finish.STOP, Finish.LENGTH):
             self.potential.observe(
                 seq.prompt_ids, seq.output_ids, cfg.num_speculative_tokens,
-                cfg.prompt_lookup_min, cfg.prompt_lookup_max,
+                cfg.prompt_lookup_min, cfg.prompt_lookup_max, self._pricer(seq.worker),
             )  # fmt: skip
         if seq.worker is not None and seq.handle != NO_HANDLE:
             self.workers[seq.worker].done.append((seq, seq.handle))
             seq.handle, seq.max_planned = NO_HANDLE, 0
         return Event(seq.request_id, finish=finish, error=error, preemptions=seq.preemptions)
+
+    def _pricer(self, worker: int | None):
+        """A step of one request on `worker` by its step-time model: (position of the token it
+        feeds, draft length) -> seconds; None for a request that ran nowhere."""
+        if worker is None:
+            return None
+
+        def price(position: int, drafted: int) -> float:
+            shape = BatchShape.draft(position, drafted) if drafted else None
+            return self.predict(worker, shape or BatchShape.item(position, 1, True))
+
+        return price
 
     def _preempt(self, ws: WorkerState, seq: Sequence, cache: bool = True) -> None:
         """Free `seq`'s KV and put it back at the front of the queue, to be recomputed."""

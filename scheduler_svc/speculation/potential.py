@@ -10,8 +10,10 @@ matching prefix plus one token), against two proposers:
   does not repeat other requests'.
 
 Tokens per step (output tokens / steps) is what a step would emit; the share of tokens that came
-from drafts is what the drafts would save. The step's cost is not priced here: a draft row costs
-what a token of a prompt chunk costs on the worker (`llmserve.bench.draft_step`).
+from drafts is what the drafts would save. Each step is also priced by the step-time model of the
+worker that ran the request, as the request's step alone (one stream): the drafts' steps against
+one decode a token, whose ratio is the decode speed speculation would give at one stream on that
+worker (a draft of k is a chunk of 1 + k tokens, every row sampled: `BatchShape.draft`).
 
 The output's first token is the prompt's step's, which no draft joins: a replay steps through
 the tokens after it, as the decodes that sample them. **Bounded.** A replay takes the output's
@@ -46,13 +48,19 @@ class Replayed:
     steps: int = 0  # decode steps they would take
     draft_tokens: int = 0  # draft tokens verified
     accepted_tokens: int = 0  # of those, accepted
+    # the steps' time by the worker's step-time model, one request alone: with the drafts, and
+    # one token a step (0 where no model priced them)
+    step_seconds: float = 0.0
+    plain_seconds: float = 0.0
 
-    def add(self, tokens: int, steps: int, drafted: int, accepted: int) -> None:
+    def add(self, tokens: int, steps: int, drafted: int, accepted: int, seconds=0.0, plain=0.0):
         self.requests += 1
         self.tokens += tokens
         self.steps += steps
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
+        self.step_seconds += seconds
+        self.plain_seconds += plain
 
     @property
     def per_step(self) -> float:
@@ -60,21 +68,33 @@ class Replayed:
 
 
 Propose = Callable[[bytes, int, int], tuple[int, int]]
+# (the position of the token a decode feeds, its draft's length) -> the step's seconds
+Price = Callable[[int, int], float]
 
 
-def replay(packed: bytes, start: int, propose: Propose) -> tuple[int, int, int, int]:
+def replay(
+    packed: bytes, start: int, propose: Propose, price: Price | None = None, offset: int = 0
+) -> tuple[int, int, int, int, float, float]:
     """Steps through the tokens of `packed` (32-bit ids) from token `start` to the end, each step
     asking `propose(packed, done, room)` for the length of its draft after the first `done`
     tokens (at most `room`: the tokens left minus the step's own) and how many of it match what
-    follows; returns (tokens, steps, draft tokens, accepted tokens)."""
+    follows; returns (tokens, steps, draft tokens, accepted tokens, seconds, plain seconds):
+    with `price`, the steps' seconds, and those of one decode a token (token i of `packed` sits
+    at position offset + i)."""
     total = len(packed) // WIDTH
-    done, steps, drafted, accepted = start, 0, 0, 0
+    done, steps, drafted, accepted, seconds = start, 0, 0, 0, 0.0
     while done < total:
         room = total - done - 1
         length, ok = propose(packed, done, room)
+        if price is not None:
+            seconds += price(offset + done - 1, length)
         steps, drafted, accepted = steps + 1, drafted + length, accepted + ok
         done += ok + 1
-    return total - start, steps, drafted, accepted
+    tokens = total - start
+    # one decode a token, positions offset + start - 1 ... offset + total - 2: the step-time
+    # model is linear in a decode's position, so their sum is `tokens` decodes at the middle one
+    plain = tokens * price(offset + (start + total - 3) / 2, 0) if price and tokens else 0.0
+    return tokens, steps, drafted, accepted, seconds, plain
 
 
 def lookup(k: int, n_min: int, n_max: int) -> Propose:
@@ -131,9 +151,17 @@ class Potential:
         self.clock = clock
         self._quiet_until = 0.0
 
-    def observe(self, prompt: list[int], output: list[int], k: int, n_min: int, n_max: int):
+    def observe(
+        self,
+        prompt: list[int],
+        output: list[int],
+        k: int,
+        n_min: int,
+        n_max: int,
+        price: Price | None = None,
+    ) -> None:
         """A request finished with `output` after `prompt`: replay it, unless a recent replay's
-        quiet time runs."""
+        quiet time runs; `price` prices its steps (the step-time model of its worker)."""
         # the first token is the prompt's step's, never drafted: the decodes' tokens are after it
         tail = output[1:][-OUTPUT_TOKENS:]
         if not tail:
@@ -144,9 +172,9 @@ class Potential:
             return
         head = (prompt + output[: len(output) - len(tail)])[-(CONTEXT_TOKENS - len(tail)) :]
         packed = array("I", head + tail).tobytes()
-        start = len(head)
+        start, offset = len(head), len(prompt) + len(output) - len(head) - len(tail)
         for name, propose in (("ngram", lookup(k, n_min, n_max)), ("oracle", oracle(k))):
-            self.replayed[name].add(*replay(packed, start, propose))
+            self.replayed[name].add(*replay(packed, start, propose, price, offset))
         spent = self.clock() - now
         self.seconds += spent
         self._quiet_until = now + spent / SHARE
