@@ -41,6 +41,7 @@ class StackSettings(CoreConfig):
         "auto", help_of(WK, "quantization")
     )
     device: str = setting("auto", "each worker's device: " + help_of(WK, "device"))
+    kv_cache_dtype: Literal["auto", "int8"] = setting("auto", help_of(WK, "kv_cache_dtype"))
     workers: int = setting(1, "worker processes, each with its own KV pool (per cell)")
     cells: int = setting(
         1,
@@ -248,6 +249,8 @@ class Stack:
             s.quantization,
             "--device",
             s.device,
+            "--kv-cache-dtype",
+            s.kv_cache_dtype,
             "--kv-capacity",
             str(s.kv_capacity),
             "--block-size",

@@ -112,6 +112,7 @@ def make_runner(settings: WorkerSettings):
     runner = ModelRunner(
         config, weights, blocks, settings.block_size, dtype,
         device=device, cuda_graphs=settings.cuda_graphs and device.type == "cuda",
+        cache_dtype=settings.kv_cache_dtype,
     )  # fmt: skip
     plan = plan_kernels(runner, cpu, settings.dtype, quantization, settings.quantized_max_rows)
     threads = torch.get_num_threads()

@@ -298,6 +298,278 @@ static int64_t pv_bf16_64(const uint16_t *probs, const uint16_t *v_pool, const i
     default: return pv_bf16_64_group(probs, v_pool, off, len, kv_count, group, ahead, acc);
     }
 }
+
+/* the int8 pool's scores: by VNNI where the build has it */
+#ifdef __AVX512VNNI__
+#define QK_SCORES_Q8_64 qk_scores_q8_64_vnni
+#else
+#define QK_SCORES_Q8_64 qk_scores_q8_64
+#endif
+
+/* Asks for `bytes` bytes from `row` on into L2 (prefetch_row for int8 rows). */
+static inline void prefetch_bytes(const void *row, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)row + b, _MM_HINT_T1);
+}
+
+/* 16 int8 codes as floats (exact). */
+static inline __m512 load_q8x16(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* qk_scores_bf16_64 over an int8 pool (head_dim 64): qf [heads, 64] the fp32 queries, already
+   scaled; k_pool, v_pool the task's first KV head's codes, k_scale its first scale (the scale of
+   position t, KV head g: k_scale[off[t] / 64 + g]). Each 16 positions' key rows of a KV head
+   are widened to fp32 once, into L1, and scored against the group's query heads in fp32 (the
+   products exact, as vdpbf16ps's); the sums times the positions' scales are the scores. */
+static __attribute__((unused)) int64_t qk_scores_q8_64(const float *qf, const int8_t *k_pool, const float *k_scale,
+                               const int8_t *v_pool, const int64_t *off, int64_t len,
+                               int64_t kv_count, int64_t group, float *scores, float *mx) {
+    const int64_t done = len & ~(int64_t)15;
+    float keys[16 * 64] __attribute__((aligned(64)));
+    for (int64_t t0 = 0; t0 < done; t0 += 16) {
+        for (int i = 0; i < 16; i++) {
+            if (t0 + AHEAD + i < len) prefetch_bytes(k_pool + off[t0 + AHEAD + i], kv_count * 64);
+            if (v_pool) prefetch_bytes(v_pool + off[t0 + i], kv_count * 64);
+        }
+        for (int64_t g = 0; g < kv_count; g++) {
+            float ks[16];
+            for (int i = 0; i < 16; i++) {
+                const int8_t *kr = k_pool + off[t0 + i] + g * 64;
+                ks[i] = k_scale[off[t0 + i] / 64 + g];
+                for (int c = 0; c < 4; c++)
+                    _mm512_store_ps(keys + i * 64 + 16 * c, load_q8x16(kr + 16 * c));
+            }
+            const __m512 ksv = _mm512_loadu_ps(ks);
+            for (int64_t j = 0; j < group; j++) {
+                const int64_t h = g * group + j;
+                const float *qh = qf + h * 64;
+                const __m512 q0 = _mm512_loadu_ps(qh), q1 = _mm512_loadu_ps(qh + 16);
+                const __m512 q2 = _mm512_loadu_ps(qh + 32), q3 = _mm512_loadu_ps(qh + 48);
+                __m512 acc[16];
+                for (int i = 0; i < 16; i++) {
+                    const float *kr = keys + i * 64;
+                    __m512 a = _mm512_mul_ps(_mm512_load_ps(kr), q0);
+                    a = _mm512_fmadd_ps(_mm512_load_ps(kr + 16), q1, a);
+                    a = _mm512_fmadd_ps(_mm512_load_ps(kr + 32), q2, a);
+                    acc[i] = _mm512_fmadd_ps(_mm512_load_ps(kr + 48), q3, a);
+                }
+                const __m512 sc = _mm512_mul_ps(sum_lanes16(acc), ksv);
+                _mm512_storeu_ps(scores + h * len + t0, sc);
+                const float m = _mm512_reduce_max_ps(sc);
+                if (m > mx[h]) mx[h] = m;
+            }
+        }
+    }
+    for (int64_t t = done; v_pool && t < len; t++) prefetch_bytes(v_pool + off[t], kv_count * 64);
+    return done;
+}
+
+/* acc[h] = sum over all positions of p[h][t] * V[t] over an int8 pool (head_dim 64): each value
+   row widened to fp32 once and added in with p times the row's scale, in fp32. probs: [heads,
+   len] fp32; v_pool, v_scale as k_pool, k_scale in qk_scores_q8_64; acc: [heads, 64]. */
+static inline __attribute__((always_inline)) void pv_q8_64_group(
+    const float *probs, const int8_t *v_pool, const float *v_scale, const int64_t *off,
+    int64_t len, int64_t kv_count, const int64_t group, int ahead, float *acc) {
+    for (int64_t g = 0; g < kv_count; g++) {
+        __m512 sums[MAX_GROUP][4];
+        for (int64_t j = 0; j < group; j++)
+            for (int c = 0; c < 4; c++) sums[j][c] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t++) {
+            if (ahead && g == 0 && t + AHEAD < len)
+                prefetch_bytes(v_pool + off[t + AHEAD], kv_count * 64);
+            const int8_t *vr = v_pool + off[t] + g * 64;
+            const float sv = v_scale[off[t] / 64 + g];
+            __m512 vf[4];
+            for (int c = 0; c < 4; c++) vf[c] = load_q8x16(vr + 16 * c);
+            for (int64_t j = 0; j < group; j++) {
+                const __m512 p = _mm512_set1_ps(probs[(g * group + j) * len + t] * sv);
+                for (int c = 0; c < 4; c++) sums[j][c] = _mm512_fmadd_ps(vf[c], p, sums[j][c]);
+            }
+        }
+        for (int64_t j = 0; j < group; j++)
+            for (int c = 0; c < 4; c++)
+                _mm512_storeu_ps(acc + (g * group + j) * 64 + 16 * c, sums[j][c]);
+    }
+}
+
+#ifdef __AVX512VNNI__
+/* qk_scores_q8_64 by 16-bit integer dot products (vpdpwssd): each query head rounded to int16
+   with its own scale (max |q| / 32767: a relative error below 2e-5, against bf16's 4e-3 in the
+   bf16 kernel's queries), each key row widened from int8 to int16; a lane's sum of 4 products
+   stays below 2^24, so it is exact as a float, and the 16 lanes add up in fp32. Two
+   vpdpwssd per query head and position, where the fp32 path spends 4 FMAs and 8 conversions. */
+static int64_t qk_scores_q8_64_vnni(const float *qf, const int8_t *k_pool, const float *k_scale,
+                                    const int8_t *v_pool, const int64_t *off, int64_t len,
+                                    int64_t kv_count, int64_t group, float *scores, float *mx) {
+    const int64_t done = len & ~(int64_t)15, heads = kv_count * group;
+    int16_t q16[heads * 64];
+    float qs[heads];
+    int16_t keys[16 * 64] __attribute__((aligned(64))); /* 16 positions' key rows, widened */
+    for (int64_t h = 0; h < heads; h++) {
+        float amax = 0.f;
+        for (int d = 0; d < 64; d++) amax = fabsf(qf[h * 64 + d]) > amax ? fabsf(qf[h * 64 + d]) : amax;
+        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+        for (int d = 0; d < 64; d++) q16[h * 64 + d] = (int16_t)nearbyintf(qf[h * 64 + d] * inv);
+        qs[h] = amax / 32767.f;
+    }
+    for (int64_t t0 = 0; t0 < done; t0 += 16) {
+        for (int i = 0; i < 16; i++) {
+            if (t0 + AHEAD + i < len) prefetch_bytes(k_pool + off[t0 + AHEAD + i], kv_count * 64);
+            if (v_pool) prefetch_bytes(v_pool + off[t0 + i], kv_count * 64);
+        }
+        for (int64_t g = 0; g < kv_count; g++) {
+            float ks[16];
+            for (int i = 0; i < 16; i++) {
+                const int8_t *kr = k_pool + off[t0 + i] + g * 64;
+                ks[i] = k_scale[off[t0 + i] / 64 + g];
+                for (int c = 0; c < 2; c++)
+                    _mm512_store_si512(
+                        keys + i * 64 + 32 * c,
+                        _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(kr + 32 * c))));
+            }
+            const __m512 ksv = _mm512_loadu_ps(ks);
+            for (int64_t j = 0; j < group; j++) {
+                const int64_t h = g * group + j;
+                const __m512i q_lo = _mm512_loadu_si512(q16 + h * 64);
+                const __m512i q_hi = _mm512_loadu_si512(q16 + h * 64 + 32);
+                __m512 acc[16];
+                for (int i = 0; i < 16; i++) {
+                    const __m512i a = _mm512_dpwssd_epi32(
+                        _mm512_setzero_si512(), _mm512_load_si512(keys + i * 64), q_lo);
+                    acc[i] = _mm512_cvtepi32_ps(
+                        _mm512_dpwssd_epi32(a, _mm512_load_si512(keys + i * 64 + 32), q_hi));
+                }
+                const __m512 sc =
+                    _mm512_mul_ps(_mm512_mul_ps(sum_lanes16(acc), ksv), _mm512_set1_ps(qs[h]));
+                _mm512_storeu_ps(scores + h * len + t0, sc);
+                const float m = _mm512_reduce_max_ps(sc);
+                if (m > mx[h]) mx[h] = m;
+            }
+        }
+    }
+    for (int64_t t = done; v_pool && t < len; t++) prefetch_bytes(v_pool + off[t], kv_count * 64);
+    return done;
+}
+
+/* pv_q8_64_group by 16-bit integer dot products, two positions per vpdpwssd (as
+   pv_bf16_64_group pairs them): each query head's probabilities times the value rows' scales,
+   rounded to int16 with the head's own scale (max / 32767), written over `probs` in place;
+   value rows widened from int8 to int16. The int32 sums go into fp32 every 256 positions, before
+   they could overflow (256 x 32767 x 127 < 2^31). probs: [heads, len] fp32, overwritten. */
+#define PV_FLUSH 256
+static inline __attribute__((always_inline)) void pv_q8_64_group_vnni(
+    float *probs, const int8_t *v_pool, const float *v_scale, const int64_t *off, int64_t len,
+    int64_t kv_count, const int64_t group, int ahead, float *acc) {
+    for (int64_t g = 0; g < kv_count; g++) {
+        float ps[MAX_GROUP], top[MAX_GROUP];
+        float *rows = probs + g * group * len;
+        __m512 tops[MAX_GROUP];
+        for (int64_t j = 0; j < group; j++) tops[j] = _mm512_setzero_ps();
+        int64_t t = 0;
+        for (; t + 16 <= len; t += 16) { /* p' = p times the value row's scale, 16 at a time */
+            float sv[16];
+            for (int i = 0; i < 16; i++) sv[i] = v_scale[off[t + i] / 64 + g];
+            const __m512 svv = _mm512_loadu_ps(sv);
+            for (int64_t j = 0; j < group; j++) {
+                const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(rows + j * len + t), svv);
+                _mm512_storeu_ps(rows + j * len + t, x);
+                tops[j] = _mm512_max_ps(tops[j], x);
+            }
+        }
+        for (int64_t j = 0; j < group; j++) top[j] = _mm512_reduce_max_ps(tops[j]);
+        for (; t < len; t++) {
+            const float sv = v_scale[off[t] / 64 + g];
+            for (int64_t j = 0; j < group; j++) {
+                const float x = rows[j * len + t] * sv;
+                rows[j * len + t] = x;
+                top[j] = x > top[j] ? x : top[j];
+            }
+        }
+        for (int64_t j = 0; j < group; j++) {
+            float *row = rows + j * len;
+            const float inv = top[j] > 0.f ? 32767.f / top[j] : 0.f;
+            const __m512 invv = _mm512_set1_ps(inv);
+            int16_t *p16 = (int16_t *)row; /* in place: element t's bytes [2t, 2t + 2) were read */
+            int64_t t = 0;
+            for (; t + 16 <= len; t += 16) /* rounded to nearest even, as nearbyintf */
+                _mm256_storeu_si256(
+                    (__m256i *)(p16 + t),
+                    _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + t), invv))));
+            for (; t < len; t++) p16[t] = (int16_t)nearbyintf(row[t] * inv);
+            if (len & 1) p16[len] = 0; /* the last pair's partner (row[len / 2 + 1] was read) */
+            ps[j] = top[j] / 32767.f;
+        }
+        __m512 total[MAX_GROUP][4];
+        __m512i sums[MAX_GROUP][4];
+        for (int64_t j = 0; j < group; j++)
+            for (int c = 0; c < 4; c++) {
+                total[j][c] = _mm512_setzero_ps();
+                sums[j][c] = _mm512_setzero_si512();
+            }
+        for (int64_t t = 0; t < len; t += 2) {
+            if (ahead && g == 0 && t + AHEAD + 1 < len) {
+                prefetch_bytes(v_pool + off[t + AHEAD], kv_count * 64);
+                prefetch_bytes(v_pool + off[t + AHEAD + 1], kv_count * 64);
+            }
+            const int8_t *v0 = v_pool + off[t] + g * 64;
+            const int8_t *v1 = t + 1 < len ? v_pool + off[t + 1] + g * 64 : v0; /* p = 0 */
+            __m512i pairs[4];
+            for (int c = 0; c < 2; c++) {
+                const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(v0 + 32 * c)));
+                const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(v1 + 32 * c)));
+                pairs[2 * c] = _mm512_unpacklo_epi16(a, b);
+                pairs[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+            }
+            for (int64_t j = 0; j < group; j++) {
+                int32_t pair; /* (p[t], p[t + 1]) as two int16 in one 32-bit lane */
+                memcpy(&pair, (const int16_t *)(probs + (g * group + j) * len) + t, 4);
+                const __m512i p = _mm512_set1_epi32(pair);
+                for (int c = 0; c < 4; c++) sums[j][c] = _mm512_dpwssd_epi32(sums[j][c], pairs[c], p);
+            }
+            if ((t + 2) % PV_FLUSH == 0 || t + 2 >= len)
+                for (int64_t j = 0; j < group; j++)
+                    for (int c = 0; c < 4; c++) {
+                        total[j][c] = _mm512_add_ps(total[j][c], _mm512_cvtepi32_ps(sums[j][c]));
+                        sums[j][c] = _mm512_setzero_si512();
+                    }
+        }
+        for (int64_t j = 0; j < group; j++) {
+            float lanes[4][16];
+            const __m512 scale = _mm512_set1_ps(ps[j]);
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(lanes[c], _mm512_mul_ps(total[j][c], scale));
+            float *a = acc + (g * group + j) * 64;
+            /* as pv_bf16_64_group: register c = 2 * half + (0: unpacklo, 1: unpackhi); lane
+               4k + i holds dim 32 * half + 8k + 4 * (c & 1) + i */
+            for (int c = 0; c < 4; c++)
+                for (int k = 0; k < 4; k++)
+                    for (int i = 0; i < 4; i++)
+                        a[32 * (c >> 1) + 8 * k + 4 * (c & 1) + i] = lanes[c][4 * k + i];
+        }
+    }
+}
+#endif
+
+/* pv_q8_64_group with the group a constant where it is a common one (as pv_bf16_64); by VNNI
+   where the build has it (probs then overwritten). */
+static int64_t pv_q8_64(float *probs, const int8_t *v_pool, const float *v_scale,
+                        const int64_t *off, int64_t len, int64_t kv_count, int64_t group,
+                        int ahead, float *acc) {
+#ifdef __AVX512VNNI__
+#define PV_GROUP pv_q8_64_group_vnni
+#else
+#define PV_GROUP pv_q8_64_group
+#endif
+    switch (group) {
+    case 1: PV_GROUP(probs, v_pool, v_scale, off, len, kv_count, 1, ahead, acc); break;
+    case 2: PV_GROUP(probs, v_pool, v_scale, off, len, kv_count, 2, ahead, acc); break;
+    case 3: PV_GROUP(probs, v_pool, v_scale, off, len, kv_count, 3, ahead, acc); break;
+    case 4: PV_GROUP(probs, v_pool, v_scale, off, len, kv_count, 4, ahead, acc); break;
+    case 8: PV_GROUP(probs, v_pool, v_scale, off, len, kv_count, 8, ahead, acc); break;
+    default: PV_GROUP(probs, v_pool, v_scale, off, len, kv_count, group, ahead, acc);
+    }
+#undef PV_GROUP
+    return len;
+}
 #endif
 
 
@@ -400,6 +672,31 @@ void add_rms_norm_f32(float *x, const uint16_t *delta, const uint16_t *weight, i
                          h + r * hidden);
 }
 
+/* One head's row x rotated by position (c, s) into dst, rounded to bf16 once (HF rotate_half). */
+static inline void rope_row(const uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t dim,
+                            uint16_t *dst) {
+    const int64_t half = dim / 2;
+    int64_t done = 0; /* dims of each half done by the SIMD path */
+#ifdef HAVE_AVX512_BF16
+    /* rotate_half's two halves at once, 16 dims of each; a (x * c) + (y * s) as the scalar loop
+       below compiles (one product fused into the add), rounded once */
+    for (; half % 16 == 0 && done < half; done += 16) {
+        const int64_t d = done;
+        const __m512 lo = load_bf16x16(x + d), hi = load_bf16x16(x + d + half);
+        const __m512 lo_out = _mm512_fmadd_ps(lo, load_bf16x16(c + d),
+                                              _mm512_mul_ps(hi, load_bf16x16(s + d)));
+        const __m512 hi_out = _mm512_fmadd_ps(hi, load_bf16x16(c + d + half),
+                                              _mm512_mul_ps(lo, load_bf16x16(s + d + half)));
+        _mm256_storeu_si256((__m256i *)(dst + d), f2bf16(lo_out));
+        _mm256_storeu_si256((__m256i *)(dst + d + half), f2bf16(hi_out));
+    }
+#endif
+    for (int64_t d = done; d < half; d++) /* rotate_half: (x_lo, x_hi) -> (-x_hi, x_lo) */
+        dst[d] = f2bf(bf2f(x[d]) * bf2f(c[d]) + bf2f(x[d + half]) * bf2f(s[d]));
+    for (int64_t d = half + done; d < dim; d++)
+        dst[d] = f2bf(bf2f(x[d]) * bf2f(c[d]) + bf2f(x[d - half]) * bf2f(s[d]));
+}
+
 /* Rotary embedding of q and k (HF rotate_half layout) and the K/V store into one layer's pool.
    qkv: [n, (heads + 2 * kv_heads) * dim]; cos, sin: [max_positions, dim], sin sign-folded
    ([-sin_lo, sin_hi]); positions, slots: [n]; q_out: [n, heads, dim];
@@ -409,40 +706,65 @@ void rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *s
                      const int64_t *positions, const int64_t *slots, int64_t n, int64_t heads,
                      int64_t kv_heads, int64_t dim, uint16_t *q_out, uint16_t *k_pool,
                      uint16_t *v_pool, uint16_t *k_out) {
-    const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
+    const int64_t width = (heads + 2 * kv_heads) * dim;
 #pragma omp parallel for schedule(static) if (n >= 16) num_threads(kernel_threads)
     for (int64_t t = 0; t < n; t++) {
         const uint16_t *row = qkv + t * width;
         const uint16_t *c = cos + positions[t] * dim, *s = sin + positions[t] * dim;
         for (int64_t hd = 0; hd < heads + kv_heads; hd++) {
-            const uint16_t *x = row + hd * dim;
             uint16_t *pool_row = k_pool + (slots[t] * kv_heads + hd - heads) * dim;
             uint16_t *dst = hd < heads ? q_out + (t * heads + hd) * dim
                             : k_out    ? k_out + (t * kv_heads + hd - heads) * dim
                                        : pool_row;
-            int64_t done = 0; /* dims of each half done by the SIMD path */
-#ifdef HAVE_AVX512_BF16
-            /* rotate_half's two halves at once, 16 dims of each; a (x * c) + (y * s) as the
-               scalar loop below compiles (one product fused into the add), rounded once */
-            for (; half % 16 == 0 && done < half; done += 16) {
-                const int64_t d = done;
-                const __m512 lo = load_bf16x16(x + d), hi = load_bf16x16(x + d + half);
-                const __m512 lo_out = _mm512_fmadd_ps(lo, load_bf16x16(c + d),
-                                                      _mm512_mul_ps(hi, load_bf16x16(s + d)));
-                const __m512 hi_out = _mm512_fmadd_ps(
-                    hi, load_bf16x16(c + d + half), _mm512_mul_ps(lo, load_bf16x16(s + d + half)));
-                _mm256_storeu_si256((__m256i *)(dst + d), f2bf16(lo_out));
-                _mm256_storeu_si256((__m256i *)(dst + d + half), f2bf16(hi_out));
-            }
-#endif
-            for (int64_t d = done; d < half; d++) /* rotate_half: (x_lo, x_hi) -> (-x_hi, x_lo) */
-                dst[d] = f2bf(bf2f(x[d]) * bf2f(c[d]) + bf2f(x[d + half]) * bf2f(s[d]));
-            for (int64_t d = half + done; d < dim; d++)
-                dst[d] = f2bf(bf2f(x[d]) * bf2f(c[d]) + bf2f(x[d - half]) * bf2f(s[d]));
+            rope_row(row + hd * dim, c, s, dim, dst);
             if (hd >= heads && k_out) memcpy(pool_row, dst, (size_t)dim * sizeof(uint16_t));
         }
         memcpy(v_pool + slots[t] * kv_heads * dim, row + (heads + kv_heads) * dim,
                (size_t)(kv_heads * dim) * sizeof(uint16_t));
+    }
+}
+
+/* int8 KV (--kv-cache-dtype int8): a layer's K (or V) pool holds int8 codes [slots, kv_heads,
+   dim] and fp32 scales [slots, kv_heads]; a cached value is code * scale. Each (position, KV
+   head) row is quantized alone, symmetrically, from its bf16 values: scale = max |x| / 127,
+   code = x * (127 / max |x|) rounded to nearest even (kv_pool.quantize_kv does the same in torch,
+   operation for operation, so both paths store the same codes). */
+static inline void quantize_row_q8(const uint16_t *x, int64_t dim, int8_t *codes, float *scale) {
+    float amax = 0.f;
+    for (int64_t d = 0; d < dim; d++) {
+        const float a = fabsf(bf2f(x[d]));
+        amax = a > amax ? a : amax;
+    }
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int64_t d = 0; d < dim; d++) codes[d] = (int8_t)nearbyintf(bf2f(x[d]) * inv);
+    *scale = amax / 127.f;
+}
+
+/* rope_store_bf16 into an int8 pool: k_pool, v_pool: [slots, kv_heads, dim] int8 codes;
+   k_scale, v_scale: [slots, kv_heads] fp32 (one layer). q_out and k_out as there (bf16). */
+void rope_store_q8(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin,
+                   const int64_t *positions, const int64_t *slots, int64_t n, int64_t heads,
+                   int64_t kv_heads, int64_t dim, uint16_t *q_out, int8_t *k_pool, int8_t *v_pool,
+                   float *k_scale, float *v_scale, uint16_t *k_out) {
+    const int64_t width = (heads + 2 * kv_heads) * dim;
+#pragma omp parallel for schedule(static) if (n >= 16) num_threads(kernel_threads)
+    for (int64_t t = 0; t < n; t++) {
+        const uint16_t *row = qkv + t * width;
+        const uint16_t *c = cos + positions[t] * dim, *s = sin + positions[t] * dim;
+        uint16_t key[MAX_DIM];
+        for (int64_t hd = 0; hd < heads + kv_heads; hd++) {
+            const int64_t g = hd - heads, at = slots[t] * kv_heads + g;
+            uint16_t *dst = hd < heads ? q_out + (t * heads + hd) * dim
+                            : k_out    ? k_out + (t * kv_heads + g) * dim
+                                       : key;
+            rope_row(row + hd * dim, c, s, dim, dst);
+            if (hd >= heads) quantize_row_q8(dst, dim, k_pool + at * dim, k_scale + at);
+        }
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const int64_t at = slots[t] * kv_heads + g;
+            quantize_row_q8(row + (heads + kv_heads + g) * dim, dim, v_pool + at * dim,
+                            v_scale + at);
+        }
     }
 }
 
@@ -467,24 +789,42 @@ static int64_t task_share(const int64_t *lengths, int64_t split, int64_t tasks, 
 #ifdef HAVE_AVX512_BF16
 /* Asks for the rows (values [from, from + values) of each) of the first AHEAD positions of a
    request from its block table. */
-static void prefetch_first_rows(const uint16_t *pool, const int64_t *table, int64_t len,
-                                int64_t block_size, int64_t pos_stride, int64_t from,
+static void prefetch_first_rows(const void *pool, int64_t element, const int64_t *table,
+                                int64_t len, int64_t block_size, int64_t pos_stride, int64_t from,
                                 int64_t values) {
     for (int64_t t = 0; t < len && t < AHEAD; t++)
-        prefetch_row(pool + (table[t / block_size] * block_size + t % block_size) * pos_stride +
-                         from,
-                     values);
+        prefetch_bytes((const char *)pool +
+                           ((table[t / block_size] * block_size + t % block_size) * pos_stride +
+                            from) * element,
+                       values * element);
 }
 #endif
 
+/* Cached position t's row of KV head g as fp32: from a bf16 pool, or (q8) from an int8 pool's
+   codes times the row's scale. */
+static inline void kv_row_f32(const void *pool, const float *scales, const int q8,
+                              const int64_t *off, int64_t t, int64_t g, int64_t dim, float *row) {
+    if (q8) {
+        const int8_t *r = (const int8_t *)pool + off[t] + g * dim;
+        const float sc = scales[off[t] / dim + g];
+        for (int64_t d = 0; d < dim; d++) row[d] = (float)r[d] * sc;
+    } else {
+        const uint16_t *r = (const uint16_t *)pool + off[t] + g * dim;
+        for (int64_t d = 0; d < dim; d++) row[d] = bf2f(r[d]);
+    }
+}
+
 /* One query token per request against its cached K/V in a paged pool.
-   q, out: [nd, heads, dim]; k_pool, v_pool: [num_blocks, block_size, kv_heads, dim] (one layer);
+   q, out: [nd, heads, dim]; k_pool, v_pool: [num_blocks, block_size, kv_heads, dim] (one layer),
+   bf16, or (q8) int8 codes with k_scale, v_scale: [num_blocks, block_size, kv_heads] fp32;
    tables: [nd, max_blocks] block ids; lengths: [nd] cached positions, the new token's included.
    Returns 0, or -1 if scratch memory could not be had. */
 static inline __attribute__((always_inline)) int attend(
-    const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *tables,
-    const int64_t *lengths, int64_t nd, int64_t max_blocks, int64_t block_size, int64_t heads,
-    int64_t kv_heads, const int64_t dim, float scale, uint16_t *out) {
+    const uint16_t *q, const void *k_pool, const void *v_pool, const float *k_scale,
+    const float *v_scale, const int q8, const int64_t *tables, const int64_t *lengths, int64_t nd,
+    int64_t max_blocks, int64_t block_size, int64_t heads, int64_t kv_heads, const int64_t dim,
+    float scale, uint16_t *out) {
+    const int64_t element = q8 ? 1 : 2; /* bytes of a cached value */
     const int64_t group = heads / kv_heads;
     const int64_t pos_stride = kv_heads * dim;
     /* a task: one request's KV heads [g0, g1). Whole requests when there are enough of them, so
@@ -545,19 +885,26 @@ static inline __attribute__((always_inline)) int attend(
             if (dim == 64) {
                 /* a context whose value rows L2 keeps: all asked for while the keys are
                    scored; a longer one: each asked for AHEAD positions before P @ V reads it */
-                const int early = len * task_kv * dim * 2 <= EARLY_VALUE_BYTES;
-                first = qk_scores_bf16_64(qr, k_pool + g0 * dim, early ? v_pool + g0 * dim : NULL,
-                                          off, len, task_kv, group, scale, scores, mx);
+                const int early = len * task_kv * dim * element <= EARLY_VALUE_BYTES;
+                if (q8)
+                    first = QK_SCORES_Q8_64(
+                        qf, (const int8_t *)k_pool + g0 * dim, k_scale + g0,
+                        early ? (const int8_t *)v_pool + g0 * dim : NULL, off, len, task_kv, group,
+                        scores, mx);
+                else
+                    first = qk_scores_bf16_64(
+                        qr, (const uint16_t *)k_pool + g0 * dim,
+                        early ? (const uint16_t *)v_pool + g0 * dim : NULL, off, len, task_kv,
+                        group, scale, scores, mx);
                 if (shared && task + 1 < hi) /* the next task's first keys, during this P @ V */
-                    prefetch_first_rows(k_pool, tables + (task + 1) / split * max_blocks,
+                    prefetch_first_rows(k_pool, element, tables + (task + 1) / split * max_blocks,
                                         lengths[(task + 1) / split], block_size, pos_stride,
                                         ((task + 1) % split) * task_kv * dim, task_kv * dim);
             }
 #endif
             for (int64_t t = first; t < len; t++) {
-                const uint16_t *kr = position_row(k_pool, off, t) + g0 * dim;
                 for (int64_t g = 0; g < task_kv; g++) {
-                    for (int64_t d = 0; d < dim; d++) kf[d] = bf2f(kr[g * dim + d]);
+                    kv_row_f32(k_pool, k_scale, q8, off, t, g0 + g, dim, kf);
                     for (int64_t j = 0; j < group; j++) {
                         const float *qh = qf + (g * group + j) * dim;
                         float s = 0.f;
@@ -582,17 +929,20 @@ static inline __attribute__((always_inline)) int attend(
             }
             first = 0;
 #ifdef HAVE_AVX512_BF16
-            if (dim == 64 && group <= MAX_GROUP) {
+            if (dim == 64 && group <= MAX_GROUP && q8) {
+                first = pv_q8_64(scores, (const int8_t *)v_pool + g0 * dim, v_scale + g0, off,
+                                 len, task_kv, group,
+                                 len * task_kv * dim > EARLY_VALUE_BYTES, acc);
+            } else if (dim == 64 && group <= MAX_GROUP) {
                 uint16_t *probs = (uint16_t *)(acc + task_heads * dim);
                 to_bf16(scores, task_heads * len, probs);
-                first = pv_bf16_64(probs, v_pool + g0 * dim, off, len, task_kv, group,
-                                   len * task_kv * dim * 2 > EARLY_VALUE_BYTES, acc);
+                first = pv_bf16_64(probs, (const uint16_t *)v_pool + g0 * dim, off, len, task_kv,
+                                   group, len * task_kv * dim * 2 > EARLY_VALUE_BYTES, acc);
             }
 #endif
             for (int64_t t = first; t < len; t++) {
-                const uint16_t *vr = position_row(v_pool, off, t) + g0 * dim;
                 for (int64_t g = 0; g < task_kv; g++) {
-                    for (int64_t d = 0; d < dim; d++) kf[d] = bf2f(vr[g * dim + d]);
+                    kv_row_f32(v_pool, v_scale, q8, off, t, g0 + g, dim, kf);
                     for (int64_t j = 0; j < group; j++) {
                         const float p = scores[(g * group + j) * len + t];
                         float *a = acc + (g * group + j) * dim;
@@ -618,8 +968,29 @@ int decode_attention_bf16(const uint16_t *q, const uint16_t *k_pool, const uint1
                           int64_t kv_heads, int64_t dim, float scale, uint16_t *out) {
     if (dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads || heads > MAX_GROUP * 64) return -1;
 #define ATTEND(H, D) \
-    attend(q, k_pool, v_pool, tables, lengths, nd, max_blocks, block_size, H, kv_heads, D, \
-           scale, out)
+    attend(q, k_pool, v_pool, NULL, NULL, 0, tables, lengths, nd, max_blocks, block_size, H, \
+           kv_heads, D, scale, out)
+    int status;
+    if (dim == 64 && heads == 3 * kv_heads) status = ATTEND(3 * kv_heads, 64);
+    else if (dim == 64) status = ATTEND(heads, 64);
+    else if (dim == 128) status = ATTEND(heads, 128);
+    else status = ATTEND(heads, dim);
+#undef ATTEND
+    return status ? -2 : 0;
+}
+
+/* decode_attention_bf16 over an int8 pool (--kv-cache-dtype int8): k_pool, v_pool: [num_blocks,
+   block_size, kv_heads, dim] int8 codes; k_scale, v_scale: [num_blocks, block_size, kv_heads]
+   fp32 (one layer). The same returns. */
+int decode_attention_q8(const uint16_t *q, const int8_t *k_pool, const int8_t *v_pool,
+                        const float *k_scale, const float *v_scale, const int64_t *tables,
+                        const int64_t *lengths, int64_t nd, int64_t max_blocks,
+                        int64_t block_size, int64_t heads, int64_t kv_heads, int64_t dim,
+                        float scale, uint16_t *out) {
+    if (dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads || heads > MAX_GROUP * 64) return -1;
+#define ATTEND(H, D) \
+    attend(q, k_pool, v_pool, k_scale, v_scale, 1, tables, lengths, nd, max_blocks, block_size, \
+           H, kv_heads, D, scale, out)
     int status;
     if (dim == 64 && heads == 3 * kv_heads) status = ATTEND(3 * kv_heads, 64);
     else if (dim == 64) status = ATTEND(heads, 64);

@@ -35,6 +35,7 @@ ARCH = os.environ.get("LLMSERVE_KERNEL_ARCH", "native")
 ARCH_FLAGS = [[f"-march={ARCH}"], []]  # the second is the fallback on compilers without it
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+MAX_DIM = 256  # cpu_kernels.c's
 
 
 def _library_name() -> str:
@@ -100,6 +101,16 @@ class CpuKernels:
         self._attend = library.decode_attention_bf16
         self._attend.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P]
         self._attend.restype = ctypes.c_int
+        # the int8 pool's (--kv-cache-dtype int8); absent from libraries built from older sources
+        self._rope_q8 = getattr(library, "rope_store_q8", None)
+        if self._rope_q8 is not None:
+            self._rope_q8.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P]
+            self._rope_q8.restype = None
+        self._attend_q8 = getattr(library, "decode_attention_q8", None)
+        if self._attend_q8 is not None:
+            self._attend_q8.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P]
+            self._attend_q8.restype = ctypes.c_int
+        self.int8_kv = self._rope_q8 is not None and self._attend_q8 is not None
         # absent from libraries built from older sources (llmserve.bench.kernels_vs loads them)
         self._silu_mul = getattr(library, "silu_mul_bf16", None)
         if self._silu_mul is not None:
@@ -234,23 +245,19 @@ class CpuKernels:
         v_layer: int,
         kv_heads: int,
         k_out: torch.Tensor | None = None,  # [n, kv_heads, dim]: the rotated keys here too
+        scales: tuple[int, int] | None = None,  # an int8 pool's K and V scales (KvPool)
     ) -> None:
+        """With `scales`, the pool is int8 (k_layer, v_layer its codes): rope_store_q8."""
         n, heads, dim = q_out.shape
-        self._rope(
-            qkv.data_ptr(),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            positions.data_ptr(),
-            slots.data_ptr(),
-            n,
-            heads,
-            kv_heads,
-            dim,
-            q_out.data_ptr(),
-            k_layer,
-            v_layer,
-            k_out.data_ptr() if k_out is not None else None,
-        )
+        head = [qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr()]
+        head += [slots.data_ptr(), n, heads, kv_heads, dim, q_out.data_ptr(), k_layer, v_layer]
+        k_rows = k_out.data_ptr() if k_out is not None else None
+        if scales is None:
+            self._rope(*head, k_rows)
+        elif self._rope_q8 is None or dim > MAX_DIM:
+            raise ValueError(f"rope_store: no int8 KV store for head_dim {dim} in this build")
+        else:
+            self._rope_q8(*head, *scales, k_rows)
 
     def decode_attention(
         self,
@@ -263,23 +270,19 @@ class CpuKernels:
         kv_heads: int,
         scale: float,
         out: torch.Tensor,  # [nd, heads, dim]
+        scales: tuple[int, int] | None = None,  # an int8 pool's K and V scales (KvPool)
     ) -> None:
+        """With `scales`, the pool is int8 (k_layer, v_layer its codes): decode_attention_q8."""
         nd, heads, dim = q.shape
-        status = self._attend(
-            q.data_ptr(),
-            k_layer,
-            v_layer,
-            tables.data_ptr(),
-            lengths.data_ptr(),
-            nd,
-            tables.shape[1],
-            block_size,
-            heads,
-            kv_heads,
-            dim,
-            scale,
-            out.data_ptr(),
-        )
+        pools = [q.data_ptr(), k_layer, v_layer]
+        rest = [tables.data_ptr(), lengths.data_ptr(), nd, tables.shape[1], block_size, heads]
+        rest += [kv_heads, dim, scale, out.data_ptr()]
+        if scales is None:
+            status = self._attend(*pools, *rest)
+        elif self._attend_q8 is None:
+            raise ValueError("decode_attention: no int8 KV attention in this build")
+        else:
+            status = self._attend_q8(*pools, *scales, *rest)
         if status == -1:
             raise ValueError(f"decode_attention: unsupported shape {tuple(q.shape)}")
         if status:

@@ -44,6 +44,7 @@ class KernelPlan:
     output_int8_rows: int = 0  # the output matrix runs as int8 up to this many logit rows; 0: not
     output_kernel: str = "int8"  # which int8 kernel: "int8" (torch's) or "blocked int8" (ours)
     amx_from_rows: int = 0  # int4 matmuls of this many rows and more on AMX tiles; 0: never
+    kv_cache: str = "auto"  # the KV pool's values (--kv-cache-dtype): auto (= dtype), int8
 
     def matmuls(self) -> str:
         """Which path serves which rows, in words."""
@@ -88,7 +89,9 @@ class KernelPlan:
         return (
             f"cpu {self.cpu} ({self.cpu_flags}; torch {self.torch_capability}), "
             f"{self.thread_text()}, quantization {self.quantization}: {self.matmuls()}"
-        )
+            + ("; KV pool int8 (codes and a scale per position and KV head)"
+               if self.kv_cache == "int8" else "")
+        )  # fmt: skip
 
 
 def plan_kernels(
@@ -114,6 +117,7 @@ def plan_kernels(
         output_int8_rows=head.max_rows if head is not None else 0,
         output_kernel=kernel_name(head) if head is not None else "int8",
         amx_from_rows=amx_from_rows(quantized),
+        kv_cache=getattr(runner, "cache_dtype", "auto"),
     )
 
 

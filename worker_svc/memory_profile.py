@@ -9,6 +9,7 @@ import logging
 import torch
 
 from worker_svc.device import MemoryProbe, device_memory
+from worker_svc.kv_pool import position_bytes
 from worker_svc.kv_sizing import MemoryPlan
 from worker_svc.model_config import ModelConfig
 from worker_svc.quant import dense_dtype, is_quantized
@@ -42,9 +43,8 @@ def _tensors(weights: Weights) -> list[torch.Tensor]:
     return out
 
 
-def bytes_per_position(config: ModelConfig, dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
+def bytes_per_position(config: ModelConfig, dtype: torch.dtype, cache_dtype: str = "auto") -> int:
+    return position_bytes(config, dtype, cache_dtype)
 
 
 def profile_blocks(tokens: int, block_size: int) -> int:
@@ -81,7 +81,8 @@ def pool_positions(
         activation_peak=profile_forward(runner, tokens, settings.block_size, device),
         fraction=settings.memory_fraction,
     )
-    positions = plan.positions(bytes_per_position(config, dtype), settings.block_size)
+    per_position = bytes_per_position(config, dtype, settings.kv_cache_dtype)
+    positions = plan.positions(per_position, settings.block_size)
     log.info(
         "KV pool sized from memory: %.0f%% of %.0f MiB, minus %.0f MiB in use, %.0f MiB of "
         "weights and a %.0f MiB peak forward of %d tokens: %d positions",

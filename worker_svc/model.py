@@ -175,13 +175,13 @@ class LlamaModel:
                 kern.rope_store(
                     qkv, self.rope.cos, self.rope.sin, positions, slots, q,
                     *pool.layer_pointers(layer_index), cfg.num_kv_heads, k_out=k,
+                    scales=pool.scale_pointers(layer_index),
                 )  # fmt: skip
             else:
                 qk = qkv[:, : q_size + kv_size].view(num_tokens, qk_heads, cfg.head_dim)
                 qk = apply_rope(qk, cos, sin)  # qk: [tokens, heads + kv_heads, head_dim]
                 q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [tokens, (kv_)heads, dim]
-                pool.k[layer_index].index_copy_(0, slots, k)
-                pool.v[layer_index].index_copy_(0, slots, v)
+                pool.store(layer_index, slots, k, v)
             attn = attend(layer_index, q, k, v)  # [tokens, q_size]
             if kern is None:
                 x = x + lin.o(attn)
@@ -224,11 +224,14 @@ class LlamaModel:
         kern.add_rms_norm(x, None, w.layers[0].attn_norm, eps, h)
         for layer_index, lin in enumerate(self.linears):
             k_layer, v_layer = pool.layer_pointers(layer_index)
+            scales = pool.scale_pointers(layer_index)  # an int8 pool's; else None
             qkv = lin.qkv(h)  # [n, (heads + 2 * kv_heads) * head_dim]
-            kern.rope_store(qkv, cos, sin, positions, slots, q, k_layer, v_layer, kv_heads)
+            kern.rope_store(
+                qkv, cos, sin, positions, slots, q, k_layer, v_layer, kv_heads, scales=scales
+            )
             kern.decode_attention(
                 q, k_layer, v_layer, tables, plan.decode_lengths, pool.block_size, kv_heads,
-                scale, attn,
+                scale, attn, scales=scales,
             )  # fmt: skip
             kern.add_rms_norm(x, lin.o(attn.view(n, -1)), w.layers[layer_index].mlp_norm, eps, h)
             down = self.mlp(lin, h)
@@ -298,8 +301,8 @@ class LlamaModel:
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
             else:
                 shape = (1, cfg.num_kv_heads, -1, cfg.head_dim)
-                kp = pool.rows(layer_index, "k").index_select(0, span.rows).view(shape)
-                vp = pool.rows(layer_index, "v").index_select(0, span.rows).view(shape)
+                kp = pool.gather_rows(layer_index, "k", span.rows).view(shape)
+                vp = pool.gather_rows(layer_index, "v", span.rows).view(shape)
                 o = F.scaled_dot_product_attention(
                     qp, kp, vp, attn_mask=span.mask, enable_gqa=True
                 )  # o: [1, heads, length, head_dim]
@@ -324,6 +327,7 @@ class LlamaModel:
         self.kernels.decode_attention(
             q, k_layer, v_layer, plan.decode_blocks.view(q.shape[0], -1), plan.decode_lengths,
             pool.block_size, cfg.num_kv_heads, cfg.head_dim**-0.5, out,
+            scales=pool.scale_pointers(layer_index),
         )  # fmt: skip
 
     def paged_attention(
@@ -337,6 +341,8 @@ class LlamaModel:
         from worker_svc import triton_attention as kernels  # imports triton: Triton backend only
 
         cfg = self.config
+        if pool.quantized:  # ModelRunner refuses the pair; a direct caller learns it here
+            raise ValueError("the Triton attention kernels read a bf16 pool, not an int8 one")
         shape = (pool.num_blocks, pool.block_size, cfg.num_kv_heads, cfg.head_dim)
         k_cache = pool.k[layer_index].view(shape)  # [blocks, block_size, kv_heads, head_dim]
         v_cache = pool.v[layer_index].view(shape)
@@ -368,8 +374,8 @@ class LlamaModel:
         context = plan.decode_context
         shape = (nd, context * kv_heads, cfg.head_dim)
         # k_ctx: [decodes, context * kv_heads, head_dim]; v_ctx: [decodes, context, kv * dim]
-        k_ctx = pool.blocks(layer_index, "k").index_select(0, plan.decode_blocks).view(shape)
-        v_ctx = pool.blocks(layer_index, "v").index_select(0, plan.decode_blocks)
+        k_ctx = pool.gather_blocks(layer_index, "k", plan.decode_blocks).view(shape)
+        v_ctx = pool.gather_blocks(layer_index, "v", plan.decode_blocks)
         v_ctx = v_ctx.view(nd, context, kv_heads * cfg.head_dim)
         scores = torch.bmm(q, k_ctx.transpose(1, 2)).view(nd, heads, context, kv_heads)
         own = self.head_of_query.expand(nd, heads, context, 1)

@@ -38,6 +38,7 @@ class ModelRunner:
         use_kernels: bool = True,
         device: torch.device | str = "cpu",
         cuda_graphs: bool = False,
+        cache_dtype: str = "auto",
     ) -> None:
         """num_threads: if given, sets torch's (process-wide) intra-op thread count. On a CPU
         shared with other busy processes, 1 thread avoids stalls at every parallel region.
@@ -45,7 +46,9 @@ class ModelRunner:
         device: where the weights, the KV pool and every step's tensors live.
         cuda_graphs: steps run as graphs at bucketed sizes (cuda_graphs.py: decode-only steps,
         and decodes beside small prompt chunks or drafts) where the attention is Triton's (a
-        CUDA device; on the CPU only in tests, by the interpreter)."""
+        CUDA device; on the CPU only in tests, by the interpreter).
+        cache_dtype: the KV pool's values: auto (dtype's) or int8 (kv_pool.py; the CPU's
+        attention paths only)."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.config = config
@@ -54,6 +57,12 @@ class ModelRunner:
         on_cpu = self.device.type == "cpu"
         self.model = LlamaModel(config, weights, dtype, use_kernels and on_cpu).to(self.device)
         backend = attention_backend(self.device, self.model.attention_choice)
+        if cache_dtype == "int8" and backend != "torch":
+            raise ValueError(
+                f"--kv-cache-dtype int8 runs on the CPU's attention paths only, not {backend}'s "
+                f"(device {self.device}): use --kv-cache-dtype auto there"
+            )
+        self.cache_dtype = cache_dtype
         self.use_graphs = cuda_graphs and backend == "triton"
         self.num_blocks = num_blocks  # the blocks requests may own (graphs keep one more aside)
         self.pool = self.make_pool(num_blocks, dtype)
@@ -80,7 +89,9 @@ class ModelRunner:
     def make_pool(self, num_blocks: int, dtype: torch.dtype) -> KvPool:
         """With graphs, one block more: the scratch block that padded decode rows write."""
         extra = 1 if self.use_graphs else 0
-        return KvPool(self.config, num_blocks + extra, self.block_size, dtype, self.device)
+        return KvPool(
+            self.config, num_blocks + extra, self.block_size, dtype, self.device, self.cache_dtype
+        )
 
     def make_graphs(self) -> StepGraphs:
         max_blocks = -(-self.config.max_context // self.block_size)

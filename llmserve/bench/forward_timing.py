@@ -45,18 +45,28 @@ class Ours:
         block_size: int = 16,
         device: str = "cpu",
         cuda_graphs: bool = False,
+        cache_dtype: str = "auto",
     ) -> None:
-        """cuda_graphs: steps replay CUDA graphs (a CUDA device only, as in a worker)."""
+        """cuda_graphs: steps replay CUDA graphs (a CUDA device only, as in a worker);
+        cache_dtype: the KV pool's values (--kv-cache-dtype)."""
         self.block_size = block_size
         per_request = -(-(context + 1) // block_size)
         num_blocks = max_batch * per_request + 8
         self.runner = ModelRunner(
-            config, weights, num_blocks, block_size, dtype, device=device, cuda_graphs=cuda_graphs
-        )
+            config, weights, num_blocks, block_size, dtype, device=device,
+            cuda_graphs=cuda_graphs, cache_dtype=cache_dtype,
+        )  # fmt: skip
         # cached positions hold random values (timing does not depend on them); blocks are
         # handed out shuffled, as they would be after a while of serving
-        self.runner.pool.k.normal_()
-        self.runner.pool.v.normal_()
+        pool = self.runner.pool
+        for values in (pool.k, pool.v):
+            if values.dtype == torch.int8:
+                values.random_(-127, 128)
+            else:
+                values.normal_()
+        for scales in (pool.k_scale, pool.v_scale):
+            if scales is not None:
+                scales.uniform_(0.005, 0.02)
         order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
         self.tables = [order[i * per_request : (i + 1) * per_request] for i in range(max_batch)]
         self.context = context

@@ -135,28 +135,36 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--prefill", type=int, default=0, help="a prompt of this many tokens too")
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", help="the KV pool's values, comma-separated: auto, int8"
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
     config, weights = load_model(args.source, torch.bfloat16, args.quantization)
-    ours = Ours(config, weights, torch.bfloat16, max(rows), args.context)
     print(
         f"{config.name} bf16, quantization {args.quantization}, threads "
         f"{torch.get_num_threads()}, context {args.context}, reps {args.reps}; cpu flags: "
         f"{' '.join(sorted(host_features().flags))}"
     )
-    print(f"{'rows':>5} {'step ms':>8} {'timed':>8}  " + " ".join(f"{p:>18}" for p in PARTS))
-    steps = [(str(n), ours.decode(n)) for n in rows]
-    if args.prefill:
-        prompt = torch.randint(
-            0, config.vocab_size, (args.prefill,), generator=torch.Generator().manual_seed(0)
-        ).tolist()
-        steps.append((f"p{args.prefill}", ours.prefill(prompt)))
-    for name, step in steps:
-        plain, ms = profile(step, args.reps)
-        cells = " ".join(f"{ms[p]:>11.1f} ({ms[p] / ms['step']:>4.0%})" for p in PARTS)
-        print(f"{name:>5} {plain:>8.1f} {ms['step']:>8.1f} {cells}")
+    print(f"{'rows':>10} {'step ms':>8} {'timed':>8}  " + " ".join(f"{p:>18}" for p in PARTS))
+    for cache_dtype in args.kv_cache_dtype.split(","):
+        ours = Ours(
+            config, weights, torch.bfloat16, max(rows), args.context, cache_dtype=cache_dtype
+        )
+        steps = [(str(n), ours.decode(n)) for n in rows]
+        if args.prefill:
+            prompt = torch.randint(
+                0, config.vocab_size, (args.prefill,), generator=torch.Generator().manual_seed(0)
+            ).tolist()
+            steps.append((f"p{args.prefill}", ours.prefill(prompt)))
+        for name, step in steps:
+            plain, ms = profile(step, args.reps)
+            cells = " ".join(f"{ms[p]:>11.1f} ({ms[p] / ms['step']:>4.0%})" for p in PARTS)
+            label = name if cache_dtype == "auto" else f"{name} {cache_dtype}"
+            print(f"{label:>10} {plain:>8.1f} {ms['step']:>8.1f} {cells}")
+        del ours
 
 
 if __name__ == "__main__":
