@@ -1,12 +1,31 @@
-"""llmserve.bench.spec_ceiling's replay: what a verifying worker would emit per step, by hand.
-The answer's first token is the prompt's step's: the replay steps through the tokens after it."""
+"""llmserve.bench.spec_ceiling's replay (the scheduler's, over a prompt and an answer): what a
+verifying worker would emit per step, by hand. The answer's first token is the prompt's step's:
+the replay steps through the tokens after it."""
 
-from llmserve.bench.spec_ceiling import Replay, ngram, oracle, replay, total
+from array import array
+
+from llmserve.bench.spec_ceiling import Replay, replay, total
+from scheduler_svc.speculation.potential import lookup as ngram
+from scheduler_svc.speculation.potential import oracle
+
+
+def drafts(*lists):
+    """A proposer that drafts the given lists in turn (cut to the room a step has)."""
+    it = iter(lists)
+
+    def propose(packed: bytes, done: int, room: int) -> tuple[int, int]:
+        draft = next(it)[:room]
+        want = array("I", packed)[done : done + len(draft)].tolist()
+        ok = 0
+        while ok < len(draft) and draft[ok] == want[ok]:
+            ok += 1
+        return len(draft), ok
+
+    return propose
 
 
 def test_a_draft_is_kept_up_to_its_first_wrong_token_plus_one():
-    drafts = iter([[8, 5, 9], [], [4]])
-    r = replay([1, 2], [7, 8, 5, 6, 0, 4], lambda context, answer, done: next(drafts))
+    r = replay([1, 2], [7, 8, 5, 6, 0, 4], drafts([8, 5, 9], [], [4]))
     # after 7 (the prompt's step): step 1 keeps 8 5, 9 is wrong -> emits 8 5 6; step 2: no
     # draft -> 0; step 3: the draft is cut before the last token (the step's own) -> 4
     assert (r.tokens, r.steps, r.drafted, r.accepted) == (5, 3, 3, 2)

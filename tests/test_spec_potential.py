@@ -1,13 +1,13 @@
-"""The scheduler's replay of finished requests (scheduler_svc/speculation/potential.py): the same
-steps as the bench's list-based replay (llmserve.bench.spec_ceiling), bounded in size and in
-time."""
+"""The scheduler's replay of finished requests (scheduler_svc/speculation/potential.py), which
+llmserve.bench.spec_ceiling runs too: the same steps as a plain-list reference
+(tests/spec_reference.py), bounded in size and in time."""
 
 import random
 from array import array
 
-from llmserve.bench import spec_ceiling
 from scheduler_svc.speculation import potential
 from scheduler_svc.speculation.potential import Potential, lookup, oracle, replay
+from tests import spec_reference
 
 
 def _packed(tokens):
@@ -30,19 +30,19 @@ def _cases(seed, n=60):
         yield prompt, out
 
 
-def test_the_lookup_replay_takes_the_steps_the_bench_replay_takes():
+def test_the_lookup_replay_takes_the_steps_the_list_replay_takes():
     for prompt, out in _cases(1):
         for k, lo, hi in ((5, 5, 5), (10, 2, 5), (3, 1, 1)):
             mine = replay(_packed(prompt + out), len(prompt) + 1, lookup(k, lo, hi))[:4]
-            bench = spec_ceiling.replay(prompt, out, spec_ceiling.ngram(k, lo, hi))
+            bench = spec_reference.replay(prompt, out, spec_reference.ngram(k, lo, hi))
             assert mine == (bench.tokens, bench.steps, bench.drafted, bench.accepted)
 
 
-def test_the_oracle_replay_takes_the_steps_the_bench_oracle_takes():
+def test_the_oracle_replay_takes_the_steps_the_list_oracle_takes():
     for prompt, out in _cases(2):
         for k in (1, 5, 16):
             mine = replay(_packed(prompt + out), len(prompt) + 1, oracle(k))[:4]
-            bench = spec_ceiling.replay(prompt, out, spec_ceiling.oracle(k))
+            bench = spec_reference.replay(prompt, out, spec_reference.oracle(k))
             assert mine == (bench.tokens, bench.steps, bench.drafted, bench.accepted)
 
 

@@ -12,7 +12,8 @@ tokens a step emits, and what that makes of the decode speed and of output token
 step (llmserve.bench.draft_step measures it: its "x plain" at k drafted tokens is 1 + k * cost).
 End to end, the answers' own time to first token stays (speculation does not touch the prefill).
 
-The proposers: prompt lookup as the scheduler runs it (scheduler_svc/speculation/ngram.py) at
+The replay and the proposers are the scheduler's own (scheduler_svc/speculation/potential.py,
+which --speculation-potential runs on live traffic): prompt lookup as the scheduler runs it at
 the given settings, and an **oracle**: at each step, the longest stretch of the answer's next
 tokens that occurs anywhere earlier in the prompt or the answer. No proposer that copies earlier
 text drafts more than the oracle, so its row is the ceiling for ngram and suffix on fresh
@@ -29,12 +30,13 @@ import argparse
 import asyncio
 import statistics
 import time
+from array import array
 from dataclasses import dataclass
 
 import openai
 
 from llmserve.bench.task_prompts import PROMPTS
-from scheduler_svc.speculation.ngram import propose_ngram
+from scheduler_svc.speculation import potential
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,52 +59,17 @@ class Replay:
         return self.tokens / cost if cost else 0.0
 
 
-def replay(prompt: list[int], answer: list[int], propose) -> Replay:
-    """Steps through `answer` as speculative decoding would: `propose(context, answer, done)`
-    gives a draft for the context (the prompt and the answer's first `done` tokens); the step
-    keeps its longest prefix that matches the answer, plus one token (the target's own). The
-    first token is the prompt's step's (no draft there): the replay starts after it, and counts
-    the tokens after it."""
-    done = min(1, len(answer))
-    steps = drafted = accepted = 0
-    while done < len(answer):
-        context = prompt + answer[:done]
-        draft = propose(context, answer, done)[: len(answer) - done - 1]
-        ok = 0
-        while ok < len(draft) and draft[ok] == answer[done + ok]:
-            ok += 1
-        steps, drafted, accepted = steps + 1, drafted + len(draft), accepted + ok
-        done += ok + 1
-    return Replay(len(answer) - min(1, len(answer)), steps, drafted, accepted)
-
-
-def ngram(k: int, n_min: int, n_max: int):
-    """Prompt lookup as the scheduler runs it."""
-    return lambda context, answer, done: propose_ngram(context, k, n_min, n_max)
-
-
-def oracle(k: int):
-    """A proposer that drafts the answer's true next tokens, as far as they occur earlier in the
-    context (the longest such stretch, up to k): no copy from earlier text drafts more."""
-
-    def propose(context: list[int], answer: list[int], done: int) -> list[int]:
-        best = 0
-        for j in range(1, min(k, len(answer) - done) + 1):
-            if not _occurs(context, answer[done : done + j]):
-                break
-            best = j
-        return answer[done : done + best]
-
-    return propose
-
-
-def _occurs(haystack: list[int], needle: list[int]) -> bool:
-    n = len(needle)
-    first = needle[0]
-    for i in range(len(haystack) - n + 1):
-        if haystack[i] == first and haystack[i : i + n] == needle:
-            return True
-    return False
+def replay(prompt: list[int], answer: list[int], propose: potential.Propose) -> Replay:
+    """Steps through `answer` as speculative decoding would, by the scheduler's own replay
+    (scheduler_svc/speculation/potential.py; `propose` one of its proposers): each step keeps its
+    draft's longest prefix that matches the answer, plus one token (the target's own). The first
+    token is the prompt's step's (no draft there): the replay starts after it, and counts the
+    tokens after it."""
+    if not answer:
+        return Replay(0, 0, 0, 0)
+    packed = array("I", prompt + answer).tobytes()
+    tokens, steps, drafted, accepted, _, _ = potential.replay(packed, len(prompt) + 1, propose)
+    return Replay(tokens, steps, drafted, accepted)
 
 
 def total(replays: list[Replay]) -> Replay:
@@ -173,9 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     proposers = {}
     for spec in args.ngram.split(","):
         k, n_min, n_max = (int(v) for v in spec.split(":"))
-        proposers[f"ngram k={k} min={n_min} max={n_max}"] = ngram(k, n_min, n_max)
+        proposers[f"ngram k={k} min={n_min} max={n_max}"] = potential.lookup(k, n_min, n_max)
     for k in (int(v) for v in args.oracle_k.split(",")):
-        proposers[f"oracle k={k}"] = oracle(k)
+        proposers[f"oracle k={k}"] = potential.oracle(k)
     ttft = statistics.median(a.ttft for a in answers)
     decode = statistics.median(a.decode for a in answers)
     tokens = sum(len(a) for _, a in pairs)
