@@ -106,6 +106,24 @@ def test_the_torch_store_and_gathers_round_trip_through_the_codes() -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("n", [5, 3000])  # one thread; the rows split over two
+def test_the_c_gather_dequantizes_rows_as_torch_does_bit_for_bit(n: int) -> None:
+    assert KERNELS is not None
+    KERNELS.set_threads(2)
+    config, _ = model("tiny", BF16)
+    pool = KvPool(config, num_blocks=200, block_size=16, dtype=BF16, cache_dtype="int8")
+    gen = torch.Generator().manual_seed(4)
+    kv = config.num_kv_heads, config.head_dim
+    slots = torch.randperm(pool.num_slots, generator=gen)[:1000]
+    pool.store(0, slots, *(torch.randn(1000, *kv, generator=gen).to(BF16) for _ in "kv"))
+    rows = torch.randint(0, pool.num_slots * config.num_kv_heads, (n,), generator=gen)
+    for which in "kv":
+        assert torch.equal(
+            pool.gather_rows(0, which, rows, KERNELS), pool.gather_rows(0, which, rows)
+        )
+
+
+@needs_kernels
 def test_rope_store_q8_stores_the_codes_quantize_kv_gives_the_rotated_keys() -> None:
     assert KERNELS is not None
     heads, kv_heads, dim, n = 9, 3, 64, 20  # 20 rows: split over threads

@@ -768,6 +768,27 @@ void rope_store_q8(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin
     }
 }
 
+/* out[i] = codes[rows[i]] * scales[rows[i]], rounded to bf16 (nearest even, as torch's
+   `(codes.float() * scale).to(bfloat16)`, bit for bit): rows of `dim` values of an int8 pool
+   (rows numbered as KvPool.rows), for a prompt chunk's attention to its cached context. */
+void gather_q8_bf16(const int8_t *codes, const float *scales, const int64_t *rows, int64_t n,
+                    int64_t dim, uint16_t *out) {
+#pragma omp parallel for schedule(static) if (n >= 1024) num_threads(kernel_threads)
+    for (int64_t i = 0; i < n; i++) {
+        const int8_t *c = codes + rows[i] * dim;
+        const float sc = scales[rows[i]];
+        uint16_t *o = out + i * dim;
+        int64_t d = 0;
+#ifdef HAVE_AVX512_BF16
+        const __m512 scv = _mm512_set1_ps(sc);
+        for (; d + 16 <= dim; d += 16)
+            _mm256_storeu_si256((__m256i *)(o + d),
+                                f2bf16(_mm512_mul_ps(load_q8x16(c + d), scv)));
+#endif
+        for (; d < dim; d++) o[d] = f2bf((float)c[d] * sc);
+    }
+}
+
 /* The fewest tasks (requests, or a few requests' KV heads) that attention shares out in fixed
    runs per thread; below, the threads take them one at a time. */
 #ifndef SHARED_TASKS

@@ -110,6 +110,10 @@ class CpuKernels:
         if self._attend_q8 is not None:
             self._attend_q8.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P]
             self._attend_q8.restype = ctypes.c_int
+        self._gather_q8 = getattr(library, "gather_q8_bf16", None)
+        if self._gather_q8 is not None:
+            self._gather_q8.argtypes = [_P, _P, _P, _I, _I, _P]
+            self._gather_q8.restype = None
         self.int8_kv = self._rope_q8 is not None and self._attend_q8 is not None
         # absent from libraries built from older sources (llmserve.bench.kernels_vs loads them)
         self._silu_mul = getattr(library, "silu_mul_bf16", None)
@@ -258,6 +262,24 @@ class CpuKernels:
             raise ValueError(f"rope_store: no int8 KV store for head_dim {dim} in this build")
         else:
             self._rope_q8(*head, *scales, k_rows)
+
+    def gather_q8(
+        self,
+        codes: torch.Tensor,  # [rows_total, dim] int8: an int8 pool's layer, as KvPool.rows
+        scales: torch.Tensor,  # [rows_total] fp32: their scales
+        rows: torch.Tensor,  # [n] int64: the rows wanted
+    ) -> torch.Tensor | None:
+        """codes[rows] * scales[rows] as bf16 [n, dim], bit for bit torch's; None where this
+        build lacks the kernel."""
+        if self._gather_q8 is None:
+            return None
+        rows = rows.to(torch.int64).contiguous()
+        n, dim = rows.shape[0], codes.shape[1]
+        out = torch.empty(n, dim, dtype=torch.bfloat16)
+        self._gather_q8(
+            codes.data_ptr(), scales.data_ptr(), rows.data_ptr(), n, dim, out.data_ptr()
+        )
+        return out
 
     def decode_attention(
         self,

@@ -301,8 +301,8 @@ class LlamaModel:
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
             else:
                 shape = (1, cfg.num_kv_heads, -1, cfg.head_dim)
-                kp = pool.gather_rows(layer_index, "k", span.rows).view(shape)
-                vp = pool.gather_rows(layer_index, "v", span.rows).view(shape)
+                kp = pool.gather_rows(layer_index, "k", span.rows, self.kernels).view(shape)
+                vp = pool.gather_rows(layer_index, "v", span.rows, self.kernels).view(shape)
                 o = F.scaled_dot_product_attention(
                     qp, kp, vp, attn_mask=span.mask, enable_gqa=True
                 )  # o: [1, heads, length, head_dim]
