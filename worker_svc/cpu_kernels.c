@@ -393,11 +393,32 @@ static inline __attribute__((always_inline)) void pv_q8_64_group(
 }
 
 #ifdef __AVX512VNNI__
+/* Lane i of the result: the sum of v[i]'s 16 int32 lanes (sum_lanes16's shuffles, integer adds:
+   exact while the sums fit 32 bits). */
+static inline __m512i sum_lanes16_epi32(const __m512i v[16]) {
+    __m512i t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                                _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_epi32(
+            _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(t[2 * i]),
+                                                  _mm512_castsi512_ps(t[2 * i + 1]), 0x44)),
+            _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(t[2 * i]),
+                                                  _mm512_castsi512_ps(t[2 * i + 1]), 0xEE)));
+    const __m512i x0 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x44),
+                                        _mm512_shuffle_i32x4(u[0], u[1], 0xEE));
+    const __m512i x1 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x44),
+                                        _mm512_shuffle_i32x4(u[2], u[3], 0xEE));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(x0, x1, 0x88), _mm512_shuffle_i32x4(x0, x1, 0xDD));
+}
+
 /* qk_scores_q8_64 by 16-bit integer dot products (vpdpwssd): each query head rounded to int16
    with its own scale (max |q| / 32767: a relative error below 2e-5, against bf16's 4e-3 in the
-   bf16 kernel's queries), each key row widened from int8 to int16; a lane's sum of 4 products
-   stays below 2^24, so it is exact as a float, and the 16 lanes add up in fp32. Two
-   vpdpwssd per query head and position, where the fp32 path spends 4 FMAs and 8 conversions. */
+   bf16 kernel's queries), each key row widened from int8 to int16 once for the group's heads; a
+   score's 64 products add up in int32, exactly (64 x 127 x 32767 < 2^31), and become a float
+   once. Two vpdpwssd per query head and position, where the fp32 path spends 4 FMAs and 8
+   conversions. */
 static int64_t qk_scores_q8_64_vnni(const float *qf, const int8_t *k_pool, const float *k_scale,
                                     const int8_t *v_pool, const int64_t *off, int64_t len,
                                     int64_t kv_count, int64_t group, float *scores, float *mx) {
@@ -432,15 +453,14 @@ static int64_t qk_scores_q8_64_vnni(const float *qf, const int8_t *k_pool, const
                 const int64_t h = g * group + j;
                 const __m512i q_lo = _mm512_loadu_si512(q16 + h * 64);
                 const __m512i q_hi = _mm512_loadu_si512(q16 + h * 64 + 32);
-                __m512 acc[16];
+                __m512i acc[16];
                 for (int i = 0; i < 16; i++) {
                     const __m512i a = _mm512_dpwssd_epi32(
                         _mm512_setzero_si512(), _mm512_load_si512(keys + i * 64), q_lo);
-                    acc[i] = _mm512_cvtepi32_ps(
-                        _mm512_dpwssd_epi32(a, _mm512_load_si512(keys + i * 64 + 32), q_hi));
+                    acc[i] = _mm512_dpwssd_epi32(a, _mm512_load_si512(keys + i * 64 + 32), q_hi);
                 }
-                const __m512 sc =
-                    _mm512_mul_ps(_mm512_mul_ps(sum_lanes16(acc), ksv), _mm512_set1_ps(qs[h]));
+                const __m512 dots = _mm512_cvtepi32_ps(sum_lanes16_epi32(acc));
+                const __m512 sc = _mm512_mul_ps(_mm512_mul_ps(dots, ksv), _mm512_set1_ps(qs[h]));
                 _mm512_storeu_ps(scores + h * len + t0, sc);
                 const float m = _mm512_reduce_max_ps(sc);
                 if (m > mx[h]) mx[h] = m;
