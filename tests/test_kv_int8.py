@@ -292,3 +292,20 @@ def test_int8_kv_is_refused_where_attention_is_tritons(monkeypatch) -> None:
         ValueError, match="--kv-cache-dtype int8 runs on the CPU's attention paths only"
     ):
         ModelRunner(config, weights, 8, 4, dtype=torch.float32, cache_dtype="int8")
+
+
+def test_a_prompt_reads_the_same_values_fresh_or_from_a_prefix_cache_hit() -> None:
+    """Over an int8 pool a fresh prompt chunk attends to its K/V as the pool holds them, as a
+    chunk after a prefix-cache hit reads the cached part: the same prompt gives the same logits
+    either way (fp32, where no other rounding differs), as it does over an fp32 pool; attending
+    to the unrounded fresh K/V instead would differ by the codes' rounding (about 1e-2 here)."""
+    config, weights = model("tiny", torch.float32)
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 49152, (37,), generator=gen).tolist()
+    for cache_dtype in ("auto", "int8"):
+        runner = ModelRunner(config, weights, 16, 4, dtype=torch.float32, cache_dtype=cache_dtype)
+        fresh = runner.compute_logits([WorkItem("a", ids, 0, list(range(10)))])
+        # the first 8 blocks (32 positions) as a prefix-cache hit shares them: only 5 computed
+        table = list(range(8)) + [10, 11]
+        hit = runner.compute_logits([WorkItem("b", ids[32:], 32, table)])
+        assert (fresh - hit).abs().max() < 1e-4 * fresh.abs().max(), cache_dtype

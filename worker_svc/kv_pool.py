@@ -38,6 +38,13 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, (amax / 127.0).squeeze(-1)
 
 
+def as_stored(x: torch.Tensor) -> torch.Tensor:
+    """x [..., head_dim] as an int8 pool holds it: quantize_kv's codes times their scales, in
+    x's dtype (the values a later read of the pool gives, bit for bit)."""
+    codes, scales = quantize_kv(x)
+    return (codes.float() * scales.unsqueeze(-1)).to(x.dtype)
+
+
 class KvPool:
     """K and V for every layer and slot; slot = block_id * block_size + offset in block.
 

@@ -12,7 +12,7 @@ from worker_svc import cpu_kernels
 from worker_svc.attention_backend import attention_backend, requested_backend
 from worker_svc.attention_plan import AttentionPlan, PagedBatch, paged_batch
 from worker_svc.cpu_features import host_features
-from worker_svc.kv_pool import KvPool
+from worker_svc.kv_pool import KvPool, as_stored
 from worker_svc.linear import Linear, QuantizedLinear, make_linear, packing_available
 from worker_svc.model_config import ModelConfig
 from worker_svc.near_ties import NEAR, refine_near_max
@@ -296,8 +296,11 @@ class LlamaModel:
             rows = slice(span.offset, span.offset + span.length)
             qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, length, head_dim]
             if span.rows is None:  # no cached context: attend to the fresh K/V only
-                kp = k[rows].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, length, head_dim]
-                vp = v[rows].transpose(0, 1).unsqueeze(0)
+                kp, vp = k[rows], v[rows]  # [length, kv_heads, head_dim]
+                if pool.quantized:  # as the pool holds them, as a later chunk reads them
+                    kp, vp = as_stored(kp), as_stored(vp)
+                kp = kp.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, length, head_dim]
+                vp = vp.transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
             else:
                 shape = (1, cfg.num_kv_heads, -1, cfg.head_dim)
