@@ -17,7 +17,7 @@ from tests.model_support import (
     scattered_table,
 )
 from worker_svc import cpu_kernels
-from worker_svc.kv_pool import KvPool, position_bytes, quantize_kv
+from worker_svc.kv_pool import KvPool, as_stored, position_bytes, quantize_kv
 from worker_svc.memory_profile import bytes_per_position
 from worker_svc.rope import RopeTable
 from worker_svc.runner import ModelRunner
@@ -126,8 +126,14 @@ def test_the_c_gather_dequantizes_rows_as_torch_does_bit_for_bit(n: int) -> None
 @needs_kernels
 def test_rope_store_q8_stores_the_codes_quantize_kv_gives_the_rotated_keys() -> None:
     assert KERNELS is not None
+    check_rope_store_q8(KERNELS)
+
+
+def check_rope_store_q8(kernels) -> None:
+    """rope_store_q8's codes and scales are quantize_kv's of the keys rope_store rotates (and of
+    the values), bit for bit; as_stored by the kernel is torch's."""
     heads, kv_heads, dim, n = 9, 3, 64, 20  # 20 rows: split over threads
-    KERNELS.set_threads(2)
+    kernels.set_threads(2)
     gen = torch.Generator().manual_seed(1)
     rope = RopeTable(dim, 100000.0, 512, BF16)
     qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen).to(BF16)
@@ -138,7 +144,7 @@ def test_rope_store_q8_stores_the_codes_quantize_kv_gives_the_rotated_keys() -> 
         torch.zeros(64, kv_heads, dim, dtype=BF16),
     )
     q_ref = torch.empty(n, heads, dim, dtype=BF16)
-    KERNELS.rope_store(
+    kernels.rope_store(
         qkv,
         rope.cos,
         rope.sin,
@@ -154,7 +160,7 @@ def test_rope_store_q8_stores_the_codes_quantize_kv_gives_the_rotated_keys() -> 
     for k_out in (None, torch.empty(n, kv_heads, dim, dtype=BF16)):
         q = torch.empty_like(q_ref)
         pools = codes["k"].data_ptr(), codes["v"].data_ptr()
-        KERNELS.rope_store(
+        kernels.rope_store(
             qkv, rope.cos, rope.sin, positions, slots, q, *pools, kv_heads, k_out=k_out,
             scales=(scales["k"].data_ptr(), scales["v"].data_ptr()),
         )  # fmt: skip
@@ -168,6 +174,8 @@ def test_rope_store_q8_stores_the_codes_quantize_kv_gives_the_rotated_keys() -> 
         untouched = torch.ones(64, dtype=torch.bool)
         untouched[slots] = False
         assert not codes["k"][untouched].any() and not scales["v"][untouched].any()
+    x = qkv.view(n, heads + 2 * kv_heads, dim)[:, heads + kv_heads :]
+    assert torch.equal(as_stored(x, kernels), as_stored(x))
 
 
 @needs_kernels
@@ -187,7 +195,7 @@ def test_decode_attention_q8_matches_fp32_attention_on_the_dequantized_pool(
 @pytest.mark.parametrize("flags", [["-march=native", "-mno-avx512vnni"], []])
 def test_decode_attention_q8_without_vnni_and_without_simd(flags: list[str], tmp_path) -> None:
     """The library built without VNNI (the fp32 SIMD path) and for a generic x86-64 (the scalar
-    path): the same results as the fp32 reference."""
+    path): the same codes as torch, the same attention as the fp32 reference."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     assert compiler is not None
     path = tmp_path / "k.so"
@@ -196,6 +204,7 @@ def test_decode_attention_q8_without_vnni_and_without_simd(flags: list[str], tmp
         pytest.skip(f"this compiler does not take {flags}: {done.stderr[-200:]}")
     assert done.returncode == 0, done.stderr
     kernels = cpu_kernels.CpuKernels(ctypes.CDLL(str(path)))
+    check_rope_store_q8(kernels)
     for lengths, block_size in SHAPES[1:]:
         check_decode_attention_q8(kernels, 2, 9, 3, 64, lengths, block_size)
 
@@ -309,3 +318,17 @@ def test_a_prompt_reads_the_same_values_fresh_or_from_a_prefix_cache_hit() -> No
         table = list(range(8)) + [10, 11]
         hit = runner.compute_logits([WorkItem("b", ids[32:], 32, table)])
         assert (fresh - hit).abs().max() < 1e-4 * fresh.abs().max(), cache_dtype
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [5, 100])  # one thread; tokens split over two
+def test_the_c_as_stored_rounds_as_torch_does_bit_for_bit(n: int) -> None:
+    """On a view with tokens apart (v in the qkv projection's output) and on contiguous rows."""
+    assert KERNELS is not None
+    KERNELS.set_threads(2)
+    gen = torch.Generator().manual_seed(7)
+    qkv = (torch.randn(n, 15, 64, generator=gen) * 3).to(BF16)
+    qkv[1, 13] = 0  # a zero row
+    for x in (qkv[:, 12:], qkv[:, 12:].contiguous()):
+        assert torch.equal(as_stored(x, KERNELS), as_stored(x))
+    assert KERNELS.as_stored(qkv[:, 12:].transpose(0, 1)) is None  # rows not contiguous: torch's

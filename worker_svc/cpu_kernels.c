@@ -750,6 +750,20 @@ void rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *s
    code = x * (127 / max |x|) rounded to nearest even (kv_pool.quantize_kv does the same in torch,
    operation for operation, so both paths store the same codes). */
 static inline void quantize_row_q8(const uint16_t *x, int64_t dim, int8_t *codes, float *scale) {
+#ifdef HAVE_AVX512_BF16
+    if (dim % 16 == 0 && dim <= MAX_DIM) { /* the same operations, 16 lanes at a time */
+        __m512 m = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 16) m = _mm512_max_ps(m, _mm512_abs_ps(load_bf16x16(x + d)));
+        const float amax = _mm512_reduce_max_ps(m);
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        for (int64_t d = 0; d < dim; d += 16) /* cvtps_epi32: to nearest even, as nearbyintf */
+            _mm_storeu_si128((__m128i *)(codes + d),
+                             _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(
+                                 _mm512_mul_ps(load_bf16x16(x + d), inv))));
+        *scale = amax / 127.f;
+        return;
+    }
+#endif
     float amax = 0.f;
     for (int64_t d = 0; d < dim; d++) {
         const float a = fabsf(bf2f(x[d]));
@@ -784,6 +798,30 @@ void rope_store_q8(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin
             const int64_t at = slots[t] * kv_heads + g;
             quantize_row_q8(row + (heads + kv_heads + g) * dim, dim, v_pool + at * dim,
                             v_scale + at);
+        }
+    }
+}
+
+/* x's rows as an int8 pool holds them: quantize_row_q8's codes times its scale, rounded to bf16
+   (bit for bit kv_pool.as_stored). x: n tokens of `heads` rows of `dim` bf16 values, a token's
+   rows contiguous, tokens `stride` values apart (a view into the qkv projection's output);
+   out: [n, heads, dim]. */
+void as_stored_q8_bf16(const uint16_t *x, int64_t n, int64_t heads, int64_t dim, int64_t stride,
+                       uint16_t *out) {
+#pragma omp parallel for schedule(static) if (n >= 64) num_threads(kernel_threads)
+    for (int64_t t = 0; t < n; t++) {
+        int8_t codes[MAX_DIM];
+        for (int64_t g = 0; g < heads; g++) {
+            float sc;
+            quantize_row_q8(x + t * stride + g * dim, dim, codes, &sc);
+            uint16_t *o = out + (t * heads + g) * dim;
+            int64_t d = 0;
+#ifdef HAVE_AVX512_BF16
+            for (const __m512 scv = _mm512_set1_ps(sc); d + 16 <= dim; d += 16)
+                _mm256_storeu_si256((__m256i *)(o + d),
+                                    f2bf16(_mm512_mul_ps(load_q8x16(codes + d), scv)));
+#endif
+            for (; d < dim; d++) o[d] = f2bf((float)codes[d] * sc);
         }
     }
 }

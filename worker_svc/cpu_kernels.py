@@ -114,6 +114,10 @@ class CpuKernels:
         if self._gather_q8 is not None:
             self._gather_q8.argtypes = [_P, _P, _P, _I, _I, _P]
             self._gather_q8.restype = None
+        self._as_stored = getattr(library, "as_stored_q8_bf16", None)
+        if self._as_stored is not None:
+            self._as_stored.argtypes = [_P, _I, _I, _I, _I, _P]
+            self._as_stored.restype = None
         self.int8_kv = self._rope_q8 is not None and self._attend_q8 is not None
         # absent from libraries built from older sources (llmserve.bench.kernels_vs loads them)
         self._silu_mul = getattr(library, "silu_mul_bf16", None)
@@ -262,6 +266,19 @@ class CpuKernels:
             raise ValueError(f"rope_store: no int8 KV store for head_dim {dim} in this build")
         else:
             self._rope_q8(*head, *scales, k_rows)
+
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [n, heads, dim] bf16 as an int8 pool holds it (kv_pool.as_stored, bit for bit), in
+        one pass; None where this build lacks the kernel or x's layout does not suit it (each
+        token's rows contiguous)."""
+        n, heads, dim = x.shape
+        if self._as_stored is None or x.dtype != torch.bfloat16 or dim > MAX_DIM:
+            return None
+        if x.stride(2) != 1 or x.stride(1) != dim:
+            return None
+        out = torch.empty(n, heads, dim, dtype=torch.bfloat16)
+        self._as_stored(x.data_ptr(), n, heads, dim, x.stride(0), out.data_ptr())
+        return out
 
     def gather_q8(
         self,

@@ -298,7 +298,7 @@ class LlamaModel:
             if span.rows is None:  # no cached context: attend to the fresh K/V only
                 kp, vp = k[rows], v[rows]  # [length, kv_heads, head_dim]
                 if pool.quantized:  # as the pool holds them, as a later chunk reads them
-                    kp, vp = as_stored(kp), as_stored(vp)
+                    kp, vp = as_stored(kp, self.kernels), as_stored(vp, self.kernels)
                 kp = kp.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, length, head_dim]
                 vp = vp.transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
