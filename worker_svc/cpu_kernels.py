@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # the files SOURCE includes: part of what names the built library
-INCLUDED = (Path(__file__).with_name("amx_matmul.c"),)
+INCLUDED = (Path(__file__).with_name("amx_matmul.c"), Path(__file__).with_name("kv_int8.c"))
 FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros"]
 # reassociation lets the compiler vectorise the dot products' sums
 FLAGS += ["-fassociative-math", "-fopenmp"]
