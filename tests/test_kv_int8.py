@@ -292,17 +292,6 @@ def test_the_model_over_an_int8_pool_stays_close_to_bf16_and_its_two_paths_agree
         assert torch.equal(int8.argmax(-1), plain.argmax(-1))
 
 
-def test_int8_kv_is_refused_where_attention_is_tritons(monkeypatch) -> None:
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("LLMSERVE_ATTENTION", "triton")
-    config, weights = model("tiny", torch.float32)
-    with pytest.raises(
-        ValueError, match="--kv-cache-dtype int8 runs on the CPU's attention paths only"
-    ):
-        ModelRunner(config, weights, 8, 4, dtype=torch.float32, cache_dtype="int8")
-
-
 def test_a_prompt_reads_the_same_values_fresh_or_from_a_prefix_cache_hit() -> None:
     """Over an int8 pool a fresh prompt chunk attends to its K/V as the pool holds them, as a
     chunk after a prefix-cache hit reads the cached part: the same prompt gives the same logits

@@ -27,6 +27,7 @@ if DEVICE.type == "cuda" and not torch.cuda.is_available():
     pytest.skip(f"{DEVICE_NAME} asked for, but there is no CUDA device", allow_module_level=True)
 
 from tests.model_support import one_torch_thread  # noqa: E402, F401  (autouse fixture)
+from worker_svc.kv_pool import quantize_kv  # noqa: E402
 from worker_svc.loader import tiny_model  # noqa: E402
 from worker_svc.runner import ModelRunner  # noqa: E402
 from worker_svc.triton_attention import (  # noqa: E402
@@ -214,6 +215,62 @@ def test_mixed_batch_each_kernel_writes_only_its_own_rows(dtype: torch.dtype) ->
     )
 
 
+def quantized(cache: PagedCache) -> tuple[torch.Tensor, ...]:
+    """The cache as an int8 pool holds it: (k codes, v codes, k scales, v scales); the slots no
+    request owns (NaN) get code 0 and scale NaN, so that reading one still shows."""
+    out = []
+    for values in (cache.k, cache.v):
+        owned = ~values.isnan().any(-1)  # [blocks, block_size, kv_heads]
+        codes, scales = quantize_kv(torch.where(owned[..., None], values, 0).float())
+        out.append((codes, torch.where(owned, scales, float("nan"))))
+    (k_codes, k_scales), (v_codes, v_scales) = out
+    return k_codes, v_codes, k_scales, v_scales
+
+
+def dequantized(cache: PagedCache, parts: tuple[torch.Tensor, ...]) -> PagedCache:
+    """A copy of `cache` holding the codes times their scales (fp32), for the reference."""
+    k_codes, v_codes, k_scales, v_scales = parts
+    copy = PagedCache.__new__(PagedCache)
+    copy.block_size = cache.block_size
+    copy.k = k_codes.float() * k_scales[..., None]
+    copy.v = v_codes.float() * v_scales[..., None]
+    return copy
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_both_kernels_over_an_int8_pool_match_torch_over_its_values(dtype: torch.dtype) -> None:
+    """--kv-cache-dtype int8: the codes and a scale per (position, KV head); the kernels equal
+    fp32 attention over code x scale (decodes, and chunks over cached context)."""
+    shape = SHAPES["group3-d64-bs16"]
+    cache = PagedCache(shape, dtype, seed=7)
+    context_lens, chunks = [1, 33, 90], [(0, 20), (45, 16)]
+    decode_tables = [cache.request(n) for n in context_lens]
+    chunk_tables = [cache.request(start + length) for start, length in chunks]
+    starts, lengths = [s for s, _ in chunks], [n for _, n in chunks]
+    offsets = [3, 23]
+    parts = quantized(cache)
+    k, v, k_scales, v_scales = (dev(t) for t in parts)
+    q = queries(3 + sum(lengths), shape, dtype)
+    scale = shape[2] ** -0.5
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    paged_prefill_attention(
+        dev(q), k, v, padded(chunk_tables), int32(offsets), int32(lengths), int32(starts),
+        max(lengths), scale, out, (k_scales, v_scales),
+    )  # fmt: skip
+    paged_decode_attention(
+        dev(q), k, v, padded(decode_tables), int32(context_lens), scale, out, (k_scales, v_scales)
+    )
+    expect = reference(
+        q, dequantized(cache, parts), decode_tables + chunk_tables, [0, 1, 2, *offsets],
+        [1, 1, 1, *lengths], [n - 1 for n in context_lens] + starts, scale,
+    )  # fmt: skip
+    torch.testing.assert_close(
+        out.float().cpu(), expect, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )
+    with pytest.raises(ValueError, match="an int8 cache goes with its scales"):
+        paged_decode_attention(dev(q), k, v, padded(decode_tables), int32(context_lens), scale)
+
+
 def mixed_steps() -> list[list[WorkItem]]:
     """Three steps over three requests: a prefill alone with a chunk; decodes mixed with a
     chunk at a nonzero start and a fresh prefill; decodes only."""
@@ -230,12 +287,17 @@ def mixed_steps() -> list[list[WorkItem]]:
     ]
 
 
-def forward_logits(backend: str, dtype: torch.dtype, monkeypatch) -> list[torch.Tensor]:
+def forward_logits(
+    backend: str, dtype: torch.dtype, monkeypatch, cache_dtype: str = "auto"
+) -> list[torch.Tensor]:
     """All-position logits of each of mixed_steps() on the tiny model, one fresh pool."""
     monkeypatch.setenv("LLMSERVE_ATTENTION", backend)
     config, weights = tiny_model(dtype)
     on_gpu = {} if DEVICE.type == "cpu" else {"device": DEVICE}
-    runner = ModelRunner(config, weights, num_blocks=16, block_size=4, dtype=dtype, **on_gpu)
+    runner = ModelRunner(
+        config, weights, num_blocks=16, block_size=4, dtype=dtype, cache_dtype=cache_dtype,
+        **on_gpu,
+    )  # fmt: skip
     return [runner.compute_logits(step, all_positions=True).cpu() for step in mixed_steps()]
 
 
@@ -244,6 +306,17 @@ def test_model_forward_with_triton_attention_matches_the_torch_path(monkeypatch)
     triton_logits = forward_logits("triton", torch.float32, monkeypatch)
     for got, expect in zip(triton_logits, torch_logits, strict=True):
         torch.testing.assert_close(got, expect, atol=1e-4, rtol=0)
+
+
+def test_model_over_an_int8_pool_with_triton_attention_matches_the_torch_path(monkeypatch) -> None:
+    """Both read the pool's values: Triton's kernels the codes and scales, the torch path the
+    rows dequantized (a fresh chunk its K/V as the pool holds them, kv_pool.as_stored)."""
+    torch_logits = forward_logits("torch", torch.float32, monkeypatch, "int8")
+    triton_logits = forward_logits("triton", torch.float32, monkeypatch, "int8")
+    bf16_pool = forward_logits("torch", torch.float32, monkeypatch)
+    for got, expect, unrounded in zip(triton_logits, torch_logits, bf16_pool, strict=True):
+        torch.testing.assert_close(got, expect, atol=1e-4, rtol=0)
+        assert (got - unrounded).abs().max() > 1e-4  # the int8 pool's rounding did show
 
 
 def test_model_bf16_forward_with_triton_is_as_close_to_fp32_as_the_torch_path(
@@ -271,16 +344,20 @@ COMPILE_FOR_H200 = textwrap.dedent(
 
     types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16",
              "scale": "fp32"}
-    for decode in (True, False):
+    quant_types = {"k_ptr": "*i8", "v_ptr": "*i8", "k_scale_ptr": "*fp32",
+                   "v_scale_ptr": "*fp32"}
+    for decode, quant in ((True, False), (False, False), (True, True), (False, True)):
         tiles = tiles_for(3, 64, decode)  # SmolLM2: 9 heads over 3 KV heads, head dim 64
-        constants = kernel_constants(3, 64, tiles, decode, torch.bfloat16)
-        signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")
+        constants = kernel_constants(3, 64, tiles, decode, torch.bfloat16, quant)
+        kinds = {**types, **quant_types} if quant else {
+            **types, "k_scale_ptr": "*bf16", "v_scale_ptr": "*bf16"}
+        signature = {name: kinds.get(name, "*i32" if name.endswith("_ptr") else "i32")
                      for name in kernel.arg_names}
         signature.update({name: "constexpr" for name in constants})
         source = ASTSource(kernel, signature, constexprs=constants)
         options = {"num_warps": tiles.num_warps}
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-        print(decode, len(compiled.asm["cubin"]))
+        print(decode, quant, len(compiled.asm["cubin"]))
     """
 )
 
@@ -288,7 +365,8 @@ COMPILE_FOR_H200 = textwrap.dedent(
 @pytest.mark.slow
 def test_kernels_compile_to_cubin_for_sm90_without_a_gpu() -> None:
     """The interpreter skips the GPU compiler's checks (tl.dot shapes, types across branches):
-    lower both variants, at SmolLM2's shapes in bf16, through ptxas for an H200 (sm_90)."""
+    lower the four variants (decode or chunks, a bf16 or an int8 pool), at SmolLM2's shapes in
+    bf16, through ptxas for an H200 (sm_90)."""
     pytest.importorskip("triton.backends.nvidia", reason="triton has no NVIDIA backend here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
@@ -302,5 +380,7 @@ def test_kernels_compile_to_cubin_for_sm90_without_a_gpu() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     cubins = [line.split() for line in done.stdout.splitlines()]
-    assert [decode for decode, _ in cubins] == ["True", "False"]
-    assert all(int(size) > 0 for _, size in cubins)
+    assert [(decode, quant) for decode, quant, _ in cubins] == [
+        ("True", "False"), ("False", "False"), ("True", "True"), ("False", "True")
+    ]  # fmt: skip
+    assert all(int(size) > 0 for _, _, size in cubins)

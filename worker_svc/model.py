@@ -344,19 +344,23 @@ class LlamaModel:
         from worker_svc import triton_attention as kernels  # imports triton: Triton backend only
 
         cfg = self.config
-        if pool.quantized:  # ModelRunner refuses the pair; a direct caller learns it here
-            raise ValueError("the Triton attention kernels read a bf16 pool, not an int8 one")
         shape = (pool.num_blocks, pool.block_size, cfg.num_kv_heads, cfg.head_dim)
+        scales = None  # an int8 pool's: [blocks, block_size, kv_heads] each
+        if pool.k_scale is not None and pool.v_scale is not None:
+            scales = (
+                pool.k_scale[layer_index].view(shape[:3]),
+                pool.v_scale[layer_index].view(shape[:3]),
+            )
         k_cache = pool.k[layer_index].view(shape)  # [blocks, block_size, kv_heads, head_dim]
         v_cache = pool.v[layer_index].view(shape)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [tokens, heads, head_dim]
         scale = cfg.head_dim**-0.5
         kernels.paged_decode_attention(
-            q, k_cache, v_cache, batch.decode_tables, batch.decode_lengths, scale, out
+            q, k_cache, v_cache, batch.decode_tables, batch.decode_lengths, scale, out, scales
         )
         kernels.paged_prefill_attention(
             q, k_cache, v_cache, batch.chunk_tables, batch.chunk_offsets, batch.chunk_lengths,
-            batch.chunk_starts, batch.max_chunk_length, scale, out,
+            batch.chunk_starts, batch.max_chunk_length, scale, out, scales,
         )  # fmt: skip
         return out.view(q.shape[0], cfg.q_size)
 

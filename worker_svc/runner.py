@@ -47,8 +47,7 @@ class ModelRunner:
         cuda_graphs: steps run as graphs at bucketed sizes (cuda_graphs.py: decode-only steps,
         and decodes beside small prompt chunks or drafts) where the attention is Triton's (a
         CUDA device; on the CPU only in tests, by the interpreter).
-        cache_dtype: the KV pool's values: auto (dtype's) or int8 (kv_pool.py; the CPU's
-        attention paths only)."""
+        cache_dtype: the KV pool's values: auto (dtype's) or int8 (kv_pool.py)."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.config = config
@@ -57,11 +56,6 @@ class ModelRunner:
         on_cpu = self.device.type == "cpu"
         self.model = LlamaModel(config, weights, dtype, use_kernels and on_cpu).to(self.device)
         backend = attention_backend(self.device, self.model.attention_choice)
-        if cache_dtype == "int8" and backend != "torch":
-            raise ValueError(
-                f"--kv-cache-dtype int8 runs on the CPU's attention paths only, not {backend}'s "
-                f"(device {self.device}): use --kv-cache-dtype auto there"
-            )
         self.cache_dtype = cache_dtype
         self.use_graphs = cuda_graphs and backend == "triton"
         self.num_blocks = num_blocks  # the blocks requests may own (graphs keep one more aside)

@@ -67,7 +67,7 @@ class WorkerSettings:
         "auto",
         "the KV pool's values: auto (--dtype), int8 (a code per value and an fp32 scale per "
         "position and KV head: 0.53 of bf16's bytes at head_dim 64, so about 1.9x the positions "
-        "in the same memory, and decode attention reads half as much; the CPU only)",
+        "in the same memory, and decode attention reads half as much)",
     )
     block_size: int = setting(16, "positions per KV block")
     threads: int = setting(0, "torch threads; 0 = torch's default")

@@ -7,6 +7,10 @@ of BLOCK_N, looking up each position's block in the table (any block size works)
 online softmax in fp32. Causal: the query at position p sees keys 0..p, and keys beyond the
 tile's last query are never read. The chunk's own K/V must already be in the pool.
 
+An int8 pool (--kv-cache-dtype int8, QUANT) holds codes and a scale per (position, KV head): the
+dots take the codes (small integers, exact in TF32), each key's scale multiplies its column of
+scores and each value row's scale its column of probabilities.
+
 Every load is widened to fp32 before any arithmetic (Triton's CPU interpreter computes bf16 as
 raw integers, so this is also what lets the tests here run the shipped kernel). For 16-bit
 caches the dots run as TF32, which holds bf16 and fp16 values exactly; fp32 caches get IEEE dots.
@@ -29,6 +33,8 @@ def _paged_attention_kernel(
     q_ptr,  # [tokens, heads, head_dim]
     k_ptr,  # [num_blocks, block_size, kv_heads, head_dim]
     v_ptr,  # [num_blocks, block_size, kv_heads, head_dim]
+    k_scale_ptr,  # QUANT: [num_blocks, block_size, kv_heads] fp32 (k_ptr holds int8 codes)
+    v_scale_ptr,  # QUANT: the same for v
     out_ptr,  # [tokens, heads, head_dim]
     tables_ptr,  # [requests, max_blocks] int32
     lengths_ptr,  # [requests] int32: query tokens, or (DECODE) context length incl. the query
@@ -46,6 +52,9 @@ def _paged_attention_kernel(
     stride_v_block,
     stride_v_slot,
     stride_v_head,
+    stride_s_block,  # QUANT: the scales' strides (K's and V's alike)
+    stride_s_slot,
+    stride_s_head,
     stride_table,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
@@ -54,7 +63,8 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per program (BLOCK_M // GROUP at most)
     BLOCK_N: tl.constexpr,  # key positions per loop step
     DECODE: tl.constexpr,  # one query per request, at the last context position, row = request
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 caches, "tf32" for 16-bit ones
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 queries, "tf32" for 16-bit ones
+    QUANT: tl.constexpr,  # an int8 pool: codes times a scale per (position, KV head)
 ):
     request = tl.program_id(0)
     first = tl.program_id(1) * BLOCK_Q  # the tile's first query token within the request
@@ -99,7 +109,15 @@ def _paged_attention_kernel(
             v_rows += kv_head * stride_v_head
             v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             v = v.to(tl.float32)  # [N, D]
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+            if QUANT:  # the codes' dot products (exact in tf32), times each key's scale
+                s_rows = block * stride_s_block + slot_in_block * stride_s_slot
+                s_rows += kv_head * stride_s_head
+                k_scale = tl.load(k_scale_ptr + s_rows, mask=key_valid, other=0.0)  # [N]
+                v_scale = tl.load(v_scale_ptr + s_rows, mask=key_valid, other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                s = s * (k_scale * qk_scale)[None, :]  # [M, N]
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
             seen = key_valid[None, :] & (keys[None, :] <= position[:, None])
             s = tl.where(seen, s, float("-inf"))
             # key 0 is seen by every row in the first step, so m_new is finite from then on
@@ -107,7 +125,11 @@ def _paged_attention_kernel(
             alpha = tl.exp2(m_i - m_new)  # [M] rescales what was summed so far
             p = tl.exp2(s - m_new[:, None])  # [M, N]
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+            if QUANT:  # each value row's scale folded into its probabilities
+                pv = tl.dot(p * v_scale[None, :], v, input_precision=DOT_PRECISION)
+            else:
+                pv = tl.dot(p, v, input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
         acc = acc / l_i[:, None]
         o_rows = out_ptr + row[:, None] * stride_o_token + head[:, None] * stride_o_head
@@ -122,10 +144,12 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [requests] int32, cached positions incl. the query's own
     scale: float,
     out: torch.Tensor | None = None,  # [requests, heads, head_dim]; rows [0, requests) written
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an int8 pool's K, V scales
 ) -> torch.Tensor:
-    """Each request's query (at position context_len - 1) against its whole cached context."""
+    """Each request's query (at position context_len - 1) against its whole cached context.
+    With `scales` ([num_blocks, block_size, kv_heads] fp32 each), the caches hold int8 codes."""
     out = torch.empty_like(q) if out is None else out
-    _launch(q, k_cache, v_cache, out, block_tables, context_lens, None, None, 1, scale)
+    _launch(q, k_cache, v_cache, out, block_tables, context_lens, None, None, 1, scale, scales)
     return out
 
 
@@ -140,13 +164,15 @@ def paged_prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,  # [tokens, heads, head_dim]; only the chunks' rows written
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an int8 pool's K, V scales
 ) -> torch.Tensor:
     """Chunks of several requests: each token attends causally within its chunk and fully to
-    its request's positions before the chunk (chunked prefill, recompute)."""
+    its request's positions before the chunk (chunked prefill, recompute). With `scales`, as
+    paged_decode_attention's."""
     out = torch.empty_like(q) if out is None else out
     _launch(
         q, k_cache, v_cache, out, block_tables, query_lens, query_offsets, start_positions,
-        max_query_len, scale,
+        max_query_len, scale, scales,
     )  # fmt: skip
     return out
 
@@ -171,9 +197,10 @@ def tiles_for(group: int, head_dim: int, decode: bool) -> Tiles:
 
 
 def kernel_constants(
-    group: int, head_dim: int, tiles: Tiles, decode: bool, dtype: torch.dtype
+    group: int, head_dim: int, tiles: Tiles, decode: bool, dtype: torch.dtype, quant: bool = False
 ) -> dict[str, int | bool | str]:
-    """The kernel's compile-time arguments (what a launch passes, and what the tests compile)."""
+    """The kernel's compile-time arguments (what a launch passes, and what the tests compile);
+    dtype: the queries' (and a 16-bit pool's)."""
     return {
         "GROUP": group,
         "HEAD_DIM": head_dim,
@@ -183,6 +210,7 @@ def kernel_constants(
         "BLOCK_N": tiles.keys,
         "DECODE": decode,
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "QUANT": quant,
     }
 
 
@@ -204,6 +232,7 @@ def _launch(
     starts: torch.Tensor | None,
     max_query_len: int,
     scale: float,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     requests, head_dim, kv_heads = tables.shape[0], q.shape[2], k_cache.shape[2]
     if requests == 0 or max_query_len == 0:
@@ -212,16 +241,21 @@ def _launch(
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: the head dimension must be contiguous")
     decode, group = offsets is None, group_size(q, k_cache)
+    if (scales is not None) != (k_cache.dtype == torch.int8):
+        raise ValueError("an int8 cache goes with its scales, and only an int8 cache")
+    k_scale, v_scale = scales if scales is not None else (k_cache, v_cache)  # unread if not QUANT
+    s_strides = k_scale.stride()[:3] if scales is not None else (0, 0, 0)
     tiles = tiles_for(group, head_dim, decode)
     grid = (requests, triton.cdiv(max_query_len, tiles.tokens), kv_heads)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, tables, lengths,
+        q, k_cache, v_cache, k_scale, v_scale, out, tables, lengths,
         lengths if decode else offsets, lengths if decode else starts,
         scale, k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *s_strides,
         tables.stride(0),
-        **kernel_constants(group, head_dim, tiles, decode, k_cache.dtype),
+        **kernel_constants(group, head_dim, tiles, decode, q.dtype, scales is not None),
         num_warps=tiles.num_warps,
     )  # fmt: skip
