@@ -153,3 +153,25 @@ def test_steps_beyond_the_buckets_run_eagerly(runners) -> None:
     items = prompts(3)
     assert torch.allclose(plain.compute_logits(items), graphs.compute_logits(items), atol=1e-4)
     assert graphs.graphs.captures == 0
+
+
+def test_mixed_steps_by_graph_over_an_int8_pool_give_the_ordinary_paths_logits(
+    monkeypatch,
+) -> None:
+    """--kv-cache-dtype int8 on the graph path: the same codes and scales stored as by the
+    ordinary path, the same logits, padding on the scratch block only."""
+    monkeypatch.setenv("LLMSERVE_ATTENTION", "triton")
+    config, weights = tiny_model(torch.float32)
+    plain = ModelRunner(config, weights, BLOCKS, BS, torch.float32, cache_dtype="int8")
+    graphs = ModelRunner(
+        config, weights, BLOCKS, BS, torch.float32, cuda_graphs=True, cache_dtype="int8"
+    )
+    assert graphs.pool.quantized and graphs.graphs is not None
+    expected, got = mixed_steps(plain), mixed_steps(graphs)
+    for a, b in zip(expected, got, strict=True):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-5), (a - b).abs().max()
+    owned = BS * 4 * 3
+    assert torch.equal(plain.pool.k[:, :owned], graphs.pool.k[:, :owned])
+    assert torch.allclose(plain.pool.k_scale[:, :owned], graphs.pool.k_scale[:, :owned])
+    assert graphs.pool.k[:, owned : BLOCKS * BS].abs().sum() == 0  # padding: scratch block only
+    assert graphs.pool.k_scale[:, owned : BLOCKS * BS].abs().sum() == 0
