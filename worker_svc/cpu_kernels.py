@@ -118,7 +118,6 @@ class CpuKernels:
         if self._as_stored is not None:
             self._as_stored.argtypes = [_P, _I, _I, _I, _I, _P]
             self._as_stored.restype = None
-        self.int8_kv = self._rope_q8 is not None and self._attend_q8 is not None
         # absent from libraries built from older sources (llmserve.bench.kernels_vs loads them)
         self._silu_mul = getattr(library, "silu_mul_bf16", None)
         if self._silu_mul is not None:
