@@ -646,17 +646,18 @@ static inline __attribute__((always_inline)) int attend(
     return failed ? -1 : 0;
 }
 
-/* Returns 0; -1 when the shape is beyond the fixed buffer sizes; -2 when out of memory. Common
-   shapes get code specialised on a constant head_dim (and group), which the compiler vectorises
+/* attend() at the shape's common sizes (q8 a constant at each call). Returns 0; -1 when the
+   shape is beyond the fixed buffer sizes; -2 when out of memory. Common shapes get code specialised on a constant head_dim (and group), which the compiler vectorises
    fully. */
-int decode_attention_bf16(const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool,
-                          const int64_t *tables, const int64_t *lengths, int64_t nd,
-                          int64_t max_blocks, int64_t block_size, int64_t heads,
-                          int64_t kv_heads, int64_t dim, float scale, uint16_t *out) {
+static inline __attribute__((always_inline)) int attend_shape(
+    const uint16_t *q, const void *k_pool, const void *v_pool, const float *k_scale,
+    const float *v_scale, const int q8, const int64_t *tables, const int64_t *lengths, int64_t nd,
+    int64_t max_blocks, int64_t block_size, int64_t heads, int64_t kv_heads, int64_t dim,
+    float scale, uint16_t *out) {
     if (dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads || heads > MAX_GROUP * 64) return -1;
 #define ATTEND(H, D) \
-    attend(q, k_pool, v_pool, NULL, NULL, 0, tables, lengths, nd, max_blocks, block_size, H, \
-           kv_heads, D, scale, out)
+    attend(q, k_pool, v_pool, k_scale, v_scale, q8, tables, lengths, nd, max_blocks, block_size, \
+           H, kv_heads, D, scale, out)
     int status;
     if (dim == 64 && heads == 3 * kv_heads) status = ATTEND(3 * kv_heads, 64);
     else if (dim == 64) status = ATTEND(heads, 64);
@@ -664,6 +665,14 @@ int decode_attention_bf16(const uint16_t *q, const uint16_t *k_pool, const uint1
     else status = ATTEND(heads, dim);
 #undef ATTEND
     return status ? -2 : 0;
+}
+
+int decode_attention_bf16(const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool,
+                          const int64_t *tables, const int64_t *lengths, int64_t nd,
+                          int64_t max_blocks, int64_t block_size, int64_t heads,
+                          int64_t kv_heads, int64_t dim, float scale, uint16_t *out) {
+    return attend_shape(q, k_pool, v_pool, NULL, NULL, 0, tables, lengths, nd, max_blocks,
+                        block_size, heads, kv_heads, dim, scale, out);
 }
 
 /* decode_attention_bf16 over an int8 pool (--kv-cache-dtype int8): k_pool, v_pool: [num_blocks,
@@ -674,17 +683,8 @@ int decode_attention_q8(const uint16_t *q, const int8_t *k_pool, const int8_t *v
                         const int64_t *lengths, int64_t nd, int64_t max_blocks,
                         int64_t block_size, int64_t heads, int64_t kv_heads, int64_t dim,
                         float scale, uint16_t *out) {
-    if (dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads || heads > MAX_GROUP * 64) return -1;
-#define ATTEND(H, D) \
-    attend(q, k_pool, v_pool, k_scale, v_scale, 1, tables, lengths, nd, max_blocks, block_size, \
-           H, kv_heads, D, scale, out)
-    int status;
-    if (dim == 64 && heads == 3 * kv_heads) status = ATTEND(3 * kv_heads, 64);
-    else if (dim == 64) status = ATTEND(heads, 64);
-    else if (dim == 128) status = ATTEND(heads, 128);
-    else status = ATTEND(heads, dim);
-#undef ATTEND
-    return status ? -2 : 0;
+    return attend_shape(q, k_pool, v_pool, k_scale, v_scale, 1, tables, lengths, nd, max_blocks,
+                        block_size, heads, kv_heads, dim, scale, out);
 }
 
 static inline float exact_dot(const uint16_t *a, const uint16_t *b, int64_t n) {
