@@ -42,6 +42,7 @@ class StackSettings(CoreConfig):
     )
     device: str = setting("auto", "each worker's device: " + help_of(WK, "device"))
     kv_cache_dtype: Literal["auto", "int8"] = setting("auto", help_of(WK, "kv_cache_dtype"))
+    int4_activations: Literal["bf16", "int8"] = setting("bf16", help_of(WK, "int4_activations"))
     workers: int = setting(1, "worker processes, each with its own KV pool (per cell)")
     cells: int = setting(
         1,
@@ -251,6 +252,8 @@ class Stack:
             s.device,
             "--kv-cache-dtype",
             s.kv_cache_dtype,
+            "--int4-activations",
+            s.int4_activations,
             "--kv-capacity",
             str(s.kv_capacity),
             "--block-size",

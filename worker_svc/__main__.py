@@ -14,6 +14,7 @@ from llmcommon.auth import internal_token
 from llmcommon.metrics_http import start_metrics
 from llmcommon.server import Server, internal_channel, run_service, setup_logging
 from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from worker_svc import blocked_matmul
 from worker_svc.cpu_features import host_features
 from worker_svc.device import resolve_device
 from worker_svc.kernel_plan import plan_kernels, threads_for
@@ -103,6 +104,12 @@ def make_runner(settings: WorkerSettings):
     device = resolve_device(settings.device)
     cpu = host_features()
     torch.set_num_threads(threads_for(cpu, settings.threads))
+    activations = blocked_matmul.set_activations(settings.int4_activations)
+    if activations != settings.int4_activations:
+        logging.getLogger("worker").warning(
+            "--int4-activations %s: this CPU or kernel build has no VNNI int4 kernel; %s runs",
+            settings.int4_activations, activations,
+        )  # fmt: skip
     used_before = 0  # device memory other processes hold
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)

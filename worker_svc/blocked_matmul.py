@@ -105,14 +105,44 @@ def amx_rows() -> int:
     return AMX_INT4_FROM_ROWS if amx_usable() else 0
 
 
+ACTIVATIONS = ("bf16", "int8")
+_int4_kind = "int4"  # "int4a8" where set_activations("int8") took
+
+
+def vnni_usable() -> bool:
+    """Whether int4 matmuls can run on int8 activations here (vnni_matmul.c: the blocked
+    kernels on, and a library built with AVX-512 VNNI and BF16)."""
+    if os.environ.get("LLMSERVE_BLOCKED_KERNELS", "1") == "0":
+        return False
+    kernels = cpu_kernels.load()
+    return kernels is not None and kernels.vnni
+
+
+def set_activations(kind: str) -> str:
+    """The activations of this process's blocked int4 matmuls from now on (a worker's
+    --int4-activations): bf16, or int8 (rounded per group of 32, multiplied by VNNI) where
+    vnni_usable. Returns the kind that runs (bf16 where int8 cannot)."""
+    global _int4_kind
+    if kind not in ACTIVATIONS:
+        raise ValueError(f"activations {kind!r} are not one of {ACTIVATIONS}")
+    runs = "int8" if kind == "int8" and vnni_usable() else "bf16"
+    _int4_kind = "int4a8" if runs == "int8" else "int4"
+    return runs
+
+
+def activations() -> str:
+    """The activations blocked int4 matmuls run on now: bf16 or int8."""
+    return "int8" if _int4_kind == "int4a8" else "bf16"
+
+
 def int4_matmul(
     x: torch.Tensor, blocked: torch.Tensor, out_features: int, amx_from_rows: int = 0
 ) -> torch.Tensor:
     """x [rows, in] bf16 -> [rows, out_features] bf16; on AMX tiles from `amx_from_rows` rows
-    (0: never)."""
+    (0: never), else on bf16 or int8 activations (set_activations)."""
     if amx_from_rows and x.shape[0] >= amx_from_rows:
         return _kernels().int4_matmul_amx(x.contiguous(), blocked, out_features)
-    return _kernels().blocked_matmul("int4", x.contiguous(), blocked, out_features)
+    return _kernels().blocked_matmul(_int4_kind, x.contiguous(), blocked, out_features)
 
 
 def int8_matmul(x: torch.Tensor, blocked: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -52,6 +52,13 @@ BLOCKED_INT4_MAX_ROWS: dict[str, int] = {"amx": 8, "avx512_bf16": 32}
 # 3% on one; the dense copy serves the long prompt chunks above (docs/figures.md, "The AMX int4
 # kernel's rows").
 AMX_INT4_FROM_ROWS = 9
+
+# With --int4-activations int8 (vnni_matmul.c), the blocked int4 kernel's rows on each tier
+# (None: every size, no dense copy kept). On avx512_bf16 (the AMD EPYC, SmolLM2's 30 layers'
+# matrices, llmserve.bench.layer_matmuls) it beat oneDNN's bf16 at every size measured, 1 to
+# 1,024 rows: 1.3-1.6x on one thread, 1.2-1.5x on two (docs/figures.md, "int4 on int8
+# activations"). On amx the AMX tiles take over from AMX_INT4_FROM_ROWS as before.
+A8_INT4_MAX_ROWS: dict[str, int | None] = {"avx512_bf16": None}
 AMX_INT4_MAX_ROWS = 256
 
 # Logit rows up to which the output matrix (vocab x hidden: SmolLM2's is 49,152 x 576, 57 MB in
@@ -108,11 +115,13 @@ class CpuFeatures:
     def quantized_max_rows(self) -> int | None:
         return QUANTIZED_MAX_ROWS[self.tier]
 
-    def int4_max_rows(self, blocked: bool, amx: bool = False) -> int | None:
+    def int4_max_rows(self, blocked: bool, amx: bool = False, a8: bool = False) -> int | None:
         """quantized_max_rows for torch's int4 kernel, or for this project's (blocked; with its
-        AMX kernel where `amx`: it runs on amx only)."""
+        AMX kernel where `amx`: it runs on amx only; on int8 activations where `a8`)."""
         if blocked and amx and self.tier == "amx":
             return AMX_INT4_MAX_ROWS
+        if blocked and a8 and self.tier in A8_INT4_MAX_ROWS:
+            return A8_INT4_MAX_ROWS[self.tier]
         if blocked and self.tier in BLOCKED_INT4_MAX_ROWS:
             return BLOCKED_INT4_MAX_ROWS[self.tier]
         return self.quantized_max_rows

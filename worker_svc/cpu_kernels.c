@@ -915,5 +915,8 @@ int int8_matmul_bf16(const uint16_t *x, int64_t rows, int64_t in, const uint8_t 
 #endif
 }
 
+/* int4 on int8 activations by VNNI (where -march has it), in its own file. */
+#include "vnni_matmul.c"
+
 /* The AMX tile kernels (where -march has them), in their own file. */
 #include "amx_matmul.c"

@@ -25,7 +25,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # the files SOURCE includes: part of what names the built library
-INCLUDED = (Path(__file__).with_name("amx_matmul.c"), Path(__file__).with_name("kv_int8.c"))
+INCLUDED = tuple(
+    Path(__file__).with_name(name) for name in ("amx_matmul.c", "kv_int8.c", "vnni_matmul.c")
+)
 FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros"]
 # reassociation lets the compiler vectorise the dot products' sums
 FLAGS += ["-fassociative-math", "-fopenmp"]
@@ -139,6 +141,14 @@ class CpuKernels:
             if fn is not None:
                 fn.argtypes = [_P, _I, _I, _P, _I, _P]
                 fn.restype = ctypes.c_int
+        # int4 on int8 activations (vnni_matmul.c): absent from older libraries, 0 where not built
+        vnni = getattr(library, "vnni_matmul_built", None)
+        a8 = getattr(library, "int4_matmul_a8", None)
+        self.vnni = self.blocked and vnni is not None and a8 is not None and bool(vnni())
+        if a8 is not None:
+            a8.argtypes = [_P, _I, _I, _P, _I, _P]
+            a8.restype = ctypes.c_int
+            self._blocked["int4a8"] = a8
         # absent from libraries built from older sources, as silu_mul; 0 where not built (no AMX
         # in -march) or the tiles are not granted to this process
         ready = getattr(library, "amx_kernels_ready", None)
@@ -200,13 +210,13 @@ class CpuKernels:
 
     def blocked_matmul(
         self,
-        kind: str,  # int4 or int8
+        kind: str,  # int4, int8, or int4a8 (int4 on int8 activations, where self.vnni)
         x: torch.Tensor,  # [rows, in] bf16, contiguous
         blocked: torch.Tensor,  # worker_svc.blocked_matmul's layout of the weight
         out_features: int,
     ) -> torch.Tensor:
         """[rows, out_features] bf16: x @ W.T for the quantized W laid out in `blocked`."""
-        fn = self._blocked[kind]
+        fn = self._blocked.get(kind)
         if not self.blocked or fn is None:
             raise NotImplementedError("this kernel library has no AVX-512 BF16 blocked matmul")
         rows, inputs = x.shape

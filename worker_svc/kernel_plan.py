@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from worker_svc import cpu_kernels
+from worker_svc import blocked_matmul, cpu_kernels
 from worker_svc.cpu_features import CpuFeatures, pick_threads, usable_cpus
 from worker_svc.linear import QuantizedLinear, give_dense, packing_available
-from worker_svc.quant import dense_dtype
+from worker_svc.quant import Int4Weight, dense_dtype
 
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)  # measure_max_rows' candidates
 DENSE_PATHS = {
@@ -141,7 +141,10 @@ def split_rows(
         rows, source = measure_max_rows(splittable)[0], "measured"
     else:
         blocked = any(lin.weight.blocked is not None for lin in splittable)
-        rows = cpu.int4_max_rows(blocked, amx_from_rows(splittable) > 0) or 0
+        a8 = blocked and isinstance(splittable[0].weight, Int4Weight) and (
+            blocked_matmul.activations() == "int8"
+        )
+        rows = cpu.int4_max_rows(blocked, amx_from_rows(splittable) > 0, a8) or 0
         source = "cpu table"
     for lin in splittable:
         if rows:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from worker_svc.blocked_matmul import activations
 from worker_svc.cpu_features import host_features
 from worker_svc.quant import Int4Weight, QuantizedWeight, dense_values, is_quantized
 
@@ -107,12 +108,14 @@ def make_linear(
 ) -> Linear | QuantizedLinear:
     """max_rows: for a weight kept also dense, the rows up to which the quantized kernel runs
     (None: this CPU's figure for the weight's kernel, worker_svc.cpu_features.QUANTIZED_MAX_ROWS,
-    BLOCKED_INT4_MAX_ROWS or AMX_INT4_MAX_ROWS; where that is None,
+    BLOCKED_INT4_MAX_ROWS, AMX_INT4_MAX_ROWS or A8_INT4_MAX_ROWS; where that is None,
     the quantized kernel at every size and no dense copy)."""
     if is_quantized(weight):
         if max_rows is None:
             amx = bool(getattr(weight, "amx_from_rows", 0))
-            rows = host_features().int4_max_rows(weight.blocked is not None, amx)
+            blocked = weight.blocked is not None
+            a8 = blocked and isinstance(weight, Int4Weight) and activations() == "int8"
+            rows = host_features().int4_max_rows(blocked, amx, a8)
         else:
             rows = max_rows
         if not weight.keep_dense or rows is None:

@@ -1,7 +1,7 @@
 """SmolLM2's 30 layers of matrices (qkv, o, gate_up, down) at a row count, by each path that can
 run them, side by side: oneDNN's bf16 on the dense copy (packed, as --quantization auto keeps
-it), this project's blocked int4 kernel (AVX-512 BF16), and its AMX int4 kernel (where the CPU
-and the build have AMX). 30 distinct layers of seeded random 4-bit codes, so that the weights
+it), this project's blocked int4 kernel (AVX-512 BF16), the same on int8 activations ("a8", by
+VNNI, where the CPU has it), and its AMX int4 kernel (where the CPU and the build have AMX). 30 distinct layers of seeded random 4-bit codes, so that the weights
 come from memory, not cache, as in a step. Medians of --reps passes, the paths interleaved;
 the ratio is oneDNN's time over the AMX kernel's.
 
@@ -52,6 +52,8 @@ def passes(kernels, mats, rows: int) -> dict[str, Callable[[], None]]:
                         kernels.int4_matmul_amx(xs[name], layout, out)
                     elif how == "blocked":
                         kernels.blocked_matmul("int4", xs[name], layout, out)
+                    elif how == "a8":
+                        kernels.blocked_matmul("int4a8", xs[name], layout, out)
                     else:
                         torch.ops.mkldnn._linear_pointwise(xs[name], packed, None, "none", [], "")
 
@@ -60,6 +62,8 @@ def passes(kernels, mats, rows: int) -> dict[str, Callable[[], None]]:
     hows = ["onednn"]
     if kernels is not None and kernels.blocked:
         hows.append("blocked")
+    if kernels is not None and kernels.vnni:
+        hows.append("a8")
     if kernels is not None and kernels.amx:
         hows.append("amx")
     return {how: run(how) for how in hows}
@@ -92,8 +96,11 @@ def main(argv: list[str] | None = None) -> None:
         ms = {how: statistics.median(t) * 1e3 for how, t in times.items()}
         if header is None:
             header = f"{'rows':>5}" + "".join(f"{how + ' ms':>12}" for how in ms)
-            print(header + ("   onednn/amx" if "amx" in ms else ""))
+            print(header + ("   blocked/a8" if "a8" in ms else "")
+                  + ("   onednn/amx" if "amx" in ms else ""))
         line = f"{rows:>5}" + "".join(f"{v:>12.1f}" for v in ms.values())
+        if "a8" in ms:
+            line += f"   {ms['blocked'] / ms['a8']:>9.2f}x"
         if "amx" in ms:
             line += f"   {ms['onednn'] / ms['amx']:>10.2f}x"
         print(line)
