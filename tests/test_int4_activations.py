@@ -36,16 +36,23 @@ def codes_of(out: int, inputs: int, seed: int = 0) -> Int4Codes:
     return int4_codes(torch.randn(out, inputs, generator=g) * 0.05)
 
 
-def rounded(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] bf16 as the kernel rounds it: per group of 32, scale = max |x| / 127, code
-    = x * (127 / max |x|) to nearest even; fp64 codes x scale."""
+def rounded(x: torch.Tensor, ratio: float = 3.0) -> torch.Tensor:
+    """x [rows, in] bf16 as the kernel rounds it: per group of 32, a largest |x| above `ratio`
+    times the second largest kept apart, exactly; the rest with scale = max |x| / 127 and code =
+    x * (127 / max |x|) to nearest even. fp64 codes x scale, plus the values kept apart."""
     rows, inputs = x.shape
     g = x.float().view(rows, inputs // 32, 32)
-    amax = g.abs().amax(-1, keepdim=True)
+    top = g.abs().topk(2, dim=-1).values
+    apart = top[..., :1] > ratio * top[..., 1:]  # fp32 products, as the kernel's
+    lane = torch.zeros_like(g, dtype=torch.bool).scatter_(-1, g.abs().argmax(-1, keepdim=True), True)
+    kept = torch.where(lane & apart, g, torch.zeros_like(g))
+    rest = g - kept
+    amax = rest.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    codes = torch.round(g * inv)  # fp32 products, half to even, as cvtps2dq
+    codes = torch.round(rest * inv)  # fp32 products, half to even, as cvtps2dq
     assert codes.abs().max() <= 127
-    return (codes.double() * (amax / 127).double()).view(rows, inputs)
+    out = codes.double() * (amax / 127).double() + kept.double()
+    return out.view(rows, inputs)
 
 
 def values(codes: Int4Codes) -> torch.Tensor:
@@ -117,6 +124,33 @@ def test_large_and_small_values_keep_their_relative_precision():
     got, want = weight.matmul(x).double(), rounded(x) @ values(codes).T
     for r in range(2):
         assert torch.allclose(got[r], want[r], rtol=2**-8, atol=want[r].abs().max() * 1e-5)
+
+
+@needs_vnni
+@pytest.mark.parametrize("ratio", [3.0, float("inf"), 1.0])
+def test_a_value_far_above_its_group_is_kept_apart(ratio):
+    """Each group of row 0 holds one value 100x the others: kept apart (the rule at 3), the rest
+    keeps its precision; with the rule off (inf) the rest rounds on the large value's scale;
+    at 1 every group's largest is kept apart. Each as the reference rounds it."""
+    codes = codes_of(32, 128, seed=8)
+    weight = a8(pack_int4(codes, torch.bfloat16, blocked=True))
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
+    x[0, [5, 40, 77, 127]] = torch.tensor([300.0, -250.0, 180.0, 400.0])
+    x = x.bfloat16()
+    assert kernels is not None
+    kernels.set_a8_outlier_ratio(ratio)
+    try:
+        got = weight.matmul(x).double()
+    finally:
+        kernels.set_a8_outlier_ratio(3.0)
+    want = rounded(x, ratio) @ values(codes).T
+    assert torch.allclose(got, want, rtol=2**-8, atol=want.abs().max() * 1e-5)
+    exact = x.double() @ values(codes).T
+    error = (got[0] - exact[0]).abs().max() / exact[0].abs().max()
+    if ratio == float("inf"):
+        assert error > 1e-3  # the rest rounded to ~2.4 per step: the kernel did run so
+    else:
+        assert error < 2**-7  # kept apart: about bf16's rounding
 
 
 @needs_vnni

@@ -149,6 +149,10 @@ class CpuKernels:
             a8.argtypes = [_P, _I, _I, _P, _I, _P]
             a8.restype = ctypes.c_int
             self._blocked["int4a8"] = a8
+        self._a8_ratio = getattr(library, "set_a8_outlier_ratio", None)
+        if self._a8_ratio is not None:
+            self._a8_ratio.argtypes = [ctypes.c_float]
+            self._a8_ratio.restype = None
         # absent from libraries built from older sources, as silu_mul; 0 where not built (no AMX
         # in -march) or the tiles are not granted to this process
         ready = getattr(library, "amx_kernels_ready", None)
@@ -160,6 +164,13 @@ class CpuKernels:
         self._threads = library.set_threads
         self._threads.argtypes = [ctypes.c_int]
         self._threads.restype = None
+
+    def set_a8_outlier_ratio(self, ratio: float) -> None:
+        """int4_matmul_a8's outlier rule (vnni_matmul.c): a group's largest value is kept apart
+        where it exceeds `ratio` times the second largest (inf: never)."""
+        if self._a8_ratio is None:
+            raise NotImplementedError("this kernel library has no int4_matmul_a8")
+        self._a8_ratio(ratio)
 
     def set_threads(self, threads: int) -> None:
         """OpenMP threads for the parallel kernels (pass torch.get_num_threads())."""

@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from llmserve.bench.forward_timing import Ours, median_ms  # noqa: E402
-from llmserve.bench.quant_forward import cpu_line, int4_kernel  # noqa: E402
+from llmserve.bench.quant_forward import cpu_line, int4_kernel, with_activations  # noqa: E402
 from worker_svc.loader import load_model  # noqa: E402
 
 
@@ -33,7 +33,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--drafts", default="0,1,3,5", help="draft lengths; 0 is the plain decode")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--quantization", default="auto")
-    p.add_argument("--kernels", default="torch,blocked", help="quantized kernels: torch, blocked")
+    p.add_argument(
+        "--kernels", default="torch,blocked",
+        help="quantized kernels: torch, blocked, a8 (blocked int4 on int8 activations)",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--reps", type=int, default=10)
     args = p.parse_args(argv)
@@ -42,9 +45,12 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     drafts = sorted({0, *(int(d) for d in args.drafts.split(","))})
     kernels = args.kernels.split(",")
-    runs = []
+    runs, modes = [], []
     for kernel in kernels:
-        mode = f"{args.quantization}@torch" if kernel == "torch" else args.quantization
+        mode = {"torch": f"{args.quantization}@torch", "a8": f"{args.quantization}@a8"}.get(
+            kernel, args.quantization
+        )
+        modes.append(mode)
         with int4_kernel(mode) as plain:
             config, weights = load_model(args.source, torch.bfloat16, plain)
             runs.append(Ours(config, weights, torch.bfloat16, max(batches), args.context))
@@ -53,7 +59,10 @@ def main(argv: list[str] | None = None) -> None:
         f"context {args.context}  reps {args.reps}\n{cpu_line()}"
     )
     cases = [(o, b, k) for b in batches for k in drafts for o in range(len(runs))]
-    fns = [runs[o].draft(b, k) if k else runs[o].decode(b) for o, b, k in cases]
+    fns = [
+        with_activations(modes[o], runs[o].draft(b, k) if k else runs[o].decode(b))
+        for o, b, k in cases
+    ]
     times = dict(zip(cases, median_ms(fns, args.reps), strict=True))
     head = "".join(f"{kernel + ' ms':>14}{'x plain':>9}" for kernel in kernels)
     ratio = f"{kernels[0]}/{kernels[-1]}" if len(kernels) > 1 else ""

@@ -4,6 +4,8 @@ unquantized (none) path on a fixed prompt set, and the demo's greedy answers.
 python -m llmserve.bench.quant_accuracy [--source smollm2] [--modes int8,int4,auto] [--tokens 24]
 python -m llmserve.bench.quant_accuracy --reference fp32 --modes auto   (every bf16 mode, none
     too, against the file's values run in fp32; LLMSERVE_RESIDUAL=bf16 for the bf16 residual)
+python -m llmserve.bench.quant_accuracy --reference fp32 --modes auto,auto@a8   (auto@a8: the
+    int4 matmuls on int8 activations, --int4-activations int8)
 
 Every position of every prompt is scored (teacher forcing: the prompt's own next token is fed,
 whatever a mode would pick), so the figures compare distributions, not diverging generations:
@@ -23,6 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from llmserve.bench.quant_forward import A8, activations_of  # noqa: E402
 from llmserve.demo_questions import QUESTIONS  # noqa: E402
 from worker_svc.kernel_plan import quantized_linears  # noqa: E402
 from worker_svc.linear import QuantizedLinear  # noqa: E402
@@ -70,8 +73,9 @@ def chat_ids(tokenizer, question: str) -> list[int]:
 def make_runner(
     source: str, quantization: str, max_tokens: int = 512, dtype: torch.dtype = torch.bfloat16
 ) -> ModelRunner:
-    """A runner whose quantized matrices serve every row count (the small steps' path)."""
-    config, weights = load_model(source, dtype, quantization)
+    """A runner whose quantized matrices serve every row count (the small steps' path); a mode
+    "x@a8" is x (run it within `activations_of`)."""
+    config, weights = load_model(source, dtype, quantization.removesuffix(A8))
     runner = ModelRunner(config, weights, -(-max_tokens // BLOCK), BLOCK, dtype)
     linears = quantized_linears(runner.model.linears)  # the layers'
     if isinstance(runner.model.lm_head, QuantizedLinear):
@@ -134,17 +138,19 @@ def main() -> None:
         reference, scored = next_token_logits(runners["none"], prompts), modes[1:]
     print(f"{args.source}: {reference.shape[0]} positions in {len(prompts)} prompts, against "
           f"{args.reference}")  # fmt: skip
-    print(f"{'mode':<6}{'top-1':>8}{'mean KL':>10}{'max KL':>9}")
+    print(f"{'mode':<8}{'top-1':>8}{'mean KL':>10}{'max KL':>9}")
     for mode in scored:
-        a = agreement(reference, next_token_logits(runners[mode], prompts))
-        print(f"{mode:<6}{a.top1:>8.3f}{a.mean_kl:>10.4f}{a.max_kl:>9.3f}")
+        with activations_of(mode):
+            a = agreement(reference, next_token_logits(runners[mode], prompts))
+        print(f"{mode:<8}{a.top1:>8.3f}{a.mean_kl:>10.4f}{a.max_kl:>9.3f}")
     stop = (tokenizer.eos_token_id,)
     for question in QUESTIONS:
         print(f"\n> {question}")
         for mode, runner in runners.items():
-            answer = greedy(runner, chat_ids(tokenizer, question), args.tokens, stop)
+            with activations_of(mode):
+                answer = greedy(runner, chat_ids(tokenizer, question), args.tokens, stop)
             text = tokenizer.decode(answer, skip_special_tokens=True).strip()
-            print(f"  {mode:<5} {text!r}")
+            print(f"  {mode:<7} {text!r}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,11 @@ A mode ending in "@noamx" (auto@noamx) keeps the many-row int4 matmuls off the A
 
 python -m llmserve.bench.worker_forward --quantization auto@noamx,auto --batches 1,8,16,64
 
+A mode ending in "@a8" (auto@a8) runs the int4 matmuls on int8 activations (--int4-activations
+int8, VNNI), split by rows as the worker would split them so:
+
+python -m llmserve.bench.worker_forward --ours-only --quantization auto,auto@a8 --batches 1,6,64
+
 Every mode is loaded once and the cases run interleaved (A B C A B C ...), so load from other
 processes on a shared host hits all modes alike; the figures are medians, the ratios bf16's time
 over the mode's (above 1: the mode is faster). The host's CPU flags are printed with the table:
@@ -25,6 +30,7 @@ compare only within one run.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -59,12 +65,22 @@ def cpu_line() -> str:
 
 
 SUFFIXES = {"@torch": "LLMSERVE_BLOCKED_KERNELS", "@noamx": "LLMSERVE_AMX_KERNELS"}
+A8 = "@a8"  # the int4 matmuls on int8 activations (--int4-activations int8)
 
 
 @contextmanager
 def int4_kernel(mode: str):
     """Loads a mode "x@torch" with torch's quantized kernels (LLMSERVE_BLOCKED_KERNELS=0), a
-    mode "x@noamx" without the AMX int4 kernel (LLMSERVE_AMX_KERNELS=0)."""
+    mode "x@noamx" without the AMX int4 kernel (LLMSERVE_AMX_KERNELS=0), a mode "x@a8" with
+    int8 activations (its linears split as the worker's would be; run it through
+    `with_activations`)."""
+    if mode.endswith(A8):
+        blocked_matmul.set_activations("int8")
+        try:
+            yield mode.removesuffix(A8)
+        finally:
+            blocked_matmul.set_activations("bf16")
+        return
     suffix = next((s for s in SUFFIXES if mode.endswith(s)), None)
     if suffix is None:
         yield mode
@@ -79,6 +95,28 @@ def int4_kernel(mode: str):
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
+
+
+@contextmanager
+def activations_of(mode: str):
+    """Runs the body with the int4 activations its mode names (int8 for "x@a8"), then bf16."""
+    blocked_matmul.set_activations("int8" if mode.endswith(A8) else "bf16")
+    try:
+        yield
+    finally:
+        blocked_matmul.set_activations("bf16")
+
+
+def with_activations(mode: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """fn with the int4 activations its mode names (int8 for "x@a8", else bf16) set before each
+    call: modes with and without side by side in one process, interleaved."""
+    kind = "int8" if mode.endswith(A8) else "bf16"
+
+    def run() -> object:
+        blocked_matmul.set_activations(kind)
+        return fn()
+
+    return run
 
 
 def held_bytes(ours: Ours) -> int:
@@ -138,7 +176,9 @@ def quantization_table(
     cases = [(f"decode @{b}", lambda o, b=b: o.decode(b)) for b in batches]
     cases.append((f"prefill {prefill}", lambda o: o.prefill(prompt)))
     for name, make in cases:
-        times = median_ms([make(o) for o in runs], reps)
+        times = median_ms(
+            [with_activations(m, make(o)) for m, o in zip(modes, runs, strict=True)], reps
+        )
         cells = "".join(f"{t:>11.1f}" for t in times)
         speedups = "".join(f"{times[0] / t:>8.2f}x" for t in times[1:])
         print(f"{name:<14}{cells}  {speedups}")
