@@ -19,7 +19,13 @@ the worker runs, from its own forward times.
   fit as pseudo-steps over a grid of shapes worth `PRIOR_WEIGHT` real step. It is the model
   until the first step is seen, and it keeps the fit defined in the directions the steps do not
   vary (a decode-only load never separates tokens from sampled rows); real steps outweigh it
-  from the first few.
+  from the first few. Once steps are seen, its pseudo-steps stand at the steps' level (the
+  prior times the geometric mean of measured / prior over the steps, forgotten as they are):
+  the prior gives the cost's shape there, not its size. At its own size (the built-in is twice
+  a slow CPU's) it pulled the fit of one stream's decodes (which cannot tell the fixed cost
+  from a row's) toward a large cost per row, since that came nearer its large batches: a
+  first draft token was predicted at 1.9x the step, so `auto` never drafted, and never saw
+  a draft step that would have told it otherwise (docs/speculative.md).
 - **Conservative before data**: `BUILTIN_PRIOR` is the committed SmolLM2-135M bf16 calibration
   (one CPU thread on a 2-core host) times two. It over-predicts for that model on any host at
   least half as fast, so a time budget admits less, not more, until the worker's own steps
@@ -32,6 +38,7 @@ Pure: no grpc, no torch, no numpy (6 unknowns: the normal equations are solved d
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +50,7 @@ LEVEL_WEIGHT = 0.2  # of the latest step in the level (measured / fitted, averag
 LEVEL_CLIP = 1.25  # one step's measured / fitted counts as at most 1.25x (1/1.25x) the level:
 # a hiccup of the host (one step 3x as long) moves the level by 5%, a worker twice as slow is
 # followed in about five steps
-PRIOR_WEIGHT = 1.0  # the prior's pseudo-steps together weigh as much as one real step
+PRIOR_WEIGHT = 0.5  # the prior's pseudo-steps together weigh as much as half a real step
 ERROR_WINDOW = 256  # the recent steps the prediction error is measured over
 REFIT_EVERY = 8  # steps observed between refits of the fit (the level follows every step): a
 # refit solves the normal equations up to six times, in Python, on the scheduler's event loop
@@ -86,7 +93,8 @@ class OnlineStepModel:
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
         self.last = (0.0, 0.0)  # the last step seen: (predicted, measured) seconds
         n = len(prior.coefficients())
-        self._prior_a, self._prior_b = _zeros(n), [0.0] * n
+        self._prior_a, self._prior_b = _zeros(n), [0.0] * n  # at the prior's own size
+        self._log_ratio, self._ratio_weight = 0.0, 0.0  # sum of log(measured / prior), weights
         shapes = [s for s in prior_shapes() if prior.predict(s) > 0]
         for shape in shapes:
             _accumulate(self._prior_a, self._prior_b, shape, prior.predict(shape),
@@ -123,6 +131,10 @@ class OnlineStepModel:
             row[:] = [g * v for v in row]
         self._b = [g * v for v in self._b]
         _accumulate(self._a, self._b, shape, seconds / level, 1.0)
+        expected = self.prior.predict(shape)
+        if expected > 0:
+            self._log_ratio = g * self._log_ratio + math.log(seconds / level / expected)
+            self._ratio_weight = g * self._ratio_weight + 1.0
         self.observed += 1
         self._unfitted += 1
 
@@ -139,10 +151,19 @@ class OnlineStepModel:
             self._refit()
         return CostModel(*(self.level * c for c in self._coef), meta={"observed": self.observed})
 
+    def prior_scale(self) -> float:
+        """The steps' size against the prior's: the geometric mean of (measured / level) /
+        prior over the steps seen, forgotten as they are; 1 before any."""
+        if not self._ratio_weight:
+            return 1.0
+        return math.exp(self._log_ratio / self._ratio_weight)
+
     def _refit(self) -> None:
-        n = len(self._coef)
-        a = [[self._a[i][j] + self._prior_a[i][j] for j in range(n)] for i in range(n)]
-        b = [self._b[i] + self._prior_b[i] for i in range(n)]
+        """The fit of the steps and the prior's pseudo-steps at prior_scale times the prior
+        (each pseudo-step's y scaled by r: its weight 1/y² by 1/r², its y by r)."""
+        n, r = len(self._coef), self.prior_scale()
+        a = [[self._a[i][j] + self._prior_a[i][j] / (r * r) for j in range(n)] for i in range(n)]
+        b = [self._b[i] + self._prior_b[i] / r for i in range(n)]
         self._coef = _nonnegative_solve(a, b)
         self._unfitted = 0
 

@@ -3,6 +3,7 @@ that slows down, stays monotone whatever it is fed, and predicts from a calibrat
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -15,6 +16,7 @@ from scheduler_svc.step_model import (
     BUILTIN_PRIOR,
     LEVEL_CLIP,
     LEVEL_WEIGHT,
+    PRIOR_WEIGHT,
     REFIT_EVERY,
     OnlineStepModel,
     PredictionError,
@@ -230,7 +232,8 @@ def test_a_step_measured_as_predicted_teaches_nothing_whatever_the_level() -> No
 
 def test_the_fit_is_the_weighted_least_squares_of_the_steps_and_the_prior() -> None:
     """Relative error (weight 1/y²), a step k steps old weighted FORGET**k, each measurement
-    divided by the level it was predicted with, the prior's grid worth one step in all."""
+    divided by the level it was predicted with, the prior's grid worth PRIOR_WEIGHT step in
+    all, at the steps' size: the prior times the weighted geometric mean of step / prior."""
     np = pytest.importorskip("numpy")
     slow = CostModel(0.006, 0.0003, 0.00015, 7e-7, 3e-9)
     model, rows = OnlineStepModel(prior=TRUTH, forget=0.9), []
@@ -238,8 +241,12 @@ def test_the_fit_is_the_weighted_least_squares_of_the_steps_and_the_prior() -> N
         rows.append((shape, slow.predict(shape) / model.level))
         model.observe(shape, slow.predict(shape))
     grid = prior_shapes()
-    weighted = [(s, TRUTH.predict(s), 1 / len(grid)) for s in grid]
-    weighted += [(s, y, 0.9 ** (len(rows) - 1 - k)) for k, (s, y) in enumerate(rows)]
+    ages = [0.9 ** (len(rows) - 1 - k) for k in range(len(rows))]
+    logs = [math.log(y / TRUTH.predict(s)) for s, y in rows]
+    scale = math.exp(sum(w * v for w, v in zip(ages, logs)) / sum(ages))
+    assert model.prior_scale() == pytest.approx(scale, rel=1e-12)
+    weighted = [(s, scale * TRUTH.predict(s), PRIOR_WEIGHT / len(grid)) for s in grid]
+    weighted += [(s, y, w) for (s, y), w in zip(rows, ages, strict=True)]
     x = np.array([np.sqrt(w) / y * np.array(s.vector()) for s, y, w in weighted])
     want = np.linalg.lstsq(x, np.array([np.sqrt(w) for _, _, w in weighted]), rcond=None)[0]
     assert all(want > 0)  # the unconstrained fit is the constrained one
@@ -307,3 +314,27 @@ def test_nonnegative_solve_with_nothing_to_fit_answers_zeros() -> None:
     assert _nonnegative_solve([[1.0, 0.0], [0.0, 1.0]], [0.0, 0.0]) == [0.0, 0.0]
     assert _nonnegative_solve([[1.0, 0.5], [0.5, 1.0]], [-1.0, -2.0]) == [0.0, 0.0]
     assert _nonnegative_solve([], []) == []
+
+
+def test_one_streams_decodes_leave_a_draft_token_priced_by_the_priors_shape() -> None:
+    """One stream without drafts: every decode step is one row, so the steps cannot tell the
+    fixed cost from a row's (fixed, per_sampled and the first rows' cost move together); the
+    prior decides there, at the steps' size. At its own size (the built-in: twice a slow CPU)
+    it pulled the fit toward a large cost per row, a first draft token priced at 1.9x the step,
+    and `auto` never drafted (the a8 stack of docs/speculative.md). A worker whose decode is
+    mostly fixed cost (5 ms + 0.4 ms a token) is now priced near its truth, and drafts pay."""
+    from scheduler_svc.speculation.length import worth_drafting
+
+    truth = CostModel(0.005, 0.0004, 0.0, 1e-7, 1e-9)
+    rng, model = random.Random(3), OnlineStepModel()
+    for _ in range(18):
+        prompt = rng.randint(80, 140)
+        model.observe(BatchShape.of([(0, prompt, True)]), truth.predict(BatchShape.of([(0, prompt, True)])))
+        for i in range(128):
+            shape = BatchShape.of([(prompt + i, 1, True)])
+            model.observe(shape, truth.predict(shape) * rng.uniform(0.95, 1.05))
+    one, draft = BatchShape.of([(200, 1, True)]), BatchShape.draft(200, 1)
+    assert truth.predict(draft) / truth.predict(one) < 1.1
+    assert model.predict(draft) / model.predict(one) < 1.2
+    assert model.predict(BatchShape.draft(200, 5)) / model.predict(one) < 2.0
+    assert worth_drafting(one, 1, model.predict, 0.6, 200, 0.0)
