@@ -44,7 +44,8 @@ def rounded(x: torch.Tensor, ratio: float = 3.0) -> torch.Tensor:
     g = x.float().view(rows, inputs // 32, 32)
     top = g.abs().topk(2, dim=-1).values
     apart = top[..., :1] > ratio * top[..., 1:]  # fp32 products, as the kernel's
-    lane = torch.zeros_like(g, dtype=torch.bool).scatter_(-1, g.abs().argmax(-1, keepdim=True), True)
+    first = g.abs().argmax(-1, keepdim=True)
+    lane = torch.zeros_like(g, dtype=torch.bool).scatter_(-1, first, True)
     kept = torch.where(lane & apart, g, torch.zeros_like(g))
     rest = g - kept
     amax = rest.abs().amax(-1, keepdim=True)
@@ -72,7 +73,7 @@ def a8(weight):
 def test_matches_fp64_over_the_rounded_activations(rows):
     codes = codes_of(48, 96, seed=rows)
     weight = a8(pack_int4(codes, torch.bfloat16, blocked=True))
-    assert weight.kernel == "blocked int4 on int8 activations"
+    assert weight.kernel == "blocked int4 (int8 activations)"
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(7)).bfloat16()
     got, want = weight.matmul(x), rounded(x) @ values(codes).T
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 48)
@@ -158,7 +159,8 @@ def test_shapes_it_does_not_take():
     weight = pack_int4(codes_of(32, 64), torch.bfloat16, blocked=True)
     assert kernels is not None
     with pytest.raises(ValueError, match="unsupported shape"):
-        kernels.blocked_matmul("int4a8", torch.zeros(1, 48, dtype=torch.bfloat16), weight.blocked, 32)
+        x = torch.zeros(1, 48, dtype=torch.bfloat16)
+        kernels.blocked_matmul("int4a8", x, weight.blocked, 32)
     blocked_matmul.set_activations("int8")
     assert weight.matmul(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 32)
 
@@ -213,12 +215,12 @@ def test_the_worker_runs_every_size_on_int8_activations_where_its_table_says():
     info = WorkerService(settings, runner, settings.model).describe()
     assert blocked_matmul.activations() == "int8"
     quantized = quantized_linears(runner.model.linears)
-    assert quantized[0].weight.kernel == "blocked int4 on int8 activations"
-    assert "blocked int4 on int8 activations kernel" in info.kernels
+    assert quantized[0].weight.kernel == "blocked int4 (int8 activations)"
+    assert "blocked int4 (int8 activations) kernel" in info.kernels
     tier = host_features().tier
     if tier in A8_INT4_MAX_ROWS and A8_INT4_MAX_ROWS[tier] is None:
         assert not dual_linears(runner.model.linears) and info.quantized_max_rows == 0
-        assert "on int8 activations kernel at every size" in info.kernels
+        assert "(int8 activations) kernel at every size" in info.kernels
     # the default puts it back: a worker started without the flag runs bf16
     make_runner(replace(settings, int4_activations="bf16"))
     assert blocked_matmul.activations() == "bf16"

@@ -243,7 +243,7 @@ def test_the_fit_is_the_weighted_least_squares_of_the_steps_and_the_prior() -> N
     grid = prior_shapes()
     ages = [0.9 ** (len(rows) - 1 - k) for k in range(len(rows))]
     logs = [math.log(y / TRUTH.predict(s)) for s, y in rows]
-    scale = math.exp(sum(w * v for w, v in zip(ages, logs)) / sum(ages))
+    scale = math.exp(sum(w * v for w, v in zip(ages, logs, strict=True)) / sum(ages))
     assert model.prior_scale() == pytest.approx(scale, rel=1e-12)
     weighted = [(s, scale * TRUTH.predict(s), PRIOR_WEIGHT / len(grid)) for s in grid]
     weighted += [(s, y, w) for (s, y), w in zip(rows, ages, strict=True)]
@@ -329,7 +329,8 @@ def test_one_streams_decodes_leave_a_draft_token_priced_by_the_priors_shape() ->
     rng, model = random.Random(3), OnlineStepModel()
     for _ in range(18):
         prompt = rng.randint(80, 140)
-        model.observe(BatchShape.of([(0, prompt, True)]), truth.predict(BatchShape.of([(0, prompt, True)])))
+        chunk = BatchShape.of([(0, prompt, True)])
+        model.observe(chunk, truth.predict(chunk))
         for i in range(128):
             shape = BatchShape.of([(prompt + i, 1, True)])
             model.observe(shape, truth.predict(shape) * rng.uniform(0.95, 1.05))

@@ -56,7 +56,7 @@ AMX_INT4_FROM_ROWS = 9
 # With --int4-activations int8 (vnni_matmul.c), the blocked int4 kernel's rows on each tier
 # (None: every size, no dense copy kept). On avx512_bf16 (the AMD EPYC, SmolLM2's 30 layers'
 # matrices, llmserve.bench.layer_matmuls) it beat oneDNN's bf16 at every size measured, 1 to
-# 1,024 rows: 1.3-1.6x on one thread, 1.2-1.5x on two (docs/figures.md, "int4 on int8
+# 1,024 rows: 1.3-1.6x on one thread, 1.2-1.5x on two (docs/benchmarks.md, "int4 on int8
 # activations"). On amx the AMX tiles take over from AMX_INT4_FROM_ROWS as before.
 A8_INT4_MAX_ROWS: dict[str, int | None] = {"avx512_bf16": None}
 AMX_INT4_MAX_ROWS = 256

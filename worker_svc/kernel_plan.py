@@ -141,8 +141,10 @@ def split_rows(
         rows, source = measure_max_rows(splittable)[0], "measured"
     else:
         blocked = any(lin.weight.blocked is not None for lin in splittable)
-        a8 = blocked and isinstance(splittable[0].weight, Int4Weight) and (
-            blocked_matmul.activations() == "int8"
+        a8 = (
+            blocked
+            and isinstance(splittable[0].weight, Int4Weight)
+            and (blocked_matmul.activations() == "int8")
         )
         rows = cpu.int4_max_rows(blocked, amx_from_rows(splittable) > 0, a8) or 0
         source = "cpu table"

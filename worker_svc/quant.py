@@ -132,12 +132,12 @@ class Int4Weight:
 
     @property
     def kernel(self) -> str:
-        """The kernel that runs it: "blocked int4" (this project's; "... on int8 activations"
-        where blocked_matmul.set_activations says so) or "int4" (torch's)."""
+        """The kernel that runs it: "blocked int4" (this project's; "blocked int4 (int8
+        activations)" where blocked_matmul.set_activations says so) or "int4" (torch's)."""
         if self.blocked is None:
             return "int4"
-        return "blocked int4" + (" on int8 activations" if blocked_matmul.activations() == "int8"
-                                 else "")  # fmt: skip
+        a8 = blocked_matmul.activations() == "int8"
+        return "blocked int4 (int8 activations)" if a8 else "blocked int4"
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, in] -> [tokens, out]."""

@@ -74,8 +74,8 @@ class WorkerSettings:
         "the activations of the int4 layer matmuls (--quantization int4 / auto, this project's "
         "blocked kernel on AVX-512 BF16): bf16, or int8 (each row rounded per group of 32 "
         "inputs, as llama.cpp does for 4-bit weights, and multiplied by VNNI's integer dot "
-        "products: 1.3-1.6x faster layer matmuls from 4 rows on, at about 4x the KL to fp32; "
-        "docs/models.md). Where the CPU or build lacks VNNI, bf16 runs",
+        "products: 1.3-1.6x faster layer matmuls from 4 rows on, 1.04-1.2x the step, at 1.7x "
+        "bf16's KL to fp32; docs/models.md). Where the CPU or build lacks VNNI, bf16 runs",
     )
     block_size: int = setting(16, "positions per KV block")
     threads: int = setting(0, "torch threads; 0 = torch's default")

@@ -1,8 +1,9 @@
 """SmolLM2's 30 layers of matrices (qkv, o, gate_up, down) at a row count, by each path that can
 run them, side by side: oneDNN's bf16 on the dense copy (packed, as --quantization auto keeps
 it), this project's blocked int4 kernel (AVX-512 BF16), the same on int8 activations ("a8", by
-VNNI, where the CPU has it), and its AMX int4 kernel (where the CPU and the build have AMX). 30 distinct layers of seeded random 4-bit codes, so that the weights
-come from memory, not cache, as in a step. Medians of --reps passes, the paths interleaved;
+VNNI, where the CPU has it), and its AMX int4 kernel (where the CPU and the build have AMX).
+30 distinct layers of seeded random 4-bit codes, so that the weights come from memory, not
+cache, as in a step. Medians of --reps passes, the paths interleaved;
 the ratio is oneDNN's time over the AMX kernel's.
 
 python -m llmserve.bench.layer_matmuls --rows 1,8,9,16,32,64,128,256,512 --threads 2
@@ -96,8 +97,11 @@ def main(argv: list[str] | None = None) -> None:
         ms = {how: statistics.median(t) * 1e3 for how, t in times.items()}
         if header is None:
             header = f"{'rows':>5}" + "".join(f"{how + ' ms':>12}" for how in ms)
-            print(header + ("   blocked/a8" if "a8" in ms else "")
-                  + ("   onednn/amx" if "amx" in ms else ""))
+            print(
+                header
+                + ("   blocked/a8" if "a8" in ms else "")
+                + ("   onednn/amx" if "amx" in ms else "")
+            )
         line = f"{rows:>5}" + "".join(f"{v:>12.1f}" for v in ms.values())
         if "a8" in ms:
             line += f"   {ms['blocked'] / ms['a8']:>9.2f}x"
