@@ -7,13 +7,12 @@ the int4 kernel, no dense copy, where the CPU table says so) and its Describe.""
 
 from __future__ import annotations
 
-import ctypes
-import shutil
 from dataclasses import replace
 
 import pytest
 import torch
 
+from tests.kernel_builds import build_kernels
 from worker_svc import blocked_matmul, cpu_kernels
 from worker_svc.cpu_features import A8_INT4_MAX_ROWS, host_features
 from worker_svc.quant import Int4Codes, int4_codes, pack_int4
@@ -181,14 +180,7 @@ def test_the_switch_refuses_other_values_and_falls_back_where_it_cannot_run(monk
 @pytest.mark.parametrize("flags", [["-march=native", "-mno-avx512vnni"], []])
 def test_builds_without_vnni_have_no_a8_kernel(flags, tmp_path):
     """Without VNNI (or AVX-512) in -march the kernel says so and refuses; bf16 runs."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    assert compiler is not None
-    path = tmp_path / "k.so"
-    done = cpu_kernels.compile_source(compiler, flags, str(path))
-    if done.returncode and flags:
-        pytest.skip(f"this compiler does not take {flags}: {done.stderr[-200:]}")
-    assert done.returncode == 0, done.stderr
-    built = cpu_kernels.CpuKernels(ctypes.CDLL(str(path)))
+    built = build_kernels(flags, tmp_path)
     assert not built.vnni
     if built.blocked:  # AVX-512 BF16 without VNNI: the bf16 int4 kernel still runs
         weight = pack_int4(codes_of(32, 64), torch.bfloat16, blocked=True)

@@ -4,13 +4,11 @@ the pool's size in memory."""
 
 from __future__ import annotations
 
-import ctypes
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.kernel_builds import build_kernels
 from tests.model_support import (
     model,
     one_torch_thread,  # noqa: F401  (autouse fixture)
@@ -196,14 +194,7 @@ def test_decode_attention_q8_matches_fp32_attention_on_the_dequantized_pool(
 def test_decode_attention_q8_without_vnni_and_without_simd(flags: list[str], tmp_path) -> None:
     """The library built without VNNI (the fp32 SIMD path) and for a generic x86-64 (the scalar
     path): the same codes as torch, the same attention as the fp32 reference."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    assert compiler is not None
-    path = tmp_path / "k.so"
-    done = cpu_kernels.compile_source(compiler, flags, str(path))
-    if done.returncode and flags:
-        pytest.skip(f"this compiler does not take {flags}: {done.stderr[-200:]}")
-    assert done.returncode == 0, done.stderr
-    kernels = cpu_kernels.CpuKernels(ctypes.CDLL(str(path)))
+    kernels = build_kernels(flags, tmp_path)
     check_rope_store_q8(kernels)
     for lengths, block_size in SHAPES[1:]:
         check_decode_attention_q8(kernels, 2, 9, 3, 64, lengths, block_size)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker_svc import blocked_matmul, cpu_kernels
+from worker_svc import cpu_kernels
 from worker_svc.cpu_features import CpuFeatures, pick_threads, usable_cpus
 from worker_svc.linear import QuantizedLinear, give_dense, packing_available
 from worker_svc.quant import Int4Weight, dense_dtype
@@ -141,11 +141,7 @@ def split_rows(
         rows, source = measure_max_rows(splittable)[0], "measured"
     else:
         blocked = any(lin.weight.blocked is not None for lin in splittable)
-        a8 = (
-            blocked
-            and isinstance(splittable[0].weight, Int4Weight)
-            and (blocked_matmul.activations() == "int8")
-        )
+        a8 = isinstance(splittable[0].weight, Int4Weight) and splittable[0].weight.a8
         rows = cpu.int4_max_rows(blocked, amx_from_rows(splittable) > 0, a8) or 0
         source = "cpu table"
     for lin in splittable:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker_svc.blocked_matmul import activations
 from worker_svc.cpu_features import host_features
 from worker_svc.quant import Int4Weight, QuantizedWeight, dense_values, is_quantized
 
@@ -113,9 +112,8 @@ def make_linear(
     if is_quantized(weight):
         if max_rows is None:
             amx = bool(getattr(weight, "amx_from_rows", 0))
-            blocked = weight.blocked is not None
-            a8 = blocked and isinstance(weight, Int4Weight) and activations() == "int8"
-            rows = host_features().int4_max_rows(blocked, amx, a8)
+            a8 = isinstance(weight, Int4Weight) and weight.a8
+            rows = host_features().int4_max_rows(weight.blocked is not None, amx, a8)
         else:
             rows = max_rows
         if not weight.keep_dense or rows is None:

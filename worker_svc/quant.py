@@ -136,8 +136,13 @@ class Int4Weight:
         activations)" where blocked_matmul.set_activations says so) or "int4" (torch's)."""
         if self.blocked is None:
             return "int4"
-        a8 = blocked_matmul.activations() == "int8"
-        return "blocked int4 (int8 activations)" if a8 else "blocked int4"
+        return "blocked int4 (int8 activations)" if self.a8 else "blocked int4"
+
+    @property
+    def a8(self) -> bool:
+        """Whether its matmuls run on int8 activations now (blocked, and set_activations took
+        int8)."""
+        return self.blocked is not None and blocked_matmul.activations() == "int8"
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, in] -> [tokens, out]."""

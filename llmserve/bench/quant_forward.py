@@ -75,11 +75,8 @@ def int4_kernel(mode: str):
     int8 activations (its linears split as the worker's would be; run it through
     `with_activations`)."""
     if mode.endswith(A8):
-        blocked_matmul.set_activations("int8")
-        try:
+        with activations_of(mode):
             yield mode.removesuffix(A8)
-        finally:
-            blocked_matmul.set_activations("bf16")
         return
     suffix = next((s for s in SUFFIXES if mode.endswith(s)), None)
     if suffix is None:
