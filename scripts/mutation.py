@@ -187,6 +187,30 @@ GROUPS = {
             for name in "run executed again advance".split()
         ),
     ),
+    # speculative decoding: the proposers, the length rule, the replay of what speculation would
+    # give, a draft in the core's step, and the worker's verification of it
+    "speculation": Group(
+        (
+            "scheduler_svc/core/drafts.py",
+            *(
+                f"scheduler_svc/speculation/{name}.py"
+                for name in "acceptance length ngram potential proposer suffix".split()
+            ),
+            "worker_svc/verify.py",
+        ),
+        (
+            "tests/test_speculation_proposers.py",
+            "tests/test_speculative_core.py",
+            "tests/test_speculative_length.py",
+            "tests/test_speculative_loop.py",
+            "tests/test_speculative_random.py",
+            "tests/test_spec_potential.py",
+            "tests/test_spec_ceiling.py",
+            "tests/test_verify.py",
+            # what those left unpinned (survivors of the group's first run)
+            "tests/test_speculation_pins.py",
+        ),
+    ),
     "sampling": Group(
         ("worker_svc/sampling.py",),
         (
