@@ -158,8 +158,15 @@ class HttpApi:
         )
 
     def _logprobs(self, reply: Reply, ids: list[int], logprobs: list, offset: int = 0):
-        decode = self.core.tokenizer.decode
-        return logprobs_body(reply.chat, ids, logprobs, lambda t: decode([t]), offset)
+        tokenizer = self.core.tokenizer
+        return logprobs_body(
+            reply.chat,
+            ids,
+            logprobs,
+            lambda t: tokenizer.decode([t]),
+            tokenizer.token_bytes,
+            offset,
+        )
 
     async def _stream(
         self,

@@ -3,12 +3,13 @@ or as the chunks of a stream (server-sent events ending in `data: [DONE]`)."""
 
 from __future__ import annotations
 
-import itertools
+import codecs
 import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from gateway.core import Finish
 from gateway.tools import ToolPlan
@@ -53,36 +54,69 @@ def logprobs_body(
     token_ids: Sequence[int],
     logprobs: Sequence[common_pb2.TokenLogprobs],
     text_of: Callable[[int], str],
+    bytes_of: Callable[[int], bytes],
     offset: int = 0,
 ) -> dict | None:
     """OpenAI's logprobs of some tokens (None when none were asked): chat's `content` list, or
-    completions' parallel lists (`text_offset` counts from `offset`, the text before them). A
-    token's text is its own decoding (a part of a character shows as U+FFFD)."""
+    completions' parallel lists (`text_offset` counts from `offset`, the text before them: where
+    each token's first byte falls in the text). A token that is a part of a character is named
+    as OpenAI names it, `bytes:\\xf0\\x9f`, with its own `bytes`; so tokens that differ keep
+    apart, and completions' `top_logprobs` dict keeps each alternative under its own key (the
+    likelier where two tokens spell the same)."""
     if not logprobs:
         return None
-    texts = [text_of(t) for t in token_ids]
+    token_name = partial(_token_name, text_of, bytes_of)
+    names = [token_name(t) for t in token_ids]
     tops = [
-        [(text_of(i), v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
+        [(token_name(i), v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
         for lp in logprobs
     ]
     if chat:
         return {
             "content": [
-                _entry(text, lp.logprob) | {"top_logprobs": [_entry(t, v) for t, v in top]}
-                for text, lp, top in zip(texts, logprobs, tops, strict=True)
+                _entry(name, lp.logprob) | {"top_logprobs": [_entry(n, v) for n, v in top]}
+                for name, lp, top in zip(names, logprobs, tops, strict=True)
             ]
         }
-    offsets = list(itertools.accumulate((len(t) for t in texts[:-1]), initial=offset))
     return {
-        "tokens": texts,
+        "tokens": [text for text, _ in names],
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [dict(top) for top in tops],
-        "text_offset": offsets,
+        "top_logprobs": [_keyed(top) for top in tops],
+        "text_offset": _offsets([raw for _, raw in names], offset),
     }
 
 
-def _entry(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+def _token_name(
+    text_of: Callable[[int], str], bytes_of: Callable[[int], bytes], token_id: int
+) -> tuple[str, bytes]:
+    """(the token's name, its bytes): its text where its bytes are whole characters."""
+    raw, text = bytes_of(token_id), text_of(token_id)
+    if "\ufffd" in text and "\ufffd" not in raw.decode("utf-8", "ignore"):
+        text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text, raw
+
+
+def _keyed(top: list[tuple[tuple[str, bytes], float]]) -> dict[str, float]:
+    keyed: dict[str, float] = {}
+    for (text, _), value in top:  # the likeliest first
+        keyed.setdefault(text, value)
+    return keyed
+
+
+def _offsets(raws: list[bytes], offset: int) -> list[int]:
+    """Where each token's first byte falls in the text (a token inside a character: that
+    character's index)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    offsets, at = [], offset
+    for raw in raws:
+        offsets.append(at)
+        at += len(decoder.decode(raw))
+    return offsets
+
+
+def _entry(name: tuple[str, bytes], logprob: float) -> dict:
+    text, raw = name
+    return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
 
 def event(body: dict) -> bytes:

@@ -77,6 +77,14 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
+@cache
+def _unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in _bytes_to_unicode().items()}
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 # ---- a minimal GGUF metadata reader -------------------------------------------------------------
 
 _SCALAR = {
@@ -298,6 +306,7 @@ class Tokenizer:
         pre_tokenizer_type: str,
     ) -> None:
         self._backend = backend
+        self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
         self._tokens = tokens
         self._longest_token_chars = max(map(len, tokens), default=1)
         self._special_ids = special_ids
@@ -409,6 +418,22 @@ class Tokenizer:
                 f"token id {token_id} outside the vocabulary 0..{len(self._tokens) - 1}"
             )
         return self._tokens[token_id]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes the token stands for (OpenAI's logprob `bytes`): a byte-level BPE token's
+        spelling mapped back through GPT-2's byte table (a part of a character is its own bytes,
+        not U+FFFD's), a control token's text, a SentencePiece byte token `<0xNN>` its byte;
+        otherwise the token decoded alone."""
+        spelling = self.id_to_token(token_id)
+        if token_id not in self._special_ids and self._byte_level:
+            byte_of = _unicode_to_bytes()
+            if all(c in byte_of for c in spelling):
+                return bytes(byte_of[c] for c in spelling)
+        if token_id in self._special_ids:
+            return spelling.encode()
+        if match := _BYTE_TOKEN.fullmatch(spelling):
+            return bytes([int(match.group(1), 16)])
+        return self.decode([token_id]).encode()
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
