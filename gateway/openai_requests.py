@@ -346,7 +346,7 @@ class ChatCompletionRequest(Sampling):
                 checked(function.parameters_grammar(), f"{function.at}.function.parameters")
             grammar = grammar_of(checked(plan.grammar(), "tools"))
             fields["sampling"] = replace(sampling, grammar=grammar)
-        tools = plan.described() if plan is not None else []  # auto: to the chat template
+        tools = plan.described() if plan is not None else []  # to the chat template
         return GenerateInput(messages=turns, tools=tools, **fields)
 
 

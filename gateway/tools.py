@@ -109,8 +109,10 @@ class ToolPlan:
         return Grammar(kind=Grammar.JSON_SCHEMA, spec=json.dumps(schema))
 
     def described(self) -> list[dict[str, Any]]:
-        """The tools as OpenAI describes them, for the chat template (auto only)."""
-        return [] if self.forced else [f.described() for f in self.functions]
+        """The tools as OpenAI describes them, for the chat template: forced or not, the model
+        sees what it may call (their descriptions and parameters), as OpenAI's and vLLM's do;
+        a forced call's grammar then holds it to one of them."""
+        return [f.described() for f in self.functions]
 
     def calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool_calls) of a whole answer; no calls: the text is the content."""

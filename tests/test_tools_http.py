@@ -180,6 +180,22 @@ def test_auto_describes_the_tools_and_answers_text_or_calls(stack, sdk) -> None:
         model="tiny", messages=ASK, tools=TOOLS, tool_choice="none", seed=0, max_tokens=5
     )
     assert none.usage.prompt_tokens == described  # none: the tools are not described
+    # forced, the model sees what it must call as well (OpenAI's and vLLM's do): all the tools
+    # for required, the named one alone for a named choice
+    required = sdk.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", seed=0, max_tokens=5
+    )
+    assert required.usage.prompt_tokens == reply.usage.prompt_tokens
+    name = TOOLS[1]["function"]["name"]
+    named = sdk.chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": name}},
+        seed=0,
+        max_tokens=5,
+    )
+    assert described + 20 < named.usage.prompt_tokens < reply.usage.prompt_tokens
 
 
 def test_malformed_tools_are_a_400_naming_the_field(sdk) -> None:
