@@ -51,7 +51,12 @@ CHAT_NOT_YET: dict[str, tuple[Any, ...]] = {
     "chat_template_kwargs": (None, {}),
     "documents": (None,),
     "add_special_tokens": (None, False),
+    # OpenAI's deprecated forms of tools and tool_choice: their answer (`message.function_call`)
+    # is not written; ignored, a client would get text where it asked for a call
+    "functions": (None, []),
+    "function_call": (None, "none"),
 }
+INSTEAD = {"functions": " and send tools", "function_call": " and send tool_choice"}
 COMPLETION_NOT_YET: dict[str, tuple[Any, ...]] = {"add_special_tokens": (None, True)}
 
 
@@ -243,7 +248,7 @@ class Sampling(StructuredFields, Body):
         for name, neutral in self.not_yet.items():
             if getattr(self, name) not in neutral:
                 at = f" (or at {neutral[1]!r})" if len(neutral) > 1 else ""
-                message = f"{name} is not supported yet; leave it out{at}"
+                message = f"{name} is not supported yet; leave it out{at}{INSTEAD.get(name, '')}"
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param=name)
 
     def top_logprobs_asked(self) -> int | None:
@@ -309,6 +314,8 @@ class ChatCompletionRequest(Sampling):
     documents: Any = None
     tools: Any = None  # checked by gateway/tools.py
     tool_choice: Any = None
+    functions: Any = None  # refused (CHAT_NOT_YET): tools
+    function_call: Any = None  # refused (CHAT_NOT_YET): tool_choice
     parallel_tool_calls: bool | None = None  # None: true (several calls may come)
 
     not_yet: ClassVar[dict[str, tuple[Any, ...]]] = NOT_YET | CHAT_NOT_YET
@@ -352,6 +359,7 @@ class ChatCompletionRequest(Sampling):
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's and vLLM's default here; null: the rest of the context
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
 
     not_yet: ClassVar[dict[str, tuple[Any, ...]]] = NOT_YET | COMPLETION_NOT_YET

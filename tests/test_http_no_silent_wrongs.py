@@ -1,7 +1,7 @@
 """The HTTP API gives what was asked or a clear no, through real processes (tiny model) with the
 real `openai` SDK and LangChain: an agent's second turn (developer, assistant tool_calls, tool
 results) is served; a prompt + max_tokens over the context is vLLM's 400 that LangChain knows as a
-context overflow; max_tokens left out is the rest of the context; vLLM's stop, special-token and
+context overflow; max_tokens left out is the rest of the context (completions: 16); vLLM's stop, special-token and
 usage fields work; cached prompt tokens are told; /metrics is the operator's."""
 
 from __future__ import annotations
@@ -104,11 +104,17 @@ def test_langchain_sees_a_context_overflow(stack, context) -> None:
         chat.invoke("Hello there")
 
 
-def test_max_tokens_left_out_is_the_rest_of_the_context(stack, sdk, context) -> None:
+def test_max_tokens_null_is_the_rest_of_the_context_and_left_out_16(stack, sdk, context) -> None:
+    """Completions as OpenAI's and vLLM's: max_tokens left out is 16; null is the rest of the
+    context (chat's default, as vLLM's)."""
     text, count = prompt_of(stack, context - 300)  # the rest: more than the 128 of gRPC
-    reply = sdk.completions.create(model="tiny", prompt=text, **GREEDY)
+    rest = GREEDY | {"extra_body": GREEDY["extra_body"] | {"max_tokens": None}}
+    reply = sdk.completions.create(model="tiny", prompt=text, **rest)
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage.completion_tokens == context - count
+    short = sdk.completions.create(model="tiny", prompt=text, **GREEDY)
+    assert short.choices[0].finish_reason == "length"
+    assert short.usage.completion_tokens == 16
 
 
 def test_include_stop_str_in_output_keeps_the_stop(sdk) -> None:

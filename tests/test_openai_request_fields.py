@@ -128,3 +128,30 @@ def test_a_failed_accept_is_one_warning_a_pause_and_other_loop_errors_go_on(capl
         assert seen == ["something else"]  # the handler before it still gets the rest
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "instead"),
+    [
+        ("functions", [{"name": "f", "parameters": {"type": "object"}}], "tools"),
+        ("function_call", "auto", "tool_choice"),
+        ("function_call", {"name": "f"}, "tool_choice"),
+    ],
+)
+def test_the_deprecated_function_fields_are_refused_naming_what_to_send(field, value, instead):
+    """Ignored, a client asking for a call would get text (and no `message.function_call`)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], field: value}
+    request = ChatCompletionRequest.parse(json.dumps(body).encode())
+    with pytest.raises(ApiError) as err:
+        request.generate_input()
+    assert err.value.param == field and f"send {instead}" in str(err.value)
+    neutral = {"functions": [], "function_call": "none"}[field]
+    ChatCompletionRequest.parse(json.dumps(body | {field: neutral}).encode()).generate_input()
+
+
+def test_completions_max_tokens_left_out_is_16_and_null_the_rest_of_the_context() -> None:
+    assert completion().generate_input().sampling.max_tokens == 16
+    assert completion(max_tokens=None).generate_input().sampling.max_tokens is None
+    assert completion(max_tokens=5).generate_input().sampling.max_tokens == 5
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert ChatCompletionRequest.parse(json.dumps(chat).encode()).max_tokens is None
