@@ -245,6 +245,9 @@ class Sampling(StructuredFields, Body):
         problem = choices_problem(self.n)
         if problem is not None:
             raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, problem, param="n")
+        if self.stream_options is not None and not self.stream:
+            message = "stream_options is only allowed when stream is true"  # OpenAI's and vLLM's
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param="stream_options")
         for name, neutral in self.not_yet.items():
             if getattr(self, name) not in neutral:
                 at = f" (or at {neutral[1]!r})" if len(neutral) > 1 else ""

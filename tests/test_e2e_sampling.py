@@ -259,11 +259,12 @@ def test_n_chat_choices_each_carry_their_index_and_message(stack) -> None:
 
 def test_n_streamed_choices_carry_their_index_and_match_the_whole_response(stack) -> None:
     body = {"prompt": "Hello there", "max_tokens": 6, "temperature": 5.0, "seed": 9, "n": 3}
-    body |= {"ignore_eos": True, "stream_options": {"include_usage": True}}
+    body |= {"ignore_eos": True}
     whole = post(stack, "/completions", body)[1]
+    streamed = {"stream": True, "stream_options": {"include_usage": True}}
     request = urllib.request.Request(
         f"{stack.settings.http_url}/completions",
-        data=json.dumps(body | {"stream": True}).encode(),
+        data=json.dumps(body | streamed).encode(),
         headers={"content-type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=60) as stream:

@@ -155,3 +155,10 @@ def test_completions_max_tokens_left_out_is_16_and_null_the_rest_of_the_context(
     assert completion(max_tokens=5).generate_input().sampling.max_tokens == 5
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     assert ChatCompletionRequest.parse(json.dumps(chat).encode()).max_tokens is None
+
+
+def test_stream_options_without_stream_is_refused() -> None:
+    with pytest.raises(ApiError) as err:
+        completion(stream_options={"include_usage": True}).generate_input()
+    assert err.value.param == "stream_options"
+    completion(stream=True, stream_options={"include_usage": True}).generate_input()
