@@ -2,7 +2,8 @@
 real `openai` SDK and LangChain: an agent's second turn (developer, assistant tool_calls, tool
 results) is served; a prompt + max_tokens over the context is vLLM's 400 that LangChain knows as a
 context overflow; max_tokens left out is the rest of the context (completions: 16); vLLM's
-stop, special-token and usage fields work; cached prompt tokens are told; /metrics is the operator's."""
+stop, special-token and usage fields work; cached prompt tokens are told; /metrics is the
+operator's."""
 
 from __future__ import annotations
 
