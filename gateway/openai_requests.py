@@ -344,6 +344,9 @@ class ChatCompletionRequest(Sampling):
         self.check_supported()
         turns = [m.turn(i) for i, m in enumerate(self.messages)]
         limit = self.max_completion_tokens
+        if limit is not None and limit <= 0:  # named as sent (it wins over max_tokens)
+            message = f"max_completion_tokens is {limit}; it must be at least 1"
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param="max_completion_tokens")
         limit = self.max_tokens if limit is None else limit
         fields = self.job(limit)
         plan = self.tool_plan()

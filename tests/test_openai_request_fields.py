@@ -162,3 +162,14 @@ def test_stream_options_without_stream_is_refused() -> None:
         completion(stream_options={"include_usage": True}).generate_input()
     assert err.value.param == "stream_options"
     completion(stream=True, stream_options={"include_usage": True}).generate_input()
+
+
+@pytest.mark.parametrize(
+    "fields", [{"max_completion_tokens": 0}, {"max_tokens": 5, "max_completion_tokens": -1}]
+)
+def test_a_bad_max_completion_tokens_is_named_as_sent(fields) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], **fields}
+    with pytest.raises(ApiError) as err:
+        ChatCompletionRequest.parse(json.dumps(body).encode()).generate_input()
+    assert err.value.param == "max_completion_tokens"
+    assert f"max_completion_tokens is {fields['max_completion_tokens']}" in str(err.value)
