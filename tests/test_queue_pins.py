@@ -361,6 +361,33 @@ def test_a_live_switch_to_deadline_orders_by_the_cores_clock():
     assert ids(core.waiting) == ["batch", "chat"]
 
 
+def test_a_live_switch_to_fair_knows_the_weights_of_tenants_that_only_run():
+    """C (weight 3) runs 3 of 4 places and A (weight 1) runs 1 when fair is switched on live:
+    A's next request is within its share of nobody's (4 x 1/4 = 1 held), so it preempts no
+    one, as under fair from the start; and C's service is charged at its weight 3."""
+    ran = {}
+    for live in (False, True):
+        core = core_of("fcfs" if live else "fair", max_running=4)
+        for i in range(3):
+            core.add(seq(f"C{i}", 8, 100, tenancy=Tenancy(tenant="C", weight=3.0)))
+        core.add(seq("A0", 8, 100, tenancy=Tenancy(tenant="A", weight=1.0)))
+        for _ in range(3):
+            step(core)
+        if live:
+            core.reconfigure(apply(core.config, {"queue_policy": "fair"}))
+            assert core.waiting.weights == {"A": 1.0, "C": 3.0}
+        core.add(seq("A1", 8, 4, tenancy=Tenancy(tenant="A", weight=1.0)))
+        before = dict(core.waiting.counters)
+        for _ in range(10):
+            step(core)
+        assert core.preemptions == 0
+        assert "A1" in ids(core.waiting)
+        ran[live] = {t: core.waiting.counters[t] - before.get(t, 0.0) for t in ("A", "C")}
+    # ten steps of decodes: C's 3 rows cost it 3 x 2 x 10 / 3 = 20, A's one row 20
+    assert ran[True]["C"] == pytest.approx(20.0) == pytest.approx(ran[False]["C"])
+    assert ran[True]["A"] == pytest.approx(20.0)
+
+
 # the stall counted for the ordering
 
 

@@ -84,6 +84,9 @@ class Membership(CoreState):
         queue.eta = self._first_token_eta
         for seq in sorted(self.waiting, key=lambda s: s.arrival):
             queue.add(seq)
+        for ws in self.workers:
+            for seq in ws.running:
+                queue.learn(seq)  # fair: a tenant that only runs is charged at its own weight
         self.waiting = queue
         if queue.ranks_running:
             for ws in self.workers:

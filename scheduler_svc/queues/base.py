@@ -85,6 +85,11 @@ class RequestQueue(ABC):
         twin.eta = self.eta
         return twin
 
+    def learn(self, seq: Sequence) -> None:
+        """`seq` runs but never waited here (the ordering changed live while it ran): what the
+        ordering keeps of a request's tenant (fair: its weight), it takes from it now."""
+        return None
+
     def charge(self, tenant: str, prefill: int, decode: int) -> None:
         """`tenant`'s requests were given `prefill` prompt and `decode` sampled tokens (the
         orderings that do not count service ignore it)."""

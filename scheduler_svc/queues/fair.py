@@ -53,7 +53,7 @@ class FairRequestQueue(RequestQueue):
 
     def _join(self, seq: Sequence) -> deque[Sequence]:
         tenant = seq.tenancy.tenant
-        self.weights[tenant] = seq.tenancy.weight if seq.tenancy.weight > 0 else 1.0
+        self.learn(seq)
         if not self._queued[tenant]:
             waiting = [self.counters[t] for t, n in self._queued.items() if n]
             floor = min(waiting) if waiting else self._last_left
@@ -139,6 +139,9 @@ class FairRequestQueue(RequestQueue):
     def oldest(self) -> Sequence | None:
         return self._arrivals.oldest(self._members)
 
+    def learn(self, seq: Sequence) -> None:
+        self.weights[seq.tenancy.tenant] = _weight(seq)
+
     def charge(self, tenant: str, prefill: int, decode: int) -> None:
         self._best = None
         service = PREFILL_WEIGHT * prefill + DECODE_WEIGHT * decode
@@ -157,11 +160,14 @@ class FairRequestQueue(RequestQueue):
             return max(lower, key=lambda s: (s.tenancy.priority, s.arrival))
         peers = [s for s in running if s.tenancy.priority == mine]
         count = Counter(map(TENANT, peers))
-        me, weights = head.tenancy.tenant, self.weights
-        total = sum(weights.get(t, 1.0) for t in count.keys() | {me})
-        if (count[me] + 1) * total > slots * weights[me]:  # it waits: its weight is known
+        me = head.tenancy.tenant
+        known = self.weights  # as the tenant's requests last joined (the head's among them)
+        weights = {s.tenancy.tenant: known.get(s.tenancy.tenant) or _weight(s) for s in peers}
+        weights[me] = known[me]  # it waits: its weight is known
+        total = sum(weights.values())
+        if (count[me] + 1) * total > slots * weights[me]:
             return None  # its tenant holds its share (or more) already
-        over = [t for t in count if t != me and count[t] * total > slots * weights.get(t, 1.0)]
+        over = [t for t in count if t != me and count[t] * total > slots * weights[t]]
         for tenant in sorted(over, key=lambda t: -self.counters.get(t, 0.0)):
             newest = [s for s in peers if s.tenancy.tenant == tenant and evictable(s)]
             if newest:
@@ -187,3 +193,8 @@ class FairRequestQueue(RequestQueue):
         shown["counter"] = f"{self.counters[tenant]:.0f}"  # it waits: its tenant has both
         shown["weight"] = f"{self.weights[tenant]:g}"
         return shown
+
+
+def _weight(seq: Sequence) -> float:
+    """A request's tenant's weight (a key without one, or a bad one: 1)."""
+    return seq.tenancy.weight if seq.tenancy.weight > 0 else 1.0
