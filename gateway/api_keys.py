@@ -31,6 +31,8 @@ from llmcommon.tenancy import (
 __all__ = ["ApiKeys", "KeyEntry", "KeysFileError", "digest_of", "load_api_keys", "parse_api_keys"]
 
 DIGEST_PREFIX = "sha256:"
+# a comment: `#` at a line's start or after a space (a key may hold `#`, as a shell word may)
+COMMENT = re.compile(r"(?:^|\s)#")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _INTS = ("top_priority", "priority", "max_queued", "max_queued_tokens")
 TENANT_OPTIONS = ("weight", "max_queued", "max_queued_tokens")  # the tenant's, on any of its lines
@@ -110,7 +112,7 @@ def parse_api_keys(text: str, source: str, classes: Mapping[str, SloClass]) -> A
     entries: dict[bytes, KeyEntry] = {}
     shared: dict[str, dict[str, tuple[object, int]]] = {}  # tenant -> option -> (value, line)
     for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
+        line = COMMENT.split(raw, 1)[0].strip()
         if not line:
             continue
         try:

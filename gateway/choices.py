@@ -5,7 +5,7 @@ distinct); their events are merged as they come, each with its choice's index.""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -37,13 +37,18 @@ def choice_inputs(job: GenerateInput, n: int | None) -> list[GenerateInput]:
 
 async def merged(
     streams: list[AsyncGenerator[Delta | Finish, None]],
+    closed: Callable[[], None] = lambda: None,
 ) -> AsyncGenerator[tuple[int, Delta | Finish], None]:
     """(choice index, event) of several streams as they come; a failure of one is raised (and
-    closing this closes them all)."""
+    closing this closes them all). `closed` runs once they have all ended (the choices' unused
+    queue places go back)."""
     if len(streams) == 1:  # the usual case: no task, no queue
-        async with aclosing(streams[0]) as events:
-            async for item in events:
-                yield 0, item
+        try:
+            async with aclosing(streams[0]) as events:
+                async for item in events:
+                    yield 0, item
+        finally:
+            closed()
         return
     queue: asyncio.Queue[tuple[int, Delta | Finish | Exception]] = asyncio.Queue()
 
@@ -68,3 +73,4 @@ async def merged(
         for task in tasks:
             task.cancel()  # a no-op once it is done
         await asyncio.wait(tasks)  # their cleanup (the scheduler's calls cancelled) runs now
+        closed()

@@ -28,7 +28,7 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.generation_errors import ContextLengthExceeded, GenerationError, QueueFull
 from gateway.intake import GenerateInput, Intake
 from gateway.key_table import KeyTable
-from gateway.queue_limits import QueueLimits, QueueRefusal
+from gateway.queue_limits import QueueClaim, QueueLimits, QueueRefusal
 from gateway.request_tenancy import tenancy_for
 from gateway.routing import Route
 from gateway.scheduler_session import SchedulerSession, SessionCall, rpc_error
@@ -134,17 +134,25 @@ class GatewayCore:
         raises ValueError."""
         return await self.intake.prepare(job)
 
+    def claim(self, n: int) -> QueueClaim:
+        """The queue places of a request's `n` choices, to share among their `generate` calls
+        and close when the request ends."""
+        return QueueClaim(self.queue, n)
+
     async def generate(
         self,
         job: GenerateInput,
         time_remaining: Callable[[], float | None],
         rid: str = "",
         key: KeyEntry | None = None,
+        claim: QueueClaim | None = None,
     ) -> AsyncIterator[Delta | Finish]:
         """Deltas of text (with their token ids), then one Finish; or GenerationError.
         `time_remaining`: seconds left before the client's deadline (None: no deadline).
         `rid`: the scheduler's key (default: a new one); never a client's id, which may collide.
-        `key`: the entry of the API key that sent it (default: the keys' open entry)."""
+        `key`: the entry of the API key that sent it (default: the keys' open entry).
+        `claim`: the queue places of the request's `n` choices, shared by them (`claim(n)`; its
+        owner closes it when the request ends); default: this request's own."""
         if self.refusal is not None:
             raise GenerationError(grpc.StatusCode.UNAVAILABLE, self.refusal)
         if self.scheduler_hung is not None:
@@ -165,11 +173,6 @@ class GatewayCore:
             raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, invalid, param)
         sampling = self.intake.fitted(prompt_ids, job, params.sampling)  # trusted from here on
         tenant, count = entry.tenant, len(prompt_ids)
-        full = self.queue.refusal(count, tenant, entry.max_queued, entry.max_queued_tokens)
-        if full is not None:
-            if self.on_queue_full is not None:
-                self.on_queue_full(full)
-            raise QueueFull(full.message)
         tally.prompt_tokens = count
         submit = scheduler_pb2.SubmitRequest(
             request_id=rid,
@@ -178,7 +181,14 @@ class GatewayCore:
             cache_salt=cache_salt(entry.cache_tenant, job.cache_salt),
             tenancy=tenancy_to_wire(tally.tenancy),
         )
-        self.queue.enter(count, tenant)
+        claim = claim or QueueClaim(self.queue)
+        full = claim.take(count, tenant, entry.max_queued, entry.max_queued_tokens)
+        if full is not None and full.never:
+            raise GenerationError(grpc.StatusCode.RESOURCE_EXHAUSTED, full.message, full.param)
+        if full is not None:
+            if self.on_queue_full is not None and claim.first_refusal():
+                self.on_queue_full(full)
+            raise QueueFull(full.message)
         flight = _Flight(submit, None, tally)  # type: ignore[arg-type]
         if self.cells is not None:
             flight.keys = self.cells.keys_of(prompt_ids, submit.cache_salt)

@@ -132,16 +132,18 @@ class HttpApi:
                 tools=body.tool_plan(),
             )
             remaining = _time_remaining(request)
+            jobs = body.choices(job)
+            claim = self.core.claim(len(jobs))
             streams = [
-                self.core.generate(job, remaining, f"{reply.id}-{i}" if i else reply.id, key)
-                for i, job in enumerate(body.choices(job))
+                self.core.generate(job, remaining, f"{reply.id}-{i}" if i else reply.id, key, claim)
+                for i, job in enumerate(jobs)
             ]
             if body.stream:  # refusals come before the first event: they get their status
-                events = merged(streams)
+                events = merged(streams, claim.close)
                 first = await _unless_gone(request, anext(events))
                 chunks = self._stream(reply, len(streams), first, events, call)
                 return EventStream(chunks, events, call)
-            results = await _unless_gone(request, _collect_all(streams))
+            results = await _unless_gone(request, _collect_all(streams, claim.close))
         except GenerationError as err:
             return _failed(call, from_generation(err))
         except ApiError as err:
@@ -408,8 +410,11 @@ async def _collect(events: AsyncIterator[Delta | Finish]) -> tuple[str, Finish, 
     raise GenerationError(grpc.StatusCode.INTERNAL, "the generation ended without a result")
 
 
-async def _collect_all(streams: list[AsyncIterator[Delta | Finish]]) -> list[tuple]:
-    """Each stream collected, concurrently; the first failure cancels the others."""
+async def _collect_all(
+    streams: list[AsyncIterator[Delta | Finish]], closed: Callable[[], None]
+) -> list[tuple]:
+    """Each stream collected, concurrently; the first failure cancels the others. `closed`
+    runs once they have all ended (the choices' unused queue places go back)."""
     tasks = [asyncio.ensure_future(_collect(events)) for events in streams]
     try:
         return list(await asyncio.gather(*tasks))
@@ -417,6 +422,7 @@ async def _collect_all(streams: list[AsyncIterator[Delta | Finish]]) -> list[tup
         for task in tasks:
             task.cancel()  # a no-op once it is done
         await asyncio.wait(tasks)  # their cleanup (the scheduler's calls cancelled) runs now
+        closed()
         for task in tasks:
             if not task.cancelled():
                 task.exception()  # retrieved: a second failure is not logged as lost

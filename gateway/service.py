@@ -117,13 +117,14 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         session = dict(context.invocation_metadata() or ()).get(SESSION_KEY, "")
         job = replace(generate_input(request), session=str(session))
         jobs = choice_inputs(job, _n(request))
+        claim = self.core.claim(len(jobs))
         streams = [
-            self.core.generate(job, context.time_remaining, f"{rid}-{i}" if i else rid, key)
+            self.core.generate(job, context.time_remaining, f"{rid}-{i}" if i else rid, key, claim)
             for i, job in enumerate(jobs)
         ]
         # closed here, not when collected: a client that left frees its KV at the next step
         routes: dict[int, tuple[str, str]] = {}
-        async with aclosing(merged(streams)) as events:
+        async with aclosing(merged(streams, claim.close)) as events:
             try:
                 async for index, event in events:
                     if isinstance(event, Finish) and event.cell:

@@ -19,7 +19,7 @@ from gateway.api_keys import (
 )
 from gateway.auth import cache_salt, tenant_of
 from gateway.key_table import KeyTable
-from gateway.queue_limits import QueueLimits
+from gateway.queue_limits import QueueClaim, QueueLimits
 from gateway.request_tenancy import tenancy_for
 from gateway.settings import GatewaySettings
 from gateway.validation import InvalidRequest
@@ -340,9 +340,63 @@ def test_the_total_token_limit_takes_a_request_that_fills_it_exactly() -> None:
 
 def test_a_tenant_token_refusal_names_the_tenant() -> None:
     queue = QueueLimits(max_requests=10, max_tokens=1000)
-    refused = queue.refusal(101, "a", max_tokens=100)
+    queue.enter(50, "a")
+    refused = queue.refusal(51, "a", max_tokens=100)
     assert refused is not None and (refused.tenant, refused.limit) == ("a", "max_queued_tokens")
+    assert not refused.never
     assert refused.message == (
-        "queue full for tenant a: 0 of its prompt tokens are waiting and this request adds 101 "
+        "queue full for tenant a: 50 of its prompt tokens are waiting and this request adds 51 "
         "(its limit max_queued_tokens=100)"
     )
+
+
+def test_a_request_over_a_limit_on_its_own_is_told_it_can_never_wait() -> None:
+    """A prompt over a token limit, or more choices than a request limit, would be refused on
+    an empty queue too: a retry (429) cannot help, the client must change the request."""
+    queue = QueueLimits(max_requests=10, max_tokens=1000)
+    tenant = queue.refusal(101, "a", max_tokens=100)
+    assert tenant is not None and tenant.never and tenant.limit == "max_queued_tokens"
+    assert tenant.param is None and "tenant a's queue limit of 100" in tenant.message
+    assert queue.refusal(100, "a", max_tokens=100) is None  # exactly the limit fits
+    total = queue.refusal(1001)
+    assert total is not None and total.never and total.limit == ""
+    assert "the gateway's queue limit of 1000 prompt tokens" in total.message
+    choices = queue.refusal(10, "a", max_requests=4, n=5)
+    assert choices is not None and choices.never and choices.param == "n"
+    assert choices.limit == "max_queued" and "ask for fewer choices" in choices.message
+    assert queue.refusal(10, "a", max_requests=4, n=4) is None
+    assert queue.refusal(10, n=11).never  # the gateway's 10
+    tokens = queue.refusal(300, n=4)
+    assert tokens.never and "4 choices of 300" in tokens.message
+    queue.enter(1)  # one waiting: now the same request waits its turn (429), not never
+    later = queue.refusal(10, n=10)
+    assert later is not None and not later.never
+    assert later.message.endswith("and this request's 10 choices would wait as 10")
+
+
+def test_a_requests_choices_are_checked_and_queued_together() -> None:
+    queue = QueueLimits(max_requests=10, max_tokens=1000)
+    queue.enter(10, "a")
+    claim = QueueClaim(queue, 4)
+    refused = claim.take(10, "a", max_requests=4)
+    assert refused is not None and not refused.never  # 1 + 4 > 4: nothing entered
+    assert claim.take(10, "a", max_requests=4) is refused  # every choice: the same refusal
+    assert claim.first_refusal() and not claim.first_refusal()  # counted once
+    claim.close()
+    assert (queue.requests, queue.tenant_requests["a"]) == (1, 1)
+    claim = QueueClaim(queue, 3)
+    assert claim.take(10, "a", max_requests=4) is None  # all three places entered at once
+    assert (queue.requests, queue.tokens) == (4, 40)
+    assert claim.take(10, "a", max_requests=4) is None  # the second takes its own place
+    queue.leave(10, "a")  # the two that took their places leave as they are admitted
+    queue.leave(10, "a")
+    claim.close()  # the third never came (its client left): its place goes back
+    assert (queue.requests, queue.tokens, queue.tenant_requests["a"]) == (1, 10, 1)
+    claim.close()
+    assert queue.requests == 1
+
+
+def test_a_key_may_hold_a_hash_a_comment_starts_at_a_line_start_or_after_a_space() -> None:
+    keys = parse_api_keys("# all keys\nab#cd team-x weight=2 # its comment\n  #indented\n", "F", {})
+    assert keys.entry("ab#cd") is not None and keys.entry("ab") is None
+    assert keys.entry("ab#cd").weight == 2.0

@@ -255,6 +255,52 @@ def test_a_tenant_over_its_own_queue_limit_is_429_while_another_still_gets_in(gw
     assert after[key] - before_refusals.get(key, 0.0) == 2, refused
 
 
+def test_a_requests_choices_are_refused_together_and_nothing_of_it_is_queued(gw) -> None:
+    """team-a may have two requests waiting. `n` = 3 can never wait: 400 naming `n`, over HTTP
+    and gRPC, nothing submitted. With one of its requests held, `n` = 2 is over the limit now:
+    429, counted once, and none of its choices reaches the scheduler (they used to be
+    submitted one by one and cancelled)."""
+    before = len(gw.submits)
+    status, body, headers = post(gw, {"prompt": "hi", "max_tokens": 3, "n": 3}, "key-a")
+    assert status == 400 and "retry-after" not in {h.lower() for h in headers}, body
+    error = body["error"]
+    assert (error["type"], error["code"], error["param"]) == (
+        "invalid_request_error",
+        "resource_exhausted",
+        "n",
+    )
+    assert "team-a's queue limit of 2" in error["message"]
+    with pytest.raises(grpc.RpcError) as err:
+        grpc_generate(gw, "key-a", n=3)
+    assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.details() == error["message"]
+    assert len(gw.submits) == before
+    refusals = samples(gw, "llmserve_gateway_tenant_queue_refusals_total")
+    cancelled = samples(gw, "llmserve_gateway_tenant_requests_total")
+    gw.scheduler.fake.hold = True
+    results: list[int] = []
+    body = {"prompt": "wait", "max_tokens": 3}
+    thread = threading.Thread(target=lambda: results.append(post(gw, body, "key-a")[0]))
+    thread.start()
+    wait_for(lambda: len(gw.submits) == before + 1, 30, "team-a's request held")
+    status, body, headers = post(gw, {"prompt": "two", "max_tokens": 3, "n": 2}, "key-a")
+    assert status == 429 and headers["retry-after"] == "1", body
+    assert body["error"]["message"].endswith("and this request's 2 choices would wait as 2")
+    assert len(gw.submits) == before + 1
+    gw.scheduler.fake.release()
+    thread.join(60)
+    assert results == [200]
+    status, body, _ = post(gw, {"prompt": "two", "max_tokens": 3, "n": 2}, "key-a")
+    assert status == 200 and len(body["choices"]) == 2, body
+    key = (("limit", "max_queued"), ("tenant", "team-a"))
+    assert samples(gw, "llmserve_gateway_tenant_queue_refusals_total")[key] == (
+        refusals.get(key, 0.0) + 1
+    )
+    after = samples(gw, "llmserve_gateway_tenant_requests_total")
+    gone = [k for k in after if dict(k).get("finish_reason") == "cancelled"]
+    assert all(after[k] == cancelled.get(k, 0.0) for k in gone)
+
+
 def test_tenant_metrics_count_requests_tokens_and_goodput_by_tenant_and_class(gw) -> None:
     name = "llmserve_gateway_tenant_generated_tokens_total"
     before = samples(gw, name).get((("tenant", "team-c"),), 0.0)
