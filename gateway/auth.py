@@ -27,11 +27,15 @@ API_KEY_REFUSAL = "missing or wrong API key: send `authorization: Bearer KEY`"
 
 
 def key_from_metadata(metadata: Metadata) -> str:
+    """The call's API key ("" when it sends none). Only the two key headers are read: other
+    entries may be `-bin` ones holding any bytes (tracing's), never decoded here."""
     for name, value in metadata or ():
-        text = value.decode() if isinstance(value, bytes) else value
+        if name not in ("x-api-key", "authorization"):
+            continue
+        text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
         if name == "x-api-key":
             return text
-        if name == "authorization" and text.lower().startswith("bearer "):
+        if text.lower().startswith("bearer "):
             return text[7:].strip()
     return ""
 

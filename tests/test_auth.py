@@ -114,6 +114,14 @@ def test_the_api_key_is_read_from_either_header(metadata, key) -> None:
     assert key_from_metadata(metadata) == key
 
 
+def test_binary_metadata_of_any_bytes_is_passed_over_not_decoded() -> None:
+    """`-bin` entries (tracing's) may hold any bytes: before the key, or alone."""
+    traced = (("x-trace-bin", b"\xff\xfe"), ("authorization", "Bearer k"))
+    assert key_from_metadata(traced) == "k"
+    assert key_from_metadata((("x-trace-bin", b"\xff"),)) == ""
+    assert call(ApiKeyInterceptor("k"), GENERATE, traced) == "served"
+
+
 def test_the_first_header_that_carries_a_key_is_the_one_checked() -> None:
     both = (("x-other", "a"), ("x-api-key", "first"), ("authorization", "Bearer second"))
     assert key_from_metadata(both) == "first"

@@ -26,6 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmcommon.server import wait_healthy
+from llmcommon.v1 import gateway_pb2_grpc
 from llmserve import client
 from llmserve.cli import build_parser
 from llmserve.ports import free_ports
@@ -199,6 +200,20 @@ def test_a_priority_or_class_it_may_not_ask_for_is_400_naming_it_and_nothing_que
         param,
     )
     assert len(gw.submits) == before
+
+
+def test_binary_metadata_before_the_key_is_passed_over(gw) -> None:
+    """A tracing interceptor's `-bin` entry of bytes that are not UTF-8, before the key: the
+    call is served (it failed UNKNOWN, a UnicodeDecodeError, on every RPC of the gateway)."""
+    request = client.make_request(prompt="Hello there", max_tokens=3)
+    metadata = (("x-trace-bin", b"\xff\xfe\x00"), ("authorization", "Bearer key-a"))
+    with grpc.insecure_channel(gw.target) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        replies = list(stub.Generate(request, timeout=60, metadata=metadata))
+        assert replies[-1].HasField("final")
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request, timeout=60, metadata=metadata[:1]))
+    assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
 
 
 @pytest.mark.parametrize(
