@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -67,9 +66,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     prometheus = _start_prometheus(settings, args)
     print("Ctrl-C stops everything.", flush=True)
     try:
-        while all(p.poll() is None for p in stack.procs.values()):
-            time.sleep(0.5)
-        print("a service exited; stopping the rest", file=sys.stderr)
+        why = stack.supervise(args.restarts, say=lambda line: print(line, file=sys.stderr))
+        print(f"{why}; stopping the rest", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\nstopping ...")
@@ -203,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="also run Prometheus (when installed) on this loopback port, scraping the metrics "
         "ports every 5 s; needs --metrics-base-port (default: 0, off)",
+    )
+    up.add_argument(
+        "--restarts",
+        type=int,
+        default=5,
+        help="a service that exits is started again, up to this many times a minute; past "
+        "that, or at its first exit with 0, the stack stops (default: 5)",
     )
     up.set_defaults(func=cmd_up)
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -307,6 +308,38 @@ class Stack:
                 env={**os.environ, PARENT_PID_VAR: str(os.getpid())},  # see die_with_parent
             )
         return self.procs[name]
+
+    def supervise(
+        self,
+        restarts: int = 5,
+        window: float = 60.0,
+        poll: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+        say: Callable[[str], None] = print,
+    ) -> str:
+        """Watch the services until one cannot be kept up; return why. A service that exits is
+        started again (same command line, same port, its log appended), as a process
+        supervisor (Kubernetes, compose's `restart: always`) would: a killed worker's requests
+        are recomputed on the others meanwhile, a killed scheduler's resubmitted by the gateway
+        (docs/reliability.md), and both rejoin when they answer. More than `restarts` exits of
+        one service within `window` seconds (a crash loop: a bad flag, a port taken) ends the
+        watch; `restarts` 0 ends it at the first exit."""
+        exits: dict[str, list[float]] = {}
+        while True:
+            for name, proc in list(self.procs.items()):
+                code = proc.poll()
+                if code is None:
+                    continue
+                now = clock()
+                recent = [t for t in exits.get(name, []) if now - t < window] + [now]
+                exits[name] = recent
+                if len(recent) > restarts:
+                    return f"{name} exited with {code}" + (
+                        f", {len(recent)} times in {window:g} s" if restarts else ""
+                    )
+                say(f"{name} exited with {code}; starting it again (see {self.log(name)})")
+                self.launch(name, append=True)
+            time.sleep(poll)
 
     def restart(self, name: str, timeout: float = 120.0) -> subprocess.Popen:
         """Start a process again after it died (same command line, same port); wait until it
