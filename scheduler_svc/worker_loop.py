@@ -129,7 +129,10 @@ class WorkerLoop:
         """Launch the next step while fewer than `depth` are in flight, then complete the
         oldest. With overlap (depth 2) step N+1 is planned and sent before N's answer is
         awaited, as mini-sglang's overlap_loop; without (depth 1) each step completes before
-        the next is planned. A step that only releases KV is sent, never overlapped."""
+        the next is planned. A step that only releases KV is sent, never overlapped. A
+        completed step's outputs go out once the next step is sent, or at once when there is
+        none to send: they never wait for a step in flight (a request's first token held
+        behind the decode run planned for it, a whole run's time on its TTFT)."""
         inflight: deque[InFlight] = deque()
         ws = self.core.workers[self.index]
         while ws.healthy:
@@ -143,6 +146,8 @@ class WorkerLoop:
                 elif not inflight:
                     await self.idle(stream)
                     continue
+            if self.events:  # nothing was sent: what completed goes out before the next wait
+                self.hand_over()
             await self.complete_oldest(stream, inflight)
 
     def plan(self) -> Step:
