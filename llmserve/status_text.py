@@ -26,7 +26,12 @@ def format_status(s: dict, explain: bool = False) -> str:
         f"  running {s['running']}",
         f"head of queue waits: {head} ({REASONS.get(head, '')})"
         if head
-        else "head of queue waits: nothing waits",
+        else "head of queue waits: "
+        + (
+            "not yet planned (it came after the last step was planned; the next one decides)"
+            if s["waiting"]
+            else "nothing waits"
+        ),
         f"workers ({len(s['workers'])}), KV in positions:",
     ]
     for w in s["workers"]:
@@ -185,11 +190,15 @@ def explanation_text(s: dict) -> str:
             else "explain: nothing waits"
         )
     reason = e["reason"]
-    budget = "no token budget (static)" if e["budget_left"] < 0 else f"{e['budget_left']} left"
+    budget = (
+        "static batching: no token budget"
+        if e["budget_left"] < 0
+        else f"{e['budget_left']} left of the token budget"
+    )
     lines = [
         f"explain: head {e['request_id']} waits {e['wait_s']:.2f} s: "
         + (f"{reason} ({REASONS.get(reason, '')})" if reason else "admitted at the next step"),
-        f"  needs: {e['tokens']} prompt tokens ({budget} of the token budget), "
+        f"  needs: {e['tokens']} prompt tokens ({budget}), "
         f"{e['positions']} KV positions ({e['blocks']} blocks) on {e['worker']}, "
         f"a running slot ({e['running']} of {e['max_running']} running)",
     ]

@@ -61,10 +61,15 @@ class AdminService(scheduler_pb2_grpc.AdminServicer):
         return await explanation(self.core)
 
     async def explain_into(self, reply: scheduler_pb2.StatusReply, context) -> None:
-        """A Status that asks for the explanation gets it with the admin key, else is told it
-        was withheld (it names other clients' requests)."""
-        if admin_refusal(self.key, context.invocation_metadata()) is None:
+        """A Status that asks for the explanation gets it with the admin key; without one it
+        is told the explanation was withheld (it names other clients' requests); with a wrong
+        one (or where no admin key is set) it is refused PERMISSION_DENIED, as `get` and `set`
+        are: an operator who sent a key learns it is wrong."""
+        refusal = admin_refusal(self.key, context.invocation_metadata())
+        if refusal is None:
             reply.explanation.CopyFrom(await explanation(self.core))
+        elif refusal[0] is grpc.StatusCode.PERMISSION_DENIED:
+            await context.abort(*refusal)
         else:
             reply.explanation_withheld = True
 

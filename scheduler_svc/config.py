@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -49,6 +50,7 @@ class DraftLength(StrEnum):
 
 
 MAX_TIME_WINDOW = 64  # steps: --step-time-window's largest
+MAX_COUNT = 2**32 - 1  # token_budget and max_running: uint32 in the status and explain replies
 MAX_DECODE_STEPS = 32  # executions: --decode-steps's largest
 MAX_SPECULATIVE_TOKENS = 16  # --num-speculative-tokens's largest
 
@@ -135,12 +137,14 @@ class CoreConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.token_budget < 1:
-            raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
-        if self.max_running < 1:
-            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
-        if self.step_time_budget_ms < 0:
-            raise ValueError(f"step_time_budget_ms must be >= 0, got {self.step_time_budget_ms}")
+        for name in ("token_budget", "max_running"):  # uint32 on the wire (status, explain)
+            if not 1 <= getattr(self, name) <= MAX_COUNT:
+                raise ValueError(f"{name} must be 1 to {MAX_COUNT}, got {getattr(self, name)}")
+        if not 0 <= self.step_time_budget_ms < math.inf:  # NaN fails it too
+            raise ValueError(
+                f"step_time_budget_ms must be a finite number >= 0 (0 = off), got "
+                f"{self.step_time_budget_ms}"
+            )
         if not 1 <= self.step_time_window <= MAX_TIME_WINDOW:
             raise ValueError(
                 f"step_time_window must be 1 to {MAX_TIME_WINDOW}, got {self.step_time_window}"

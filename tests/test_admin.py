@@ -67,6 +67,24 @@ def test_the_generation_api_stays_open_while_the_admin_one_is_not(stack, admin) 
     assert admin.get_settings()["policy"] == "reserve"
 
 
+def test_status_explain_with_a_wrong_admin_key_is_permission_denied(stack) -> None:
+    """Not "withheld: ask with --admin-key-file" to an operator who did send a key: through
+    the gateway and from the scheduler itself."""
+    with client.Client(stack.settings.gateway, admin_key="wrong") as wrong:
+        with pytest.raises(grpc.RpcError) as err:
+            wrong.status(explain=True)
+        assert wrong.status()["running"] >= 0  # status without the explanation stays open
+    assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
+    assert "wrong admin key" in err.value.details()
+    with grpc.insecure_channel(stack.settings.scheduler, options=CHANNEL_OPTIONS) as channel:
+        status = scheduler_pb2_grpc.SchedulerStub(channel).Status
+        request = scheduler_pb2.StatusRequest(explain=True)
+        with pytest.raises(grpc.RpcError) as err:
+            status(request, metadata=admin_metadata("wrong"), timeout=10)
+        assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        assert status(request, timeout=10).explanation_withheld  # no key: withheld
+
+
 def test_a_bad_value_is_invalid_argument_naming_it_and_nothing_changes(admin) -> None:
     before = admin.get_settings()
     with pytest.raises(grpc.RpcError) as err:

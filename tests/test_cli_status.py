@@ -47,3 +47,13 @@ def test_status_shows_the_prefix_cache_and_a_dash_for_the_hit_rate_before_any_pr
     text = format_status(status_dict(off))
     assert "prefix caching off" in text and "prefix cache: off" in text
     assert "hit rate" not in text  # no 0% where nothing could hit
+
+
+def test_a_request_waiting_before_any_step_weighed_it_is_not_called_nothing_waits() -> None:
+    """Between an arrival and the next step planned, no limit has held the head yet: status
+    said "waiting 1 ... head of queue waits: nothing waits"."""
+    idle = format_status(status_dict(scheduler_pb2.StatusReply(policy="paged")))
+    assert "head of queue waits: nothing waits" in idle
+    arrived = format_status(status_dict(scheduler_pb2.StatusReply(policy="paged", waiting=1)))
+    assert "waiting 1 " in arrived and "nothing waits" not in arrived
+    assert "head of queue waits: not yet planned" in arrived

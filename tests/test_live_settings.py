@@ -39,6 +39,10 @@ def test_a_change_gives_a_new_config_with_typed_values() -> None:
         (["token_budget=lots"], "token_budget"),
         (["max_running=-1"], "max_running"),
         (["step_time_budget_ms=-3"], "step_time_budget_ms"),
+        (["step_time_budget_ms=nan"], "step_time_budget_ms"),  # it crashed the step loop
+        (["step_time_budget_ms=inf"], "step_time_budget_ms"),
+        (["token_budget=4294967296"], "token_budget"),  # uint32 in status: it broke status
+        (["max_running=99999999999999999999999"], "max_running"),
         (["policy=greedy"], "policy"),
         (["prefix_caching=maybe"], "prefix_caching"),
         (["colour=blue"], "colour"),
