@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import math
 import os
 import typing
 from typing import Any, TypeVar
@@ -111,10 +112,24 @@ def _choices(kind: Any) -> list[str]:
 
 
 def _scalar(kind: Any):
-    if kind in (int, float, str):
+    if kind is float:
+        return number
+    if kind in (int, str):
         return kind
     args = [a for a in typing.get_args(kind) if a is not type(None)]
     return args[0] if args else str
+
+
+def number(text: str) -> float:
+    """A float setting: NaN is no value any setting can run with (it compares false with every
+    bound, so a `>= 0` check lets it through): refused here for every one."""
+    value = float(text)
+    if math.isnan(value):
+        raise ValueError(f"{text!r} is not a number")
+    return value
+
+
+number.__name__ = "float"  # argparse names the type in its message: "invalid float value"
 
 
 def _shown(value: Any) -> str:

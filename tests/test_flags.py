@@ -96,3 +96,20 @@ def test_the_help_of_a_flag_is_its_fields_text_with_default_and_variable() -> No
     parser = add_flags(argparse.ArgumentParser(), WorkerSettings, env_prefix=WORKER_ENV)
     text = " ".join(parser.format_help().split())
     assert "positions per KV block (default: 16; env LLMSERVE_WORKER_BLOCK_SIZE)" in text
+
+
+@pytest.mark.parametrize("cls", [SchedulerSettings, WorkerSettings, GatewaySettings])
+def test_no_float_setting_takes_nan_from_a_flag_or_the_environment(cls, monkeypatch) -> None:
+    """NaN passes every `>= 0` check (a NaN step-time budget crashed the step loop)."""
+    floats = [f.name for f in dataclasses.fields(cls) if f.type in (float, "float")]
+    assert floats
+    parser = add_flags(argparse.ArgumentParser(), cls)
+    for name in floats:
+        with pytest.raises(SystemExit):
+            parser.parse_args([f"--{name.replace('_', '-')}", "nan"])
+    assert parse(cls, [f"--{floats[0].replace('_', '-')}", "0.5"])  # numbers still pass
+    prefix = {SchedulerSettings: SCHEDULER_ENV, WorkerSettings: WORKER_ENV}.get(cls)
+    if prefix:
+        monkeypatch.setenv(prefix + floats[0].upper(), "NaN")
+        with pytest.raises(SystemExit):
+            parse(cls, [], prefix)
