@@ -17,6 +17,7 @@ import grpc
 from llmcommon.admin_auth import admin_key
 from llmcommon.flags import add_flags, from_args
 from llmserve import client
+from llmserve.bench.errors import BenchError
 from llmserve.prometheus import DASHBOARD, Prometheus, start_for_stack
 from llmserve.stack import Stack, StackSettings
 from llmserve.status_text import format_status
@@ -318,6 +319,9 @@ def main(argv: list[str] | None = None) -> None:
                 file=sys.stderr,
             )
         code = 1
+    except BenchError as err:  # a bad trace or option: its message names it
+        print(f"error: llmserve {args.command}: {err}", file=sys.stderr)
+        code = 2
     except ModuleNotFoundError as err:
         if (err.name or "").split(".")[0] not in BENCH_EXTRA:
             raise

@@ -64,6 +64,18 @@ def test_max_tokens_above_the_length_stops_reading_at_the_length(stack) -> None:
     )
 
 
+def test_a_request_past_its_deadline_fails_and_is_counted_by_reason(stack) -> None:
+    workload = fixed(3, prompt_tokens=8, output_tokens=40, concurrency=3)
+    result = asyncio.run(
+        run_workload(stack.gateway, stack.scheduler, workload, "late", progress=False,
+                     poll_s=0.05, timeout_s=0.001)
+    )  # fmt: skip
+    assert all(not r.ok and r.error.startswith("DEADLINE_EXCEEDED") for r in result.records)
+    s = summarize(result)
+    assert s["ok"] == 0 and s["errors_by_reason"] == {"DEADLINE_EXCEEDED": 3}
+    assert result.sample_period_s == 0.05
+
+
 def test_bench_serve_command_writes_json_and_plots(tmp_path) -> None:
     out = tmp_path / "bench"
     with pytest.raises(SystemExit) as done:

@@ -11,7 +11,7 @@ from llmcommon.flags import help_of
 from llmserve.bench.budget_sweep import positive_list, time_budget_list
 from llmserve.bench.goodput import SLO_FORMAT, slo_arg
 from llmserve.bench.tenants_cmd import add_tenants_parser
-from llmserve.bench.workload_args import add_workload_flags
+from llmserve.bench.workload_args import above, add_workload_flags
 from scheduler_svc.config import CoreConfig
 from scheduler_svc.settings import SchedulerSettings
 
@@ -120,8 +120,20 @@ def add_bench_parser(sub) -> None:
         help="transformers' attention implementation for the baselines (eager measured faster "
         "than sdpa for generate on this CPU: 258-281 vs 212-219 output tokens/s)",
     )
-    serve.add_argument("--poll", type=float, default=0.25, help="Status poll period, seconds")
-    serve.add_argument("--timeout", type=float, default=None, help="per-request deadline, s")
+    serve.add_argument(
+        "--poll",
+        type=above(0.0),
+        default=None,
+        help="seconds between the scheduler's Status samples (the KV and peak-running rows), "
+        "on every stack the command runs (default: 0.25; not with --backend openai)",
+    )
+    serve.add_argument(
+        "--timeout",
+        type=above(0.0),
+        default=None,
+        help="per-request deadline, seconds from sending; a request past it fails "
+        "(DEADLINE_EXCEEDED); default: none",
+    )
     _slo_flag(serve)
     _out_flags(serve, "serve")
     serve.set_defaults(func=_cmd_serve)

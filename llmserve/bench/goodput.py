@@ -54,8 +54,7 @@ def slo_arg(text: str) -> Slo:
 
 def tpot_s(record: RequestRecord) -> float | None:
     """Time per output token after the first, averaged over the request (None: one token)."""
-    gaps = record.token_gaps
-    return sum(gaps) / len(gaps) if len(gaps) else None
+    return record.tpot_s
 
 
 def meets(record: RequestRecord, slo: Slo) -> bool:

@@ -15,17 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmserve.bench.errors import TraceError
 from llmserve.bench.tokens import TextOf, TokenSource
-from llmserve.bench.workload import RequestSpec, Workload
+from llmserve.bench.workload import RequestSpec, Workload, timing
 
 HASH_BLOCK = 512  # tokens per hash id in the format
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_TRACE = REPO_ROOT / "data" / "traces" / "hash_sample.jsonl"
-
-
-class TraceError(ValueError):
-    """A line of a hash trace that cannot be replayed; the message names the file and line."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +72,16 @@ def load_hash_trace(path: Path) -> list[HashRow]:
     if not rows:
         raise TraceError(f"{path}: no requests in the file")
     return sorted(rows, key=lambda r: r.timestamp_ms)
+
+
+def slice_rows(rows: list[HashRow], start_s: float = 0.0, duration_s: float = 0.0) -> list[HashRow]:
+    """The rows that arrive `start_s` <= t < `start_s` + `duration_s` (0: to the end), t in
+    seconds after the first row (as a length-only trace is sliced)."""
+    if not rows:
+        return []
+    end = start_s + duration_s if duration_s else math.inf
+    t0 = rows[0].timestamp_ms
+    return [r for r in rows if start_s <= (r.timestamp_ms - t0) / 1000 < end]
 
 
 def repeated_share(rows: list[HashRow]) -> dict[str, float | int]:
@@ -191,7 +198,7 @@ def hash_trace_workload(
         "kind": "hash-id trace",
         "block_tokens": prompts.block_tokens,
         "length_scale": prompts.block_tokens / HASH_BLOCK,
-        "time_scale": time_scale,
+        **timing(time_scale, concurrency),
         "max_output_tokens": max_output_tokens,
         "trace_reuse": repeated_share(rows),
     }

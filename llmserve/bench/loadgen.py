@@ -41,11 +41,16 @@ class LoadGenerator:
             return await self._open(stub, workload, t0, on_done)
 
     async def warm_up(self, workload: Workload, requests: int) -> None:
-        """`requests` short requests at once, each of the workload's first prompt length."""
+        """`requests` short requests at once, each of the workload's first prompt length (no
+        deadline: the run's requests have it)."""
         if requests:
             first = workload.requests[0]
             specs = [RequestSpec(-1 - i, first.prompt_tokens, 4) for i in range(requests)]
-            await self.run(Workload("warmup", specs, concurrency=requests), time.perf_counter())
+            deadline, self.timeout_s = self.timeout_s, None
+            try:
+                await self.run(Workload("warmup", specs, concurrency=requests), time.perf_counter())
+            finally:
+                self.timeout_s = deadline
 
     async def _closed(
         self, stub, workload: Workload, t0: float, on_done: OnDone | None

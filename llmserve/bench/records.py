@@ -37,7 +37,16 @@ class RequestRecord:
     def e2e_s(self) -> float | None:
         return None if self.end_s is None else self.end_s - self.scheduled_s
 
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first, averaged over the request (None: one token)."""
+        gaps = self.token_gaps
+        return sum(gaps) / len(gaps) if gaps else None
+
     def row(self) -> dict[str, Any]:
+        """The request CSV's row. `token_gaps_s`: every gap between successive tokens, `;`-
+        separated, rounded to the microsecond (0 for tokens that came in one message): the
+        inter-token percentiles, `tpot_s` and the goodput can be recomputed from it."""
         return {
             "index": self.index,
             "prompt_tokens": self.prompt_tokens,
@@ -47,11 +56,14 @@ class RequestRecord:
             "sent_s": _r(self.sent_s),
             "ttft_s": _r(self.ttft_s),
             "e2e_s": _r(self.e2e_s),
+            "tpot_s": _r(self.tpot_s),
+            "itl_max_s": _r(max(self.token_gaps, default=None)),
             "queue_time_s": _r(self.queue_time_s),
             "preemptions": self.preemptions,
             "finish": self.finish,
             "error": self.error,
             "turn": self.turn,
+            "token_gaps_s": ";".join(f"{g:.6f}".rstrip("0").rstrip(".") for g in self.token_gaps),
         }
 
 
@@ -88,6 +100,7 @@ class RunResult:
     config: dict[str, Any] = field(default_factory=dict)
     counters: dict[str, Any] = field(default_factory=dict)  # deltas of server counters
     kind: str = "served"  # served | simulated | transformers
+    sample_period_s: float | None = None  # between Status samples (virtual s when simulated)
 
 
 def _r(x: float | None) -> float | None:

@@ -118,9 +118,21 @@ def fmt_pct(p: dict[str, float] | None) -> str:
     return " / ".join(fmt_time(p[k]) for k in ("p50", "p90", "p99"))
 
 
+def fmt_pct_n(p: dict[str, float] | None) -> str:
+    """p50 / p90 / p99 with the sample count they come from."""
+    return fmt_pct(p) + (f" (n={p['n']})" if p and "n" in p else "")
+
+
+CAPTION = (
+    "Rates are over the run's span (first scheduled arrival to the last end, failed requests "
+    "included). Percentiles are over ok requests only; n = samples (inter-token: token gaps). "
+    "KV and running rows are from Status samples, not every step."
+)
+
+
 def table(title: str, summaries: list[dict[str, Any]], reference: str | None = None) -> Table:
     """Runs side by side; ratios against `reference` (a label) where given."""
-    t = Table(title=title, show_lines=False)
+    t = Table(title=title, show_lines=False, caption=CAPTION, caption_justify="left")
     t.add_column("metric", style="bold")
     for s in summaries:
         t.add_column(s["label"], justify="right")
@@ -135,6 +147,9 @@ def table(title: str, summaries: list[dict[str, Any]], reference: str | None = N
             f"{s['ok']} / {s['requests']}" + ("" if s["exact_lengths"] else " (LENGTH MISMATCH)")
         ),
     )
+    if any(s.get("errors_by_reason") for s in summaries):
+        row("failed, by reason", lambda s: _reasons(s.get("errors_by_reason")))
+    row("run span", lambda s: fmt_time(s["duration_s"]))
     row("requests/s", lambda s: f"{s['throughput']['requests_per_s']:.2f}")
     row("output tokens/s", lambda s: f"{s['throughput']['output_tokens_per_s']:.0f}")
     if ref:
@@ -149,22 +164,23 @@ def table(title: str, summaries: list[dict[str, Any]], reference: str | None = N
             f"goodput req/s ({Slo(slo['ttft_s'], slo['tpot_s']).label})",
             lambda s: _goodput(s.get("goodput")),
         )
-    row("TTFT p50/p90/p99", lambda s: fmt_pct(s["ttft_s"]))
+    row("TTFT p50/p90/p99 (ok)", lambda s: fmt_pct_n(s["ttft_s"]))
     if any("ttft_later_turns_s" in s for s in summaries):
-        row("TTFT turn 1 p50/p90/p99", lambda s: fmt_pct(s.get("ttft_first_turn_s")))
-        row("TTFT turns 2+ p50/p90/p99", lambda s: fmt_pct(s.get("ttft_later_turns_s")))
+        row("TTFT turn 1 p50/p90/p99 (ok)", lambda s: fmt_pct_n(s.get("ttft_first_turn_s")))
+        row("TTFT turns 2+ p50/p90/p99 (ok)", lambda s: fmt_pct_n(s.get("ttft_later_turns_s")))
     row("prefill tokens computed", lambda s: _computed(s["prefix"]))
     row("prefix hit rate", lambda s: _hit_rate(s["prefix"]))
-    row("inter-token p50/p90/p99", lambda s: fmt_pct(s["itl_s"]))
-    row("end-to-end p50/p90/p99", lambda s: fmt_pct(s["e2e_s"]))
-    row("queue p50/p90/p99", lambda s: fmt_pct(s["queue_s"]))
+    row("inter-token p50/p90/p99 (ok)", lambda s: fmt_pct_n(s["itl_s"]))
+    row("end-to-end p50/p90/p99 (ok)", lambda s: fmt_pct_n(s["e2e_s"]))
+    row("queue p50/p90/p99 (ok)", lambda s: fmt_pct_n(s["queue_s"]))
     row("preemptions", lambda s: str(s["preemptions"]) if s["kind"] != "transformers" else "-")
     row(
         "stalls (steps)",
         lambda s: ", ".join(f"{k} {v}" for k, v in sorted(s["stalls"].items())) or "-",
     )
+    row("Status samples", lambda s: _sampled(s["kv"]))
     row(
-        "KV peak written/held/cap",
+        "KV peak written/held/cap (sampled)",
         lambda s: (
             "-"
             if not s["kv"]
@@ -172,14 +188,14 @@ def table(title: str, summaries: list[dict[str, Any]], reference: str | None = N
         ),
     )
     row(
-        "KV mean written/held",
+        "KV mean written/held (sampled)",
         lambda s: (
             "-"
             if not s["kv"]
             else f"{s['kv']['mean_written_share']:.0%} / {s['kv']['mean_held_share']:.0%}"
         ),
     )
-    row("peak running", lambda s: "-" if not s["kv"] else str(s["kv"]["peak_running"]))
+    row("peak running (sampled)", lambda s: "-" if not s["kv"] else str(s["kv"]["peak_running"]))
     row(
         "gRPC+sched overhead",
         lambda s: (
@@ -189,6 +205,17 @@ def table(title: str, summaries: list[dict[str, Any]], reference: str | None = N
         ),
     )
     return t
+
+
+def _reasons(reasons: dict[str, int] | None) -> str:
+    return ", ".join(f"{k} {n}" for k, n in reasons.items()) if reasons else "-"
+
+
+def _sampled(kv: dict[str, Any] | None) -> str:
+    if not kv:
+        return "-"
+    period = kv.get("sample_period_s")
+    return f"{kv['samples']}" + (f", every {period:g} s" if period else "")
 
 
 def _goodput(g: dict[str, Any] | None) -> str:

@@ -8,12 +8,13 @@ from typing import Any
 
 from llmserve.bench import hf_baseline
 from llmserve.bench.caching import caching_pairs, print_caching
+from llmserve.bench.errors import BenchError
 from llmserve.bench.openai_backend import parse_base_urls, run_openai
 from llmserve.bench.plots import write_plots
 from llmserve.bench.policy import parse_policies
 from llmserve.bench.prompts import check_with_tokenizer
 from llmserve.bench.report import Report, print_table
-from llmserve.bench.served import run_policy, run_workload
+from llmserve.bench.served import POLL_S, run_policy, run_workload
 from llmserve.bench.stats import ratio
 from llmserve.bench.task_prompts import PROMPTS as TASKS
 from llmserve.bench.task_prompts import task_workload
@@ -42,6 +43,7 @@ def stack_settings(args: argparse.Namespace, workload: Workload) -> StackSetting
 
 
 def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int:
+    check_poll_and_timeout(args, workload)
     check_with_tokenizer()
     progress = not args.no_progress
     loads = openai_loads(args, workload) if args.backend == "openai" else [("", workload)]
@@ -71,7 +73,7 @@ def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int
                 workload,
                 "served",
                 progress,
-                args.poll,
+                args.poll or POLL_S,
                 timeout_s=args.timeout,
             )
         )
@@ -79,7 +81,8 @@ def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int
     else:
         base = stack_settings(args, workload)
         for policy in parse_policies(args.policies, args.prefix_caching):
-            result = run_policy(base, policy, workload, args.out / "logs" / args.name, progress)
+            result = run_policy(base, policy, workload, args.out / "logs" / args.name, progress,
+                                poll_s=args.poll or POLL_S, timeout_s=args.timeout)  # fmt: skip
             _say(report.add(result))
     baselines = [b for b in args.baselines.split(",") if b and b != "none"]
     if baselines:
@@ -97,6 +100,26 @@ def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int
     paths += write_plots(args.out, args.name, summaries, report.results, _subtitle(workload))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if all(s["ok"] == s["requests"] and s["exact_lengths"] for s in summaries) else 1
+
+
+def check_poll_and_timeout(args: argparse.Namespace, workload: Workload) -> None:
+    """--poll and --timeout hold for every run of the command, or the command is refused."""
+    if args.backend == "openai" and args.poll is not None:
+        raise BenchError(
+            "--poll does not apply to --backend openai: an OpenAI-compatible server has no "
+            "scheduler Status to sample (leave --poll out)"
+        )
+    if args.timeout is not None and baselines_run(args, workload):
+        raise BenchError(
+            "--timeout does not apply to the transformers baselines (they run in this process "
+            "with no per-request deadline): add --baselines none, or leave --timeout out"
+        )
+
+
+def baselines_run(args: argparse.Namespace, workload: Workload) -> bool:
+    """Whether transformers baselines are asked for and can run on this workload."""
+    asked = [b for b in args.baselines.split(",") if b and b != "none"]
+    return bool(asked) and workload.closed and args.model == "smollm2"
 
 
 def openai_loads(args: argparse.Namespace, workload: Workload) -> list[tuple[str, Workload]]:
@@ -174,6 +197,8 @@ def _notes(report: Report, described: dict[str, Any]) -> list[str]:
         if load
         else "",
     ]
+    if described.get("skipped_rows"):
+        notes.append(f"trace rows left out: {described['skipped_rows']} ({described['trace']})")
     if any(r.finish == "client_stop" for result in report.results for r in result.records):
         notes.append(
             "max_tokens is above the output lengths: clients stop reading at the length "
@@ -189,9 +214,9 @@ def _notes(report: Report, described: dict[str, Any]) -> list[str]:
 
 def _subtitle(workload: Workload) -> str:
     p = workload.params
-    scale = (
-        f", length×{p['length_scale']:g}, time×{p['time_scale']:g}" if "length_scale" in p else ""
-    )
+    time = p.get("time_scale")
+    scale = f", length×{p['length_scale']:g}" if "length_scale" in p else ""
+    scale += f", time×{time:g}" if isinstance(time, int | float) else ""
     return f"{workload.name}: {len(workload.requests)} requests{scale}"
 
 

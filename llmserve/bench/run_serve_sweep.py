@@ -19,6 +19,7 @@ from typing import Any
 from llmcommon.admin_auth import admin_key
 from llmserve import client
 from llmserve.bench.budget_sweep import Budget, budgets, verdicts
+from llmserve.bench.errors import BenchError
 from llmserve.bench.policy import parse_policies
 from llmserve.bench.prompts import check_with_tokenizer
 from llmserve.bench.records import RunResult
@@ -26,7 +27,7 @@ from llmserve.bench.report import Report
 from llmserve.bench.run_budget_sweep import print_budget_table, say_row
 from llmserve.bench.run_serve import stack_settings
 from llmserve.bench.run_sim import summary_row
-from llmserve.bench.served import run_policy, run_workload
+from llmserve.bench.served import POLL_S, run_policy, run_workload
 from llmserve.bench.workload import Workload
 
 WARMUP = 8  # requests before each run: the step-time model sees the worker before the first row
@@ -37,6 +38,9 @@ def run_serve_sweep(args: argparse.Namespace, workload: Workload, command: str) 
         raise SystemExit("--sweep-rounds: at least 1")
     if args.target and not args.admin_key_file:
         raise SystemExit("a sweep against --target sets its budgets live: give --admin-key-file")
+    if args.backend == "openai":
+        raise BenchError("the budget sweep sets this project's budgets: --backend openai does "
+                         "not apply (use --target for a running stack)")  # fmt: skip
     check_with_tokenizer()
     base = stack_settings(args, workload)
     sweep = budgets(args.sweep_token_budgets or [], args.sweep_time_budgets_ms or [],
@@ -81,7 +85,7 @@ def _runs(args, base, budget: Budget, workload: Workload) -> list[tuple[str, Run
         set_budget(args.target, args.admin_key_file, budget)
         result = asyncio.run(
             run_workload(args.target, args.status_target, workload, budget.label, progress,
-                         args.poll, warmup=WARMUP, timeout_s=args.timeout)
+                         args.poll or POLL_S, warmup=WARMUP, timeout_s=args.timeout)
         )  # fmt: skip
         return [("served", result)]
     settings = replace(
@@ -91,7 +95,8 @@ def _runs(args, base, budget: Budget, workload: Workload) -> list[tuple[str, Run
     out = []
     for policy in parse_policies(args.policies, args.prefix_caching):
         log_dir = args.out / "logs" / args.name / budget.label.replace(" ", "-")
-        result = run_policy(settings, policy, workload, log_dir, progress, warmup=WARMUP)
+        result = run_policy(settings, policy, workload, log_dir, progress, warmup=WARMUP,
+                            poll_s=args.poll or POLL_S, timeout_s=args.timeout)  # fmt: skip
         out.append((policy.label, result))
     return out
 

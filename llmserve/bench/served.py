@@ -17,6 +17,8 @@ from llmserve.bench.workload import Workload
 from llmserve.ports import free_ports, free_run
 from llmserve.stack import Stack, StackSettings
 
+POLL_S = 0.25  # seconds between Status samples unless --poll says otherwise
+
 
 async def run_workload(
     gateway: str,
@@ -24,7 +26,7 @@ async def run_workload(
     workload: Workload,
     label: str,
     progress: bool = True,
-    poll_s: float = 0.25,
+    poll_s: float = POLL_S,
     warmup: int = 2,
     timeout_s: float | None = None,
 ) -> RunResult:
@@ -65,7 +67,9 @@ async def run_workload(
     reply = await poller.status()
     await poller.close()
     counters = counter_delta(before, counters_of(reply)) | {"step_model": step_model_errors(reply)}
-    return RunResult(label, records, poller.samples, wall, counters=counters)
+    return RunResult(
+        label, records, poller.samples, wall, counters=counters, sample_period_s=poll_s
+    )
 
 
 def step_model_errors(reply) -> list[dict]:
@@ -105,15 +109,18 @@ def run_policy(
     log_dir: Path,
     progress: bool = True,
     warmup: int = 2,
+    poll_s: float = POLL_S,
+    timeout_s: float | None = None,
 ) -> RunResult:
-    """Start a stack for `policy`, run `workload` (after `warmup` requests), stop the stack."""
+    """Start a stack for `policy`, run `workload` (after `warmup` requests), stop the stack;
+    Status every `poll_s`, each request's deadline `timeout_s` (None: none)."""
     settings = bench_settings(base, policy)
     stack = Stack(settings, log_dir / policy.label)
     stack.start()
     try:
         result = asyncio.run(
             run_workload(settings.gateway, settings.scheduler, workload, policy.label, progress,
-                         warmup=warmup)
+                         poll_s, warmup=warmup, timeout_s=timeout_s)
         )  # fmt: skip
     finally:
         stack.stop()

@@ -433,4 +433,5 @@ class Simulation:
             config=config,
             counters=counters,
             kind="simulated",
+            sample_period_s=self.settings.status_every_s,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -10,6 +11,11 @@ from llmserve.bench.goodput import Slo, goodput
 from llmserve.bench.records import RequestRecord, RunResult
 
 QUANTILES = {"p50": 50, "p90": 90, "p99": 99}
+DURATION_BASIS = (
+    "from the first request's scheduled arrival to the last end of any request, ok or failed "
+    "(the denominator of every rate)"
+)
+PERCENTILES_OVER = "ok requests only; n = the samples (requests, or token gaps for inter-token)"
 
 
 def percentiles(values: list[float] | np.ndarray) -> dict[str, float] | None:
@@ -17,16 +23,18 @@ def percentiles(values: list[float] | np.ndarray) -> dict[str, float] | None:
     if arr.size == 0:
         return None
     out = {k: float(np.percentile(arr, q)) for k, q in QUANTILES.items()}
-    return out | {"mean": float(arr.mean()), "max": float(arr.max())}
+    return out | {"mean": float(arr.mean()), "max": float(arr.max()), "n": int(arr.size)}
 
 
 def summarize(result: RunResult, slo: Slo | None = None) -> dict[str, Any]:
-    """`slo`: also the goodput (`goodput_rps`: requests meeting it per second of the run)."""
+    """`slo`: also the goodput (`goodput_rps`: requests meeting it per second of the run).
+    Rates are over the run's span (`run_span`: failed requests' time counts); latency
+    percentiles over the ok requests."""
     records = result.records
     ok = [r for r in records if r.ok]
     out_tokens = sum(r.completion_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
-    duration = _duration(ok) or result.wall_s
+    duration = run_span(records) or result.wall_s
     errors = [r.error for r in records if r.error]
     summary: dict[str, Any] = {
         "label": result.label,
@@ -34,10 +42,13 @@ def summarize(result: RunResult, slo: Slo | None = None) -> dict[str, Any]:
         "requests": len(records),
         "ok": len(ok),
         "errors": len(errors),
+        "errors_by_reason": error_reasons(errors),
         "error_examples": sorted(set(errors))[:3],
         "exact_lengths": all(r.completion_tokens == r.expected_tokens for r in ok),
         "duration_s": duration,
+        "duration_basis": DURATION_BASIS,
         "wall_s": result.wall_s,
+        "percentiles_over": PERCENTILES_OVER,
         "throughput": {
             "requests_per_s": len(ok) / duration if duration else 0.0,
             "output_tokens_per_s": out_tokens / duration if duration else 0.0,
@@ -103,6 +114,8 @@ def kv_summary(result: RunResult) -> dict[str, Any] | None:
         "peak_running": max(s.running for s in samples),
         "peak_waiting": max(s.waiting for s in samples),
         "samples": len(samples),
+        "sample_period_s": result.sample_period_s,
+        "sampled": "peaks and means over these Status samples, not over every step",
     }
 
 
@@ -125,10 +138,27 @@ def overhead(counters: dict[str, Any]) -> dict[str, float] | None:
     }
 
 
-def _duration(ok: list[RequestRecord]) -> float:
-    if not ok:
+def run_span(records: list[RequestRecord]) -> float:
+    """The run's span over every request sent: the first scheduled arrival to the last end of
+    any request, ok or failed (one that never ended counts to its scheduled time)."""
+    if not records:
         return 0.0
-    return max(r.end_s or 0.0 for r in ok) - min(r.scheduled_s for r in ok)
+    last = max(r.scheduled_s if r.end_s is None else r.end_s for r in records)
+    return last - min(r.scheduled_s for r in records)
+
+
+def error_reasons(errors: list[str]) -> dict[str, int]:
+    """How many failures of each kind, most first: a gRPC status code (`DEADLINE_EXCEEDED`),
+    `not sent` (an earlier turn failed), or the error's text up to its first colon."""
+    reasons = Counter(_reason(e) for e in errors)
+    return dict(sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _reason(error: str) -> str:
+    if error.startswith("not sent"):
+        return "not sent"
+    head = error.split(":", 1)[0].strip()
+    return head[:40] or "error"
 
 
 def _gaps(records: list[RequestRecord]) -> np.ndarray:

@@ -187,10 +187,9 @@ def from_trace(
         for i, r in enumerate(scaled)
     ]
     params = {
-        "kind": "azure-conv-2023 trace",
+        "kind": "trace",
         "length_scale": scale.length_scale,
-        "time_scale": scale.time_scale,
-        "load_factor": round(scale.load_factor, 4),
+        **timing(scale.time_scale, concurrency),
         "slice_start_s": scale.start_s,
         "slice_duration_s": scale.duration_s,
         "max_tokens": max_tokens or "exact (= output length)",
@@ -200,10 +199,23 @@ def from_trace(
             "max_prompt_tokens": scale.max_prompt_tokens,
             "max_output_tokens": scale.max_output_tokens,
         }
-    span = specs[-1].arrival_s if specs and not concurrency else 0.0
+    if not concurrency:
+        params["span_s"] = round((specs[-1].arrival_s or 0.0) if specs else 0.0, 1)
     name = f"trace-len{scale.length_scale:g}-time{scale.time_scale:g}"
-    params |= {"span_s": round(span or 0.0, 1)}
+    if concurrency:
+        name = f"trace-len{scale.length_scale:g}-c{concurrency}"
     return Workload(name, specs, concurrency, params, content or DistinctPrompts(TokenSource()))
+
+
+def timing(time_scale: float, concurrency: int) -> dict[str, Any]:
+    """A trace replay's time scale as its report states it: applied to the arrivals (open
+    loop), or not applied (closed loop: clients send as soon as they are free)."""
+    if concurrency:
+        return {
+            "time_scale": f"not applied (closed loop, {concurrency} clients: the trace's arrival "
+            "times are ignored; --concurrency 0 replays them)"
+        }
+    return {"time_scale": time_scale, "load_factor": round(1.0 / time_scale, 4)}
 
 
 def with_max_tokens(workload: Workload, max_tokens: int) -> Workload:
