@@ -40,17 +40,22 @@ def alive(pid: int) -> bool:
     return state != "Z"  # a zombie has exited; only its parent's wait() is missing
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
-def test_services_exit_when_llmserve_up_is_killed(tmp_path) -> None:
-    s = tiny_settings()
-    cli = Path(sys.executable).parent / "llmserve"  # the console script, as a user runs it
-    command = [str(cli), "up", "--model", "tiny", "--dtype", "fp32"]
+def start_up(s, log_dir: Path, *extra: str) -> subprocess.Popen:
+    """`llmserve up` of the tiny model on `s`'s ports, through the console script as a user
+    runs it; its output (stderr too) on its stdout, as text."""
+    cli = Path(sys.executable).parent / "llmserve"
+    command = [str(cli), "up", "--model", "tiny", "--dtype", "fp32", *extra]
     command += ["--gateway-port", str(s.gateway_port), "--scheduler-port", str(s.scheduler_port)]
     command += ["--worker-base-port", str(s.worker_base_port), "--threads", "1"]
-    command += ["--log-dir", str(tmp_path)]
-    up = subprocess.Popen(
+    command += ["--log-dir", str(log_dir)]
+    return subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_services_exit_when_llmserve_up_is_killed(tmp_path) -> None:
+    up = start_up(tiny_settings(), tmp_path)
     services: list[int] = []
     try:
         assert up.stdout is not None

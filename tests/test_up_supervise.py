@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -18,7 +16,7 @@ from llmserve import client
 from llmserve.stack import Stack
 from tests.stack_checks import wait_for
 from tests.stacks import tiny_settings
-from tests.test_up_orphans import alive, children_of
+from tests.test_up_orphans import alive, children_of, start_up
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -115,14 +113,7 @@ def test_a_killed_worker_is_started_again_and_the_stack_serves_on(tmp_path) -> N
     (those on worker1 recomputed on worker0), `up` says it starts worker1 again, the new
     worker1 runs, and the stack still serves; Ctrl-C then stops it all."""
     s = tiny_settings(workers=2)
-    cli = Path(sys.executable).parent / "llmserve"
-    command = [str(cli), "up", "--model", "tiny", "--dtype", "fp32", "--workers", "2"]
-    command += ["--gateway-port", str(s.gateway_port), "--scheduler-port", str(s.scheduler_port)]
-    command += ["--worker-base-port", str(s.worker_base_port), "--threads", "1"]
-    command += ["--log-dir", str(tmp_path)]
-    up = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    up = start_up(s, tmp_path, "--workers", "2")
     lines: list[str] = []
     services: list[int] = []
     try:
