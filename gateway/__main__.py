@@ -127,12 +127,13 @@ async def watch_scheduler(channel, core: GatewayCore, server: Server) -> None:
     bound = SilenceBound(s.scheduler_timeout, s.resubmit_timeout)
     while True:
         await asyncio.sleep(WATCH_PERIOD_S)
+        asked = bound.clock()
         try:
             await check_health(channel, timeout=CHECK_TIMEOUT_S)
             silent = False
         except grpc.aio.AioRpcError as err:  # UNAVAILABLE: down, which resubmission bounds
             silent = err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-        was, verdict = bound.verdict, bound.observe(silent)
+        was, verdict = bound.verdict, bound.observe(silent, asked)
         if verdict is Verdict.ANSWERS:
             if was is not Verdict.ANSWERS:
                 log.info("the scheduler answers again: SERVING")
@@ -200,8 +201,11 @@ async def serve(settings: GatewaySettings) -> None:
             settings.scheduler_streams == "session",
             hung_after=settings.scheduler_timeout,
         )
-        channel, stub = cells.first().channel, cells.first().stub
+        channel, stub = cells.first().channel, cells
         log.info("cells: %s; router %s", ", ".join(cells.cells), settings.router)
+        refused = await cells.refusals()  # a wrong token is a mistake to name, not an outage
+        if refused:
+            raise SystemExit(f"a cell refused this gateway: {'; '.join(refused)}")
     else:
         channel = internal_channel(settings.scheduler, token)
         stub = scheduler_pb2_grpc.SchedulerStub(channel)

@@ -82,6 +82,41 @@ class Cells:
     def first(self) -> Cell:
         return next(iter(self.cells.values()))
 
+    async def Status(self, request, timeout=None, metadata=()):  # noqa: N802 (a stub's name)
+        """A scheduler's Status for what the gateway asks of its scheduler (start-up, HTTP
+        /health, `status`, the workers followed): the first cell in the router's live ones
+        that answers with a worker, else the first that answers, else the first cell's error.
+        With the cells as a SchedulerStub's Status, none of that depends on one cell."""
+        order = sorted(self.cells.values(), key=lambda c: not self.router.alive(c.address))
+        fallback, first_err = None, None
+        for cell in order:
+            try:
+                reply = await cell.stub.Status(request, timeout=timeout, metadata=metadata)
+            except grpc.aio.AioRpcError as err:
+                first_err = first_err or err
+                continue
+            if reply.max_context > 0:
+                return reply
+            fallback = fallback or reply
+        if fallback is not None:
+            return fallback
+        assert first_err is not None
+        raise first_err
+
+    async def refusals(self) -> list[str]:
+        """The cells that refuse this gateway's internal token now, each with its message."""
+
+        async def refused(cell: Cell) -> str | None:
+            try:
+                await cell.stub.Status(scheduler_pb2.StatusRequest(), timeout=CHECK_TIMEOUT_S)
+            except grpc.aio.AioRpcError as err:
+                if err.code() is grpc.StatusCode.UNAUTHENTICATED:
+                    return f"cell {cell.address}: {err.details()}"
+            return None
+
+        found = await asyncio.gather(*(refused(c) for c in self.cells.values()))
+        return [r for r in found if r is not None]
+
     def keys_of(self, prompt_ids: list[int], salt: bytes) -> list[int]:
         s = self.router.settings
         return prompt_keys(prompt_ids, s.block_size, salt, s.max_prompt_blocks)
@@ -144,15 +179,21 @@ class Cells:
                 on_change()
 
     async def _check(self, cell: Cell) -> None:
+        asked = cell.silence.clock()  # type: ignore[union-attr]  # silence counts from the ask
         try:
             await check_health(cell.channel, timeout=CHECK_TIMEOUT_S)
             status = await cell.stub.Status(scheduler_pb2.StatusRequest(), timeout=CHECK_TIMEOUT_S)
         except grpc.aio.AioRpcError as err:
             silent = err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-            hung = cell.silence.observe(silent) is not Verdict.ANSWERS  # type: ignore[union-attr]
+            verdict = cell.silence.observe(silent, asked)  # type: ignore[union-attr]
+            hung = verdict is not Verdict.ANSWERS
             if self.router.alive(cell.address) and (hung or not silent):
-                why = "answers nothing (hung?)" if hung else "is down"
-                log.warning("cell %s %s: routed around", cell.address, why)
+                if err.code() is grpc.StatusCode.UNAUTHENTICATED:
+                    log.error("cell %s refuses this gateway: %s: routed around", cell.address,
+                              err.details())  # fmt: skip
+                else:
+                    why = "answers nothing (hung?)" if hung else "is down"
+                    log.warning("cell %s %s: routed around", cell.address, why)
                 self.router.set_alive(cell.address, False)
                 if hung and self.on_hung is not None:
                     self.on_hung(cell.address)

@@ -25,7 +25,7 @@ from gateway.api_keys import KeyEntry
 from gateway.auth import cache_salt
 from gateway.cells import Cells
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.generation_errors import ContextLengthExceeded, GenerationError, QueueFull
+from gateway.generation_errors import ContextLengthExceeded, GenerationError, NoCell, QueueFull
 from gateway.intake import GenerateInput, Intake
 from gateway.key_table import KeyTable
 from gateway.queue_limits import QueueClaim, QueueLimits, QueueRefusal
@@ -285,9 +285,18 @@ class GatewayCore:
                     raise
                 else:
                     await asyncio.sleep(RESUBMIT_PERIOD_S)
-            self._resubmit(flight, time_remaining)
+            await self._resubmit(flight, time_remaining, resume_by)
 
-    def _resubmit(self, flight: _Flight, time_remaining: Callable[[], float | None]) -> None:
+    async def _resubmit(
+        self,
+        flight: _Flight,
+        time_remaining: Callable[[], float | None],
+        resume_by: float,
+        exclude: frozenset[str] = frozenset(),
+    ) -> None:
+        """Send the request again, resuming after the tokens streamed. With --cells and no live
+        cell (but `exclude` at first), it waits for one to answer until `resume_by`, as the
+        single-scheduler path waits for its scheduler; then UNAVAILABLE."""
         flight.tally.resubmits += 1
         del flight.submit.resume_token_ids[:]
         flight.submit.resume_token_ids.extend(flight.streamed)
@@ -295,7 +304,15 @@ class GatewayCore:
         if flight.route is not None and self.cells is not None:
             self.cells.router.done(flight.route)
             flight.route = None
-        flight.call = self._submit(flight.submit, time_remaining, flight)
+        while True:
+            try:
+                flight.call = self._submit(flight.submit, time_remaining, flight, exclude)
+                return
+            except NoCell:
+                if time.monotonic() > resume_by:
+                    raise
+            await asyncio.sleep(RESUBMIT_PERIOD_S)
+            exclude = frozenset()  # the lost cell may be the one that comes back
 
     async def _other_cell(self, flight: _Flight, err: grpc.aio.AioRpcError, time_remaining) -> bool:
         """With --cells: the request's cell failed it as a lost scheduler does (UNAVAILABLE,
@@ -319,11 +336,8 @@ class GatewayCore:
         flight.route = None
         log.warning("request %s: cell %s lost (%s); resubmitting to another", flight.rid,
                     lost.cell, err.code().name)  # fmt: skip
-        flight.tally.resubmits += 1
-        del flight.submit.resume_token_ids[:]
-        flight.submit.resume_token_ids.extend(flight.streamed)
-        self._release(flight.call)
-        flight.call = self._submit(flight.submit, time_remaining, flight, frozenset({lost.cell}))
+        resume_by = time.monotonic() + self.settings.resubmit_timeout
+        await self._resubmit(flight, time_remaining, resume_by, frozenset({lost.cell}))
         return True
 
     async def _stream(
@@ -369,9 +383,7 @@ class GatewayCore:
                 submit, flight.keys, flight.session, time_remaining(), exclude
             )
             if placed is None:
-                raise GenerationError(
-                    grpc.StatusCode.UNAVAILABLE, "no cell answers (every scheduler down); retry"
-                )
+                raise NoCell()
             call, flight.route = placed
             if self.on_route is not None:
                 self.on_route(flight.route)

@@ -30,3 +30,12 @@ class QueueFull(GenerationError):
 
     def __init__(self, message: str) -> None:
         super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
+class NoCell(GenerationError):
+    """With --cells: no live cell to send the request to (a resubmission waits for one)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            grpc.StatusCode.UNAVAILABLE, "no cell answers (every scheduler down); retry"
+        )

@@ -136,7 +136,7 @@ class _Stream:
                     if call is not None:
                         call.deliver(news)
         except grpc.aio.AioRpcError as e:
-            err = e
+            err = _lost(e)
         except asyncio.CancelledError:
             err = rpc_error(grpc.StatusCode.CANCELLED, "the gateway closed the session")
             raise
@@ -144,6 +144,15 @@ class _Stream:
             on_end(self)
             for call in list(self.calls.values()):
                 call.fail(err)
+
+
+def _lost(err: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
+    """The error every request on a broken session gets. gRPC's core reports some broken
+    connections as INTERNAL ("Internal error from Core"; the scheduler never answers INTERNAL):
+    the scheduler is lost, as for UNAVAILABLE, and the requests it accepted are resubmitted."""
+    if err.code() is grpc.StatusCode.INTERNAL:
+        return rpc_error(grpc.StatusCode.UNAVAILABLE, f"the session broke: {err.details()}")
+    return err
 
 
 class SchedulerSession:

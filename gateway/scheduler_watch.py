@@ -35,13 +35,16 @@ class SilenceBound:
     silent_since: float | None = None
     verdict: Verdict = field(default=Verdict.ANSWERS)
 
-    def observe(self, silent: bool) -> Verdict:
-        """`silent`: the check timed out on an open connection (anything else resets)."""
+    def observe(self, silent: bool, asked: float | None = None) -> Verdict:
+        """`silent`: the check timed out on an open connection (anything else resets).
+        `asked`: when that check was sent (by `clock`): the silence began then at the latest,
+        not when its timeout ran out (default: now)."""
         now = self.clock()
         if not silent:
             self.silent_since, self.verdict = None, Verdict.ANSWERS
             return self.verdict
-        self.silent_since = self.silent_since if self.silent_since is not None else now
+        start = now if asked is None else asked
+        self.silent_since = self.silent_since if self.silent_since is not None else start
         silence = now - self.silent_since
         if silence >= self.give_up_after:
             self.verdict = Verdict.GIVEN_UP

@@ -89,14 +89,17 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         ordinary client (the API key only) gets it without the prefix-cache figures, which
         would tell it whether another client's prompt starts like its own; the operator (the
         call carries the stack's internal token) gets them all."""
+        cells = self.core.cells
         try:
             timeout = context.time_remaining() or STATUS_TIMEOUT_S
             metadata = forwarded_metadata(context) if request.explain else ()  # its admin key
             reply = await self.core.scheduler.Status(request, timeout=timeout, metadata=metadata)
-            if self.core.cells is not None:  # the first cell's reply, and every cell's figures
-                reply.cells.extend(await self.core.cells.statuses())
         except grpc.aio.AioRpcError as err:
-            await context.abort(err.code(), f"the scheduler's status: {err.details()}")
+            if cells is None or request.explain:
+                await context.abort(err.code(), f"the scheduler's status: {err.details()}")
+            reply = scheduler_pb2.StatusReply()  # no cell answers: the cells' table says so
+        if cells is not None:  # a live cell's reply, and every cell's figures
+            reply.cells.extend(await cells.statuses())
         if self.operator_token is None:
             self.operator_token = internal_token(self.core.settings.internal_token_file)
         given = internal_token_of(context.invocation_metadata()).encode()

@@ -203,6 +203,19 @@ class GatewaySettings:
             raise ValueError("--scheduler-streams must be session or request")
         if self.scheduler_timeout <= 0 or self.resubmit_timeout <= 0:
             raise ValueError("--scheduler-timeout and --resubmit-timeout must be > 0")
+        if self.cells:
+            entries = [e.strip() for e in self.cells.split(",") if e.strip()]
+            if not entries:
+                raise ValueError("--cells names no cell: give host:port entries")
+            bad = [e for e in entries if not _host_port(e)]
+            if bad:
+                raise ValueError(f"--cells: {', '.join(map(repr, bad))}: not host:port")
         for name in ("max_messages", "max_prompt_chars"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0 = from the context)")
+
+
+def _host_port(entry: str) -> bool:
+    """`host:port` (an IPv6 host in brackets), the port a number up to 65535."""
+    host, _, port = entry.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536

@@ -16,6 +16,7 @@ class StallReason(StrEnum):
     KV_CAPACITY = "kv_capacity"
     KV_RESERVED = "kv_reserved"
     STATIC_BATCH = "static_batch"
+    WORKER_DOWN = "worker_down"
     # the longest-waiting request is held behind the head by the queue's ordering
     PRIORITY = "priority"
     FAIR_SHARE = "fair_share"
@@ -33,6 +34,7 @@ STALL_TEXT = {
     StallReason.KV_CAPACITY: "the KV data itself would not fit",
     StallReason.KV_RESERVED: "the data would fit, but reservations hold the space",
     StallReason.STATIC_BATCH: "static batching: waiting for the batch to drain",
+    StallReason.WORKER_DOWN: "only failed workers can hold it: waiting for one to come back",
     StallReason.PRIORITY: "the oldest waiting request is behind requests of higher priority",
     StallReason.FAIR_SHARE: "the oldest waiting request's tenant has had more than its share",
     StallReason.DEADLINE: "the oldest waiting request is behind earlier deadlines that can be met",

@@ -66,6 +66,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.loops: list[WorkerLoop | None] = []
         self.step_models = StepModels(prior_of(settings.cost_model))  # one per worker
         self.core = Scheduler(settings.core(), predict=self.step_models.predict)
+        self.core.return_wait = settings.worker_return_timeout
         self.admin = AdminService(self.core, self.wake_all, admin_key)  # live settings
         self.streams: dict[str, asyncio.Queue[scheduler_pb2.TokenEvent]] = {}
         self.times = StepTimes()

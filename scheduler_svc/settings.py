@@ -38,6 +38,12 @@ class SchedulerSettings(CoreConfig):
         "failed, its requests recomputed elsewhere",
     )
     hang_factor: float = setting(10.0, "... or this many times its slowest step so far, if longer")
+    worker_return_timeout: float = setting(
+        30.0,
+        "requests that only failed workers can hold wait this long for one to come back (the "
+        "scheduler resumed after a stall that broke every worker's stream, the one worker "
+        "restarted) before they fail; new ones are queued meanwhile; 0 = they fail at once",
+    )
     overlap: bool = setting(
         True, "plan and send each worker's next step while its current one runs"
     )
@@ -65,6 +71,8 @@ class SchedulerSettings(CoreConfig):
             raise ValueError("--discovery-interval must be > 0")
         if self.hang_floor <= 0 or self.hang_factor < 1 or self.execute_timeout <= 0:
             raise ValueError("--hang-floor and --execute-timeout must be > 0, --hang-factor >= 1")
+        if self.worker_return_timeout < 0:
+            raise ValueError("--worker-return-timeout must be >= 0")
         if self.stream_interval_ms < 0:
             raise ValueError("--stream-interval-ms must be >= 0")
         if self.cost_model and not Path(self.cost_model).is_file():

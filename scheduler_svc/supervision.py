@@ -128,6 +128,8 @@ class Supervisor:
             await asyncio.sleep(period)
             watched = (self.watch(i) for i in range(len(self.core.workers)))
             await asyncio.gather(*watched, *map(self.join_absent, list(self.absent)))
+            if self.core.waiting and any(not (w.healthy or w.gone) for w in self.core.workers):
+                self.dispatch(self.core.fail_unplaceable())  # waited long enough for them
 
     async def join_absent(self, client: WorkerClient) -> None:
         """A worker of --workers that did not answer at the start joins once it does."""

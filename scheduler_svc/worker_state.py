@@ -30,6 +30,7 @@ class WorkerState:
         self.healthy = True
         self.draining = False  # stopping: finishes what it runs, takes nothing new
         self.gone = False  # left the stack; its index stays taken
+        self.down_since: float | None = None  # failed at (core clock), until it is back
         self.batch_closed = False  # static mode: the batch has started (a step planned for it)
         self.steps = 0
         self.overhead = LoopOverhead()  # its loop's period outside the forward (--decode-runs)

@@ -40,6 +40,17 @@ def test_silence_turns_hung_then_given_up_and_an_answer_ends_it() -> None:
     assert bound.observe(True) is A  # silence counts again from its own start
 
 
+def test_silence_counts_from_when_the_unanswered_check_was_sent() -> None:
+    """A check sent at 1 s that times out at 3 s: the silence began at 1 s, so the second
+    unanswered check, ending at 6 s, finds it hung (5 s). Counted from 3 s, it took till 9 s."""
+    now = [3.0]
+    bound = SilenceBound(hung_after=5.0, give_up_after=30.0, clock=lambda: now[0])
+    assert bound.observe(True, asked=1.0) is Verdict.ANSWERS
+    now[0] = 6.0
+    assert bound.observe(True, asked=4.0) is Verdict.HUNG
+    assert bound.problem() == "the scheduler has not answered for 5 s (hung?); retry"
+
+
 class HungScheduler(scheduler_pb2_grpc.SchedulerServicer):
     """Accepts a request, then answers nothing more (as a stopped process)."""
 

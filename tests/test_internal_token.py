@@ -174,3 +174,37 @@ def test_a_configured_token_that_is_empty_or_unreadable_stops_the_service_at_sta
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert says in done.stderr
+
+
+def test_a_cells_gateway_exits_at_start_naming_a_cell_that_refuses_its_token(
+    stack, tmp_path
+) -> None:
+    """The stack's scheduler accepts the gateway's token, a second cell has another one: the
+    gateway exits naming that cell, whatever its place in --cells. (Unless it came first, the
+    gateway served on the others and only logged the cell as "down".)"""
+    (tmp_path / "other").write_text(NEAR_MISS)
+    rogue = f"127.0.0.1:{free_port()}"
+    cell = subprocess.Popen(
+        [sys.executable, "-m", "scheduler_svc", "--port", rogue.rpartition(":")[2],
+         "--workers", "", "--internal-token-file", str(tmp_path / "other")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: refused_by(rogue), 60, "the second cell answers", period=0.2)
+        command = [sys.executable, "-m", "gateway", "--port", str(free_port())]
+        command += ["--cells", f"{stack.settings.scheduler},{rogue}"]
+        command += ["--internal-token-file", stack.settings.internal_token_file]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    finally:
+        cell.terminate()
+        cell.wait(30)
+    assert done.returncode != 0
+    assert f"a cell refused this gateway: cell {rogue}: {INTERNAL_REFUSAL}" in done.stderr
+
+
+def refused_by(scheduler: str) -> bool:
+    try:
+        client.status(scheduler, token=TOKEN)
+    except grpc.RpcError as err:
+        return err.code() is grpc.StatusCode.UNAUTHENTICATED
+    return False

@@ -117,7 +117,8 @@ class Admission(CoreState):
         one, for that one's reason; None if no live worker can ever hold it."""
         candidates = self._candidates(seq, live=True)
         if not candidates:
-            return None
+            back = self._returning(seq)
+            return None if back is None else Stall(back, StallReason.WORKER_DOWN)
         if len(candidates) == 1:  # a full worker needs no cache hit (and no key) to refuse
             full = self._worker_full(candidates[0])
             if full is not None:
@@ -156,6 +157,25 @@ class Admission(CoreState):
                 continue
             (full if want <= spec.max_context else partial).append(ws)
         return full or partial
+
+    def _returning(self, seq: Sequence) -> WorkerState | None:
+        """A failed worker that can hold `seq` and may still come back (failed less than
+        `return_wait` ago): while there is one, `seq` waits for it rather than fail."""
+        back = self.returning_workers()
+        return next((ws for ws in self._candidates(seq, live=False) if ws in back), None)
+
+    def returning_workers(self) -> list[WorkerState]:
+        """The failed workers (listed, not gone) that failed less than `return_wait` ago."""
+        if self.return_wait <= 0:
+            return []
+        now = self.clock()
+        return [
+            ws
+            for ws in self.workers
+            if not (ws.healthy or ws.gone)
+            and ws.down_since is not None
+            and now - ws.down_since < self.return_wait
+        ]
 
     def _why_not(self, ws: WorkerState, seq: Sequence, hit: list[int]) -> StallReason | None:
         """The per-worker limits that do not depend on the step's token budget. With `hit`
@@ -283,12 +303,13 @@ class Admission(CoreState):
         return head, n
 
     def fail_unplaceable(self) -> list[Event]:
-        """After the live workers changed: fail every waiting request that none of them can ever
-        hold (when none is live, every waiting request). No step loop may be left to see it.
-        Returns their finishes."""
+        """After the live workers changed, and while a failed one may come back: fail every
+        waiting request that none of them can ever hold (when none is live, every waiting
+        request), unless a failed worker that could hold it may still come back (`_returning`).
+        No step loop may be left to see it. Returns their finishes."""
         failed = []
         for seq in list(self.waiting):
-            if not self._candidates(seq, live=True):
+            if not self._candidates(seq, live=True) and self._returning(seq) is None:
                 failed += self.abort(seq.request_id, Finish.ERROR, self._no_worker_message(seq))
         return failed
 
@@ -296,8 +317,9 @@ class Admission(CoreState):
         """Why no live worker can hold `seq`: none can at all, or only those down."""
         live = sum(ws.live for ws in self.workers)
         if self._candidates(seq, live=False):
+            waited = f", none back within {self.return_wait:g} s" if self.return_wait > 0 else ""
             return (
                 f"no live worker can hold this request (the workers that could are failed or "
-                f"draining; {live} live); retry"
+                f"draining{waited}; {live} live); retry"
             )
         return f"no worker can hold this request ({live} live); retry"

@@ -28,6 +28,8 @@ class Membership(CoreState):
         """A worker is gone: requeue its requests (prompt + generated) for recompute elsewhere."""
         ws = self.workers[index]
         ws.healthy = False
+        if ws.down_since is None:
+            ws.down_since = self.clock()
         self._reap(ws)
         moved = list(ws.running)
         for seq in reversed(moved):  # newest first: the oldest ends at the queue's front
@@ -40,6 +42,7 @@ class Membership(CoreState):
         ws = self.workers[index]
         ws.reset_pool(spec)
         ws.healthy, ws.draining, ws.gone = True, False, False
+        ws.down_since = None
 
     def drain_worker(self, index: int) -> None:
         """The worker is stopping: its running requests finish there; nothing new joins it."""

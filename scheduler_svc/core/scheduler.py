@@ -51,6 +51,7 @@ class Scheduler(Membership, Admission, Planning, Drafts, Runs, Failures):
     def _check_can_ever_run(self, seq: Sequence) -> None:
         prompt = len(seq.prompt_ids)
         specs = [ws.spec for ws in self.workers if ws.live]
+        specs += [ws.spec for ws in self.returning_workers()]  # it may wait for one of these
         if not specs:
             self._refuse(RefusalReason.NO_WORKER, RefusalReason.NO_WORKER.description)
         fits = [s for s in specs if prompt < s.max_context]

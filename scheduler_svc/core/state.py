@@ -50,6 +50,9 @@ class CoreState:
         for spec in workers:
             self.add_worker(spec)
         self.clock = clock
+        # seconds a request no live worker can hold waits for a failed one that could to come
+        # back (a scheduler resumed after a stall, a worker restarted); 0 = it fails at once
+        self.return_wait = 0.0
         self.waiting: RequestQueue = create_request_queue(config.queue_policy, clock)
         self.waiting.eta = self._first_token_eta
         self.waiting_tokens = 0  # sum of num_pending over `waiting`, kept as it changes

@@ -1,0 +1,100 @@
+"""Cells down together, and a gateway whose first cell is down, through real processes (the
+simulated model, each step a floor of time; loopback): held streams wait for a cell to come back
+as a single-scheduler gateway waits for its scheduler, and nothing the gateway reports or needs
+at start depends on the first cell it lists."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from llmserve import client
+from llmserve.ports import free_port
+from tests.stack_checks import generate, greedy_request, wait_for
+from tests.stacks import running_stack
+from tests.streams import Streams
+from tests.test_cells_stack import two_cells
+from tests.test_faults import baseline, kill9
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hang_guard")]
+
+
+def cells_up(gateway: str) -> list[bool]:
+    return [c.up for c in client.gateway_status(gateway).cells]
+
+
+def health(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return reply.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_with_every_cell_down_held_streams_wait_for_one_to_come_back(tmp_path) -> None:
+    """kill -9 both cells' schedulers under 6 streams: while neither answers, every stream is
+    held (none ends); one cell started again takes them all, and they end whole and exact.
+    (They failed within a second with "no cell answers", or INTERNAL.)"""
+    settings = two_cells()
+    n, max_tokens = 6, 300
+    with running_stack(settings, tmp_path) as stack:
+        gw = settings.gateway
+        expected = baseline(gw, n, max_tokens)
+        streams = Streams(gw, [greedy_request(i, max_tokens) for i in range(n)])
+        wait_for(lambda: streams.all_have(3), 60, "every stream has tokens")
+        kill9(stack, "scheduler")
+        kill9(stack, "scheduler1")
+        wait_for(lambda: cells_up(gw) == [False, False], 15, "both cells shown down")
+        assert [o.ended_at for o in streams.outcomes] == [None] * n, [
+            o.details for o in streams.outcomes
+        ]
+        stack.restart("scheduler")
+        outcomes = streams.join(120)
+        assert [o.code for o in outcomes] == [None] * n, {o.details for o in outcomes}
+        assert [o.tokens for o in outcomes] == expected
+
+
+def test_a_gateway_whose_first_cell_is_down_serves_reports_and_starts(tmp_path) -> None:
+    """Cell 0's scheduler killed: HTTP /health stays 200 and `status` shows cell 0 down while
+    cell 1 serves. A new gateway listing a dead address first, then both cells (cell 0 down),
+    starts and serves through cell 1. (/health said 503, status failed, and such a gateway
+    never served: it waited on its first cell for 180 s, then exited.)"""
+    settings = two_cells(http_port=free_port())
+    with running_stack(settings, tmp_path) as stack:
+        gw = settings.gateway
+        kill9(stack, "scheduler")
+        wait_for(lambda: cells_up(gw) == [False, True], 15, "cell 0 shown down")
+        assert health(f"http://127.0.0.1:{settings.http_port}/health") == 200
+        tokens, _ = generate(gw, greedy_request(1, 8))
+        assert len(tokens) == 8
+
+        port, dead = free_port(), free_port()
+        cells = [f"127.0.0.1:{dead}", settings.cell_scheduler(0), settings.cell_scheduler(1)]
+        log = (tmp_path / "gateway2.log").open("w")
+        other = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "--port", str(port), "--cells", ",".join(cells)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            target = f"127.0.0.1:{port}"
+
+            def serves() -> bool:
+                assert other.poll() is None, (tmp_path / "gateway2.log").read_text()
+                try:
+                    return len(generate(target, greedy_request(2, 8), timeout=5)[0]) == 8
+                except Exception:  # not listening yet, or no live cell known yet
+                    return False
+
+            started = time.monotonic()
+            wait_for(serves, 60, "the second gateway serves", period=0.5)
+            print(f"\na gateway whose first two cells are down serves after "
+                  f"{time.monotonic() - started:.1f} s")  # fmt: skip
+            wait_for(lambda: cells_up(target) == [False, False, True], 15, "its cells' table")
+        finally:
+            other.terminate()
+            other.wait(30)
