@@ -55,6 +55,15 @@ def test_the_trace_own_reuse_counts_blocks_seen_before() -> None:
     assert reuse["tokens"] == 1024 + 1300 + 100 + 700
 
 
+def test_a_block_seen_before_only_cut_short_saves_only_its_cut_length() -> None:
+    """Block 3 first comes as a 276-token last block, then whole: 276 tokens repeat, not 512;
+    then cut to 100 again: 100 (its longest earlier occurrence holds them)."""
+    rows = [row(0, 1300, [1, 2, 3]), row(1, 1536, [1, 2, 3]), row(2, 1124, [1, 2, 3])]
+    reuse = ht.repeated_share(rows)
+    assert reuse["repeated_blocks"] == 6
+    assert reuse["repeated_tokens"] == (512 + 512 + 276) + (512 + 512 + 100)
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

@@ -86,17 +86,19 @@ def slice_rows(rows: list[HashRow], start_s: float = 0.0, duration_s: float = 0.
 
 def repeated_share(rows: list[HashRow]) -> dict[str, float | int]:
     """The trace's own reuse: blocks whose id appeared before (in this order) over all blocks,
-    and the same in tokens (a repeated last block counts its cut length). The tokens share is
-    what a cache with unlimited room and 512-token blocks would save of the prefill."""
-    seen: set[int] = set()
+    and the same in tokens: a repeated block counts the tokens it shares with its longest
+    earlier occurrence (a block seen before only as a cut last block of 100 tokens saves 100,
+    not 512). The tokens share is what a cache with unlimited room and 512-token blocks would
+    save of the prefill."""
+    seen: dict[int, int] = {}  # hash id -> the most tokens of it computed so far
     blocks = repeated = tokens = repeated_tokens = 0
     for row in rows:
         for k, hid in enumerate(row.hash_ids):
             size = min(HASH_BLOCK, row.input_length - k * HASH_BLOCK)
             blocks, tokens = blocks + 1, tokens + size
             if hid in seen:
-                repeated, repeated_tokens = repeated + 1, repeated_tokens + size
-            seen.add(hid)
+                repeated, repeated_tokens = repeated + 1, repeated_tokens + min(size, seen[hid])
+            seen[hid] = max(size, seen.get(hid, 0))
     return {
         "blocks": blocks,
         "repeated_blocks": repeated,

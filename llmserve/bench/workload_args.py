@@ -44,7 +44,7 @@ def build_workload(
     if wants_tenants(args):
         return tenants_from_args(args, time_scale or args.time_scale)
     if args.shared_prefix_tokens and args.workload != "trace":
-        raise SystemExit("--shared-prefix-tokens is for --workload trace (a length-only trace)")
+        raise BenchError("--shared-prefix-tokens is for --workload trace (a length-only trace)")
     refuse_unused(args)
     if args.workload in ("fixed", "poisson"):
         made = _fixed_or_poisson(args)
