@@ -33,8 +33,7 @@ from gateway.tokenizer_files import load_tokenizer
 from llmcommon.admin_auth import AdminKeyInterceptor, admin_key
 from llmcommon.auth import internal_token
 from llmcommon.health import check_health
-from llmcommon.metrics_http import start_metrics
-from llmcommon.server import Server, internal_channel, run_service, setup_logging
+from llmcommon.server import Server, internal_channel, run_service, serve_metrics, setup_logging
 from llmcommon.v1 import (
     gateway_pb2,
     gateway_pb2_grpc,
@@ -238,7 +237,7 @@ async def serve(settings: GatewaySettings) -> None:
     gateway_pb2_grpc.add_GatewayAdminServicer_to_server(GatewayKeysAdmin(keys), server.server)
     if metrics:
         metrics.attach(core)
-        start_metrics(metrics, settings, log)
+        serve_metrics(metrics, settings, log)
     follower = asyncio.create_task(follow_workers(stub, core, server, token))
     if cells is None:
         watcher = asyncio.create_task(watch_scheduler(channel, core, server))

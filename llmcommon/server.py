@@ -9,6 +9,7 @@ import ipaddress
 import logging
 import os
 import signal
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -19,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from llmcommon.auth import TokenInterceptor, token_interceptors
 from llmcommon.flags import add_flags, from_args
 from llmcommon.health import SERVING, HealthServicer, check_health
+from llmcommon.metrics_http import MetricsSettings, ServesMetrics, metrics_host, start_metrics
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # On SIGTERM, in-flight calls get this long to finish (--drain-timeout): enough for a request of
@@ -49,6 +51,7 @@ CHANNEL_OPTIONS = [
 ]
 
 log = logging.getLogger("llmserve")
+TLS_FLAGS = ("--tls-cert", "--tls-key")  # the gateway's: the one service that serves TLS
 PARENT_PID_VAR = "LLMSERVE_PARENT_PID"  # set by `llmserve up` for the processes it starts
 S = TypeVar("S")
 
@@ -132,14 +135,16 @@ class Server:
         reflection.enable_server_reflection(
             [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
-        if tls:
-            chain, key = (open(path, "rb").read() for path in tls)
-            credentials = grpc.ssl_server_credentials([(key, chain)])
-            self.port = self.server.add_secure_port(f"{host}:{port}", credentials)
-        else:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        try:  # gRPC says "Failed to bind" (RuntimeError) or returns port 0
+            if tls:
+                credentials = tls_credentials(*tls)
+                self.port = self.server.add_secure_port(f"{host}:{port}", credentials)
+            else:
+                self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {host}:{port}")
+            raise SystemExit(cannot_listen(f"{host}:{port}"))
         self.address = f"{host}:{self.port}"
         if not is_loopback(host) and not any(
             isinstance(i, TokenInterceptor) for i in interceptors or ()
@@ -167,7 +172,10 @@ class Server:
         On SIGTERM health turns NOT_SERVING first; `before_stop` (e.g. a worker's drain) runs
         while calls are still served; then the server stops, with `grace` for in-flight calls."""
         await self.set_serving(False)
-        await self.server.start()
+        try:
+            await self.server.start()
+        except RuntimeError:
+            raise SystemExit(cannot_listen(self.address)) from None
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
@@ -181,6 +189,50 @@ class Server:
         if before_stop is not None:
             await before_stop()
         await self.server.stop(grace)
+
+
+def cannot_listen(address: str, purpose: str = "") -> str:
+    what = f"{address} for {purpose}" if purpose else address
+    return f"cannot listen on {what}: the address is in use or not available"
+
+
+def serve_metrics(metrics: ServesMetrics, settings: MetricsSettings, log: logging.Logger) -> None:
+    """start_metrics; a port it cannot listen on stops the service with one line (SystemExit),
+    as the gRPC port does."""
+    try:
+        start_metrics(metrics, settings, log)
+    except OSError:
+        where = metrics_host(settings.host, settings.metrics_host)
+        raise SystemExit(cannot_listen(f"{where}:{settings.metrics_port}", "metrics")) from None
+
+
+def tls_credentials(cert: str, key: str) -> grpc.ServerCredentials:
+    """The server's credentials from its PEM files, checked first: gRPC reports a certificate
+    or key it cannot use as a port it cannot bind. SystemExit naming the flag and the file."""
+    chain, private = read_tls_file(TLS_FLAGS[0], cert), read_tls_file(TLS_FLAGS[1], key)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.set_ciphers("DEFAULT:@SECLEVEL=0")  # only what gRPC cannot load, not a weak key
+    try:
+        context.load_verify_locations(cadata=chain.decode("ascii", "replace"))
+    except (ssl.SSLError, ValueError):  # ValueError: empty
+        raise SystemExit(f"{TLS_FLAGS[0]} {cert}: no PEM certificate in it") from None
+    try:  # a password callback: an encrypted key is refused, never asked for on the terminal
+        context.load_cert_chain(cert, key, password=lambda: b"")
+    except ssl.SSLError as err:
+        if err.reason == "KEY_VALUES_MISMATCH":
+            why = f"not the private key of the certificate in {TLS_FLAGS[0]} {cert}"
+        else:
+            why = "no unencrypted PEM private key in it"
+        raise SystemExit(f"{TLS_FLAGS[1]} {key}: {why}") from None
+    return grpc.ssl_server_credentials([(private, chain)])
+
+
+def read_tls_file(flag: str, path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as err:
+        raise SystemExit(f"{flag} {path}: cannot read it: {err.strerror}") from None
 
 
 def is_loopback(host: str) -> bool:

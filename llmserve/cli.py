@@ -19,7 +19,7 @@ from llmcommon.flags import add_flags, from_args
 from llmserve import client
 from llmserve.bench.errors import BenchError
 from llmserve.prometheus import DASHBOARD, Prometheus, start_for_stack
-from llmserve.stack import Stack, StackSettings
+from llmserve.stack import Stack, StackError, StackSettings
 from llmserve.status_text import format_status
 from scheduler_svc.live_settings import NAMES, SettingError, parse_pairs
 
@@ -31,7 +31,11 @@ def _interrupt(signum, frame) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _interrupt)  # also when started in the background
     signal.signal(signal.SIGTERM, _interrupt)
-    settings = from_args(StackSettings, args)
+    try:
+        settings = from_args(StackSettings, args)
+    except ValueError as err:  # the settings' own checks, as a bad flag: one line, exit 2
+        print(f"llmserve up: error: {err} (see llmserve up --help)", file=sys.stderr)
+        return 2
     stack = Stack(settings, Path(args.log_dir))
     cells = f"{settings.cells} cells of " if settings.cells > 1 else ""
     print(
@@ -39,7 +43,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"({settings.model}, {settings.policy}, {settings.mode}); logs in {args.log_dir}/",
         flush=True,
     )
-    stack.start()
+    try:
+        stack.start()  # stops what it started when one does not come up
+    except (StackError, TimeoutError) as err:
+        print(f"llmserve up: {err}", file=sys.stderr)
+        return 1
     print(f"gateway   {settings.gateway}   (llmserve generate --target {settings.gateway} ...)")
     if settings.http_url:
         print(f"http      {settings.http_url}   (OpenAI-compatible; curl .../v1/models)")

@@ -86,6 +86,12 @@ class StackSettings(CoreConfig):
     admin_key_file: str = setting("", help_of(SC, "admin_key_file"))
     scheduler_flags: str = setting("", 'more flags for the scheduler, e.g. "--hang-floor 2"')
 
+    def __post_init__(self) -> None:
+        CoreConfig.__post_init__(self)  # not super(): slots=True makes a new class
+        for name in ("cells", "workers"):  # 0 would start a stack with nothing to serve
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+
     @property
     def gateway(self) -> str:
         return f"127.0.0.1:{self.gateway_port}"
@@ -152,6 +158,11 @@ class StackSettings(CoreConfig):
         """The admin key flag of the gateway and the scheduler, absolute."""
         path = self.admin_key_file
         return ["--admin-key-file", os.path.abspath(path)] if path else []
+
+
+class StackError(RuntimeError):
+    """A service exited while the stack started: the message names it and its reason, in one
+    line."""
 
 
 @dataclass
@@ -372,10 +383,13 @@ class Stack:
                         ) from None
 
     def _check_alive(self, name: str) -> None:
+        """StackError with the last line of its log (a service's reason to stop at its start
+        is one line at the end: a SystemExit's message, a traceback's exception)."""
         proc = self.procs[name]
         if proc.poll() is not None:
-            tail = self.log(name).read_text()[-2000:]
-            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
+            lines = self.log(name).read_text(errors="replace").strip().splitlines()
+            why = lines[-1] if lines else "nothing logged"
+            raise StackError(f"{name} exited with {proc.returncode}: {why} (see {self.log(name)})")
 
     def log(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"

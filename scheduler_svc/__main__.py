@@ -9,8 +9,7 @@ import grpc
 
 from llmcommon.admin_auth import AdminKeyInterceptor, admin_key
 from llmcommon.auth import internal_token
-from llmcommon.metrics_http import start_metrics
-from llmcommon.server import Server, run_service, setup_logging
+from llmcommon.server import Server, run_service, serve_metrics, setup_logging
 from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.service import SchedulerService
@@ -21,14 +20,19 @@ SERVICES = ("Scheduler", "Admin")
 JOIN_GRACE_S = 3.0  # once a listed worker answers, the others get this long to answer too
 
 
+class Refused(Exception):
+    """A worker refused the internal token: the start stops, once every describe has ended
+    (a SystemExit inside a gathered task would leave the others' results unread)."""
+
+
 async def describe_once(client: WorkerClient) -> str:
-    """Why the worker did not describe itself ("" = it did); a refused token stops the start."""
+    """Why the worker did not describe itself ("" = it did); Refused for a refused token."""
     try:
         await client.describe(timeout=2.0)
         return ""
     except grpc.aio.AioRpcError as err:
         if err.code() is grpc.StatusCode.UNAUTHENTICATED:
-            raise SystemExit(f"worker {client.target}: {err.details()}") from None
+            raise Refused(f"worker {client.target}: {err.details()}") from None
         return err.details() or err.code().name
 
 
@@ -45,7 +49,12 @@ async def connect(
     why: dict[WorkerClient, str] = dict.fromkeys(clients, "not asked yet")
     while why:
         asked = list(why)
-        answers = await asyncio.gather(*map(describe_once, asked))
+        answers = await asyncio.gather(*map(describe_once, asked), return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, Refused):
+                raise SystemExit(str(answer))
+            if isinstance(answer, BaseException):
+                raise answer
         for client, problem in zip(asked, answers, strict=True):
             if problem:
                 why[client] = problem
@@ -97,7 +106,7 @@ async def serve(settings: SchedulerSettings) -> None:
         if settings.metrics_port:
             metrics = SchedulerMetrics()
             metrics.attach(service)
-            start_metrics(metrics, settings, log)
+            serve_metrics(metrics, settings, log)
 
     await server.run(ready, grace=settings.drain_timeout)
 

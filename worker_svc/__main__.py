@@ -11,8 +11,13 @@ import grpc
 import torch
 
 from llmcommon.auth import internal_token
-from llmcommon.metrics_http import start_metrics
-from llmcommon.server import Server, internal_channel, run_service, setup_logging
+from llmcommon.server import (
+    Server,
+    internal_channel,
+    run_service,
+    serve_metrics,
+    setup_logging,
+)
 from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_svc import blocked_matmul
 from worker_svc.cpu_features import host_features
@@ -66,7 +71,7 @@ async def serve(settings: WorkerSettings) -> None:
     if settings.metrics_port:
         metrics = WorkerMetrics(settings.display_name)
         metrics.attach(service)
-        start_metrics(metrics, settings, log)
+        serve_metrics(metrics, settings, log)
     registering: list[asyncio.Task] = []
 
     async def ready() -> None:
