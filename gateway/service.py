@@ -17,6 +17,7 @@ from gateway.choices import choice_inputs, choices_problem, merged
 from gateway.core import Delta, Finish, GatewayCore, GenerateInput
 from gateway.generation_errors import GenerationError
 from gateway.usage import Tally
+from llmcommon.admin_auth import admin_key, admin_key_of
 from llmcommon.auth import internal_token, internal_token_of
 from llmcommon.protocol import CELL_KEY, ROUTE_KEY, SESSION_KEY
 from llmcommon.sampling_wire import params_of
@@ -46,7 +47,7 @@ def generate_input(request: gateway_pb2.GenerateRequest) -> GenerateInput:
 class GatewayService(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, core: GatewayCore) -> None:
         self.core = core
-        self.operator_token: str | None = None  # the internal token ("" = none), read once
+        self.operator_keys: tuple[str, str] | None = None  # internal token, admin key ("" = none)
 
     async def Generate(self, request, context):
         async for message in self._generate(request, context):
@@ -88,7 +89,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         """The scheduler's Status, passed on: `llmserve status` needs only the gateway. An
         ordinary client (the API key only) gets it without the prefix-cache figures, which
         would tell it whether another client's prompt starts like its own; the operator (the
-        call carries the stack's internal token) gets them all."""
+        call carries the stack's internal token or the admin key) gets them all."""
         cells = self.core.cells
         try:
             timeout = context.time_remaining() or STATUS_TIMEOUT_S
@@ -100,12 +101,23 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             reply = scheduler_pb2.StatusReply()  # no cell answers: the cells' table says so
         if cells is not None:  # a live cell's reply, and every cell's figures
             reply.cells.extend(await cells.statuses())
-        if self.operator_token is None:
-            self.operator_token = internal_token(self.core.settings.internal_token_file)
-        given = internal_token_of(context.invocation_metadata()).encode()
-        if not self.operator_token or not hmac.compare_digest(given, self.operator_token.encode()):
+        if not self._operator(context.invocation_metadata()):
             withhold_cache_figures(reply)
         return reply
+
+    def _operator(self, metadata) -> bool:
+        """Does the call carry the internal token or the admin key (each in its own header)?"""
+        if self.operator_keys is None:  # read once
+            settings = self.core.settings
+            self.operator_keys = (
+                internal_token(settings.internal_token_file),
+                admin_key(settings.admin_key_file),
+            )
+        given = (internal_token_of(metadata), admin_key_of(metadata))
+        return any(
+            key and hmac.compare_digest(sent.encode(), key.encode())
+            for sent, key in zip(given, self.operator_keys, strict=True)
+        )
 
     async def _generate(self, request, context) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         problem = choices_problem(request.n if request.HasField("n") else None)

@@ -125,6 +125,10 @@ class StackSettings(CoreConfig):
     def metrics_port(self, offset: int) -> int:
         return self.metrics_base_port + offset if self.metrics_base_port else 0
 
+    def scheduler_metrics_port(self, cell: int) -> int:
+        """Cell 0's scheduler at base + 1 (as with one cell); cell c's after every worker's."""
+        return self.metrics_port(1 if cell == 0 else 1 + self.all_workers + cell)
+
     @property
     def model_source(self) -> str:
         """--model for the workers; a file or directory made absolute (they start in the
@@ -187,7 +191,7 @@ class Stack:
         worker's port)."""
         s = self.settings
         workers = [s.worker_address(i) for i in s.cell_workers(cell)]
-        metrics = s.metrics_port(1 if cell == 0 else 1 + s.all_workers + cell)
+        metrics = s.scheduler_metrics_port(cell)
         return [
             sys.executable,
             "-m",

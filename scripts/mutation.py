@@ -155,6 +155,19 @@ GROUPS = {
             "scheduler_svc.worker_state.xǁWorkerStateǁtime_limit__mutmut_*",
         ),
     ),
+    # workers failing and coming back: what waits for them, what fails, what is refused
+    "membership": Group(
+        (*CORE, "scheduler_svc/worker_state.py"),
+        CORE_TESTS,
+        part_of="core",
+        functions=tuple(
+            f"scheduler_svc.core.*.xǁ*ǁ{name}__mutmut_*"
+            for name in (
+                "_returning returning_workers fail_unplaceable _no_worker_message _place "
+                "_check_can_ever_run fail_worker restore_worker remove_worker drain_worker"
+            ).split()
+        ),
+    ),
     # the queue's orderings alone, with what the core asks of them
     "queues": Group(
         (*CORE, "scheduler_svc/request_queue.py", *QUEUES, "scheduler_svc/order_view.py"),

@@ -16,6 +16,7 @@ import urllib.request
 import grpc
 import pytest
 
+from llmcommon.admin_auth import ADMIN_KEY_HEADER
 from llmcommon.auth import INTERNAL_TOKEN_HEADER
 from llmcommon.server import wait_healthy
 from llmcommon.v1 import gateway_pb2_grpc, scheduler_pb2
@@ -26,6 +27,7 @@ from tests.stacks import free_port, free_run, running_stack, tiny_settings
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hang_guard")]
 
 TOKEN = "llmserve-" + secrets.token_hex(16)
+ADMIN_KEY = "admin-" + secrets.token_hex(16)
 SECRET = "The launch code of the vault is 4 8 15 16 23 42, keep it to yourself. " * 3
 
 
@@ -33,8 +35,10 @@ SECRET = "The launch code of the vault is 4 8 15 16 23 42, keep it to yourself. 
 def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("cache-isolation")
     (root / "token").write_text(TOKEN)
+    (root / "admin").write_text(ADMIN_KEY)
     settings = tiny_settings(
         internal_token_file=str(root / "token"),
+        admin_key_file=str(root / "admin"),
         block_size=4,
         kv_capacity=4096,
         http_port=free_port(),
@@ -153,6 +157,19 @@ def test_the_operator_reads_the_cache_figures_through_the_gateway(stack) -> None
     assert not reply.cache_figures_withheld
     assert reply.hit_tokens == hits(stack) > 0
     assert "hit rate" in format_status(client.status_dict(reply))
+
+
+@pytest.mark.parametrize(("key", "shown"), [(ADMIN_KEY, True), (ADMIN_KEY[:-1] + "x", False)])
+def test_the_admin_key_also_shows_the_operator_the_cache_figures(stack, key, shown) -> None:
+    """The admin key is the operator's too (`llmserve status --admin-key-file`); a wrong one
+    is an ordinary client's status."""
+    served_from_cache(stack, stack.settings.gateway, salt="admin")
+    with grpc.insecure_channel(stack.settings.gateway) as channel:
+        reply = gateway_pb2_grpc.GatewayStub(channel).Status(
+            scheduler_pb2.StatusRequest(), timeout=10, metadata=((ADMIN_KEY_HEADER, key),)
+        )
+    assert reply.cache_figures_withheld is not shown
+    assert (reply.hit_tokens == hits(stack) > 0) is shown
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from llmserve.prometheus import stack_targets
 from llmserve.stack import Stack, StackSettings
 from tests.test_deploy_compose import ADMIN_SECRET, TOKEN_SECRET, flags
 
@@ -60,6 +61,28 @@ def test_the_cells_file_over_the_base_one_is_valid_compose() -> None:
     merged = yaml.safe_load(done.stdout)["services"]
     assert set(merged) >= {"gateway", "scheduler", "scheduler1", "worker0", "worker1"}
     assert "--cells" in merged["gateway"]["command"]
+    mounted = [v for v in merged["prometheus"]["volumes"] if "prometheus.yml" in str(v)]
+    assert [str(v).split(":")[0] for v in mounted] == [
+        str(ROOT / "deploy/prometheus/prometheus.cells.yml")
+    ]
+
+
+def test_the_cells_prometheus_scrapes_every_service_of_the_cells_stack() -> None:
+    """Every metrics port the cells stack listens on is scraped, by its service's name, and
+    each job's ports are those `llmserve up --cells 2 --prometheus-port` scrapes. (The base
+    file's config left cell 1's scheduler out: its queue, stalls and worker1's KV.)"""
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.cells.yml").read_text())
+    jobs = {
+        j["job_name"]: [t for s in j["static_configs"] for t in s["targets"]]
+        for j in config["scrape_configs"]
+    }
+    plain = stack_targets(SETTINGS, host="HOST")
+    assert {job: [t.split(":")[1] for t in ts] for job, ts in jobs.items()} == {
+        job: [t.split(":")[1] for t in ts] for job, ts in plain.items()
+    }
+    commands = Stack(SETTINGS, ROOT / "results").commands()  # compose names its services so
+    scraped = {tuple(t.split(":")) for ts in jobs.values() for t in ts}
+    assert scraped == {(name, flags(c)["--metrics-port"]) for name, c in commands.items()}
 
 
 def test_the_kubernetes_cells_overlay_runs_two_equal_cells_behind_the_gateways() -> None:

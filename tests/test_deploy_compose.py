@@ -238,7 +238,11 @@ def test_the_gpu_profile_gives_each_worker_a_gpu_and_sizes_kv_from_memory(compos
         same = {k: v for k, v in base.items() if k not in ("--device", "--kv-capacity")}
         assert {k: got[k] for k in same} == same  # ports, names, token: unchanged
         assert worker["healthcheck"] == compose["services"][name]["healthcheck"]
-    assert flags(gpu["scheduler"]["command"])["--kv-capacity"] == "0"
+    scheduler = flags(gpu["scheduler"]["command"])
+    assert scheduler["--kv-capacity"] == "0"
+    base = flags(compose["services"]["scheduler"]["command"])
+    same = {k: v for k, v in base.items() if k not in ("--kv-capacity", "--max-running")}
+    assert {k: scheduler.get(k) for k in same} == same  # the admin key, the token, ports...
     from worker_svc.settings import WorkerSettings
 
     known = {f"--{f.replace('_', '-')}" for f in WorkerSettings.__dataclass_fields__}

@@ -187,6 +187,17 @@ def test_disruption_budgets_select_real_pods_and_the_dashboard_is_the_compose_on
         selected.items() <= s["metadata"]["labels"].items()
         for s in by_kind(docs, "Service").values()
     )
+    # the Operator names each target's job after its Service (no jobLabel): the dashboard's
+    # targets-up panel must match those names, as PromQL matches a regex (whole)
+    assert "jobLabel" not in monitor["spec"]
+    jobs = [
+        name
+        for name, s in by_kind(docs, "Service").items()
+        if any(p.get("name") == "metrics" for p in s["spec"]["ports"])
+    ]
+    [matcher] = re.findall(r'up\{job=~"([^"]+)"\}', json.dumps(compose_json).replace('\\"', '"'))
+    assert jobs and all(re.fullmatch(matcher, job) for job in jobs), (matcher, jobs)
+    assert all(re.fullmatch(matcher, job) for job in ("gateway", "scheduler", "worker"))
 
 
 def test_the_gpu_overlay_asks_for_a_gpu_and_sizes_kv_from_memory() -> None:

@@ -3,7 +3,7 @@ processes under a workload that makes requests wait: every query of every dashbo
 data; `kv_reserved` stalls show up under `reserve`, with the KV written well below capacity, and
 not under `paged`; the counters agree with what the clients saw.
 
-The workload is the seed's point at scale: requests ask for max_tokens 24 but a stop string ends
+The workload is the seed's point at scale: requests ask for max_tokens 24 but a stop token ends
 them after a few tokens, so `reserve` holds 8 + 24 positions per request for data that never comes.
 """
 
@@ -29,7 +29,7 @@ from tests.stacks import free_port, free_run, running_stack, tiny_settings
 PROMPT = " a b c d e f g h"  # eight tokens
 MAX_TOKENS = 24  # reserve holds 8 + 24 = 32 positions: two requests fill the pool
 CAPACITY = 64
-STOP_AFTER = 4  # the stop string is the first four tokens' text
+STOP_AFTER = 4  # the stop token is the probe's fourth
 CLIENTS = 6
 SECONDS = 5.0
 BAD_REQUESTS = {
@@ -121,25 +121,28 @@ def run_workload(policy: str, workdir: Path, keep: ExitStack) -> Run:
     with running_stack(settings, workdir / "logs"):
         wait_for(lambda: prometheus_api.value(url, "sum(up)", time.time()) == 3, "first scrapes")
         start = time.time()
-        # A greedy probe of STOP_AFTER tokens tells the output's start: its text becomes the
-        # stop string (a delta may hold several tokens: a decode run's)
+        # A greedy probe of STOP_AFTER tokens tells the output's start: its last token becomes
+        # a stop token, which the scheduler itself ends a request at (a stop string, ended at
+        # the gateway, lets the scheduler write on until the cancel reaches it: more KV
+        # written the slower the host)
         probe = client.make_request(
             prompt=PROMPT, max_tokens=STOP_AFTER, temperature=0.0, ignore_eos=True
         )
-        texts, tokens, final = generate(gateway, probe)
-        results = [(tokens, final)]
-        stop = "".join(texts)
-        assert stop, texts
+        messages = list(client.stream(gateway, probe, timeout=60))
+        ids = [t for m in messages[:-1] for t in m.delta.token_ids]
+        results = [(len(ids), messages[-1].final)]
+        assert len(ids) == STOP_AFTER, ids
         request = client.make_request(
-            prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, stop=[stop]
+            prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
         )
+        request.sampling.stop_token_ids.append(ids[-1])
         until = time.monotonic() + SECONDS
         with ThreadPoolExecutor(CLIENTS) as pool:
             loops = [pool.submit(keep_sending, gateway, request, until) for _ in range(CLIENTS)]
             time.sleep(1.0)
             codes = send_bad_requests(gateway)  # while the load runs
             results += [r for loop in loops for r in loop.result()]
-        wait_idle(settings.scheduler)  # the scheduler has seen the stop-cancelled calls end
+        wait_idle(settings.scheduler)  # the scheduler has seen every call end
         ended = time.time()
         wait_for(
             lambda: prometheus_api.value(url, "min(timestamp(up))", time.time()) > ended,

@@ -111,3 +111,39 @@ def test_a_head_only_a_failed_worker_can_hold_waits_for_it_as_a_stall() -> None:
     assert [s.request_id for s in core.workers[0].running] == ["long"]
     clock.now += 60.0  # back in time: nothing fails
     assert core.fail_unplaceable() == []
+
+
+def test_a_wait_under_a_second_holds_and_ends_as_set() -> None:
+    core, clock = core_of(WorkerSpec("w0", 50, 4, 4096), wait=0.5)
+    core.add(seq("a", 5, 8))
+    core.fail_worker(0)
+    clock.now += 0.4
+    assert core.fail_unplaceable() == []
+    clock.now += 0.1
+    assert ids(core.fail_unplaceable()) == ["a"]
+    assert "none back within 0.5 s" in errors(core)["a"]
+
+
+def test_a_worker_back_and_failed_again_gets_a_new_wait() -> None:
+    core, clock = core_of(WorkerSpec("w0", 50, 4, 4096))
+    core.fail_worker(0)
+    clock.now += 25.0
+    core.restore_worker(0)
+    core.add(seq("a", 5, 8))
+    clock.now += 10.0
+    core.fail_worker(0)  # 35 s after the first failure, 0 s after this one
+    clock.now += 29.0
+    assert core.fail_unplaceable() == [] and errors(core) == {}
+
+
+def test_a_failed_worker_that_leaves_for_good_is_no_longer_waited_for() -> None:
+    """Failed (its requests wait), then forgotten (a registered worker away too long): they
+    fail at once."""
+    core, _ = core_of(WorkerSpec("w0", 50, 4, 4096))
+    core.add(seq("a", 5, 8))
+    step(core)
+    core.fail_worker(0)
+    assert core.fail_unplaceable() == []
+    core.remove_worker(0)
+    assert ids(core.fail_unplaceable()) == ["a"]
+    assert errors(core) == {"a": "no worker can hold this request (0 live); retry"}
