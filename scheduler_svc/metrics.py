@@ -139,8 +139,8 @@ class StepModelCollector(CoreCollector):
         error = GaugeMetricFamily(
             PREFIX + "step_prediction_error_ratio",
             "abs(predicted - measured) / measured of the worker's recent steps (its online "
-            "step-time model), at the quantile",
-            labels=["worker", "quantile"],
+            "step-time model), at the quantile q",
+            labels=["worker", "q"],
         )
         for name, figures in self._on_loop(self._errors):
             error.add_metric([name, "0.5"], figures.p50)
