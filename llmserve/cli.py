@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -68,9 +69,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     for i in range(settings.all_workers):
         print(f"worker{i}   {settings.worker_address(i)}")
     if settings.metrics_base_port:
+        others = "".join(
+            f", {settings.scheduler_metrics_port(c)} cell {c}'s scheduler"
+            for c in range(1, settings.cells)
+        )
         print(
             f"metrics   http://127.0.0.1:{settings.metrics_port(0)}/metrics (gateway), "
-            f"+1 scheduler, +2.. workers"
+            f"+1 scheduler, +2.. workers{others}"
         )
     prometheus = _start_prometheus(settings, args)
     print("Ctrl-C stops everything.", flush=True)
@@ -225,14 +230,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="the prompt; - reads it from stdin")
     gen.add_argument("--system", help="a system message: sends a chat of it and the prompt")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
-    gen.add_argument("--max-tokens", type=int, help="most tokens to generate")
+    gen.add_argument("--max-tokens", type=wire_int("max_tokens"), help="most tokens to generate")
     gen.add_argument("--temperature", type=float, help="0 = greedy")
     gen.add_argument("--top-p", type=float, help="nucleus sampling: the smallest set this likely")
-    gen.add_argument("--top-k", type=int, help="sample among the k likeliest tokens")
-    gen.add_argument("--seed", type=int, help="the same seed gives the same text")
+    gen.add_argument(
+        "--top-k", type=wire_int("top_k"), help="sample among the k likeliest tokens (0 = off)"
+    )
+    gen.add_argument(
+        "--seed", type=wire_int("seed"), help="the same seed gives the same text (0 or more)"
+    )
     gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
-    gen.add_argument("--priority", type=int, help="lower is served first (default: the API key's)")
+    gen.add_argument(
+        "--priority",
+        type=wire_int("priority"),
+        help="lower is served first (default: the API key's)",
+    )
     gen.add_argument(
         "--slo-class", default="", help="a class of the gateway's --slo-classes (default: key's)"
     )
@@ -281,19 +294,66 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
     """--target, --api-key and --tls-ca: the same gateway for every subcommand that calls one."""
-    parser.add_argument("--target", default="127.0.0.1:50051", help="the gateway's address")
+    parser.add_argument(
+        "--target", type=target_arg, default="127.0.0.1:50051", help="the gateway's address"
+    )
     parser.add_argument(
         "--api-key",
         default=os.environ.get("LLMSERVE_API_KEY", ""),
         help="sent as `authorization: Bearer KEY` (default: $LLMSERVE_API_KEY)",
     )
-    parser.add_argument("--tls-ca", default="", help="CA certificate (PEM) to reach a TLS gateway")
+    parser.add_argument(
+        "--tls-ca", type=ca_file, default="", help="CA certificate (PEM) to reach a TLS gateway"
+    )
     parser.add_argument(
         "--admin-key-file",
         default=os.environ.get("LLMSERVE_ADMIN_KEY_FILE", ""),
-        help="a file holding the admin key, for set, get, reload-keys and status --explain "
-        "(default: $LLMSERVE_ADMIN_KEY_FILE)",
+        help="a file holding the admin key, for set, get, reload-keys and status --explain; "
+        "status always sends it: the operator also sees the prefix-cache figures (default: "
+        "$LLMSERVE_ADMIN_KEY_FILE)",
     )
+
+
+def target_arg(text: str) -> str:
+    """An argparse type: an address whose port is 1 to 65535 (client.check_target)."""
+    try:
+        return client.check_target(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def wire_int(name: str) -> Callable[[str], int]:
+    """An argparse type: a whole number the request's field `name` can carry (client.INT_RANGES;
+    protobuf would refuse any other with a bare "Value out of range")."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        problem = client.int_range_problem(name, value)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    return parse
+
+
+def ca_file(text: str) -> str:
+    """An argparse type: a readable file holding a PEM certificate ("": no TLS). gRPC would
+    report a missing one as a traceback, and a non-PEM one as "empty address list"."""
+    if not text:
+        return text
+    try:
+        with open(text, "rb") as f:
+            pem = f.read()
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {err.strerror}") from None
+    if b"-----BEGIN CERTIFICATE-----" not in pem:
+        raise argparse.ArgumentTypeError(
+            f"{text} holds no PEM certificate (-----BEGIN CERTIFICATE-----)"
+        )
+    return text
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -314,13 +374,24 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, _interrupt)
     try:
         code = args.func(args)
+        sys.stdout.flush()  # a reader that left shows here, not as a traceback at exit
+    except BrokenPipeError:  # `llmserve status | head -1`: the reader has what it wanted
+        # nothing more can reach it: quiet the flush at exit too. 141 = 128 + SIGPIPE, what a
+        # shell reports for a C tool that wrote to a closed pipe (`set -o pipefail` sees it)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 141
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         code = 130
     except grpc.RpcError as err:
         after_text = "\n" if args.command == "generate" else ""  # ends a streamed line
         print(f"{after_text}error: {err.code().name}: {err.details()}", file=sys.stderr)
-        if err.code() is grpc.StatusCode.UNIMPLEMENTED and getattr(args, "target", None):
+        hinted = getattr(err, "hinted", False)  # its details say what to try (a bench's poll)
+        if (
+            err.code() is grpc.StatusCode.UNIMPLEMENTED
+            and getattr(args, "target", None)
+            and not hinted
+        ):
             print(
                 f"(is {args.target} the gateway? The scheduler and the workers do not serve the "
                 f"gateway's API: give --target the address `llmserve up` prints as the gateway's)",

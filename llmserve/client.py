@@ -38,6 +38,46 @@ FINISH_NAMES = {
 }
 
 
+# the integer fields of a request, as the wire carries them: protobuf refuses a value outside
+# (a bare "Value out of range"); make_request names the keyword instead
+UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1
+INT_RANGES = {
+    "max_tokens": (0, UINT32_MAX),
+    "top_k": (0, UINT32_MAX),
+    "seed": (0, UINT64_MAX),
+    "n": (0, UINT32_MAX),
+    "priority": (-(2**31), 2**31 - 1),
+}
+
+
+def int_range_problem(name: str, value: int) -> str | None:
+    """Why `value` cannot be sent as `name` (one of INT_RANGES), or None."""
+    low, high = INT_RANGES[name]
+    if low <= value <= high:
+        return None
+    return f"{value} is out of range: want a whole number from {low} to {high}"
+
+
+def check_target(target: str) -> str:
+    """`target` when each port in it (HOST:PORT, [V6]:PORT, dns:///HOST:PORT, ipv4:A:P,B:P) is 1 to
+    65535; ValueError naming it if not: gRPC would wrap a larger port silently (127.0.0.1:85136
+    reaches port 19600). An address without a numeric port (unix:PATH, a host alone) passes."""
+    scheme, colon, rest = target.partition(":")
+    if colon and scheme in ("dns", "ipv4", "ipv6"):
+        addresses = rest.rsplit("/", 1)[-1].split(",")  # dns://AUTHORITY/HOST:PORT as well
+    elif colon and scheme in ("unix", "unix-abstract", "vsock"):
+        return target
+    else:
+        addresses = [target]
+    for address in addresses:
+        host, colon, port = address.rpartition(":")
+        if not colon or not port.isdigit() or (":" in host and not host.endswith("]")):
+            continue  # no port, or an IPv6 address without brackets (no port either)
+        if not 1 <= int(port) <= 65535:
+            raise ValueError(f"{target!r}: the port {port} is outside 1 to 65535")
+    return target
+
+
 def make_request(
     prompt: str | None = None,
     messages: list[tuple[str, str]] | None = None,
@@ -54,7 +94,13 @@ def make_request(
     slo_class: str = "",
 ) -> gateway_pb2.GenerateRequest:
     """`priority`: vLLM's (lower is served first; None: the API key's default); `slo_class`: a
-    class of the gateway's --slo-classes ("": the key's default)."""
+    class of the gateway's --slo-classes ("": the key's default). ValueError naming the
+    keyword for an integer the wire cannot carry (INT_RANGES)."""
+    given = {"max_tokens": max_tokens, "top_k": top_k, "seed": seed, "n": n, "priority": priority}
+    for name, value in given.items():
+        problem = None if value is None else int_range_problem(name, value)
+        if problem is not None:
+            raise ValueError(f"{name}: {problem}")
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -77,7 +123,10 @@ def make_request(
 
 
 def channel(target: str, tls_ca: str = "", aio: bool = False):
-    """A channel to `target` (grpc's, or grpc.aio's); TLS when a CA certificate file is given."""
+    """A channel to `target` (grpc's, or grpc.aio's); TLS when a CA certificate file is given.
+    ValueError for a port outside 1 to 65535 (check_target); OSError for a CA file that cannot
+    be read."""
+    check_target(target)
     kind = grpc.aio if aio else grpc
     if tls_ca:
         with open(tls_ca, "rb") as f:
@@ -162,14 +211,24 @@ def chat_request(
     return make_request(prompt=prompt, **sampling)
 
 
-def cell_dict(cell: scheduler_pb2.CellStatus) -> dict:
-    """One cell of a gateway with --cells, as plain data."""
+# what the gateway withholds from an ordinary client's Status (gateway/service.py,
+# withhold_cache_figures): they would tell it whether another client's prompt starts like its own
+CACHE_FIGURES = ("cached_blocks", "evictable_blocks", "evictions", "prompt_tokens", "hit_tokens")
+TOTAL_CACHE_FIGURES = ("prompt_tokens", "hit_tokens", "evictions")  # of the reply and each cell
+
+
+def cell_dict(cell: scheduler_pb2.CellStatus, withheld: bool = False) -> dict:
+    """One cell of a gateway with --cells, as plain data (without the cache figures where they
+    were withheld)."""
     keys = ["address", "up", "load", "waiting", "running", "prompt_tokens", "hit_tokens"]
+    keys = [k for k in keys if not (withheld and k in TOTAL_CACHE_FIGURES)]
     return {k: getattr(cell, k) for k in keys} | {"routed": dict(cell.routed)}
 
 
 def status_dict(reply: scheduler_pb2.StatusReply) -> dict:
-    """The Status reply as plain data (what `llmserve status --json` prints)."""
+    """The Status reply as plain data (what `llmserve status --json` prints). Where the reply
+    says `cache_figures_withheld`, the prefix-cache figures are left out (in total, per worker
+    and per cell): the wire reads them as 0, which is not what the cache did."""
     keys = [
         "policy",
         "mode",
@@ -210,10 +269,13 @@ def status_dict(reply: scheduler_pb2.StatusReply) -> dict:
         "explanation_withheld",
     ]
     out = {k: getattr(reply, k) for k in keys}
+    withheld = reply.cache_figures_withheld
+    if withheld:  # withheld figures read as 0 on the wire: leave them out, not report 0
+        out = {k: v for k, v in out.items() if k not in TOTAL_CACHE_FIGURES}
     out["explanation"] = explanation_dict(reply.explanation)
     out["stalls"] = dict(reply.stalls)
     out["refused"] = dict(reply.refused)
-    out["cells"] = [cell_dict(c) for c in reply.cells]
+    out["cells"] = [cell_dict(c, withheld) for c in reply.cells]
     out["spec_potential"] = {
         p.proposer: {
             "requests": p.requests, "tokens": p.tokens, "steps": p.steps,
@@ -223,38 +285,42 @@ def status_dict(reply: scheduler_pb2.StatusReply) -> dict:
         for p in reply.spec_potential
     }  # fmt: skip
     out["spec_potential_skipped"] = reply.spec_potential_skipped
-    out["workers"] = [
-        {
-            "name": w.name,
-            "capacity": w.capacity,
-            "written": w.written,
-            "reserved_unwritten": w.reserved_unwritten,
-            "free": w.free,
-            "running": w.running,
-            "healthy": w.healthy,
-            "draining": w.draining,
-            "address": w.address,
-            "block_size": w.block_size,
-            "max_context": w.max_context,
-            "steps": w.steps,
-            "stalls": dict(w.stalls),
-            "forward_seconds": w.forward_seconds,
-            "step_bytes": w.step_bytes,
-            "cached_blocks": w.cached_blocks,
-            "evictable_blocks": w.evictable_blocks,
-            "evictions": w.evictions,
-            "prompt_tokens": w.prompt_tokens,
-            "hit_tokens": w.hit_tokens,
-            "kernels": w.kernels,
-            "step_time_error_p50": w.step_time_error_p50,
-            "step_time_error_p90": w.step_time_error_p90,
-            "step_time_error_steps": w.step_time_error_steps,
-            "last_predicted_seconds": w.last_predicted_seconds,
-            "last_forward_seconds": w.last_forward_seconds,
-        }
-        for w in reply.workers
-    ]
+    out["workers"] = [worker_dict(w, withheld) for w in reply.workers]
     return out
+
+
+def worker_dict(w: scheduler_pb2.WorkerKv, withheld: bool = False) -> dict:
+    """One worker of a Status reply as plain data; without the prefix-cache figures (CACHE_FIGURES)
+    where the gateway withheld them."""
+    out = {
+        "name": w.name,
+        "capacity": w.capacity,
+        "written": w.written,
+        "reserved_unwritten": w.reserved_unwritten,
+        "free": w.free,
+        "running": w.running,
+        "healthy": w.healthy,
+        "draining": w.draining,
+        "address": w.address,
+        "block_size": w.block_size,
+        "max_context": w.max_context,
+        "steps": w.steps,
+        "stalls": dict(w.stalls),
+        "forward_seconds": w.forward_seconds,
+        "step_bytes": w.step_bytes,
+        "cached_blocks": w.cached_blocks,
+        "evictable_blocks": w.evictable_blocks,
+        "evictions": w.evictions,
+        "prompt_tokens": w.prompt_tokens,
+        "hit_tokens": w.hit_tokens,
+        "kernels": w.kernels,
+        "step_time_error_p50": w.step_time_error_p50,
+        "step_time_error_p90": w.step_time_error_p90,
+        "step_time_error_steps": w.step_time_error_steps,
+        "last_predicted_seconds": w.last_predicted_seconds,
+        "last_forward_seconds": w.last_forward_seconds,
+    }
+    return {k: v for k, v in out.items() if k not in CACHE_FIGURES} if withheld else out
 
 
 def explanation_dict(e: scheduler_pb2.HeadExplanation) -> dict | None:
@@ -372,11 +438,12 @@ class Client(_Connection):
 
     def status(self, explain: bool = False) -> dict:
         """The scheduler's snapshot (status_dict), through the gateway; with `explain` (and
-        the admin key) the head's explanation too."""
+        the admin key) the head's explanation too. The admin key, when this client has one,
+        goes with every Status call: it is the operator asking (the prefix-cache figures)."""
         reply = self._stub.Status(
             scheduler_pb2.StatusRequest(explain=explain),
             timeout=self.timeout or (ADMIN_TIMEOUT_S if explain else 5.0),
-            metadata=self._admin_metadata if explain else self._metadata,
+            metadata=self._admin_metadata or None,
         )
         return status_dict(reply)
 
@@ -453,7 +520,9 @@ class AsyncClient(_Connection):
 
     async def status(self) -> dict:
         reply = await self._stub.Status(
-            scheduler_pb2.StatusRequest(), timeout=self.timeout or 5.0, metadata=self._metadata
+            scheduler_pb2.StatusRequest(),
+            timeout=self.timeout or 5.0,
+            metadata=self._admin_metadata or None,  # with the admin key, when given: Client's
         )
         return status_dict(reply)
 

@@ -174,8 +174,8 @@ def hit_rate(figures: dict) -> str:
 
 
 CACHE_WITHHELD = (
-    "prefix cache: on (its figures are for the operator: ask with the internal token, or read "
-    "the scheduler's /metrics)"
+    "prefix cache: on (its figures are for the operator: ask with --admin-key-file or the "
+    "internal token, or read the scheduler's /metrics)"
 )
 
 

@@ -10,8 +10,11 @@ from pathlib import Path
 from llmcommon.flags import help_of
 from llmserve.bench.budget_sweep import positive_list, time_budget_list
 from llmserve.bench.goodput import SLO_FORMAT, slo_arg
+from llmserve.bench.outdir import check_out_dir
+from llmserve.bench.policy import parse_policies
 from llmserve.bench.tenants_cmd import add_tenants_parser
 from llmserve.bench.workload_args import above, add_workload_flags
+from llmserve.client import check_target
 from scheduler_svc.config import CoreConfig
 from scheduler_svc.settings import SchedulerSettings
 
@@ -28,15 +31,25 @@ def add_bench_parser(sub) -> None:
     add_workload_flags(serve, requests=64, concurrency=32)
     serve.add_argument(
         "--policies",
+        type=policy_list,
         default="continuous+paged,continuous+reserve,static+reserve",
         help="comma-separated mode+kv; one stack each",
     )
     serve.add_argument(
         "--target",
+        type=address,
         default="",
-        help="use a running gateway instead of starting stacks (with --status-target)",
+        help="use a running gateway instead of starting stacks; its Status (its scheduler's, "
+        "passed on) is sampled during the run",
     )
-    serve.add_argument("--status-target", default="127.0.0.1:50052", help="its scheduler")
+    serve.add_argument(
+        "--status-target",
+        type=address,
+        default="",
+        help="with --target: sample this scheduler's Status directly instead (with "
+        "$LLMSERVE_INTERNAL_TOKEN when set; the prefix-cache figures come with it); default: "
+        "ask the gateway at --target",
+    )
     serve.add_argument(
         "--backend",
         choices=("grpc", "openai"),
@@ -92,7 +105,8 @@ def add_bench_parser(sub) -> None:
         "--admin-key-file",
         type=Path,
         default=None,
-        help="sweep mode with --target: the stack's admin key, to set each budget live",
+        help="with --target: the stack's admin key, sent with the gateway's Status (the "
+        "operator's figures); sweep mode: to set each budget live",
     )
     serve.add_argument(
         "--cost-model",
@@ -144,9 +158,15 @@ def add_bench_parser(sub) -> None:
         "calibrated cost model (the whole trace in minutes)",
     )
     add_workload_flags(sim, requests=0, concurrency=0, workload="trace", tenants=True)
-    sim.add_argument("--policies", default="continuous+paged,continuous+reserve,static+reserve")
+    sim.add_argument(
+        "--policies",
+        type=policy_list,
+        default="continuous+paged,continuous+reserve,static+reserve",
+        help="comma-separated mode+kv, e.g. continuous+paged,static+reserve",
+    )
     sim.add_argument(
         "--loads",
+        type=load_list,
         default="1",
         help="comma-separated load factors: the trace's "
         "arrivals compressed by each (time_scale = 1/load x --time-scale)",
@@ -247,7 +267,7 @@ def add_bench_parser(sub) -> None:
         help="write a synthetic trace with per-block content hashes (Mooncake's JSONL format)",
     )
     sample.add_argument("--requests", type=int, default=200)
-    sample.add_argument("--rate", type=float, default=2.0, help="requests/s (Poisson)")
+    sample.add_argument("--rate", type=above(0.0), default=2.0, help="requests/s (Poisson), > 0")
     sample.add_argument("--prefixes", type=int, default=4, help="shared prefixes")
     sample.add_argument("--prefix-blocks", type=int, default=4, help="512-token blocks in each")
     sample.add_argument(
@@ -398,6 +418,35 @@ def _out_flags(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+def address(text: str) -> str:
+    """An argparse type: a gRPC address whose port is 1 to 65535, or "" (none given)."""
+    try:
+        return check_target(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def policy_list(text: str) -> str:
+    """An argparse type: comma-separated mode+kv (kept as text; parse_policies reads it)."""
+    try:
+        parse_policies(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def load_list(text: str) -> str:
+    """An argparse type: comma-separated load factors, each > 0 (kept as text)."""
+    for item in text.split(","):
+        try:
+            load = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not a number") from None
+        if not 0 < load < float("inf"):
+            raise argparse.ArgumentTypeError(f"{item.strip()!r}: each load must be > 0")
+    return text
+
+
 def _command() -> str:
     return "llmserve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
@@ -406,6 +455,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from llmserve.bench.run_serve import run_serve
     from llmserve.bench.workload_args import build_workload
 
+    check_out_dir(args.out)  # before the run, not after it
     workload = build_workload(args, served=True)
     if args.sweep_token_budgets or args.sweep_time_budgets_ms:
         from llmserve.bench.run_serve_sweep import run_serve_sweep
@@ -415,6 +465,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
+    check_out_dir(args.out)
     if args.sweep_token_budgets or args.sweep_time_budgets_ms:
         from llmserve.bench.run_budget_sweep import run_budget_sweep
 
@@ -440,6 +491,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _cmd_overhead(args: argparse.Namespace) -> int:
     from llmserve.bench.run_overhead import run_overhead
 
+    check_out_dir(args.out)
     return run_overhead(args, _command())
 
 
@@ -464,4 +516,5 @@ def _cmd_hash_sample(args: argparse.Namespace) -> int:
 def _cmd_core(args: argparse.Namespace) -> int:
     from llmserve.bench.run_core import run_core
 
+    check_out_dir(args.out)
     return run_core(args, _command())

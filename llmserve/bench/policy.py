@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from llmserve.bench.errors import BenchError
 from scheduler_svc.config import QueuePolicy
 
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """e.g. continuous+paged: `mode` continuous | static, `kv` paged | reserve."""
+    """e.g. continuous+paged: `mode` continuous | static, `kv` paged | reserve. The parsers
+    below raise BenchError (a ValueError) naming the bad text: `llmserve` prints one line."""
 
     mode: str
     kv: str
@@ -29,7 +31,7 @@ class Policy:
     def parse(text: str) -> Policy:
         mode, _, kv = text.partition("+")
         if mode not in ("continuous", "static") or kv not in ("paged", "reserve"):
-            raise ValueError(f"policy {text!r}: want continuous|static + paged|reserve")
+            raise BenchError(f"policy {text!r}: want continuous|static + paged|reserve")
         return Policy(mode, kv)
 
 
@@ -52,7 +54,7 @@ def parse_queues(text: str) -> list[str]:
     out = [v.strip() for v in text.split(",") if v.strip()]
     unknown = [v for v in out if v not in known]
     if unknown or not out:
-        raise ValueError(f"--queue-policies {text!r}: want one or more of {', '.join(known)}")
+        raise BenchError(f"--queue-policies {text!r}: want one or more of {', '.join(known)}")
     return list(dict.fromkeys(out))
 
 
@@ -63,7 +65,7 @@ def parse_caching(text: str) -> list[bool | None]:
     values = {"on": True, "off": False}
     out = [values.get(v.strip()) for v in text.split(",")]
     if None in out:
-        raise ValueError(f"--prefix-caching {text!r}: want on, off or on,off")
+        raise BenchError(f"--prefix-caching {text!r}: want on, off or on,off")
     return list(dict.fromkeys(out))
 
 

@@ -8,9 +8,11 @@ from typing import Any
 
 import grpc
 
+from llmcommon.admin_auth import admin_metadata
 from llmcommon.auth import internal_token
-from llmcommon.server import internal_channel
-from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc
+from llmcommon.server import CHANNEL_OPTIONS, internal_channel
+from llmcommon.v1 import gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from llmserve.bench.errors import StatusUnavailable
 from llmserve.bench.records import StatusSample
 from scheduler_svc.output import Snapshot
 
@@ -64,6 +66,8 @@ def counters_of(reply: scheduler_pb2.StatusReply) -> dict[str, Any]:
     out["stalls"] = dict(reply.stalls)
     out["refused"] = dict(reply.refused)
     out["policy"], out["mode"] = reply.policy, reply.mode
+    if reply.cache_figures_withheld:  # the gateway's to an ordinary client: 0s, not the cache's
+        return out
     return out | prefix_counters(reply.workers)
 
 
@@ -82,16 +86,56 @@ def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
 
 
 class StatusPoller:
-    def __init__(self, target: str, interval_s: float = 0.25) -> None:
+    """Samples a scheduler's Status: from the scheduler at `target`, or, with `via_gateway`,
+    from the gateway at `target`, which passes its scheduler's on (with `admin_key`, when
+    given: the operator's call). `flag` names the option that chose `target`, for errors."""
+
+    def __init__(
+        self,
+        target: str,
+        interval_s: float = 0.25,
+        via_gateway: bool = False,
+        admin_key: str = "",
+        flag: str = "",
+    ) -> None:
         self.target = target
         self.interval_s = interval_s
+        self.via_gateway = via_gateway
+        self.flag = flag
         self.samples: list[StatusSample] = []
-        # a stack started by a benchmark inherits $LLMSERVE_INTERNAL_TOKEN: send it when set
-        self.channel = internal_channel(target, internal_token())
-        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.metadata = admin_metadata(admin_key) or None
+        if via_gateway:
+            self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+            self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+        else:
+            # a stack started by a benchmark inherits $LLMSERVE_INTERNAL_TOKEN: send it when set
+            self.channel = internal_channel(target, internal_token())
+            self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
 
     async def status(self) -> scheduler_pb2.StatusReply:
-        return await self.stub.Status(scheduler_pb2.StatusRequest(), timeout=5.0)
+        return await self.stub.Status(
+            scheduler_pb2.StatusRequest(), timeout=5.0, metadata=self.metadata
+        )
+
+    async def first_status(self) -> scheduler_pb2.StatusReply:
+        """The first sample: its failure, StatusUnavailable, says where it asked and why."""
+        try:
+            return await self.status()
+        except grpc.aio.AioRpcError as err:
+            raise StatusUnavailable(err.code(), self._failure(err)) from None
+
+    def _failure(self, err: grpc.aio.AioRpcError) -> str:
+        who = "the gateway" if self.via_gateway else "the scheduler"
+        flag = f" ({self.flag})" if self.flag else ""
+        text = f"{who}'s Status at {self.target}{flag}: {err.details()}"
+        if err.code() is grpc.StatusCode.UNIMPLEMENTED:
+            text += (
+                " (is it the gateway? --target takes the gateway's address)"
+                if self.via_gateway
+                else " (is it the scheduler? --status-target takes the scheduler's address; "
+                "leave it out to ask the gateway at --target)"
+            )
+        return text
 
     async def poll(self, t0: float, stop: asyncio.Event) -> None:
         """Sample every `interval_s` until `stop` is set (and once more after)."""

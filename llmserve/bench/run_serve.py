@@ -6,6 +6,7 @@ import argparse
 import asyncio
 from typing import Any
 
+from llmcommon.admin_auth import admin_key
 from llmserve.bench import hf_baseline
 from llmserve.bench.caching import caching_pairs, print_caching
 from llmserve.bench.errors import BenchError
@@ -75,6 +76,7 @@ def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int
                 progress,
                 args.poll or POLL_S,
                 timeout_s=args.timeout,
+                **status_options(args),
             )
         )
         _say(report.add(result))
@@ -100,6 +102,14 @@ def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int
     paths += write_plots(args.out, args.name, summaries, report.results, _subtitle(workload))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if all(s["ok"] == s["requests"] and s["exact_lengths"] for s in summaries) else 1
+
+
+def status_options(args: argparse.Namespace) -> dict[str, str]:
+    """run_workload's keywords for a run against --target: where its Status is sampled from
+    (--status-target, or the gateway itself), and the admin key that goes with the gateway's."""
+    key = admin_key(args.admin_key_file) if args.admin_key_file else ""
+    flag = "--status-target" if args.status_target else "--target; or give --status-target"
+    return {"admin_key": "" if args.status_target else key, "status_flag": flag}
 
 
 def check_poll_and_timeout(args: argparse.Namespace, workload: Workload) -> None:

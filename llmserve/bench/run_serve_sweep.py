@@ -25,7 +25,7 @@ from llmserve.bench.prompts import check_with_tokenizer
 from llmserve.bench.records import RunResult
 from llmserve.bench.report import Report
 from llmserve.bench.run_budget_sweep import print_budget_table, say_row
-from llmserve.bench.run_serve import stack_settings
+from llmserve.bench.run_serve import stack_settings, status_options
 from llmserve.bench.run_sim import summary_row
 from llmserve.bench.served import POLL_S, run_policy, run_workload
 from llmserve.bench.workload import Workload
@@ -85,7 +85,8 @@ def _runs(args, base, budget: Budget, workload: Workload) -> list[tuple[str, Run
         set_budget(args.target, args.admin_key_file, budget)
         result = asyncio.run(
             run_workload(args.target, args.status_target, workload, budget.label, progress,
-                         args.poll or POLL_S, warmup=WARMUP, timeout_s=args.timeout)
+                         args.poll or POLL_S, warmup=WARMUP, timeout_s=args.timeout,
+                         **status_options(args))
         )  # fmt: skip
         return [("served", result)]
     settings = replace(

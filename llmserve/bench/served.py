@@ -29,12 +29,18 @@ async def run_workload(
     poll_s: float = POLL_S,
     warmup: int = 2,
     timeout_s: float | None = None,
+    admin_key: str = "",
+    status_flag: str = "",
 ) -> RunResult:
-    """Warm up, then send `workload` while polling Status; counters are deltas over the run."""
+    """Warm up, then send `workload` while polling Status; counters are deltas over the run.
+    Status comes from `scheduler`, or, with `scheduler` "", from the gateway (its scheduler's,
+    passed on; `admin_key` goes with it when given); `status_flag` names the option that chose
+    where, for the error when the first Status fails."""
     gen = LoadGenerator(gateway, timeout_s=timeout_s)
     await gen.warm_up(workload, warmup)
-    poller = StatusPoller(scheduler, poll_s)
-    before = counters_of(await poller.status())
+    via_gateway = not scheduler
+    poller = StatusPoller(scheduler or gateway, poll_s, via_gateway, admin_key, status_flag)
+    before = counters_of(await poller.first_status())
     bar = tqdm(
         total=len(workload.requests),
         desc=label,

@@ -49,6 +49,8 @@ def add_tenants_parser(kinds) -> None:
 
 
 def _cmd_tenants(args: argparse.Namespace) -> int:
+    from llmserve.bench.outdir import check_out_dir
     from llmserve.bench.run_tenants import run_tenants
 
+    check_out_dir(args.out)  # before minutes of load, not after
     return run_tenants(args, "llmserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
