@@ -12,6 +12,7 @@ import pytest
 from gateway.tokenizer import load_default_tokenizer
 from llmserve.bench import hash_trace as ht
 from llmserve.bench.cost_model import CostModel
+from llmserve.bench.errors import BenchError
 from llmserve.bench.policy import Policy
 from llmserve.bench.simulate import SimSettings, Simulation
 from llmserve.bench.stats import summarize
@@ -75,7 +76,7 @@ def test_a_shared_prefix_is_off_by_default_and_reused_only_when_asked(trace_csv)
     hit_rate = simulated(shared)["hit_rate"]
     # at most the 64 tokens of every request after the first (whole 16-token blocks)
     assert 0.05 < hit_rate <= 64 * (len(shared.requests) - 1) / shared.prompt_tokens
-    with pytest.raises(SystemExit, match="--workload trace"):
+    with pytest.raises(BenchError, match="--workload trace"):
         build_workload(sim_args(trace_csv, "--workload", "fixed", "--shared-prefix-tokens", "8"))
 
 
