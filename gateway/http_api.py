@@ -170,6 +170,12 @@ class HttpApi:
             offset,
         )
 
+    def _held_logprobs(self, reply: Reply, held: tuple[list, list, int] | None):
+        """The logprobs body of tokens (ids, logprobs, text offset); None without logprobs."""
+        if held is None or not held[1]:
+            return None
+        return self._logprobs(reply, *held)
+
     async def _stream(
         self,
         reply: Reply,
@@ -182,6 +188,7 @@ class HttpApi:
         code = "CANCELLED"  # until it ends otherwise: the client left
         prompt = _prompt_tokens(first[1])
         counts = [0] * n  # each choice's tokens so far, for continuous usage
+        held: dict[int, tuple[list, list, int]] = {}  # tokens a tool stream held back, by choice
 
         def so_far(index: int) -> dict:
             return running_usage(prompt, counts[index])
@@ -198,8 +205,12 @@ class HttpApi:
                         finishes[index] = item
                         called = False
                         if calls is not None:  # what the choice's tool stream held back
+                            logprobs = self._held_logprobs(reply, held.pop(index, None))
                             for delta in calls[index].end():
-                                yield reply.chunk(None, index=index, delta=delta)
+                                yield reply.chunk(None, logprobs=logprobs, index=index, delta=delta)
+                                logprobs = None
+                            if logprobs is not None:  # nothing more to say but their logprobs
+                                yield reply.chunk(None, logprobs=logprobs, index=index, delta={})
                             called = calls[index].called
                         usage = so_far(index)
                         yield reply.chunk(None, item, index=index, so_far=usage, called=called)
@@ -215,12 +226,18 @@ class HttpApi:
                             yield reply.chunk(
                                 item.text, logprobs=logprobs, index=index, so_far=usage
                             )
-                        else:  # tool calls' deltas: the logprobs go with the first of them
+                        else:  # tool calls' deltas: the logprobs go with the first of them,
+                            # with those of the tokens the tool stream held back before them
+                            ids, lps, start = held.pop(index, ([], [], at))
+                            ids, lps = ids + list(item.token_ids), lps + list(item.logprobs)
+                            logprobs = self._held_logprobs(reply, (ids, lps, start))
                             for delta in calls[index].feed(item.text):
                                 yield reply.chunk(
                                     None, logprobs=logprobs, index=index, so_far=usage, delta=delta
                                 )
                                 logprobs = None
+                            if logprobs is not None:  # held back: they go with a later delta
+                                held[index] = (ids, lps, start)
                         offsets[index] += len(item.text)
                     index, item = await anext(events)
                 if reply.include_usage:

@@ -53,6 +53,9 @@ MAX_TIME_WINDOW = 64  # steps: --step-time-window's largest
 MAX_COUNT = 2**32 - 1  # token_budget and max_running: uint32 in the status and explain replies
 MAX_DECODE_STEPS = 32  # executions: --decode-steps's largest
 MAX_SPECULATIVE_TOKENS = 16  # --num-speculative-tokens's largest
+# the longest n-gram a proposer matches: the suffix index keeps an entry per n per position
+# (its memory and the time adding a finished request takes on the step loop grow as max^2)
+MAX_LOOKUP = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +129,9 @@ class CoreConfig:
         5, "the shortest n-gram of a request's end that a proposer matches (vLLM's name)"
     )
     prompt_lookup_max: int = setting(
-        5, "the longest n-gram of a request's end that a proposer matches, tried first"
+        5,
+        f"the longest n-gram of a request's end that a proposer matches, tried first (at most "
+        f"{MAX_LOOKUP})",
     )
     speculation_potential: bool = setting(
         True,
@@ -162,6 +167,11 @@ class CoreConfig:
             raise ValueError(
                 f"prompt_lookup_min {self.prompt_lookup_min} and prompt_lookup_max "
                 f"{self.prompt_lookup_max}: need 1 <= min <= max"
+            )
+        if self.prompt_lookup_max > MAX_LOOKUP:
+            raise ValueError(
+                f"prompt_lookup_max must be at most {MAX_LOOKUP}, got {self.prompt_lookup_max} "
+                f"(the suffix index's memory and work grow with its square)"
             )
         object.__setattr__(self, "speculative", Speculative(self.speculative))
         object.__setattr__(self, "speculative_length", DraftLength(self.speculative_length))

@@ -59,13 +59,18 @@ def apply(config: CoreConfig, changes: dict[str, str]) -> CoreConfig:
             raise SettingError(key, f"not a live setting (one of {', '.join(NAMES)})")
         try:
             values[name] = parse_field(CoreConfig, name, text)
-            dataclasses.replace(config, **{name: values[name]})  # the field's own checks
         except ValueError as err:
             raise SettingError(name, str(err)) from None
-    try:
+    try:  # the changes together: a rule across fields holds for them, not one at a time
         return dataclasses.replace(config, **values)
-    except ValueError as err:  # a rule across fields
-        raise SettingError(", ".join(values), str(err)) from None
+    except ValueError as err:
+        together = str(err)
+    for name, value in values.items():  # the first field whose own change is refused ...
+        try:
+            dataclasses.replace(config, **{name: value})
+        except ValueError as err:
+            raise SettingError(name, str(err)) from None
+    raise SettingError(", ".join(values), together)  # ... else a rule across them
 
 
 def stranded(config: CoreConfig, seqs: Iterable[Sequence]) -> str | None:

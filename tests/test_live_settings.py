@@ -47,12 +47,28 @@ def test_a_change_gives_a_new_config_with_typed_values() -> None:
         (["prefix_caching=maybe"], "prefix_caching"),
         (["colour=blue"], "colour"),
         (["policy=paged", "mode=sometimes"], "mode"),
+        (["prompt_lookup_max=9"], "prompt_lookup_max"),  # 400 stalled the step loop 3 s
     ],
 )
 def test_a_bad_value_names_its_field(pairs: list[str], field: str) -> None:
     with pytest.raises(SettingError) as err:
         apply(CoreConfig(), parse_pairs(pairs))
     assert err.value.name == field and field in str(err.value)
+
+
+@pytest.mark.parametrize(("low", "high"), [("1", "3"), ("7", "8")])
+def test_fields_a_rule_binds_together_are_checked_together(low, high) -> None:
+    """Both n-gram lengths moved past the other's old value (defaults 5 and 5): valid together,
+    as at start, in either order. (Each was checked against the other's old value and
+    refused.) The rule across them still holds."""
+    for pairs in (
+        {"prompt_lookup_min": low, "prompt_lookup_max": high},
+        {"prompt_lookup_max": high, "prompt_lookup_min": low},
+    ):
+        new = apply(CoreConfig(), pairs)
+        assert (new.prompt_lookup_min, new.prompt_lookup_max) == (int(low), int(high))
+    with pytest.raises(SettingError, match="need 1 <= min <= max"):
+        apply(CoreConfig(), {"prompt_lookup_min": high, "prompt_lookup_max": low})
 
 
 def test_a_pair_without_equals_is_refused() -> None:

@@ -9,6 +9,7 @@ requests and its own time and skips."""
 
 from __future__ import annotations
 
+import dataclasses
 from array import array
 
 import pytest
@@ -113,6 +114,23 @@ def test_the_suffix_index_carries_over_only_to_the_same_ngram_lengths() -> None:
     assert other is not None and other.suffix is not None and other.suffix is not before.suffix
     assert (other.suffix.n_min, other.suffix.n_max) == (2, 5)
     assert other.suffix.docs == {} and other.propose(_seq("a", [9, 9, 9, 9, 21, 22]), 2) == []
+
+
+@pytest.mark.parametrize("through", [Speculative.OFF, Speculative.NGRAM])
+def test_the_core_keeps_the_suffix_index_through_off_and_lookup_only(through) -> None:
+    """suffix -> off (or ngram) -> suffix: the index of the requests before is there again, as
+    docs/control-plane.md says (it started empty)."""
+    from scheduler_svc.config import WorkerSpec
+    from scheduler_svc.core import Scheduler
+
+    config = CoreConfig(speculative=Speculative.SUFFIX, prompt_lookup_min=2, prompt_lookup_max=3)
+    core = Scheduler(config, [WorkerSpec("w", 64, 4, 4096)])
+    index = core.proposer.suffix
+    core.proposer.learn(_finished("old", [20, 21, 22, 23, 24]))
+    core.reconfigure(dataclasses.replace(config, speculative=through))
+    core.reconfigure(config)
+    assert core.proposer.suffix is index
+    assert core.proposer.propose(_seq("a", [9, 9, 9, 9, 21, 22]), 2) == [23, 24]
 
 
 def test_the_suffix_index_rejects_ngram_lengths_out_of_order() -> None:

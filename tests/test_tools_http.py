@@ -134,6 +134,29 @@ def test_streamed_calls_come_as_openai_streams_them(sdk) -> None:
         assert not any(c.choices[0].delta.content for c in chunks)
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_a_streamed_calls_logprobs_are_every_tokens_as_not_streamed(sdk, choice) -> None:
+    """One logprobs entry per token, streamed or not: those of the tokens the tool stream
+    holds back (the call's head, its closing brace, the end) go with a later chunk. (They were
+    dropped: 33 of 45 streamed.)"""
+    ask = dict(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+        seed=3, temperature=1.0, max_tokens=200, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    whole = sdk.chat.completions.create(**ask)
+    expected = [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
+    assert len(expected) == whole.usage.completion_tokens
+    chunks = [c for c in sdk.chat.completions.create(**ask, stream=True) if c.choices]
+    streamed = [
+        (e.token, e.logprob)
+        for c in chunks
+        if c.choices[0].logprobs is not None
+        for e in c.choices[0].logprobs.content
+    ]
+    assert streamed == expected
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_required_parallel_calls_are_one_or_more_valid_calls_whole_and_streamed(sdk) -> None:
     asked = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=400)
     reply = sdk.chat.completions.create(**asked, n=10, seed=3, temperature=1.0)

@@ -67,7 +67,10 @@ class Membership(CoreState):
         self.reserve = config.policy is KvPolicy.RESERVE
         self.static = config.mode is BatchMode.STATIC
         self.caching = config.prefix_caching and not self.reserve
-        self.proposer = Proposer.of(config, self.proposer)
+        before = self.proposer
+        if before is not None and before.suffix is not None:
+            self.kept_suffix = before.suffix  # set aside: off or lookup only forget nothing
+        self.proposer = Proposer.of(config, before, self.kept_suffix)
         for ws in self.workers:
             ws.caching = self.caching
             ws.kv.set_caching(self.caching)

@@ -17,6 +17,7 @@ from scheduler_svc.run_rule import ArrivalRate
 from scheduler_svc.sequence import NO_HANDLE, Finish, SeqStatus, Sequence
 from scheduler_svc.speculation.potential import Potential
 from scheduler_svc.speculation.proposer import Proposer
+from scheduler_svc.speculation.suffix import SuffixIndex
 from scheduler_svc.step import Step, Work
 from scheduler_svc.step_cost import BatchShape
 from scheduler_svc.step_model import BUILTIN_PRIOR, StepPredictor
@@ -70,6 +71,7 @@ class CoreState:
         self.arrivals = ArrivalRate()  # requests added per second, recently (--decode-runs auto)
         # speculative decoding (--speculative): the proposer, and vLLM's counters of the drafts
         self.proposer = Proposer.of(config)
+        self.kept_suffix: SuffixIndex | None = None  # the last suffix index, across switches
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.spec_accepted_per_pos: Counter[int] = Counter()  # draft position (0-based) -> kept
         # what speculation would give on the finished requests (--speculation-potential)

@@ -26,12 +26,16 @@ class Proposer:
             self.suffix = suffix if same else SuffixIndex(self.n_min, self.n_max)
 
     @staticmethod
-    def of(config: CoreConfig, before: Proposer | None = None) -> Proposer | None:
-        """The proposer of `config` (None with speculation off); a suffix index of `before`
-        with the same n-gram lengths carries over."""
+    def of(
+        config: CoreConfig, before: Proposer | None = None, kept: SuffixIndex | None = None
+    ) -> Proposer | None:
+        """The proposer of `config` (None with speculation off); the suffix index of `before`,
+        else `kept` (one set aside while speculation was off or lookup only), carries over
+        where its n-gram lengths are the same."""
         if config.speculative is Speculative.OFF:
             return None
-        return Proposer(config, before.suffix if before is not None else None)
+        suffix = before.suffix if before is not None and before.suffix is not None else kept
+        return Proposer(config, suffix)
 
     def propose(self, seq: Sequence, k: int, skip: int = 0) -> list[int]:
         """Up to `k` tokens to follow `seq`'s tokens and `skip` unknown ones (a token in flight:
