@@ -19,6 +19,9 @@ from gateway.http_server import HttpServer, bind
 from gateway.settings import GatewaySettings
 
 BOUND_S = 30.0  # far past every timeout here: reached only if a guard fails
+# a 0.5 s timeout, as the client sees it: the server's clock starts when it accepts the
+# connection, a moment before the client's (0.4993 s was measured once on a loaded host)
+EARLIEST = 0.45
 HEAD = b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\n"
 Opened = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
@@ -99,7 +102,7 @@ def test_a_head_sent_a_byte_at_a_time_is_closed_within_the_header_timeout() -> N
             return seconds
 
     seconds = asyncio.run(scenario())
-    assert 0.5 <= seconds < BOUND_S
+    assert EARLIEST <= seconds < BOUND_S
 
 
 def test_an_idle_connection_that_sends_nothing_is_closed_within_the_header_timeout() -> None:
@@ -110,7 +113,7 @@ def test_an_idle_connection_that_sends_nothing_is_closed_within_the_header_timeo
             writer.close()
             return seconds
 
-    assert 0.5 <= asyncio.run(scenario()) < BOUND_S
+    assert EARLIEST <= asyncio.run(scenario()) < BOUND_S
 
 
 def test_the_next_head_on_a_kept_alive_connection_has_the_same_deadline() -> None:
@@ -127,7 +130,7 @@ def test_the_next_head_on_a_kept_alive_connection_has_the_same_deadline() -> Non
 
     answer, seconds = asyncio.run(scenario())
     assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"hello")
-    assert 0.5 <= seconds < BOUND_S
+    assert EARLIEST <= seconds < BOUND_S
 
 
 def test_a_body_sent_a_byte_at_a_time_is_closed_within_the_body_timeout() -> None:
@@ -143,7 +146,7 @@ def test_a_body_sent_a_byte_at_a_time_is_closed_within_the_body_timeout() -> Non
                 await app.disconnected.wait()  # the request saw its client gone
             return seconds
 
-    assert 0.5 <= asyncio.run(scenario()) < BOUND_S
+    assert EARLIEST <= asyncio.run(scenario()) < BOUND_S
 
 
 def test_a_prompt_client_is_served_under_the_guards() -> None:
