@@ -269,6 +269,9 @@ class GatewayCore:
                 return
             except grpc.aio.AioRpcError as err:
                 if await self._other_cell(flight, err, time_remaining):
+                    # resubmitting now: if that cell fails it too before accepting it, it is
+                    # still the request's scheduler that was lost, not a refusal
+                    resume_by = resume_by or time.monotonic() + self.settings.resubmit_timeout
                     continue
                 if not await _scheduler_lost(flight.call, err, resume_by is not None):
                     raise
