@@ -36,9 +36,7 @@ def health(url: str) -> int:
         return err.code
 
 
-def test_with_every_cell_down_held_streams_wait_for_one_to_come_back(
-    tmp_path, monkeypatch
-) -> None:
+def test_with_every_cell_down_held_streams_wait_for_one_to_come_back(tmp_path, monkeypatch) -> None:
     """kill -9 both cells' schedulers under 6 streams: while neither answers, every stream is
     held (none ends); one cell started again takes them all, and they end whole and exact.
     (They failed within a second with "no cell answers", or INTERNAL.) The gateway waits up to
