@@ -23,11 +23,13 @@ from llmcommon.admin_auth import (
 from llmcommon.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 TIMEOUT_S = 30.0  # an explanation plans the core a few dozen times
+DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # a cell not answering
 
 
 class GatewayAdmin(scheduler_pb2_grpc.AdminServicer):
     """With several cells (`router` given): the router's live settings (router, router_*) are
-    the gateway's own, set here; the others go to every cell's scheduler (the first's reply)."""
+    the gateway's own, set here; the others go to every cell's scheduler that answers (the
+    first's reply; a cell that is down is passed over, and `get` and `explain` ask the next)."""
 
     def __init__(
         self,
@@ -38,7 +40,7 @@ class GatewayAdmin(scheduler_pb2_grpc.AdminServicer):
         self.stub, self.router, self.others = stub, router, others or []
 
     async def GetSettings(self, request, context):
-        reply = await forward(self.stub.GetSettings, request, context)
+        reply = await self._any_cell("GetSettings", request, context)
         if self.router is not None:
             reply.settings.extend(_settings(live_values(self.router.settings)))
         return reply
@@ -55,12 +57,10 @@ class GatewayAdmin(scheduler_pb2_grpc.AdminServicer):
             changes=[c for c in request.changes if c.name not in LIVE]
         )
         if rest.changes:
-            reply = await forward(self.stub.SetSettings, rest, context)
-            for other in self.others:
-                await forward(other.SetSettings, rest, context)
+            reply = await self._every_cell(rest, context)
         else:
             reply = scheduler_pb2.SetSettingsReply()
-            now = await forward(self.stub.GetSettings, scheduler_pb2.GetSettingsRequest(), context)
+            now = await self._any_cell("GetSettings", scheduler_pb2.GetSettingsRequest(), context)
             reply.settings.extend(now.settings)
         before = live_values(self.router.settings)
         self.router.configure(replace(routing, block_size=self.router.settings.block_size))
@@ -72,7 +72,37 @@ class GatewayAdmin(scheduler_pb2_grpc.AdminServicer):
         return reply
 
     async def Explain(self, request, context):
-        return await forward(self.stub.Explain, request, context)
+        if self.router is None:
+            return await forward(self.stub.Explain, request, context)
+        return await self._any_cell("Explain", request, context)
+
+    async def _any_cell(self, method: str, request, context):
+        """With cells: the first cell's answer, or the next one's while a cell is down."""
+        stubs = [self.stub, *self.others]
+        for i, stub in enumerate(stubs):
+            try:
+                return await ask(getattr(stub, method), request, context)
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in DOWN or i == len(stubs) - 1:
+                    await context.abort(err.code(), err.details() or "")
+
+    async def _every_cell(self, request, context) -> scheduler_pb2.SetSettingsReply:
+        """With cells: the changes sent to every cell that answers (the first one's reply); a
+        cell that is down is passed over (it keeps its own settings when it comes back: set
+        them again), a refusal ends it; UNAVAILABLE when no cell answers."""
+        reply, down = None, []
+        for stub in [self.stub, *self.others]:
+            try:
+                answer = await ask(stub.SetSettings, request, context)
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in DOWN:
+                    await context.abort(err.code(), err.details() or "")
+                down.append(err.details() or err.code().name)
+                continue
+            reply = reply or answer
+        if reply is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no cell answers: {down[0]}")
+        return reply
 
 
 def _settings(values: dict[str, str]) -> list[scheduler_pb2.Setting]:
@@ -85,11 +115,16 @@ def forwarded_metadata(context) -> tuple[tuple[str, str], ...]:
     return ((ADMIN_KEY_HEADER, key), (FORWARDED_FOR, context.peer()))
 
 
-async def forward(call, request, context):
+async def ask(call, request, context):
+    """The scheduler's answer to the call, with the caller's admin key; AioRpcError as is."""
     remaining = context.time_remaining()
     timeout = min(remaining, TIMEOUT_S) if remaining is not None else TIMEOUT_S
+    return await call(request, metadata=forwarded_metadata(context), timeout=timeout)
+
+
+async def forward(call, request, context):
     try:
-        return await call(request, metadata=forwarded_metadata(context), timeout=timeout)
+        return await ask(call, request, context)
     except grpc.aio.AioRpcError as err:  # the scheduler's answer, as it gave it
         await context.abort(err.code(), err.details() or "")
 

@@ -71,3 +71,36 @@ def test_a_bad_router_setting_changes_nothing_anywhere():
     with pytest.raises(grpc.RpcError):
         set_settings(GatewayAdmin(first, router), router="fastest", token_budget="512")
     assert router.settings.policy is RoutePolicy.CACHE_AWARE and first.sent == []
+
+
+class DownAdmin:
+    """A cell whose scheduler is down: every call UNAVAILABLE."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    async def _down(self, request, **_):
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down"
+        )
+
+    GetSettings = SetSettings = Explain = _down
+
+
+def test_a_cell_that_is_down_is_passed_over_and_the_others_are_set():
+    """The first cell down: `set` reaches the others (it failed outright), `get` asks the next."""
+    first, second = DownAdmin(), FakeAdmin()
+    router = Router(["a", "b"])
+    admin = GatewayAdmin(first, router, [second])
+    reply = set_settings(admin, token_budget="512")
+    assert [(c.name, c.value) for c in second.sent[0].changes] == [("token_budget", "512")]
+    assert {s.name: s.value for s in reply.settings}["token_budget"] == "512"
+    names = {s.name: s.value for s in asyncio.run(admin.GetSettings(None, Context())).settings}
+    assert names["token_budget"] == "256" and "router" in names
+
+
+def test_with_every_cell_down_set_is_unavailable():
+    router = Router(["a", "b"])
+    with pytest.raises(grpc.RpcError) as err:
+        set_settings(GatewayAdmin(DownAdmin(), router, [DownAdmin()]), token_budget="512")
+    assert err.value.args[0] is grpc.StatusCode.UNAVAILABLE
