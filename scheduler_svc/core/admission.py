@@ -158,10 +158,15 @@ class Admission(CoreState):
             (full if want <= spec.max_context else partial).append(ws)
         return full or partial
 
-    def _returning(self, seq: Sequence) -> WorkerState | None:
+    def _returning(
+        self, seq: Sequence, back: list[WorkerState] | None = None
+    ) -> WorkerState | None:
         """A failed worker that can hold `seq` and may still come back (failed less than
-        `return_wait` ago): while there is one, `seq` waits for it rather than fail."""
-        back = self.returning_workers()
+        `return_wait` ago; `back`: those workers, found once for many requests): while there
+        is one, `seq` waits for it rather than fail."""
+        back = self.returning_workers() if back is None else back
+        if not back:
+            return None
         return next((ws for ws in self._candidates(seq, live=False) if ws in back), None)
 
     def returning_workers(self) -> list[WorkerState]:
@@ -307,9 +312,9 @@ class Admission(CoreState):
         waiting request that none of them can ever hold (when none is live, every waiting
         request), unless a failed worker that could hold it may still come back (`_returning`).
         No step loop may be left to see it. Returns their finishes."""
-        failed = []
+        failed, back = [], self.returning_workers()
         for seq in list(self.waiting):
-            if not self._candidates(seq, live=True) and self._returning(seq) is None:
+            if not self._candidates(seq, live=True) and self._returning(seq, back) is None:
                 failed += self.abort(seq.request_id, Finish.ERROR, self._no_worker_message(seq))
         return failed
 
