@@ -170,13 +170,29 @@ class Cells:
         return out
 
     async def watch(self, on_change=None) -> None:
-        """Every WATCH_PERIOD_S: each cell's health and load; cells that joined or left."""
-        while True:
-            await asyncio.sleep(WATCH_PERIOD_S)
-            await asyncio.gather(*(self._check(cell) for cell in list(self.cells.values())))
-            self._resolve()
-            if on_change is not None:
-                on_change()
+        """Every WATCH_PERIOD_S: each cell's health and load; cells that joined or left. Each
+        cell has at most one check in flight, and no cell's check waits for another's: a hung
+        cell's check takes CHECK_TIMEOUT_S while the others are checked every period."""
+        checks: dict[str, asyncio.Task] = {}
+        try:
+            while True:
+                await asyncio.sleep(WATCH_PERIOD_S)
+                for cell in list(self.cells.values()):
+                    running = checks.get(cell.address)
+                    if running is None or running.done():
+                        checks[cell.address] = asyncio.create_task(self._checked(cell))
+                self._resolve()
+                if on_change is not None:
+                    on_change()
+        finally:
+            for task in checks.values():
+                task.cancel()
+
+    async def _checked(self, cell: Cell) -> None:
+        try:
+            await self._check(cell)
+        except Exception:  # (a check's own failure must not end the watch of the others)
+            log.exception("checking cell %s", cell.address)
 
     async def _check(self, cell: Cell) -> None:
         asked = cell.silence.clock()  # type: ignore[union-attr]  # silence counts from the ask
