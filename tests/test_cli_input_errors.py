@@ -171,3 +171,19 @@ def test_the_other_benchmarks_refuse_an_unwritable_out_before_the_run(command, t
     out = unwritable(tmp_path)
     done = run_cli("bench", *command, "--no-progress", "--out", str(out))
     one_line_usage_error(done, "--out", str(out))
+
+
+@pytest.mark.parametrize(
+    "flags, name",
+    [
+        (["--queue-policies", "fcfs,bogus"], "--queue-policies"),
+        (["--duration", "0"], "--duration"),
+        (["--warmup", "-1"], "--warmup"),
+        (["--batch-concurrency", "0"], "--batch-concurrency"),
+        (["--chat-output-tokens", "x"], "--chat-output-tokens"),
+        (["--threads", "0"], "--threads"),
+    ],
+)
+def test_bench_tenants_refuses_bad_flags_before_it_starts_a_stack(flags, name, tmp_path) -> None:
+    # (a bad queue policy was found only by the stack it had started: "INVALID_ARGUMENT", exit 1)
+    one_line_usage_error(run_cli("bench", "tenants", *flags, "--out", str(tmp_path)), name)

@@ -11,7 +11,7 @@ from llmcommon.flags import help_of
 from llmserve.bench.budget_sweep import positive_list, time_budget_list
 from llmserve.bench.goodput import SLO_FORMAT, slo_arg
 from llmserve.bench.outdir import check_out_dir
-from llmserve.bench.policy import parse_policies
+from llmserve.bench.policy import policy_list
 from llmserve.bench.tenants_cmd import add_tenants_parser
 from llmserve.bench.workload_args import above, add_workload_flags
 from llmserve.client import check_target
@@ -424,15 +424,6 @@ def address(text: str) -> str:
         return check_target(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def policy_list(text: str) -> str:
-    """An argparse type: comma-separated mode+kv (kept as text; parse_policies reads it)."""
-    try:
-        parse_policies(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    return text
 
 
 def load_list(text: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from llmserve.bench.errors import BenchError
@@ -71,3 +73,22 @@ def parse_caching(text: str) -> list[bool | None]:
 
 def _on(flag: bool) -> str:
     return "on" if flag else "off"
+
+
+def checked_text(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """An argparse type that checks its text with `parse` and keeps the text (read again later
+    with the other flags): `parse`'s ValueError becomes argparse's one-line error."""
+
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+
+    return check
+
+
+# comma-separated mode+kv, and comma-separated queue orderings
+policy_list = checked_text(parse_policies)
+queue_list = checked_text(parse_queues)

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from llmcommon.tenancy import TenancyError, parse_slo_classes
-from llmserve.bench.policy import parse_queues
+from llmserve.bench.policy import queue_list
 from llmserve.bench.tenants import (
     TenantSpecError,
     load_tenants_file,
@@ -55,15 +55,6 @@ def add_tenant_flags(p: argparse.ArgumentParser) -> None:
         + ", ".join(q.value for q in QueuePolicy)
         + "), the same arrivals, side by side; default: the core's (fcfs)",
     )
-
-
-def queue_list(text: str) -> str:
-    """An argparse type: comma-separated orderings (kept as text; parse_policies reads it)."""
-    try:
-        parse_queues(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
 
 
 def wants_tenants(args: argparse.Namespace) -> bool:

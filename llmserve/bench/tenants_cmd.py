@@ -8,6 +8,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from llmserve.bench.policy import queue_list
+from llmserve.bench.workload_args import above, at_least
+
 
 def add_tenants_parser(kinds) -> None:
     p = kinds.add_parser(
@@ -17,26 +20,29 @@ def add_tenants_parser(kinds) -> None:
     )
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="bf16")
-    p.add_argument("--threads", type=int, default=2, help="torch threads of the worker")
+    p.add_argument(
+        "--threads", type=at_least(int, 1), default=2, help="torch threads of the worker"
+    )
     p.add_argument(
         "--queue-policies",
+        type=queue_list,
         default="fcfs,fair,priority",
         help="comma-separated; each runs for --duration on the same stack, switched live (the "
         "first is the baseline of the ratios)",
     )
-    p.add_argument("--duration", type=float, default=90.0, help="seconds per policy")
+    p.add_argument("--duration", type=above(0), default=90.0, help="seconds per policy")
     p.add_argument(
         "--warmup",
-        type=float,
+        type=at_least(float, 0),
         default=30.0,
         help="seconds of the batch load alone before the first policy, not reported (the "
         "worker's first steps are slower)",
     )
-    p.add_argument("--batch-concurrency", type=int, default=64)
-    p.add_argument("--batch-prompt-tokens", type=int, default=600)
-    p.add_argument("--batch-output-tokens", type=int, default=256)
-    p.add_argument("--chat-prompt-tokens", type=int, default=24)
-    p.add_argument("--chat-output-tokens", type=int, default=24)
+    p.add_argument("--batch-concurrency", type=at_least(int, 1), default=64)
+    p.add_argument("--batch-prompt-tokens", type=at_least(int, 1), default=600)
+    p.add_argument("--batch-output-tokens", type=at_least(int, 1), default=256)
+    p.add_argument("--chat-prompt-tokens", type=at_least(int, 1), default=24)
+    p.add_argument("--chat-output-tokens", type=at_least(int, 1), default=24)
     p.add_argument(
         "--chat-priority",
         type=int,
