@@ -357,7 +357,11 @@ class GatewayCore:
                 tally.cached_tokens = event.cached_tokens
             if event.token_ids:
                 now = time.monotonic()
-                text, kept, hit = _until_stop(detok, stops, list(event.token_ids))
+                # a request the scheduler stopped ended at a stop token (EOS or one of its
+                # stop_token_ids), which arrives with the finish: counted, not rendered (vLLM)
+                silent = event.finish_reason == common_pb2.FINISH_REASON_STOP
+                silent = silent and not stops.include_stop
+                text, kept, hit = _until_stop(detok, stops, list(event.token_ids), silent)
                 ids, lps = list(event.token_ids[:kept]), list(event.logprobs[:kept])
                 if self.on_tokens is not None:
                     self.on_tokens(tally, kept, now)
@@ -432,17 +436,19 @@ class GatewayCore:
 
 
 def _until_stop(
-    detok: IncrementalDetokenizer, stops: StopMatcher, ids: list[int]
+    detok: IncrementalDetokenizer, stops: StopMatcher, ids: list[int], silent_last: bool = False
 ) -> tuple[str, int, bool]:
     """The text of `ids` that may be emitted, how many of them count, and whether a stop string
     was hit. Several tokens in one event (a decode run's) are pushed one at a time while stop
     strings are watched, so the output ends at the token that completes a stop: the tokens after
-    it are neither sent nor counted in usage."""
-    if len(ids) == 1 or not stops.watching:
-        text, hit = stops.push(detok.push(ids))
-        return text, len(ids), hit
+    it are neither sent nor counted in usage. `silent_last`: the last token (the stop token that
+    ended the request) counts, but its text is not rendered."""
+    shown = ids[:-1] if silent_last else ids
+    if len(shown) <= 1 or not stops.watching:
+        text, hit = stops.push(detok.push(shown)) if shown else ("", False)
+        return text, len(shown) if hit else len(ids), hit
     parts = []
-    for i, token in enumerate(ids):
+    for i, token in enumerate(shown):
         text, hit = stops.push(detok.push([token]))
         parts.append(text)
         if hit:

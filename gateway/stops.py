@@ -41,6 +41,12 @@ class StopMatcher:
         return self._done
 
     @property
+    def include_stop(self) -> bool:
+        """Does the text keep what stopped it (vLLM's include_stop_str_in_output): the stop
+        string, and the stop token's text?"""
+        return self._include_stop
+
+    @property
     def watching(self) -> bool:
         """Are there stop strings still to look for?"""
         return bool(self._stops) and not self._done

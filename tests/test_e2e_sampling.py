@@ -21,7 +21,7 @@ from llmcommon.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from tests.model_support import hf, model
+from tests.model_support import hf, model, tokenizer
 from tests.stacks import free_port, running_stack, tiny_settings
 
 pytestmark = pytest.mark.usefixtures("hang_guard")
@@ -179,6 +179,34 @@ def test_http_sampling_fields_give_what_the_grpc_api_gives(stack) -> None:
     penalized |= dict(presence_penalty=0.4, frequency_penalty=0.2, repetition_penalty=1.2)
     status, body = post(stack, "/completions", {"prompt": "Hello there", **penalized})
     assert body["choices"][0]["text"] == generate(stack, **penalized).text
+
+
+def test_the_stop_token_that_ended_a_request_counts_but_is_not_in_its_text(stack) -> None:
+    # vLLM's rule: the token that stopped the request (a stop_token_id, or EOS with
+    # skip_special_tokens false) is in the usage and the token ids, not in the text, unless
+    # include_stop_str_in_output
+    forced = dict(prompt="Hello there", max_tokens=4, temperature=0, min_tokens=2)
+    stopped = forced | dict(logit_bias={"77": 100}, stop_token_ids=[77])
+    status, body = post(stack, "/completions", stopped)
+    assert status == 200 and body["usage"]["completion_tokens"] == 3
+    status, kept = post(stack, "/completions", stopped | {"include_stop_str_in_output": True})
+    assert status == 200 and kept["usage"]["completion_tokens"] == 3
+    stop_text = kept["choices"][0]["text"][len(body["choices"][0]["text"]) :]
+    assert stop_text and kept["choices"][0]["text"] == body["choices"][0]["text"] + stop_text
+    two = generate(stack, max_tokens=2, temperature=0, ignore_eos=True, logit_bias={77: -100})
+    assert body["choices"][0]["text"] == two.text  # the same two tokens, and nothing after
+
+
+def test_the_eos_that_ended_a_request_is_not_in_text_that_keeps_special_tokens(stack) -> None:
+    eos = tokenizer().eos_token_id
+    forced = dict(prompt="Hello there", max_tokens=4, temperature=0, min_tokens=2)
+    forced |= dict(logit_bias={str(eos): 100}, skip_special_tokens=False)
+    status, body = post(stack, "/completions", forced)
+    assert status == 200 and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 3
+    status, kept = post(stack, "/completions", forced | {"include_stop_str_in_output": True})
+    eos_text = tokenizer().decode([eos])
+    assert eos_text and kept["choices"][0]["text"] == body["choices"][0]["text"] + eos_text
 
 
 @pytest.mark.parametrize(
