@@ -6,6 +6,7 @@ from __future__ import annotations
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
 from scheduler_svc.output import Event, Outputs, StepTokens
+from scheduler_svc.invariants import check_invariants
 from scheduler_svc.sequence import Finish
 from tests.sim import ids, seq
 
@@ -71,6 +72,29 @@ def test_the_failure_paths_return_the_finishes_they_make() -> None:
     assert [(e.request_id, e.finish) for e in failed] == [("a", Finish.ERROR)]
     assert "bad token" in failed[0].error
     assert ids(core.fail_step(planned, "the model failed")) == ["b", "c"]
+
+
+def test_a_decode_run_whose_every_decode_failed_completes_empty() -> None:
+    # the service's order when the worker fails a run's only request alone: fail_items, then
+    # complete with no tokens (it had raised, and the scheduler exited 70)
+    core = Scheduler(
+        CoreConfig(decode_steps=4, decode_runs="fixed"), [WorkerSpec("w0", 100, 4, 4096)]
+    )
+    core.add(seq("a", 4, 20))
+    core.add(seq("b", 4, 20))
+    [first] = core.schedule_all()
+    core.complete(first, [1, 2])
+    [run] = core.schedule_all()
+    assert run.repeat > 1 and len(run.decodes) == 2
+    failed = core.fail_items(run, {s.handle: "boom" for s in run.decodes}, "w0")
+    assert sorted(ids(failed)) == ["a", "b"]
+    out = core.complete(run, [])
+    assert out.tokens is not None and list(out.tokens) == [] and out.finishes == []
+    core.add(seq("c", 4, 2))  # the core goes on, the failed requests gone and their KV free
+    [next_step] = core.schedule_all()
+    assert ids(next_step.admissions) == ["c"]
+    assert [s.request_id for s in core.workers[0].running] == ["c"]
+    check_invariants(core)
 
 
 def test_a_request_no_live_worker_can_hold_fails_on_the_first_step_planned() -> None:

@@ -61,6 +61,8 @@ class Runs(CoreState):
         decodes, n = step.decodes, len(step.decodes)
         if len(tokens) != n * step.repeat:
             raise ValueError(f"{len(tokens)} tokens for {step.repeat} executions of {n} decodes")
+        if n == 0:  # the worker failed every decode of the run (fail_items took them out)
+            return Outputs(StepTokens([], []))
         live = [seq.handle == h for seq, h in zip(decodes, step.decode_handles, strict=True)]
         kept_seqs: list[Sequence] = []
         kept: list[int] = []
