@@ -679,9 +679,10 @@ def test_a_head_whose_uncached_rest_is_within_the_budget_is_held_that_rest():
     assert [e.cached_tokens for s in steps for e in s.admissions] == [16]
 
 
-def test_a_head_preempts_once_a_step_and_asks_again_where_shared_blocks_stayed():
-    """The victims' room counts their blocks, shared ones too; a shared block stays with the
-    request sharing it, so the head may still wait: it asks again at the next step."""
+def test_a_shared_block_counts_as_room_only_once_every_victim_holding_it_goes():
+    """The victims' room counts the blocks their going frees: a block low1 and low2 share is
+    freed only by both going. Before, low2 alone was preempted in vain (its shared blocks stayed
+    with low1, and top still waited); now both go in one step and top is admitted in it."""
     spec = WorkerSpec("w0", num_blocks=10, block_size=4, max_context=128)  # 40 positions
     core = core_of("priority", (spec,))
     shared = list(range(3, 11))  # 2 blocks
@@ -692,11 +693,9 @@ def test_a_head_preempts_once_a_step_and_asks_again_where_shared_blocks_stayed()
     step(core)  # low2 shares low1's first 2 blocks: 5 blocks free
     assert core.seqs["low2"].num_computed == 12
     core.add(seq("top", 28, 2, tenancy=Tenancy(priority=0)))  # 7 blocks
-    step(core)  # low2's 3 blocks would make 8 free: its own 1 does (6)
-    assert core.seqs["low2"].preemptions == 1 and core.seqs["low1"].preemptions == 0
-    assert core.seqs["top"].admitted_at is None
-    step(core)
-    assert core.seqs["low1"].preemptions == 1 and core.seqs["top"].admitted_at is not None
+    step(core)  # low2's going alone frees its own block (6 free): both must go
+    assert core.seqs["low2"].preemptions == 1 and core.seqs["low1"].preemptions == 1
+    assert core.seqs["top"].admitted_at is not None
 
 
 def test_a_new_head_is_asked_although_nothing_ran_differently():

@@ -268,21 +268,35 @@ class Admission(CoreState):
     def _victims(self, ws: WorkerState, head: Sequence) -> list[Sequence]:
         """The running requests on `ws` whose preemption, in the order the head's ordering
         names them, first leaves a running place and the KV blocks `head` needs (its first
-        chunk, or its reservation); none if even all it may name leave too little."""
+        chunk after its cached blocks, or its reservation); none if even all it may name leave
+        too little. A victim's going frees only the blocks no other request still holds (a
+        prefix it shares stays), and the head's cached blocks that nobody would hold then are
+        taken from the free ones."""
         spec, kv, limit = ws.spec, ws.kv, self.config.max_running
         if self.reserve:
-            need = head.max_length(spec.max_context)
+            hit: list[int] = []
+            need = blocks_for(head.max_length(spec.max_context), spec.block_size)
         else:
-            need = self._chunk(head, self._full_budget())
-        need = blocks_for(need, spec.block_size) * spec.block_size
-        rest, victims, room = list(ws.running), [], ws.free_positions
-        while len(rest) >= limit or room < need:
+            hit = kv.hit(head)
+            start = len(hit) * spec.block_size
+            end = start + self._chunk(head, self._full_budget(), start)
+            need = blocks_for(end, spec.block_size) - len(hit)
+        refs, table = kv.pool.refs, kv.pool.table
+        dropped: dict[int, int] = {}  # block -> references the victims so far hold
+        rest, victims, freed = list(ws.running), [], 0
+
+        def room() -> int:  # free blocks once the victims leave, less those the hit takes
+            return kv.num_free + freed - sum(refs[b] == dropped.get(b, 0) for b in hit)
+
+        while len(rest) >= limit or room() < need:
             victim = self.waiting.victim(head, rest, limit)
             if victim is None:
                 return []
             rest.remove(victim)
             victims.append(victim)
-            room += kv.held(victim)
+            for block in table(victim.request_id):
+                held = dropped[block] = dropped.get(block, 0) + 1
+                freed += held == refs[block]
         return victims
 
     def _held_for_head(self, ws: WorkerState) -> tuple[Sequence, int] | None:

@@ -1,0 +1,64 @@
+"""Preemption by priority counts the room the victims really leave (docs/queue-policies.md: "The
+core preempts only when the victims' going really makes room"): a victim's blocks that another
+request still holds (a shared cached prefix) free nothing, and the head's cached blocks need no
+room, so no victim is preempted in vain and no more are preempted than the head needs."""
+
+from __future__ import annotations
+
+from llmcommon.tenancy import Tenancy
+from scheduler_svc.config import CoreConfig, WorkerSpec
+from scheduler_svc.core import Scheduler
+from scheduler_svc.invariants import check_invariants
+from scheduler_svc.sequence import Sequence
+
+
+def _step(core: Scheduler) -> None:
+    for step in core.schedule_all():
+        tokens = [7 for w in step.chunks if w.sample] + [7] * len(step.decodes) * step.repeat
+        core.complete(step, tokens)
+    check_invariants(core)
+
+
+def _seq(rid: str, prompt: list[int], max_tokens: int, priority: int) -> Sequence:
+    return Sequence(rid, prompt, max_tokens, ignore_eos=True, tenancy=Tenancy(priority=priority))
+
+
+def _core(num_blocks: int, **config) -> Scheduler:
+    spec = WorkerSpec("w0", num_blocks=num_blocks, block_size=4, max_context=4096)
+    return Scheduler(
+        CoreConfig(queue_policy="priority", token_budget=64, decode_steps=1, **config), [spec]
+    )
+
+
+def test_a_victim_whose_blocks_another_request_shares_is_not_preempted_in_vain() -> None:
+    core = _core(8)
+    prefix = list(range(100, 116))  # 4 full blocks, cached and shared by L1 and L2
+    l1 = _seq("L1", [*prefix, 7], 12, priority=-1)  # above the head: never its victim
+    l2 = _seq("L2", [*prefix, 8], 5, priority=1)  # below the head, but frees 1 block only
+    core.add(l1)
+    _step(core)
+    core.add(l2)
+    _step(core)
+    assert core.workers[0].kv.num_free == 2
+    core.add(_seq("H", list(range(300, 320)), 4, priority=0))  # 5 blocks: L2's going leaves 3
+    _step(core)
+    assert core.preemptions == 0  # (it preempted L2, and H still waited for L1)
+    assert core.head_reason is not None and core.head_reason.value == "kv_capacity"
+
+
+def test_a_head_with_a_cache_hit_preempts_only_the_victims_it_needs() -> None:
+    core = _core(10, max_running=3)
+    prefix = list(range(100, 116))  # 4 full blocks, held by S
+    core.add(_seq("S", [*prefix, 1], 20, priority=-5))
+    core.add(_seq("L1", list(range(200, 207)), 20, priority=5))
+    core.add(_seq("L2", list(range(300, 307)), 20, priority=5))
+    _step(core)
+    _step(core)  # S's prompt blocks are cached once its chunk has run
+    ws = core.workers[0]
+    assert len(ws.running) == 3 and ws.kv.num_free == 1
+    head = _seq("H", [*prefix, 2, 3, 4], 2, priority=0)  # 4 blocks cached: needs 1 block, a place
+    core.add(head)
+    assert len(ws.kv.hit(head)) == 4
+    _step(core)
+    assert core.preemptions == 1  # L2 alone (a place and 2 blocks); L1 had been preempted too
+    assert {s.request_id for s in ws.running} == {"S", "L1", "H"}
