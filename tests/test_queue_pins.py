@@ -612,9 +612,10 @@ def test_fair_takes_no_peer_of_the_heads_priority_for_a_lower_one():
 
 def test_fair_share_weighs_each_tenant_by_its_own_weight():
     q = FairRequestQueue()
-    q.add(head := waiting("a9", 50, tenant="a"))
     for tenant, weight in (("b", 3.0), ("c", 2.0), ("d", 0.5)):
         q.add(waiting(f"{tenant}9", 40, tenant=tenant, weight=weight))
+    q.add(head := waiting("a9", 50, tenant="a"))  # the last to start waiting: the head on a tie
+    assert q.peek() is head
     b = [running(f"b{i}", i, tenant="b") for i in range(4)]
     assert q.victim(head, b, 4) is b[3]  # b's share of 4 is 4 x 3/4 = 3: it holds 4
     c = [running(f"c{i}", i, tenant="c") for i in range(2)]
@@ -704,3 +705,32 @@ def test_a_new_head_is_asked_although_nothing_ran_differently():
     core.add(seq("urgent", 4, 4, tenancy=Tenancy(priority=-1)))
     run_one(core, 0)  # a new head: peer is below it
     assert core.seqs["peer"].preemptions == 1 and core.seqs["urgent"].worker == 0
+
+
+def test_fair_preempts_no_request_that_would_take_its_place_back_at_once():
+    """A head below its tenant's share preempts a tenant over its share only if it outranks the
+    victim: here B's counter is lower than A's (B also waits at another level, so it is not
+    lifted), so B1, preempted, was the head again and took its place back in the same step,
+    step after step (41 preemptions in 42 steps), while A1 waited anyway. Now A1 waits without
+    preempting, and preempts once B's service passes A's."""
+    spec = WorkerSpec("w0", num_blocks=1000, block_size=4, max_context=4096)
+    core = core_of("fair", (spec,), max_running=2, token_budget=64, decode_steps=1)
+
+    def of(rid, prompt, out, tenant, weight, priority):
+        t = Tenancy(tenant=tenant, weight=weight, priority=priority)
+        return Sequence(rid, prompt, out, ignore_eos=True, tenancy=t)
+
+    core.add(of("A0", list(range(3, 163)), 200, "A", 2, 0))
+    step(core)
+    core.add(b1 := of("B1", list(range(300, 320)), 100, "B", 1, 1))
+    step(core)
+    core.add(of("B2", list(range(600, 604)), 5, "B", 1, 2))
+    core.add(a1 := of("A1", list(range(500, 508)), 5, "A", 2, 1))
+    for _ in range(300):
+        before = b1.preemptions
+        step(core)
+        if b1.preemptions > before:  # a preemption the head got the place of
+            assert a1.admitted_at is not None and b1.status is SeqStatus.WAITING
+        if a1.admitted_at is not None:
+            break
+    assert a1.admitted_at is not None and b1.preemptions <= 1

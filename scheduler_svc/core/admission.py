@@ -246,6 +246,7 @@ class Admission(CoreState):
         while waiting and id(head := waiting.peek()) not in tried:
             tried.add(id(head))
             seen = (id(head), self.admitted, self.finished, self.preemptions)
+            seen += waiting.victim_order()
             memo, asked = self._found_nobody
             if memo != seen:
                 asked = set()

@@ -100,6 +100,11 @@ class RequestQueue(ABC):
         preempt when it cannot be admitted there, or None (FCFS preempts nobody for a head)."""
         return None
 
+    def victim_order(self) -> tuple:
+        """What, beside who runs, `victim`'s answer depends on: while it and the running
+        requests stay the same, a head that found nobody finds nobody (nothing here)."""
+        return ()
+
     def outranks(self, head: Sequence, seq: Sequence) -> bool:
         """Does `head` (waiting) come before `seq` (running, its prompt not all computed) in this
         ordering? Then `seq`'s prompt chunk leaves the head its first chunk of the step's token

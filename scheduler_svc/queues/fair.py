@@ -151,9 +151,10 @@ class FairRequestQueue(RequestQueue):
     def victim(self, head: Sequence, running: list[Sequence], slots: int) -> Sequence | None:
         """A lower-priority running request first (the newest); else, at the head's level, when
         the head's tenant runs fewer than its weighted share of the `slots` and another tenant
-        more than its own, that tenant's newest (of several such, the most served one's). It
-        depends on who runs and the weights alone, not on the counters: a head that found
-        nobody finds nobody until the running requests change."""
+        more than its own, that tenant's newest (of several such, the most served one's), if the
+        head outranks it (a tenant served less, weighted, would take the place back at once).
+        Asked again when the running requests change (admissions, finishes, preemptions), not
+        at every step as the counters move."""
         mine = head.tenancy.priority
         lower = [s for s in running if s.tenancy.priority > mine and evictable(s)]
         if lower:
@@ -170,9 +171,17 @@ class FairRequestQueue(RequestQueue):
         over = [t for t in count if t != me and count[t] * total > slots * weights[t]]
         for tenant in sorted(over, key=lambda t: -self.counters.get(t, 0.0)):
             newest = [s for s in peers if s.tenancy.tenant == tenant and evictable(s)]
-            if newest:
-                return max(newest, key=lambda s: s.arrival)
+            # back in the queue, a victim the head does not outrank (its tenant served less)
+            # would be the head again and take back the place it left, step after step
+            if newest and self.outranks(head, victim := max(newest, key=lambda s: s.arrival)):
+                return victim
         return None
+
+    def victim_order(self) -> tuple:
+        """The tenants as their counters rank them (a victim must be outranked by the head):
+        it changes when one tenant's service passes another's, not at every charge."""
+        counters, joined = self.counters, self._joined
+        return tuple(sorted(counters, key=lambda t: (counters[t], joined.get(t, 0))))
 
     def outranks(self, head: Sequence, seq: Sequence) -> bool:
         """A better priority, or at the same one a tenant served less (weighted; on a tie, the
