@@ -734,3 +734,24 @@ def test_fair_preempts_no_request_that_would_take_its_place_back_at_once():
         if a1.admitted_at is not None:
             break
     assert a1.admitted_at is not None and b1.preemptions <= 1
+
+
+def test_back_from_priority_the_newest_running_request_is_preempted_first():
+    """Switched live from priority to fcfs, the running lists go back to arrival order: KV
+    preemption takes the newest request, not the lowest priority one of the old order."""
+    spec = WorkerSpec("w0", num_blocks=12, block_size=1, max_context=4096)
+    core = core_of("priority", (spec,), token_budget=64, decode_steps=1, prefix_caching=False)
+    old = Sequence("old_low", list(range(10, 14)), 8, ignore_eos=True, tenancy=Tenancy(priority=5))
+    core.add(old)
+    step(core)
+    new = Sequence("new_top", list(range(20, 24)), 8, ignore_eos=True, tenancy=Tenancy(priority=0))
+    core.add(new)
+    step(core)
+    assert [s.request_id for s in core.workers[0].running] == ["new_top", "old_low"]
+    core.reconfigure(apply(core.config, {"queue_policy": "fcfs"}))
+    assert [s.request_id for s in core.workers[0].running] == ["old_low", "new_top"]
+    for _ in range(10):
+        if core.preemptions:
+            break
+        step(core)
+    assert new.preemptions == 1 and old.preemptions == 0

@@ -85,7 +85,8 @@ class Membership(CoreState):
     def _reorder(self, config: CoreConfig) -> None:
         """A new ordering: the waiting requests move to its queue in arrival order (the service
         counted under `fair` starts anew), and where it ranks the running requests (priority:
-        the lowest last, preempted first), each worker's list is sorted so."""
+        the lowest last, preempted first), each worker's list is sorted so; back from such an
+        ordering, they are sorted by arrival (the newest preempted first)."""
         queue = create_request_queue(config.queue_policy, self.clock)
         queue.eta = self._first_token_eta
         for seq in sorted(self.waiting, key=lambda s: s.arrival):
@@ -93,7 +94,10 @@ class Membership(CoreState):
         for ws in self.workers:
             for seq in ws.running:
                 queue.learn(seq)  # fair: a tenant that only runs is charged at its own weight
-        self.waiting = queue
+        ranked, self.waiting = self.waiting.ranks_running, queue
         if queue.ranks_running:
             for ws in self.workers:
                 ws.running.sort(key=queue.running_key)
+        elif ranked:  # back from priority's order: the newest last, preempted first again
+            for ws in self.workers:
+                ws.running.sort(key=lambda s: s.arrival)
