@@ -3,11 +3,13 @@ failures, complete's tokens and finishes, the finishes of abort and the failure 
 
 from __future__ import annotations
 
+import pytest
+
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
-from scheduler_svc.output import Event, Outputs, StepTokens
 from scheduler_svc.invariants import check_invariants
-from scheduler_svc.sequence import Finish
+from scheduler_svc.output import Event, Outputs, StepTokens
+from scheduler_svc.sequence import Finish, Sequence
 from tests.sim import ids, seq
 
 
@@ -110,3 +112,13 @@ def test_a_request_no_live_worker_can_hold_fails_on_the_first_step_planned() -> 
     core.fail_worker(1)
     [only] = core.schedule_all()  # lock-step: a step with nothing but a failure is returned
     assert ids(only.failed) == ["long2"] and not only.has_work
+
+
+def test_the_core_refuses_an_empty_prompt_or_no_tokens_to_generate() -> None:
+    # a library user's request the service's door would refuse: an empty prompt had become a
+    # head that stalled the queue for good, and max_tokens 0 had generated a token
+    core = Scheduler(CoreConfig(), [WorkerSpec("w0", 100, 4, 4096)])
+    for bad in (Sequence("empty", [], 5), Sequence("none", [1, 2], 0)):
+        with pytest.raises(ValueError, match=bad.request_id):
+            core.add(bad)
+    assert not core.waiting and not core.seqs

@@ -38,6 +38,11 @@ class Scheduler(Membership, Admission, Planning, Drafts, Runs, Failures):
             self._refuse(
                 RefusalReason.DUPLICATE, f"request id {seq.request_id!r} is already in flight"
             )
+        if not seq.prompt_ids or seq.max_tokens < 1:  # (the service's door refuses these)
+            raise ValueError(
+                f"request {seq.request_id!r}: a prompt of at least one token and max_tokens of "
+                f"1 or more, not {len(seq.prompt_ids)} and {seq.max_tokens}"
+            )
         self._check_can_ever_run(seq)
         now = self.clock()
         seq.status, seq.arrival = SeqStatus.WAITING, seq.arrival or now
