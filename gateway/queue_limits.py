@@ -41,9 +41,16 @@ class QueueLimits:
         """Why `n` requests (a request's choices) of `tokens` prompt tokens each from `tenant`,
         whose own limits are `max_requests` and `max_tokens` (0 = none), cannot wait now; None
         if they can."""
+        # what no wait can change first (the gateway's limits, then the tenant's), then
+        # what is full now
         alone = _over_alone(tokens, n, self.max_requests, self.max_tokens, "the gateway's")
         if alone is not None:
             return QueueRefusal(alone, never=True, param=_param(n, self.max_requests))
+        alone = _over_alone(tokens, n, max_requests, max_tokens, f"tenant {tenant}'s")
+        if alone is not None:
+            param = _param(n, max_requests)
+            limit = "max_queued" if param else "max_queued_tokens"
+            return QueueRefusal(alone, tenant, limit, never=True, param=param)
         if self.requests + n > self.max_requests:
             return QueueRefusal(
                 f"queue full: {self.requests} requests are waiting (limit {self.max_requests})"
@@ -54,11 +61,6 @@ class QueueLimits:
                 f"queue full: {self.tokens} prompt tokens are waiting and this request adds "
                 f"{n * tokens} (limit {self.max_tokens})"
             )
-        alone = _over_alone(tokens, n, max_requests, max_tokens, f"tenant {tenant}'s")
-        if alone is not None:
-            param = _param(n, max_requests)
-            limit = "max_queued" if param else "max_queued_tokens"
-            return QueueRefusal(alone, tenant, limit, never=True, param=param)
         waiting, held = self.tenant_requests[tenant], self.tenant_tokens[tenant]
         if max_requests and waiting + n > max_requests:
             return QueueRefusal(

@@ -235,6 +235,17 @@ def test_the_total_limit_refuses_every_tenant_and_names_no_tenant_limit() -> Non
     assert refused is not None and refused.limit == "" and "limit 1" in refused.message
 
 
+def test_a_request_over_its_tenants_limit_alone_is_told_so_when_the_gateway_is_full() -> None:
+    # no wait can let it in: 400 (never), not "queue full" (429, which clients retry)
+    queue = QueueLimits(max_requests=2, max_tokens=1000)
+    queue.enter(1, "b")
+    queue.enter(1, "b")  # the gateway's total is full
+    refused = queue.refusal(50, "a", max_tokens=40)
+    assert refused is not None and refused.never and refused.limit == "max_queued_tokens"
+    refused = queue.refusal(1, "a", max_requests=2, n=3)
+    assert refused is not None and refused.never and refused.param == "n"
+
+
 def test_a_key_file_that_cannot_be_read_is_refused_naming_it(tmp_path) -> None:
     missing = tmp_path / "absent.txt"
     with pytest.raises(KeysFileError, match=f"cannot read the API keys file {missing}"):
