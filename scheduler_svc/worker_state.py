@@ -38,7 +38,6 @@ class WorkerState:
         self.planned_s: deque[float] = deque(maxlen=MAX_TIME_WINDOW)
         self.stalls: Counter[str] = Counter()
         # fair share: its last step's decodes counted by tenant, and what they were (a key)
-        self.decode_split: tuple[tuple, Counter[str]] = ((), Counter())
         self.prompt_tokens = 0  # tokens needing KV at admissions here
         self.hit_tokens = 0  # of those, found in the prefix cache
         self.lost_evictions = 0  # evictions counted by pools this worker had before

@@ -165,26 +165,19 @@ class Scheduler(Membership, Admission, Planning, Drafts, Runs, Failures):
 
     def _charge(self, steps: Iterable[Step]) -> None:
         """Tell the queue the service each tenant's requests got in these steps (fair share).
-        The decodes' split by tenant is counted again only when a step's decodes may differ
-        from the last it was counted for (another running set, count, first or last): a
-        steady batch costs a lookup, not a pass over its requests."""
+        The decodes are split by tenant at every step: under overlap a request whose last
+        token is in flight leaves them and one whose prompt is done joins, with no admission,
+        finish or preemption to tell (a split kept by such a key had charged the wrong tenant)."""
         prefill: Counter[str] = Counter()
         decode: Counter[str] = Counter()
-        version = (self.admitted, self.finished, self.preemptions)
         for step in steps:
             for work in step.chunks:
                 prefill[work.seq.tenancy.tenant] += work.num_tokens
             for draft in step.drafts:
                 decode[draft.seq.tenancy.tenant] += 1 + len(draft.token_ids)
-            decodes = step.decodes
-            if not decodes:
-                continue
-            ws = self.workers[step.worker]
-            key = (version, len(decodes), id(decodes[0]), id(decodes[-1]))
-            if ws.decode_split[0] != key:
-                ws.decode_split = (key, Counter(map(TENANT, decodes)))
-            for tenant, n in ws.decode_split[1].items():
-                decode[tenant] += n * step.repeat
+            if step.decodes:
+                for tenant, n in Counter(map(TENANT, step.decodes)).items():
+                    decode[tenant] += n * step.repeat
         for tenant in prefill.keys() | decode.keys():
             self.waiting.charge(tenant, prefill[tenant], decode[tenant])
 
