@@ -754,3 +754,19 @@ def test_back_from_priority_the_newest_running_request_is_preempted_first():
             break
         step(core)
     assert new.preemptions == 1 and old.preemptions == 0
+
+
+def test_deadline_lists_its_requests_in_the_order_it_admits_them():
+    """A request deeper in the hopeful heap that can no longer make its deadline is listed with
+    the late ones (status and explain show this order), as the pops will take it."""
+    now = [0.0]
+    q = create_request_queue(QueuePolicy.DEADLINE, lambda: now[0])
+    etas = {"X": 0.0, "Y": 5.0, "Z": 0.0}
+    q.eta = lambda s: etas[s.request_id]
+    for rid, ttft in (("X", 10.0), ("Y", 11.0), ("Z", 12.0)):
+        tenancy = Tenancy(slo_class="c", ttft_s=ttft)
+        q.add(Sequence(rid, [3, 4], 4, arrival=0.0, tenancy=tenancy))
+    now[0] = 7.0  # Y: 11 - 5 = 6 < 7, it can no longer make its deadline
+    listed = [s.request_id for s in q]
+    popped = [q.pop().request_id for _ in range(3)]
+    assert listed == popped == ["X", "Z", "Y"]

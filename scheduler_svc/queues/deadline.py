@@ -94,10 +94,17 @@ class DeadlineRequestQueue(RequestQueue):
             entry[ALIVE] = False
 
     def __iter__(self) -> Iterator[Sequence]:
+        """The order pops would take now: a hopeful entry deeper in its heap that can no longer
+        make its deadline is listed with the late ones, as it will be popped."""
         self._settle()
+        now = self.clock()
+        hopeful, late = [], [e for e in self._late if e[ALIVE]]
+        for e in self._hopeful:
+            if e[ALIVE]:
+                (late if e[DEADLINE] - e[ETA] < now else hopeful).append(e)
         yield from self._front
-        for heap in (self._hopeful, self._late):
-            yield from (e[SEQ] for e in sorted(e for e in heap if e[ALIVE]))
+        for entries in (hopeful, late):
+            yield from (e[SEQ] for e in sorted(entries))
 
     def __len__(self) -> int:
         return len(self._entries)
