@@ -410,4 +410,10 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
         code = 1
+    except Exception as err:  # the openai package's (bench serve --backend openai): one line
+        openai = sys.modules.get("openai")
+        if openai is None or not isinstance(err, openai.OpenAIError):
+            raise
+        print(f"error: llmserve {args.command}: {type(err).__name__}: {err}", file=sys.stderr)
+        code = 1
     sys.exit(code)

@@ -72,7 +72,7 @@ def test_a_block_seen_before_only_cut_short_saves_only_its_cut_length() -> None:
         (line(hash_ids=[1]), "input_length 600 spans 2 blocks of 512 tokens but hash_ids has 1"),
         (line(input_length=0), "input_length must be an integer >= 1, got 0"),
         (line(output_length=True), "output_length must be an integer >= 1"),
-        (line(timestamp=-5), "timestamp must be a number of milliseconds >= 0"),
+        (line(timestamp=-5), "timestamp must be a finite number of milliseconds >= 0"),
         (line(hash_ids="abc"), "hash_ids must be a list of integers"),
         (json.dumps({"timestamp": 0, "input_length": 3}), "missing output_length, hash_ids"),
     ],

@@ -237,3 +237,33 @@ def test_each_stack_started_gets_the_poll_period_and_the_deadline(monkeypatch, t
                       "--policies", "continuous+paged")  # fmt: skip
     run_serve_sweep._runs(args, StackSettings(), Budget(64), fixed(1, 4, 4, 1))
     assert seen == [(0.02, 0.5, 2), (0.03, 2.0, run_serve_sweep.WARMUP)]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--base-url", "http://h:1/v1"], "--base-url does not apply to --backend grpc"),
+        (["--concurrencies", "1,2"], "--concurrencies does not apply to --backend grpc"),
+        (["--backend", "openai", "--base-url", "u", "--policies", "continuous+reserve"],
+         "--policies does not apply to --backend openai"),
+        (["--backend", "openai", "--base-url", "u", "--prefix-caching", "on,off"],
+         "--prefix-caching does not apply to --backend openai"),
+        (["--backend", "openai", "--base-url", "u", "--target", "h:1"],
+         "--target does not apply to --backend openai"),
+    ],
+)  # fmt: skip
+def test_flags_of_the_other_backend_are_refused(flags, message, tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as done:
+        llmserve(["bench", "serve", "--model", "sim", "--baselines", "none", "--requests", "1",
+                  "--out", str(tmp_path), *flags])  # fmt: skip
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_an_open_loop_states_its_span_before_the_run() -> None:
+    from llmserve.bench.run_serve import planned
+    from llmserve.bench.workload import RequestSpec, Workload
+
+    load = Workload("t", [RequestSpec(0, 4, 4, 0.0), RequestSpec(1, 4, 4, 100_000.0)])
+    assert planned(load) == "open loop: 2 arrivals over 100,000.0 s (27.78 h)"

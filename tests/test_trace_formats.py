@@ -166,3 +166,46 @@ def test_missing_empty_and_header_only_files_are_refused(tmp_path) -> None:
 
 def test_trace_errors_are_bench_errors() -> None:
     assert issubclass(TraceError, BenchError) and issubclass(BenchError, ValueError)
+
+
+def test_a_gzip_file_is_named_as_gzip(tmp_path) -> None:
+    import gzip
+
+    path = tmp_path / "t.csv.gz"
+    path.write_bytes(gzip.compress(HEADER.encode()))
+    assert refused(path) == f"{path}: not UTF-8 text (byte 1) (gzip: decompress it first)"
+
+
+def test_timestamps_whose_span_a_float_cannot_hold_are_refused(tmp_path) -> None:
+    path = write(tmp_path, HEADER + "-1e308,5,5\n1e308,5,5\n")
+    assert refused(path, "s") == f"{path}: TIMESTAMPs span more seconds than a float holds"
+
+
+def test_lengths_scale_with_halves_rounded_up(tmp_path) -> None:
+    from llmserve.bench.trace import TraceScale, scale_trace
+
+    path = write(tmp_path, HEADER + "0,25,15\n1,45,35\n2,5,5\n")
+    rows = scale_trace(read_trace(path, "s").rows, TraceScale(length_scale=0.1))
+    assert [(r.prompt_tokens, r.output_tokens) for r in rows] == [(3, 2), (5, 4), (1, 1)]
+
+
+def test_tenant_traces_take_the_timestamp_unit_and_state_rows_left_out(tmp_path, capsys) -> None:
+    from llmserve.bench.workload_args import build_workload
+    from llmserve.cli import build_parser
+
+    path = write(tmp_path, HEADER + "3000,5,5\n1000,5,0\n0,6,6\n")
+
+    def tenants(*flags: str):
+        argv = ["bench", "sim", "--tenants", f"a:trace={path}", *flags]
+        return build_workload(build_parser().parse_args(argv))
+
+    made = tenants("--timestamp-unit", "ms")
+    assert [r.arrival_s for r in made.requests] == [0.0, 3.0]
+    (a,) = made.params["tenants"]
+    assert a["unit"] == "ms" and a["skipped_rows"] == "1 with 0 prompt or output tokens"
+    assert "tenant a: trace rows left out: 1 with 0 prompt" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unit must be s or ms"):
+        build_workload(build_parser().parse_args(["bench", "sim", "--tenants", "a:unit=h"]))
+    spec = f"a:trace={path},unit=s"
+    made = build_workload(build_parser().parse_args(["bench", "sim", "--tenants", spec]))
+    assert [r.arrival_s for r in made.requests] == [0.0, 3000.0]

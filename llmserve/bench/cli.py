@@ -11,7 +11,7 @@ from llmcommon.flags import help_of
 from llmserve.bench.budget_sweep import positive_list, time_budget_list
 from llmserve.bench.goodput import SLO_FORMAT, slo_arg
 from llmserve.bench.outdir import check_out_dir
-from llmserve.bench.policy import policy_list
+from llmserve.bench.policy import DEFAULT_POLICIES, policy_list
 from llmserve.bench.tenants_cmd import add_tenants_parser
 from llmserve.bench.workload_args import above, add_workload_flags
 from llmserve.client import check_target
@@ -32,7 +32,7 @@ def add_bench_parser(sub) -> None:
     serve.add_argument(
         "--policies",
         type=policy_list,
-        default="continuous+paged,continuous+reserve,static+reserve",
+        default=DEFAULT_POLICIES,
         help="comma-separated mode+kv; one stack each",
     )
     serve.add_argument(

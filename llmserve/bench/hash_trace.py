@@ -44,8 +44,10 @@ def parse_line(text: str, where: str = "line") -> HashRow:
     if missing:
         raise TraceError(f"{where}: missing {', '.join(missing)}")
     ts, n, m, ids = obj["timestamp"], obj["input_length"], obj["output_length"], obj["hash_ids"]
-    if not _number(ts) or ts < 0:
-        raise TraceError(f"{where}: timestamp must be a number of milliseconds >= 0, got {ts!r}")
+    if not _number(ts) or not math.isfinite(ts) or ts < 0:
+        raise TraceError(
+            f"{where}: timestamp must be a finite number of milliseconds >= 0, got {ts!r}"
+        )
     for name, v in (("input_length", n), ("output_length", m)):
         if not _int(v) or v < 1:
             raise TraceError(f"{where}: {name} must be an integer >= 1, got {v!r}")
@@ -64,11 +66,16 @@ def load_hash_trace(path: Path) -> list[HashRow]:
     """Every non-empty line, in timestamp order; a bad line raises TraceError naming it."""
     if not path.is_file():
         raise TraceError(f"{path}: no such file (make one with `llmserve bench hash-sample`)")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        gzip = " (gzip: decompress it first)" if data[:2] == b"\x1f\x8b" else ""
+        raise TraceError(f"{path}: not UTF-8 text (byte {err.start}){gzip}") from None
     rows = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                rows.append(parse_line(line, f"{path}:{number}"))
+    for number, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            rows.append(parse_line(line, f"{path}:{number}"))
     if not rows:
         raise TraceError(f"{path}: no requests in the file")
     return sorted(rows, key=lambda r: r.timestamp_ms)

@@ -9,6 +9,8 @@ from dataclasses import dataclass, replace
 from llmserve.bench.errors import BenchError
 from scheduler_svc.config import QueuePolicy
 
+DEFAULT_POLICIES = "continuous+paged,continuous+reserve,static+reserve"  # bench serve's
+
 
 @dataclass(frozen=True, slots=True)
 class Policy:

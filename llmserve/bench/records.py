@@ -24,6 +24,10 @@ class RequestRecord:
     finish: str = ""
     error: str = ""
     turn: int = -1  # a conversation's turn (0 = its first); -1 outside conversations
+    # where completion_tokens came from: the stream's token ids (gRPC), or an OpenAI-compatible
+    # server's `usage`, or its chunks with text counted one token each (no usable usage)
+    tokens_basis: str = "token ids"
+    usage_note: str = ""  # why a usage the server sent was not taken
 
     @property
     def ok(self) -> bool:
@@ -63,6 +67,8 @@ class RequestRecord:
             "finish": self.finish,
             "error": self.error,
             "turn": self.turn,
+            "tokens_basis": self.tokens_basis,
+            "usage_note": self.usage_note,
             "token_gaps_s": ";".join(f"{g:.6f}".rstrip("0").rstrip(".") for g in self.token_gaps),
         }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import platform
 import sys
@@ -76,12 +77,24 @@ class Report:
     def write(self, out_dir: Path, name: str) -> list[Path]:
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{name}.json"
-        path.write_text(json.dumps(self.to_json(), indent=1, default=str))
+        text = json.dumps(_finite(self.to_json()), indent=1, default=str, allow_nan=False)
+        path.write_text(text)
         written = [path]
         for r in self.results:
             if r.records:
                 written.append(write_requests(r, out_dir / f"{name}-{_slug(r.label)}-requests.csv"))
         return written
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every NaN or infinite float as None (unknown): the JSON stays strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def write_requests(result: RunResult, path: Path) -> Path:
@@ -130,6 +143,9 @@ CAPTION = (
 )
 
 
+LENGTHS = {True: "", False: " (LENGTH MISMATCH)", None: " (lengths unverified)"}
+
+
 def table(title: str, summaries: list[dict[str, Any]], reference: str | None = None) -> Table:
     """Runs side by side; ratios against `reference` (a label) where given."""
     t = Table(title=title, show_lines=False, caption=CAPTION, caption_justify="left")
@@ -143,10 +159,10 @@ def table(title: str, summaries: list[dict[str, Any]], reference: str | None = N
 
     row(
         "requests ok / sent",
-        lambda s: (
-            f"{s['ok']} / {s['requests']}" + ("" if s["exact_lengths"] else " (LENGTH MISMATCH)")
-        ),
+        lambda s: f"{s['ok']} / {s['requests']}" + LENGTHS[s["exact_lengths"]],
     )
+    if any(s.get("tokens_basis") not in (None, "", "token ids") for s in summaries):
+        row("tokens counted from", lambda s: s.get("tokens_basis") or "-")
     if any(s.get("errors_by_reason") for s in summaries):
         row("failed, by reason", lambda s: _reasons(s.get("errors_by_reason")))
     row("run span", lambda s: fmt_time(s["duration_s"]))
@@ -173,7 +189,14 @@ def table(title: str, summaries: list[dict[str, Any]], reference: str | None = N
     row("inter-token p50/p90/p99 (ok)", lambda s: fmt_pct_n(s["itl_s"]))
     row("end-to-end p50/p90/p99 (ok)", lambda s: fmt_pct_n(s["e2e_s"]))
     row("queue p50/p90/p99 (ok)", lambda s: fmt_pct_n(s["queue_s"]))
-    row("preemptions", lambda s: str(s["preemptions"]) if s["kind"] != "transformers" else "-")
+    row(
+        "preemptions",
+        lambda s: (
+            "-"
+            if s["kind"] == "transformers" or s["preemptions"] is None
+            else str(s["preemptions"])
+        ),
+    )
     row(
         "stalls (steps)",
         lambda s: ", ".join(f"{k} {v}" for k, v in sorted(s["stalls"].items())) or "-",

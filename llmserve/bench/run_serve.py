@@ -12,7 +12,7 @@ from llmserve.bench.caching import caching_pairs, print_caching
 from llmserve.bench.errors import BenchError
 from llmserve.bench.openai_backend import parse_base_urls, run_openai
 from llmserve.bench.plots import write_plots
-from llmserve.bench.policy import parse_policies
+from llmserve.bench.policy import DEFAULT_POLICIES, parse_policies
 from llmserve.bench.prompts import check_with_tokenizer
 from llmserve.bench.report import Report, print_table
 from llmserve.bench.served import POLL_S, run_policy, run_workload
@@ -44,6 +44,7 @@ def stack_settings(args: argparse.Namespace, workload: Workload) -> StackSetting
 
 
 def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int:
+    check_backend_flags(args)
     check_poll_and_timeout(args, workload)
     check_with_tokenizer()
     progress = not args.no_progress
@@ -56,6 +57,8 @@ def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int
     else:
         described = workload.describe()
     report = Report(f"llmserve bench serve: {workload.name}", described, command, slo=args.slo)
+    if not workload.closed:  # a unit slip shows here, not hours later
+        print(planned(workload), flush=True)
     if args.backend == "openai":
         if not args.base_url:
             raise SystemExit("--backend openai needs --base-url URL (one or more)")
@@ -101,7 +104,14 @@ def run_serve(args: argparse.Namespace, workload: Workload, command: str) -> int
     paths = report.write(args.out, args.name)
     paths += write_plots(args.out, args.name, summaries, report.results, _subtitle(workload))
     print("wrote " + ", ".join(str(p) for p in paths))
-    return 0 if all(s["ok"] == s["requests"] and s["exact_lengths"] for s in summaries) else 1
+    return 0 if all(s["ok"] == s["requests"] and s["exact_lengths"] is not False
+                    for s in summaries) else 1  # fmt: skip
+
+
+def planned(workload: Workload) -> str:
+    """An open loop's arrivals and their span, said before the run."""
+    span = max((r.arrival_s or 0.0 for r in workload.requests), default=0.0)
+    return f"open loop: {len(workload.roots)} arrivals over {span:,.1f} s ({span / 3600:.2f} h)"
 
 
 def status_options(args: argparse.Namespace) -> dict[str, str]:
@@ -110,6 +120,40 @@ def status_options(args: argparse.Namespace) -> dict[str, str]:
     key = admin_key(args.admin_key_file) if args.admin_key_file else ""
     flag = "--status-target" if args.status_target else "--target; or give --status-target"
     return {"admin_key": "" if args.status_target else key, "status_flag": flag}
+
+
+# flags of one backend (or of the stacks the command starts), with their defaults
+OPENAI_ONLY = {"base_url": [], "api_model": "", "api_key": "none", "concurrencies": ""}
+NOT_OPENAI = {
+    "target": "",
+    "status_target": "",
+    "admin_key_file": None,
+    "policies": DEFAULT_POLICIES,
+    "prefix_caching": "",
+    "workers": 1,
+    "token_budget": 0,
+    "max_running": 0,
+    "kv_capacity": 16384,
+    "block_size": 16,
+    "cost_model": None,
+}
+
+
+def check_backend_flags(args: argparse.Namespace) -> None:
+    """A flag the chosen backend does not apply is refused, not ignored."""
+    openai = args.backend == "openai"
+    unused = NOT_OPENAI if openai else OPENAI_ONLY
+    given = [n for n, default in unused.items() if getattr(args, n, default) != default]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise BenchError(
+            f"{flag} does not apply to --backend {args.backend}: "
+            + (
+                "the OpenAI-compatible servers of --base-url are measured as they run"
+                if openai
+                else "it is for --backend openai (give --backend openai, or leave it out)"
+            )
+        )
 
 
 def check_poll_and_timeout(args: argparse.Namespace, workload: Workload) -> None:
@@ -215,11 +259,27 @@ def _notes(report: Report, described: dict[str, Any]) -> list[str]:
             "(as if the model ended there), so the server's usage, and with it the queue "
             "time, does not come back for those requests"
         )
+    notes += _basis_notes(report.summaries())
     for label, rs in report.extra.get("ratios", {}).items():
         parts = [f"{v:.2f}× {k.removeprefix('vs ')}" for k, v in rs.items() if v]
         if parts:
             notes.append(f"{label}: " + ", ".join(parts))
     return [n for n in notes if n]
+
+
+def _basis_notes(summaries: list[dict[str, Any]]) -> list[str]:
+    """Where an OpenAI-compatible server's token counts are chunks, not its usage."""
+    notes = []
+    for s in summaries:
+        if "chunks" in s.get("tokens_basis", ""):
+            notes.append(
+                f"{s['label']}: tokens counted from {s['tokens_basis']}: where the server gave "
+                "no usable usage, each chunk with text counts as one token, and a chunk may "
+                "carry several (counts, TPOT, the stop at the output length and tokens/s are "
+                "then unverified)"
+                + (f"; {', '.join(s['usage_notes'])}" if s.get("usage_notes") else "")
+            )
+    return notes
 
 
 def _subtitle(workload: Workload) -> str:

@@ -60,6 +60,7 @@ async def run_workload(
         )
 
     stop = asyncio.Event()
+    gen.prepare(workload)
     t0 = time.perf_counter()
     polling = asyncio.create_task(poller.poll(t0, stop))
     try:

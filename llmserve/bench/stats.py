@@ -36,6 +36,7 @@ def summarize(result: RunResult, slo: Slo | None = None) -> dict[str, Any]:
     in_tokens = sum(r.prompt_tokens for r in ok)
     duration = run_span(records) or result.wall_s
     errors = [r.error for r in records if r.error]
+    peer = result.config.get("backend") == "openai"  # no server counters: unknown, not 0
     summary: dict[str, Any] = {
         "label": result.label,
         "kind": result.kind,
@@ -44,7 +45,9 @@ def summarize(result: RunResult, slo: Slo | None = None) -> dict[str, Any]:
         "errors": len(errors),
         "errors_by_reason": error_reasons(errors),
         "error_examples": sorted(set(errors))[:3],
-        "exact_lengths": all(r.completion_tokens == r.expected_tokens for r in ok),
+        "exact_lengths": exact_lengths(ok),
+        "tokens_basis": tokens_basis(ok),
+        "usage_notes": sorted({r.usage_note for r in ok if r.usage_note})[:3],
         "duration_s": duration,
         "duration_basis": DURATION_BASIS,
         "wall_s": result.wall_s,
@@ -61,11 +64,11 @@ def summarize(result: RunResult, slo: Slo | None = None) -> dict[str, Any]:
         "tpot_s": percentiles([float(np.mean(r.token_gaps)) for r in ok if r.token_gaps]),
         "e2e_s": percentiles([r.e2e_s for r in ok if r.e2e_s is not None]),
         "queue_s": percentiles([r.queue_time_s for r in ok if r.queue_time_s is not None]),
-        "preemptions": sum(r.preemptions for r in ok),
+        "preemptions": None if peer else sum(r.preemptions for r in ok),
         "stalls": dict(result.counters.get("stalls", {})),
         "kv": kv_summary(result),
         "overhead": overhead(result.counters),
-        "prefix": prefix_summary(result.counters, in_tokens),
+        "prefix": prefix_summary(result.counters, in_tokens, known=not peer),
         "config": result.config,
     }
     if slo is not None:
@@ -78,15 +81,18 @@ def summarize(result: RunResult, slo: Slo | None = None) -> dict[str, Any]:
     return summary
 
 
-def prefix_summary(counters: dict[str, Any], client_prompt_tokens: int) -> dict[str, Any]:
+def prefix_summary(
+    counters: dict[str, Any], client_prompt_tokens: int, known: bool = True
+) -> dict[str, Any]:
     """Prompt tokens, those served from the prefix cache, and those computed. The scheduler's
     counters when it reports them; the simulation counts the chunks its workers ran (which
-    includes recomputation after preemption); else the clients' prompt tokens, all computed."""
+    includes recomputation after preemption); else the clients' prompt tokens, all computed
+    (a server without a prefix cache), or unknown (None) where not `known` (another server)."""
     prompt = counters.get("prompt_tokens", client_prompt_tokens)
     prompt = counters.get("cache_prompt_tokens", prompt)
     hit = counters.get("cache_hit_tokens")
     computed = counters.get("prefill_computed", None if hit is None else prompt - hit)
-    if hit is None and computed is None:
+    if hit is None and computed is None and known:
         computed = prompt
     return {
         "prompt_tokens": prompt,
@@ -97,6 +103,23 @@ def prefix_summary(counters: dict[str, Any], client_prompt_tokens: int) -> dict[
         "evictions": counters.get("cache_evictions"),
         "source": "scheduler" if hit is not None else "clients",
     }
+
+
+def exact_lengths(ok: list[RequestRecord]) -> bool | None:
+    """Every ok request's output of its workload's length: True, False, or None (unknown:
+    some counts are chunks of an OpenAI-compatible server, which may carry several tokens)."""
+    if any(r.completion_tokens != r.expected_tokens for r in ok):
+        return False
+    return None if any(r.tokens_basis == "chunks" for r in ok) else True
+
+
+def tokens_basis(ok: list[RequestRecord]) -> str:
+    """Where the ok requests' token counts came from: `token ids`, `usage`, `chunks` (see
+    RequestRecord.tokens_basis), or `mixed` with the count of each."""
+    bases = Counter(r.tokens_basis for r in ok)
+    if len(bases) <= 1:
+        return next(iter(bases), "")
+    return "mixed (" + ", ".join(f"{k} {n}" for k, n in sorted(bases.items())) + ")"
 
 
 def kv_summary(result: RunResult) -> dict[str, Any] | None:

@@ -4,6 +4,7 @@ and the workload they describe."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from llmcommon.tenancy import TenancyError, parse_slo_classes
@@ -72,8 +73,16 @@ def tenants_from_args(args: argparse.Namespace, time_scale: float) -> Workload:
             if args.tenants_file
             else parse_tenants(args.tenants)
         )
+        unit = getattr(args, "timestamp_unit", None)
+        if unit:  # the trace tenants' default
+            tenants = [replace(t, unit=t.unit or unit) if t.workload == "trace" else t
+                       for t in tenants]  # fmt: skip
         classes = parse_slo_classes(args.slo_classes)
         load = args.time_scale / time_scale
-        return tenant_workload(tenants, classes, load, args.requests, args.seed)
+        made = tenant_workload(tenants, classes, load, args.requests, args.seed)
     except (TenantSpecError, TenancyError, OSError) as e:
         raise SystemExit(f"llmserve bench sim: {e}") from None
+    for tenant in made.params["tenants"]:
+        if tenant.get("skipped_rows"):
+            print(f"tenant {tenant['name']}: trace rows left out: {tenant['skipped_rows']}")
+    return made

@@ -16,7 +16,7 @@ from typing import Any
 
 from llmcommon.tenancy import SloClass, Tenancy, valid_name
 from llmserve.bench.tokens import TokenSource
-from llmserve.bench.trace import DEFAULT_TRACE, TraceScale, load_trace, scale_trace
+from llmserve.bench.trace import DEFAULT_TRACE, UNITS, TraceScale, read_trace, scale_trace
 from llmserve.bench.workload import DistinctPrompts, RequestSpec, Workload
 
 KINDS = ("poisson", "closed", "trace")
@@ -39,6 +39,7 @@ class TenantSpec:
     prompt: int = 16  # poisson and closed: prompt tokens
     output: int = 64  # poisson and closed: output tokens
     trace: str = ""  # trace: the CSV (default: the Azure conversation trace)
+    unit: str = ""  # trace: s or ms, numeric timestamps' unit ("": --timestamp-unit, or none)
     time_scale: float = 1.0  # trace: arrival offsets x this
     length_scale: float = 1.0  # trace: lengths x this
     start: float = 0.0  # trace: the slice's start, seconds
@@ -64,6 +65,8 @@ class TenantSpec:
                 raise TenantSpecError(f"{where}: {key} must be >= 0")
         if self.workload == "closed" and self.concurrency < 1:
             raise TenantSpecError(f"{where}: a closed loop needs concurrency=N (N >= 1)")
+        if self.unit not in ("", *UNITS):
+            raise TenantSpecError(f"{where}: unit must be s or ms, got {self.unit!r}")
         if self.workload != "trace" and (self.prompt < 1 or self.output < 1):
             raise TenantSpecError(f"{where}: prompt and output must be >= 1 token")
 
@@ -172,22 +175,27 @@ def tenant_workload(
             f"(defined: {named})"
         )
     specs: list[RequestSpec] = []
+    described = []
     for tenant in tenants:
-        made = _requests_of(tenant, load, requests, len(specs))
+        made, stated = _requests_of(tenant, load, requests, len(specs))
         tenancy = tenant.tenancy(classes)
         specs += [replace(s, tenancy=tenancy) for s in made if not _late(tenant, s)]
+        described.append(_described(tenant) | stated)
     params = {
         "kind": "tenants",
         "load": load,
-        "tenants": [_described(t) for t in tenants],
+        "tenants": described,
         "slo_classes": [str(c) for c in classes.values()],
     }
     name = "tenants-" + "+".join(t.name for t in tenants)
     return Workload(name, specs, 0, params, DistinctPrompts(TokenSource(seed=seed)))
 
 
-def _requests_of(tenant: TenantSpec, load: float, default: int, first: int) -> list[RequestSpec]:
-    """The tenant's requests, numbered from `first`."""
+def _requests_of(
+    tenant: TenantSpec, load: float, default: int, first: int
+) -> tuple[list[RequestSpec], dict[str, Any]]:
+    """The tenant's requests, numbered from `first`, and what a trace's report states (the
+    rows it left out)."""
     if tenant.workload == "trace":
         return _trace_requests(tenant, load, first)
     n = tenant.requests or default
@@ -199,12 +207,12 @@ def _requests_of(tenant: TenantSpec, load: float, default: int, first: int) -> l
             RequestSpec(first + i, tenant.prompt, tenant.output, 0.0 if i < c else None,
                         follows=-1 if i < c else first + i - c)
             for i in range(n)
-        ]  # fmt: skip
+        ], {}  # fmt: skip
     rng, t, out = random.Random(tenant.seed), 0.0, []
     for i in range(n):
         out.append(RequestSpec(first + i, tenant.prompt, tenant.output, arrival_s=t))
         t += rng.expovariate(tenant.rate * load)
-    return out
+    return out, {}
 
 
 def _late(tenant: TenantSpec, spec: RequestSpec) -> bool:
@@ -217,22 +225,27 @@ def sending_until(workload: Workload) -> dict[str, float]:
     return {t["name"]: t["until"] for t in workload.params.get("tenants", []) if t.get("until")}
 
 
-def _trace_requests(tenant: TenantSpec, load: float, first: int) -> list[RequestSpec]:
+def _trace_requests(
+    tenant: TenantSpec, load: float, first: int
+) -> tuple[list[RequestSpec], dict[str, Any]]:
     path = Path(tenant.trace) if tenant.trace else DEFAULT_TRACE
+    trace = read_trace(path, tenant.unit or None)
     scale = TraceScale(
         tenant.length_scale, tenant.time_scale / load, tenant.start, tenant.duration,
         tenant.requests,
     )  # fmt: skip
     rows = [
         r
-        for r in scale_trace(load_trace(path), scale)
+        for r in scale_trace(trace.rows, scale)
         if r.prompt_tokens >= tenant.prompt_from
         and (not tenant.prompt_below or r.prompt_tokens < tenant.prompt_below)
     ]
-    return [
+    specs = [
         RequestSpec(first + i, r.prompt_tokens, r.output_tokens, r.arrival_s)
         for i, r in enumerate(rows)
     ]
+    skipped = trace.describe().get("skipped_rows")
+    return specs, {"skipped_rows": skipped} if skipped else {}
 
 
 def _described(tenant: TenantSpec) -> dict[str, Any]:

@@ -156,7 +156,8 @@ def _records(path: Path) -> list[tuple[int, list[str]]]:
             reader = csv.reader(f)
             return [(reader.line_num, row) for row in reader]
     except UnicodeDecodeError as err:
-        raise TraceError(f"{path}: not UTF-8 text (byte {err.start})") from None
+        gzip = " (gzip: decompress it first)" if path.read_bytes()[:2] == b"\x1f\x8b" else ""
+        raise TraceError(f"{path}: not UTF-8 text (byte {err.start}){gzip}") from None
     except csv.Error as err:
         raise TraceError(f"{path}: not CSV ({err})") from None
 
@@ -195,7 +196,10 @@ def _arrivals(
                 "unit with --timestamp-unit s or ms (or use date-times, " + ISO_FORMAT + ")"
             )
         values = [_number(text, f"{path}:{n}: {column}") for n, text in stamps]
-        return [(v - min(values)) * UNITS[unit] for v in values]
+        arrivals = [(v - min(values)) * UNITS[unit] for v in values]
+        if not math.isfinite(max(arrivals)):
+            raise TraceError(f"{path}: {column}s span more seconds than a float holds")
+        return arrivals
     if unit is not None:
         raise TraceError(
             f"{path}: --timestamp-unit {unit} is for numeric timestamps; {column} holds "
@@ -273,5 +277,7 @@ def scale_trace(rows: list[TraceRow], scale: TraceScale) -> list[TraceRow]:
 
 
 def _scaled(tokens: int, factor: float, clip: int) -> int:
-    n = max(1, round(tokens * factor))
+    """`tokens` x `factor`, halves rounded up (not to even: traces are full of round numbers),
+    at least 1, clipped to `clip` (0: no clip)."""
+    n = max(1, math.floor(tokens * factor + 0.5))
     return min(n, clip) if clip else n
