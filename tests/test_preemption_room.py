@@ -62,3 +62,19 @@ def test_a_head_with_a_cache_hit_preempts_only_the_victims_it_needs() -> None:
     _step(core)
     assert core.preemptions == 1  # L2 alone (a place and 2 blocks); L1 had been preempted too
     assert {s.request_id for s in ws.running} == {"S", "L1", "H"}
+
+
+def test_the_blocks_the_running_decodes_take_in_the_step_are_not_room_for_the_head() -> None:
+    core = _core(4, prefix_caching=False)
+    r1 = _seq("R1", list(range(10, 18)), 4, priority=0)  # 2 blocks; its next token needs a 3rd
+    low = _seq("L", list(range(20, 23)), 8, priority=1)  # 1 block, room for its next tokens
+    core.add(r1)
+    core.add(low)
+    _step(core)
+    assert core.workers[0].kv.num_free == 1
+    core.add(_seq("H", list(range(30, 35)), 2, priority=0))  # 2 blocks
+    _step(core)
+    # L's block and the free one would be 2, but R1's next token takes one of them: L's going
+    # would not let H in (before, L was preempted and H waited anyway)
+    assert core.preemptions == 0 and low.preemptions == 0
+    assert core.head_reason is not None and core.head_reason.value == "kv_capacity"

@@ -409,12 +409,27 @@ def test_the_ordering_is_counted_once_per_step_and_only_while_it_holds_the_oldes
 def test_the_victims_stop_as_soon_as_they_leave_exactly_the_room_the_head_needs():
     spec = WorkerSpec("w0", num_blocks=6, block_size=4, max_context=128)  # 24 positions
     core = core_of("priority", (spec,))
-    core.add(seq("low1", 4, 20, tenancy=Tenancy(priority=9)))
-    core.add(seq("low2", 4, 20, tenancy=Tenancy(priority=9)))
-    step(core)  # each holds one block: 16 positions free
+    core.add(seq("low1", 3, 20, tenancy=Tenancy(priority=9)))
+    core.add(seq("low2", 3, 20, tenancy=Tenancy(priority=9)))
+    step(core)  # each holds one block, room in it for its next token: 16 positions free
     core.add(seq("top", 20, 2, tenancy=Tenancy(priority=0)))  # 5 blocks: low2's makes 20
     core.schedule_all()
     assert core.seqs["low2"].preemptions == 1 and core.seqs["low1"].preemptions == 0
+    assert core.seqs["top"].admitted_at is not None
+
+
+def test_a_victim_whose_next_token_needs_a_block_counts_that_block_as_taken():
+    """low1's block is full: its next token takes a new one in this step, so low2's going
+    alone leaves the head too little, and both go (before, low2 went and the head waited)."""
+    spec = WorkerSpec("w0", num_blocks=6, block_size=4, max_context=128)
+    core = core_of("priority", (spec,))
+    core.add(seq("low1", 4, 20, tenancy=Tenancy(priority=9)))
+    core.add(seq("low2", 4, 20, tenancy=Tenancy(priority=9)))
+    step(core)
+    core.add(seq("top", 20, 2, tenancy=Tenancy(priority=0)))
+    core.schedule_all()
+    assert core.seqs["low2"].preemptions == 1 and core.seqs["low1"].preemptions == 1
+    assert core.seqs["top"].admitted_at is not None
 
 
 def four_low_and_a_peer() -> Scheduler:

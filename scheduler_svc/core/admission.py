@@ -271,8 +271,8 @@ class Admission(CoreState):
         names them, first leaves a running place and the KV blocks `head` needs (its first
         chunk after its cached blocks, or its reservation); none if even all it may name leave
         too little. A victim's going frees only the blocks no other request still holds (a
-        prefix it shares stays), and the head's cached blocks that nobody would hold then are
-        taken from the free ones."""
+        prefix it shares stays); the head's cached blocks that nobody would hold then, and the
+        blocks the decodes that stay need for their next token, are taken from the free ones."""
         spec, kv, limit = ws.spec, ws.kv, self.config.max_running
         if self.reserve:
             hit: list[int] = []
@@ -286,8 +286,20 @@ class Admission(CoreState):
         dropped: dict[int, int] = {}  # block -> references the victims so far hold
         rest, victims, freed = list(ws.running), [], 0
 
-        def room() -> int:  # free blocks once the victims leave, less those the hit takes
-            return kv.num_free + freed - sum(refs[b] == dropped.get(b, 0) for b in hit)
+        holds, prefilling = kv.held, ws.prefilling
+
+        def room() -> int:
+            """Free blocks once the victims leave, less those the hit takes and those the
+            decodes that stay take in this step (planned after this, before admission)."""
+            growing = sum(
+                1
+                for s in rest
+                if s.num_computed >= holds(s)
+                and s.num_planned < s.max_planned
+                and not s.drafting
+                and s not in prefilling
+            )
+            return kv.num_free + freed - sum(refs[b] == dropped.get(b, 0) for b in hit) - growing
 
         while len(rest) >= limit or room() < need:
             victim = self.waiting.victim(head, rest, limit)
