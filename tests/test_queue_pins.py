@@ -226,6 +226,7 @@ def test_fair_share_at_its_boundary_with_three_tenants():
     one, may take a second from the one above its share; holding two, it may not."""
     q = FairRequestQueue()
     q.add(head := waiting("a9", 50, tenant="a"))
+    q.charge("b", 10, 0)  # served more than a (a tie would go to b, back in the queue)
     b = [running(f"b{i}", i, tenant="b") for i in range(3)]
     run = [running("a0", 10, tenant="a"), *b, running("c0", 20, tenant="c")]
     run.append(running("c1", 21, tenant="c"))
@@ -240,6 +241,7 @@ def test_fair_share_by_unequal_weights_and_places():
     share of 5 places is 3, b's and c's 1 each."""
     q = FairRequestQueue()
     q.add(head := waiting("a9", 50, tenant="a", weight=3.0))
+    q.charge("b", 10, 0)  # served more than a
     b = [running(f"b{i}", i, tenant="b") for i in range(2)]
     c = [running("c0", 5, tenant="c")]
     run = [running("a0", 10, tenant="a"), running("a1", 11, tenant="a"), *b, *c]
@@ -259,8 +261,8 @@ def test_fair_names_the_most_served_of_the_tenants_above_their_share():
     assert q.victim(head, b + c, 4) is c[1]  # a share of 4/3: both over, c served more
     q.charge("b", 1000, 0)
     assert q.victim(head, b + c, 4) is b[1]
-    q.counters.pop("b"), q.counters.pop("c")  # neither counted: the first over, b
-    assert q.victim(head, b + c, 4) is b[1]
+    q.counters.pop("b"), q.counters.pop("c")  # neither counted: back, either wins the tie
+    assert q.victim(head, b + c, 4) is None
 
 
 def test_fair_names_the_newest_evictable_request_of_the_tenant_above_its_share():
@@ -270,6 +272,7 @@ def test_fair_names_the_newest_evictable_request_of_the_tenant_above_its_share()
     b[2].max_planned = b[2].num_planned  # its last token in flight: not worth it
     other = running("a0", 20, tenant="a")
     other.max_planned = other.num_planned
+    q.charge("b", 10, 0)  # b served more than a
     assert q.victim(head, [other, *b], 4) is b[1]
 
 
@@ -283,6 +286,8 @@ def test_fair_preempts_a_lower_priority_request_first_and_only_an_evictable_one(
     low.max_planned = low.num_planned
     assert q.victim(head, [*same, lower, low], 5) is lower
     lower.max_planned = lower.num_planned  # none lower worth it: the share decides
+    assert q.victim(head, [*same, lower, low], 5) is None  # b, served as little, wins the tie
+    q.charge("b", 10, 0)  # b served more than a: back in the queue, its request comes after
     assert q.victim(head, [*same, lower, low], 5) is same[2]
     # a request at the head's own priority is never taken as a lower one
     peer = running("d0", 1, tenant="d", priority=1)
@@ -785,3 +790,22 @@ def test_deadline_lists_its_requests_in_the_order_it_admits_them():
     listed = [s.request_id for s in q]
     popped = [q.pop().request_id for _ in range(3)]
     assert listed == popped == ["X", "Z", "Y"]
+
+
+def test_fair_preempts_no_tenant_that_would_win_the_tie_on_its_return():
+    """Just after a live switch every counter is 0: B, running but not waiting, would be lifted
+    to the head's counter on its victim's return and win the tie, taking the place back. The
+    head waits a step, until B's service passes its tenant's, then preempts once."""
+    core = core_of("fcfs", (WorkerSpec("w0", 500, 4, 4096),), max_running=2, decode_steps=1)
+    b = [Sequence(f"B{i}", list(range(300 + 20 * i, 320 + 20 * i)), 50, ignore_eos=True,
+                  tenancy=Tenancy(tenant="B")) for i in range(2)]  # fmt: skip
+    for s in b:
+        core.add(s)
+    step(core)
+    core.reconfigure(apply(core.config, {"queue_policy": "fair"}))
+    core.add(a1 := Sequence("A1", [7, 8, 9], 3, ignore_eos=True, tenancy=Tenancy(tenant="A")))
+    for _ in range(10):
+        step(core)
+        if a1.admitted_at is not None:
+            break
+    assert a1.admitted_at is not None and core.preemptions == 1

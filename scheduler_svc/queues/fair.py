@@ -173,9 +173,20 @@ class FairRequestQueue(RequestQueue):
             newest = [s for s in peers if s.tenancy.tenant == tenant and evictable(s)]
             # back in the queue, a victim the head does not outrank (its tenant served less)
             # would be the head again and take back the place it left, step after step
-            if newest and self.outranks(head, victim := max(newest, key=lambda s: s.arrival)):
-                return victim
+            if newest and self._ahead_of_return(head, tenant):
+                return max(newest, key=lambda s: s.arrival)
         return None
+
+    def _ahead_of_return(self, head: Sequence, tenant: str) -> bool:
+        """Would `head` still come before a request of `tenant` put back in the queue? A tenant
+        that waits keeps its rank; one that does not joins again, lifted, and wins a tie."""
+        me = head.tenancy.tenant
+        mine = (self.counters[me], self._joined[me])  # it waits: both are known
+        if self._queued[tenant]:
+            return mine < (self.counters[tenant], self._joined[tenant])
+        waiting = [self.counters[t] for t, n in self._queued.items() if n]
+        floor = min(waiting) if waiting else self._last_left
+        return mine[0] < max(self.counters.get(tenant, 0.0), floor)
 
     def victim_order(self) -> tuple:
         """The tenants as their counters rank them (a victim must be outranked by the head):
