@@ -90,6 +90,8 @@ CORE_TESTS = (
     # what those left unpinned (survivors of the queues group's first run)
     "tests/test_queue_pins.py",
     "tests/test_worker_return.py",
+    # the room a head's victims leave (shared blocks, its cache hit, the decodes' growth)
+    "tests/test_preemption_room.py",
 )
 QUEUES = tuple(
     f"scheduler_svc/queues/{name}.py" for name in "base fcfs priority fair deadline".split()

@@ -78,3 +78,26 @@ def test_the_blocks_the_running_decodes_take_in_the_step_are_not_room_for_the_he
     # would not let H in (before, L was preempted and H waited anyway)
     assert core.preemptions == 0 and low.preemptions == 0
     assert core.head_reason is not None and core.head_reason.value == "kv_capacity"
+
+
+def test_a_decode_that_stays_takes_one_block_for_its_next_token() -> None:
+    core = _core(6, prefix_caching=False, max_running=2)  # H waits for a running place
+    core.add(_seq("R", list(range(10, 14)), 8, priority=0))  # a full block: its next takes one
+    core.add(low := _seq("L", list(range(20, 23)), 8, priority=9))  # room in its block
+    _step(core)
+    assert core.workers[0].kv.num_free == 4
+    core.add(head := _seq("H", list(range(30, 46)), 2, priority=0))  # 4 blocks
+    _step(core)  # 4 free + L's 1 - R's next 1 = 4: L alone is enough
+    assert low.preemptions == 1 and core.preemptions == 1 and head.admitted_at is not None
+
+
+def test_under_reserve_the_head_needs_its_whole_reservation() -> None:
+    core = _core(8, prefix_caching=False, policy="reserve")
+    core.add(low := _seq("L", list(range(20, 23)), 5, priority=9))  # reserves 2 blocks
+    core.add(_seq("M", list(range(40, 43)), 5, priority=9))  # 2 more
+    _step(core)
+    assert core.workers[0].kv.num_free == 4
+    core.add(head := _seq("H", list(range(30, 33)), 17, priority=0))  # 20 positions: 5 blocks
+    _step(core)
+    assert core.preemptions == 1 and head.admitted_at is not None
+    assert low.preemptions + core.seqs["M"].preemptions == 1

@@ -23,7 +23,7 @@ from scheduler_svc.request_queue import (
     create_request_queue,
 )
 from scheduler_svc.sequence import SeqStatus, Sequence
-from scheduler_svc.step import Step, Work
+from scheduler_svc.step import Draft, Step, Work
 from tests.sim import sample, seq, step
 from tests.test_queue_orderings import Clock
 
@@ -148,6 +148,16 @@ def test_the_decode_split_follows_the_decodes_whatever_changed():
     assert charged(core, [b, c]) == {"b": 2, "c": 2}  # another last
     assert charged(core, [b, a, c]) == {"a": 2, "b": 2, "c": 2}  # another count
     assert charged(core, [b, x, c]) == {"b": 2, "c": 2, "x": 2}  # another in the middle
+
+
+def test_a_draft_is_charged_its_fed_token_and_its_draft_tokens_as_sampled_service():
+    core = core_of("fair")
+    a, b = seq("a0", 4, 4, tenancy=of("a")), seq("b0", 4, 4, tenancy=of("b"))
+    before = dict(core.waiting.counters)
+    planned = Step(0, 0, decodes=[b], drafts=[Draft(a, 0, 4, [5, 6, 7])])
+    core._charge([planned])
+    got = {t: v - before.get(t, 0.0) for t, v in core.waiting.counters.items()}
+    assert got == {"a": 2 * 4, "b": 2}  # 1 + 3 positions at the sampled weight of 2
 
 
 def test_a_step_charges_its_chunks_and_decodes_together():
