@@ -101,3 +101,35 @@ def test_under_reserve_the_head_needs_its_whole_reservation() -> None:
     _step(core)
     assert core.preemptions == 1 and head.admitted_at is not None
     assert low.preemptions + core.seqs["M"].preemptions == 1
+
+
+def _prefix_held_by_a_victim() -> Scheduler:
+    """L (priority 9) alone holds a cached 4-block prefix; M (0) runs beside it; 1 block free;
+    the running limit (2) is full."""
+    core = _core(8, max_running=2)
+    core.add(_seq("L", [*PREFIX, 1], 8, priority=9))
+    core.add(_seq("M", list(range(200, 205)), 8, priority=0))
+    _step(core)
+    _step(core)  # L's prompt blocks are cached (readable once their step has run)
+    assert core.workers[0].kv.num_free == 1
+    return core
+
+
+PREFIX = list(range(100, 116))
+
+
+def test_the_heads_cached_blocks_a_victim_frees_are_taken_by_the_head_itself() -> None:
+    core = _prefix_held_by_a_victim()
+    ws = core.workers[0]
+    # 4 cached + 2 new blocks: L's going frees its 5, of which the head takes back its 4
+    fits = _seq("H", [*PREFIX, *range(50, 55)], 2, priority=0)
+    core.add(fits)
+    assert len(ws.kv.hit(fits)) == 4
+    assert [v.request_id for v in core._victims(ws, fits)] == ["L"]
+    core.abort("H")
+    # 4 cached + 3 new: 1 free + 5 freed - 4 taken back = 2, too little: nobody
+    too_long = _seq("H2", [*PREFIX, *range(50, 59)], 2, priority=0)
+    core.add(too_long)
+    assert core._victims(ws, too_long) == []
+    _step(core)
+    assert core.preemptions == 0
