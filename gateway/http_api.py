@@ -106,7 +106,11 @@ class HttpApi:
             ClientGone: _client_gone,
             Exception: _server_error,
         }
-        return Starlette(routes=routes, exception_handlers=handlers)
+        app = Starlette(routes=routes, exception_handlers=handlers)
+        # a path with a trailing slash is no route (404 in OpenAI's shape), not a redirect whose
+        # Location echoes the client's Host header, answered before the API key is checked
+        app.router.redirect_slashes = False
+        return app
 
     # ---- generation ----------------------------------------------------------------------
 
@@ -123,6 +127,7 @@ class HttpApi:
             body = kind.parse(await self._body(request))
             self._check_model(body.model)
             job = body.generate_input()
+            body.check_vocabulary(self.core.tokenizer.vocab_size)
             usage_chunks = body.stream and body.include_usage
             reply = Reply(
                 path == HTTP_CHAT,
@@ -196,9 +201,16 @@ class HttpApi:
         calls = [reply.tools.stream() for _ in range(n)] if reply.tools else None
         try:
             async with aclosing(events):
-                if reply.chat:
+                if reply.chat:  # a forced call's answer has no content: null, as OpenAI's
+                    opening = {"content": None} if reply.tools and reply.tools.forced else None
                     for index in range(n):
-                        yield reply.chunk("", role=True, index=index, so_far=so_far(index))
+                        yield reply.chunk(
+                            None if opening else "",
+                            role=True,
+                            index=index,
+                            so_far=so_far(index),
+                            delta=opening,
+                        )
                 (index, item), offsets, finishes = first, [0] * n, {}
                 while True:
                     if isinstance(item, Finish):
@@ -282,14 +294,16 @@ class HttpApi:
 
     async def tokenize(self, request: Request) -> Response:
         """The token ids a completion (`prompt`) or chat completion (`messages`, rendered with
-        the chat template) of this text would start from: `count` is its usage.prompt_tokens."""
+        the chat template, with the tools it renders) of this text would start from: `count` is
+        its usage.prompt_tokens."""
         self._authorize(request)
         body = TokenizeRequest.parse(await self._body(request))
         self._check_model(body.model)
         try:
             _, ids = await self.core.prepare(body.generate_input())
-        except ValueError as err:
-            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        except ValueError as err:  # named as the generation path names it
+            param = getattr(err, "param", None)
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(err), param=param) from None
         return JSONResponse(
             {"count": len(ids), "max_model_len": self.core.max_context, "tokens": ids}
         )

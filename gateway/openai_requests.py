@@ -5,6 +5,7 @@ the same for HTTP and gRPC; what is checked here is what JSON can say and protob
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any, ClassVar, NamedTuple
 
@@ -30,7 +31,7 @@ TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic'
 # have their own module (gateway/structured.py).
 NOT_YET: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "echo": (None, 0, False),
+    "echo": (None, False, 0),
     "suffix": (None, ""),
     "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,),
@@ -143,8 +144,17 @@ class ChatMessage(Body):
     tool_call_id: str | None = None  # a tool result: the call it answers
 
     def turn(self, index: int) -> Turn:
-        """Text parts are joined by newlines (as vLLM does); no content (an assistant turn that
-        called tools) is empty text."""
+        """Text parts are joined by newlines (as vLLM does); null content is empty text. The
+        content may be left out only by an assistant turn that called tools (OpenAI's rule):
+        elsewhere a message without it is a client's bug, refused rather than served empty."""
+        if "content" not in self.model_fields_set and not (
+            self.role == "assistant" and self.tool_calls
+        ):
+            raise ApiError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"Missing required parameter: 'messages[{index}].content'",
+                param=f"messages[{index}].content",
+            )
         if self.role == "tool" and self.tool_call_id is None:
             raise ApiError(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -180,8 +190,8 @@ class ChatMessage(Body):
 
 
 class StreamOptions(Body):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
+    include_usage: bool | None = False  # null: false, as every optional field of OpenAI's
+    continuous_usage_stats: bool | None = False  # vLLM's: every chunk carries the usage so far
 
 
 class Sampling(StructuredFields, Body):
@@ -195,9 +205,9 @@ class Sampling(StructuredFields, Body):
     seed: int | None = Field(None, ge=0, le=U64_MAX)
     stop: str | list[str] | None = None
     n: int | None = None
-    stream: bool = False
+    stream: bool | None = False  # null: false (OpenAI's schema has it nullable)
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # an extension, as in vLLM
+    ignore_eos: bool | None = False  # an extension, as in vLLM (null: false)
     cache_salt: str | None = None  # vLLM's: only requests of equal salt share cached KV blocks
     priority: Any = None  # vLLM's (lower first); checked with gRPC's (gateway/request_tenancy.py)
     slo_class: str | None = None  # an --slo-classes class; None: the API key's default
@@ -211,8 +221,8 @@ class Sampling(StructuredFields, Body):
     min_tokens: int | None = Field(None, ge=0, le=U32_MAX)  # an extension, as in vLLM
     logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias
     stop_token_ids: list[int] | None = None  # an extension, as in vLLM
-    include_stop_str_in_output: bool = False  # vLLM's: the stop string ends the text, kept
-    skip_special_tokens: bool = True  # vLLM's: the text leaves out special tokens
+    include_stop_str_in_output: bool | None = False  # vLLM's: the stop string ends the text
+    skip_special_tokens: bool | None = True  # vLLM's: the text leaves out special tokens
     # not implemented yet: refused unless neutral (NOT_YET)
     best_of: Any = None
     echo: Any = None
@@ -234,12 +244,12 @@ class Sampling(StructuredFields, Body):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
     @property
     def continuous_usage(self) -> bool:
         options = self.stream_options
-        return options is not None and options.include_usage and options.continuous_usage_stats
+        return self.include_usage and bool(options and options.continuous_usage_stats)
 
     def check_supported(self) -> None:
         problem = choices_problem(self.n)
@@ -250,7 +260,7 @@ class Sampling(StructuredFields, Body):
             raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param="stream_options")
         for name, neutral in self.not_yet.items():
             if getattr(self, name) not in neutral:
-                at = f" (or at {neutral[1]!r})" if len(neutral) > 1 else ""
+                at = f" (or at {json.dumps(neutral[1])})" if len(neutral) > 1 else ""
                 message = f"{name} is not supported yet; leave it out{at}{INSTEAD.get(name, '')}"
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param=name)
 
@@ -266,6 +276,22 @@ class Sampling(StructuredFields, Body):
         """How the request uses tools (chat completions only: gateway/tools.py)."""
         return None
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Token ids of logit_bias and stop_token_ids within the model's vocabulary (the
+        tokenizer's, as /detokenize takes them): else 400 naming the field (the scheduler's
+        own check names neither)."""
+        for name, ids in (
+            ("logit_bias", [int(k) for k in self.logit_bias or {} if k.isascii() and k.isdigit()]),
+            ("stop_token_ids", self.stop_token_ids or []),
+        ):
+            outside = [i for i in ids if i >= vocab_size]
+            if outside:
+                message = (
+                    f"{name} holds the token id {outside[0]}, outside the vocabulary 0.."
+                    f"{vocab_size - 1}"
+                )
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param=name)
+
     def params(self, max_tokens: int | None) -> SamplingParams:
         """The sampling settings as sent, OpenAI's (and vLLM's) names mapped to SamplingParams'
         (the one mapping; unset: its default). Checked by the gateway's validation, as gRPC's."""
@@ -278,7 +304,7 @@ class Sampling(StructuredFields, Body):
             top_k=0 if self.top_k == -1 else self.top_k,
             seed=self.seed,
             stop=stop,
-            ignore_eos=self.ignore_eos,
+            ignore_eos=bool(self.ignore_eos),
             min_p=self.min_p,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -300,8 +326,8 @@ class Sampling(StructuredFields, Body):
             slo_class=self.slo_class or "",
             session=self.user or "",
             fit_context=True,
-            include_stop=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens,
+            include_stop=bool(self.include_stop_str_in_output),
+            skip_special_tokens=self.skip_special_tokens is not False,
         )
 
 
@@ -389,14 +415,46 @@ class CompletionRequest(Sampling):
 
 
 class TokenizeRequest(Body):
+    """A prompt or a chat as the completions or chat completions route would render it: with the
+    chat's `tools`, `tool_choice` and `parallel_tool_calls` (the tools the chat template gets:
+    none for `none`, the named one alone for a named choice), so that `count` is the chat's
+    usage.prompt_tokens. A grammar (`response_format`, ...) adds nothing to the prompt. The
+    fields that would render it otherwise and are not implemented are refused, as on the chat."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: Any = None  # checked by gateway/tools.py
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+    add_special_tokens: Any = None
 
     def generate_input(self) -> GenerateInput:
         messages = self.messages
-        turns = None if messages is None else [m.turn(i) for i, m in enumerate(messages)]
-        return GenerateInput(prompt=self.prompt, messages=turns)
+        not_yet = COMPLETION_NOT_YET if messages is None else CHAT_NOT_YET
+        for name, neutral in not_yet.items():
+            if getattr(self, name, None) not in neutral:
+                at = f" (or at {json.dumps(neutral[1])})" if len(neutral) > 1 else ""
+                message = f"{name} is not supported yet; leave it out{at}"
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param=name)
+        if messages is None:
+            if self.tools is not None or self.tool_choice is not None:
+                param = "tools" if self.tools is not None else "tool_choice"
+                message = f"{param} goes with messages (a chat), not with a prompt"
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param=param)
+            return GenerateInput(prompt=self.prompt)
+        try:
+            plan = plan_of(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ToolsProblem as err:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(err), param=err.param) from None
+        turns = [m.turn(i) for i, m in enumerate(messages)]
+        tools = plan.described() if plan is not None else []
+        return GenerateInput(prompt=self.prompt, messages=turns, tools=tools)
 
 
 class DetokenizeRequest(Body):
@@ -427,17 +485,40 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
 
 
 def _invalid(err: ValidationError) -> ApiError:
-    first = err.errors(include_url=False)[0]
+    """400 naming the first field at fault. Where it failed every member of a union (`stop`: a
+    string or a list of strings), the member that got deepest names the fault (`stop[1]` of
+    ["a", 1], not `stop` for not being a string)."""
+    errors = err.errors(include_url=False)
+    first = errors[0]
+    union = next((i for i, part in enumerate(first["loc"]) if _member(part)), None)
+    if union is not None:  # the same union's members: the first of the deepest
+        at = first["loc"][:union]
+        members = [e for e in errors if e["loc"][:union] == at and _member(e["loc"][union:][:1])]
+        first = max(members, key=lambda e: len(_param_of(e["loc"])))
     if first["type"] == "json_invalid":
         return ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"the body is not JSON: {first['msg']}")
-    param = ""
-    for part in first["loc"]:
-        if isinstance(part, int):
-            param += f"[{part}]"
-        elif part.lower() not in TYPE_TAGS and not any(c in part for c in "[-("):
-            param += f".{part}" if param else part
+    param = "".join(_param_of(first["loc"]))
     got = type(first.get("input")).__name__.replace("NoneType", "null")
     message = f"{param or 'the body'}: {first['msg']}" + (
         "" if first["type"] == "missing" else f" (got {got})"
     )
     return ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param=param or None)
+
+
+def _member(part: Any) -> bool:
+    """Does a pydantic error's location part name a union's member (`str`, `list[str]`)? A
+    one-part tuple: its part."""
+    if isinstance(part, tuple):
+        return bool(part) and _member(part[0])
+    return isinstance(part, str) and (part.lower() in TYPE_TAGS or any(c in part for c in "[-("))
+
+
+def _param_of(loc: tuple) -> list[str]:
+    """The parts of the field a pydantic error's location names (its union members left out)."""
+    parts: list[str] = []
+    for part in loc:
+        if isinstance(part, int):
+            parts.append(f"[{part}]")
+        elif not _member(part):
+            parts.append(f".{part}" if parts else part)
+    return parts

@@ -184,9 +184,7 @@ class Reply:
         else null; `called`: the choice called tools (its finish reason is `tool_calls`)."""
         choice: dict = {"index": index}
         if self.chat:
-            delta = dict(delta or {})
-            if role:
-                delta["role"] = "assistant"
+            delta = ({"role": "assistant"} if role else {}) | (delta or {})
             if text is not None:
                 delta["content"] = text
             choice["delta"] = delta

@@ -11,7 +11,8 @@ a named function), read into a ToolPlan (docs/structured-output.md, *Tools*).
   3.1's `<|python_tag|>`, or plain JSON calls (one object, several, or an array: Llama 3.1's
   form, `parameters` for `arguments`), are parsed (`parse_calls`, tolerant: text without a
   call is a normal answer); with `parallel_tool_calls` false only the first call. Streamed, a
-  `<tool_call>` block's arguments come in fragments as they are written (`AutoStream`).
+  `<tool_call>` block is held until its closing tag and judged as the whole answer's parse
+  judges it (`AutoStream`): streamed and whole answers agree.
 - none (or no tools): the tools are neither described nor called (as vLLM does by default).
 
 Pure logic: no grpc, no torch."""
@@ -115,10 +116,11 @@ class ToolPlan:
         return [f.described() for f in self.functions]
 
     def calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, tool_calls) of a whole answer; no calls: the text is the content."""
+        """(content, tool_calls) of a whole answer; no calls: the text is the content. A forced
+        answer has no content (its text is the grammar's JSON, not the model's words): its
+        calls, the last one cut short with the arguments generated so far (as streamed)."""
         if self.forced:
-            calls = forced_calls(text)
-            return (None, calls) if calls else (text, [])
+            return None, forced_calls(text)
         content, calls = parse_calls(text, {f.name for f in self.functions})
         return content, calls if self.parallel else calls[:1]
 
@@ -129,13 +131,18 @@ class ToolPlan:
 def forced_call(text: str) -> dict[str, Any] | None:
     """The call a forced answer of one call holds, its arguments as generated; None if cut
     short."""
-    calls = forced_calls(text)
-    return calls[0] if len(calls) == 1 and text.lstrip().startswith("{") else None
+    stream = ForcedStream()
+    stream.feed(text)
+    stream.end()
+    whole = len(stream.done) == 1 and not stream.cut and text.lstrip().startswith("{")
+    return stream.done[0] if whole else None
 
 
 def forced_calls(text: str) -> list[dict[str, Any]]:
     """The calls a forced answer holds (one call, or an array of calls), their arguments as
-    generated; of an answer cut short, the calls that ended before the cut (as streamed)."""
+    generated; of an answer cut short, every call whose name came, the last one with the
+    arguments generated before the cut (as streamed: OpenAI's and vLLM's answer to a call cut
+    by max_tokens). None before the first call's name."""
     stream = ForcedStream()
     stream.feed(text)
     stream.end()
@@ -264,7 +271,8 @@ class ForcedStream(CallStream):
     """Forced calls (one, or an array of them) streamed as OpenAI streams them: for each call a
     first delta with its index, id, type, the name and empty arguments, then the arguments'
     text in fragments as it comes (the scan of the JSON tells where they end). `done`: the calls
-    whose arguments ended."""
+    whose name came, their arguments as far as they came; `cut`: the last one's did not end.
+    What comes before the first name is the grammar's JSON, not the model's words: not sent."""
 
     text: str = ""  # all that came
     at: int = 0  # scanned up to here
@@ -272,6 +280,7 @@ class ForcedStream(CallStream):
     inside: bool = False  # in a call's arguments
     scan: JsonEnd = field(default_factory=lambda: JsonEnd(depth=1))  # of the arguments
     done: list[dict[str, Any]] = field(default_factory=list)
+    cut: bool = False  # the answer ended inside the last call's arguments
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         self.text += text
@@ -308,10 +317,10 @@ class ForcedStream(CallStream):
         return ended
 
     def end(self) -> list[dict[str, Any]]:
-        if not self.called:  # cut short before the name: what came, as text
-            return [{"content": self.text}] if self.text else []
-        if self.inside:  # cut short inside the arguments: not a call that ended
-            self.done.pop()
+        """Nothing more to send: a call cut short inside its arguments stays a call with the
+        arguments sent so far (finish_reason `length`), as OpenAI and vLLM answer one; an
+        answer cut before the first name has no call and no content."""
+        self.cut = self.inside
         return []
 
 
@@ -350,31 +359,31 @@ class JsonEnd:
 @dataclass(slots=True)
 class AutoStream(CallStream):
     """An auto answer as OpenAI streams it: its text as content deltas until a `<tool_call>`
-    tag begins (what may be the start of one, and trailing whitespace, are held back); for
-    each block whose head `{"name": NAME, "arguments": ` names a known tool, a first delta
-    (index, id, type, name, empty arguments), then the arguments' text in fragments as the
-    model writes them, up to the end of their object (a scan of the JSON). Whatever cannot be
-    streamed so (an answer that starts with `{` or `[`, perhaps plain JSON calls; a block
-    written otherwise, e.g. its arguments first or as a string) is held, parsed at the end
-    (`parse_calls`) and sent then: the rest of the content, each further call's head, then its
-    arguments whole. A call cut short inside its arguments is not a call (its deltas went)."""
+    tag begins (what may be the start of one, and trailing whitespace, are held back). Each
+    block is held until its closing tag has come, then judged as the whole answer's parse
+    judges it (`CALL_BLOCK`, `_call_text_of`): a call of a known tool whose JSON parses is sent,
+    a first delta (index, id, type, name, empty arguments) then its arguments' text as written;
+    anything else (broken JSON, an unknown name) is not a call, and from there on the answer is
+    held and parsed at the end with the rest (`parse_calls`). Whatever cannot be streamed so (an
+    answer that starts with `{` or `[`, perhaps plain JSON calls; a template's mark; a block
+    without its closing tag) is held too, and sent at the end: the rest of the content, each
+    further call's head, then its arguments whole. So the deltas add up to the answer parsed
+    whole, whatever the model wrote."""
 
     plan: ToolPlan | None = None
     text: str = ""  # all that came
     at: int = 0  # handled up to here
-    mode: str = "content"  # content, head, arguments, tail (to the closing tag), held
+    mode: str = "content"  # content, block (to its closing tag), held (parsed at the end)
     sent: str = ""  # the content sent so far
     sent_to: int = 0  # the end of its text
     outside: str = ""  # the text up to `at` outside the calls streamed (content, whitespace)
-    block: int = 0  # where the current block's JSON begins (after its tag)
-    scan: JsonEnd = field(default_factory=JsonEnd)
-    calls: list[dict[str, Any]] = field(default_factory=list)  # streamed (arguments so far)
+    block: int = 0  # where the current block's tag begins
+    calls: list[dict[str, Any]] = field(default_factory=list)  # sent
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         self.text += text
         out: list[dict[str, Any]] = []
-        step = {"content": self._content, "head": self._head, "arguments": self._arguments}
-        step |= {"tail": self._tail}
+        step = {"content": self._content, "block": self._block}
         while self.mode in step and step[self.mode](out):
             pass
         return out
@@ -409,58 +418,30 @@ class AutoStream(CallStream):
             self.at = max(self.at, self.sent_to)
             return False
         self.outside += pending[:tag]
-        self.at += tag + len(CALL_TAG)
-        self.block, self.mode = self.at, "head"
+        self.at = self.block = self.at + tag
+        self.mode = "block"
         return True
 
-    def _head(self, out: list[dict[str, Any]]) -> bool:
-        head = call_head(self.text[self.block :])
-        known = {f.name for f in self.plan.functions}  # type: ignore[union-attr]
-        if head is True:
+    def _block(self, out: list[dict[str, Any]]) -> bool:
+        """A block once its closing tag has come: a call is sent whole (True), anything else
+        held with the rest of the answer (False); False too while the tag has not come."""
+        if self.text.find(CLOSE_TAG, self.block + len(CALL_TAG)) < 0:
             return False
-        if head is False or head[0] not in known:
-            self.at = self.block - len(CALL_TAG)  # the block, parsed whole at the end
+        block = CALL_BLOCK.match(self.text, self.block)
+        assert block is not None
+        call = _call_text_of(block.group(1), {f.name for f in self.plan.functions})  # type: ignore[union-attr]
+        if call is None:  # not a call: text, parsed whole at the end (as not streamed)
             self.mode = "held"
             return False
-        name, start = head
-        call = tool_call(name, "")
+        out += _whole_deltas([call], len(self.calls))
         self.calls.append(call)
         self.called = True
-        head = {"index": len(self.calls) - 1} | tool_call(name, "", call["id"])  # not shared
-        out.append({"tool_calls": [head]})
-        self.at, self.scan, self.mode = self.block + start, JsonEnd(), "arguments"
-        return True
-
-    def _arguments(self, out: list[dict[str, Any]]) -> bool:
-        start, end = self.at, self.scan.end_in(self.text, self.at)
-        ended = end is not None
-        self.at = len(self.text) if end is None else end + 1  # the closing brace is theirs
-        fragment = self.text[start : self.at]
-        if fragment:
-            self.calls[-1]["function"]["arguments"] += fragment
-            index = len(self.calls) - 1
-            out.append({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]})
-        if ended:
-            self.mode = "tail"
-        return ended
-
-    def _tail(self, out: list[dict[str, Any]]) -> bool:
-        """The rest of the block, to its closing tag, is not sent."""
-        close = self.text.find(CLOSE_TAG, self.at)
-        if close < 0:
-            return False
-        self.at, self.mode = close + len(CLOSE_TAG), "content"
+        self.at, self.mode = block.end(), "content"
         return True
 
     def end(self) -> list[dict[str, Any]]:
         assert self.plan is not None
-        if self.mode == "arguments":  # cut short inside them: not a call that ended (as sent)
-            self.calls.pop()
-        if self.mode in ("arguments", "tail"):  # a last block may lack its closing tag
-            self.at = len(self.text)
-        elif self.mode == "head":  # parsed whole with the rest
-            self.at = self.block - len(CALL_TAG)
-        if not self.called:
+        if not self.called:  # a last block without its closing tag, too
             return self._parsed_whole()
         rest, calls = split_calls(self.text[self.at :], {f.name for f in self.plan.functions})
         content = (self.outside + rest).strip()
@@ -470,7 +451,6 @@ class AutoStream(CallStream):
         if self.plan.parallel:
             out += _whole_deltas(calls, len(self.calls))
             self.calls += calls
-        self.called = bool(self.calls)
         return out
 
     def _parsed_whole(self) -> list[dict[str, Any]]:

@@ -267,7 +267,8 @@ def test_langchain_bind_tools_and_function_calling(stack) -> None:
 
 def test_an_auto_answer_holding_a_call_is_parsed_whole_and_streamed(sdk) -> None:
     """The model's answer made a Hermes call by a choice grammar: auto parses it; streamed, the
-    call's arguments come in fragments that add up to the arguments of the whole answer."""
+    call comes once its block closed (its head, then its arguments as written), the same
+    arguments as the whole answer's."""
     written = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
     asked = dict(
         model="tiny",
@@ -287,9 +288,54 @@ def test_an_auto_answer_holding_a_call_is_parsed_whole_and_streamed(sdk) -> None
     assert content == "Sure." and chunks[-1].choices[0].finish_reason == "tool_calls"
     assert calls[0].id.startswith("call_") and calls[0].function.name == "add"
     assert calls[0].function.arguments == "" and all(c.index == 0 for c in calls)
-    fragments = [c.function.arguments for c in calls[1:]]
-    assert len(fragments) > 1 and all(fragments)  # as the model wrote them, not whole at the end
-    assert "".join(fragments) == call.function.arguments
+    assert "".join(c.function.arguments for c in calls[1:]) == call.function.arguments
+
+
+def test_an_auto_block_of_broken_json_is_text_whole_and_streamed(sdk) -> None:
+    """The sweep's F3 through real processes: a block whose brackets balance but whose JSON is
+    broken was streamed as a call (finish tool_calls, arguments that do not parse) while the
+    answer not streamed was text; both are text now, finish stop."""
+    written = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": }\n</tool_call>'
+    asked = dict(
+        model="tiny",
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=100,
+        extra_body={"structured_outputs": {"choice": [written]}},
+    )
+    choice = sdk.chat.completions.create(**asked).choices[0]
+    assert (choice.finish_reason, choice.message.content) == ("stop", written)
+    assert choice.message.tool_calls is None
+    chunks = [c for c in sdk.chat.completions.create(**asked, stream=True) if c.choices]
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == written
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_forced_call_cut_by_max_tokens_is_the_same_call_whole_and_streamed(sdk) -> None:
+    """The sweep's F1 through real processes: cut inside its arguments, the answer not streamed
+    held the grammar's JSON as content and no call; now both hold the call as far as it came,
+    finish length, content null."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    asked = dict(
+        model="tiny",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice=named,
+        max_tokens=16,  # past the call's head, short of its arguments' end
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    choice = sdk.chat.completions.create(**asked).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+    chunks = [c for c in sdk.chat.completions.create(**asked, stream=True) if c.choices]
+    assert chunks[0].choices[0].delta.content is None  # F8: no "" for a forced call
+    parts = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices[0].delta.tool_calls]
+    assert parts[0].function.name == "get_weather"
+    assert "".join(p.function.arguments or "" for p in parts) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_langchain_streams_a_bound_tools_call(stack) -> None:

@@ -114,19 +114,18 @@ def test_malformed_tools_name_their_field(tools, choice, param) -> None:
     assert caught.value.param == param
 
 
-def test_an_auto_stream_sends_content_as_it_comes_then_each_call_in_fragments() -> None:
+def test_an_auto_stream_sends_content_as_it_comes_then_each_call_once_its_block_closed() -> None:
     plan = tool_plan([WEATHER, ADD], "auto")
     assert plan is not None
     stream = plan.stream()
     assert stream.feed("Sure") == [{"content": "Sure"}]
     assert stream.feed(". <tool") == [{"content": "."}]  # maybe a call's tag: held back
-    assert stream.feed('_call>\n{"name": "add", ') == []  # the head is not whole yet
-    head, first = stream.feed('"arguments": {"a"')
+    assert stream.feed('_call>\n{"name": "add", ') == []  # the block has not closed
+    assert stream.feed('"arguments": {"a": 1}}\n</tool') == []
+    head, arguments = stream.feed("_call>")  # the call's brace and tag are not sent
     assert head["tool_calls"][0]["function"] == {"name": "add", "arguments": ""}
     assert head["tool_calls"][0]["index"] == 0 and head["tool_calls"][0]["type"] == "function"
-    assert first["tool_calls"][0] == {"index": 0, "function": {"arguments": '{"a"'}}
-    (second,) = stream.feed(": 1}}\n</tool_call>")  # the call's brace and tag are not sent
-    assert second["tool_calls"][0] == {"index": 0, "function": {"arguments": ": 1}"}}
+    assert arguments["tool_calls"][0] == {"index": 0, "function": {"arguments": '{"a": 1}'}}
     assert stream.end() == [] and stream.called
 
 
@@ -184,8 +183,10 @@ def test_forced_calls_of_a_whole_answer_and_those_that_ended_before_a_cut() -> N
     assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "add"]
     assert calls[1]["function"]["arguments"] == '{"a": [1, {"b": 2}]}'
     cut = TWO_CALLS[: TWO_CALLS.index('"b"')]  # inside the second call's arguments
-    assert [c["function"]["name"] for c in forced_calls(cut)] == ["get_weather"]
-    assert forced_calls(TWO_CALLS[:20]) == [] and plan.calls(TWO_CALLS[:20]) == (TWO_CALLS[:20], [])
+    assert [c["function"]["name"] for c in forced_calls(cut)] == ["get_weather", "add"]
+    assert forced_calls(cut)[1]["function"]["arguments"] == '{"a": [1, {'  # as streamed
+    # before the first call's name: the grammar's JSON is not the model's words, no content
+    assert forced_calls(TWO_CALLS[:20]) == [] and plan.calls(TWO_CALLS[:20]) == (None, [])
 
 
 def test_auto_parses_every_call_and_only_the_first_without_parallel_calls() -> None:
