@@ -179,7 +179,16 @@ def _as_sent(allowed: Range) -> Callable[[Any], str | None]:
     """A float setting is checked as the wire holds it, so that a value the gateway takes the
     scheduler and the worker take too (1e-4 is below 1e-4 in float32); the refusal quotes it as
     sent."""
-    return lambda value: None if allowed.contains(f32(value)) else allowed.refusal(value)
+
+    def check(value: Any) -> str | None:
+        if allowed.contains(f32(value)):
+            return None
+        refusal = allowed.refusal(value)
+        if isinstance(value, int | float) and allowed.contains(value):  # in range, not as sent
+            refusal += f"; the wire's float32 holds {value!r} as {f32(value)!r}"
+        return refusal
+
+    return check
 
 
 def _is_int(value: object) -> bool:

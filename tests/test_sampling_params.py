@@ -173,7 +173,14 @@ def problem(**sent: Any) -> tuple[str, str] | None:
         (
             {"repetition_penalty": 1e-4},  # below 1e-4 as the wire holds it (float32)
             "repetition_penalty",
-            "repetition_penalty is 0.0001; it must be in [0.0001, 10000] (1 disables it)",
+            "repetition_penalty is 0.0001; it must be in [0.0001, 10000] (1 disables it);"
+            " the wire's float32 holds 0.0001 as 9.999999747378752e-05",
+        ),
+        (
+            {"top_p": 1e-300},  # in (0, 1] as sent, 0 as the wire holds it
+            "top_p",
+            "top_p is 1e-300; it must be in (0, 1] (1 disables it);"
+            " the wire's float32 holds 1e-300 as 0.0",
         ),
         (
             {"stop_token_ids": (3, -1)},
@@ -244,7 +251,8 @@ def test_a_float_is_checked_as_the_wire_holds_it() -> None:
     assert f32("x") == "x" and f32(True) is True
     assert problem(temperature=1e39) == (
         "temperature",
-        "temperature is 1e+39; it must be a finite number >= 0 (0 means greedy decoding)",
+        "temperature is 1e+39; it must be a finite number >= 0 (0 means greedy decoding);"
+        " the wire's float32 holds 1e+39 as inf",
     )
     assert problem(logit_bias={1: 1e39}) is not None
     assert problem(logit_bias={1: 100.000001}) is None  # 100 as the wire holds it
