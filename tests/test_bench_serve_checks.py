@@ -250,6 +250,13 @@ def test_each_stack_started_gets_the_poll_period_and_the_deadline(monkeypatch, t
          "--prefix-caching does not apply to --backend openai"),
         (["--backend", "openai", "--base-url", "u", "--target", "h:1"],
          "--target does not apply to --backend openai"),
+        (["--target", "127.0.0.1:1", "--policies", "continuous+reserve"],
+         "--policies does not apply with --target"),
+        (["--target", "127.0.0.1:1", "--prefix-caching", "on"],
+         "--prefix-caching does not apply with --target"),
+        (["--target", "127.0.0.1:1", "--kv-capacity", "64"],
+         "--kv-capacity does not apply with --target"),
+        (["--status-target", "127.0.0.1:1"], "--status-target is for a run against --target"),
     ],
 )  # fmt: skip
 def test_flags_of_the_other_backend_are_refused(flags, message, tmp_path, capsys) -> None:

@@ -137,6 +137,10 @@ NOT_OPENAI = {
     "block_size": 16,
     "cost_model": None,
 }
+# flags of the stacks the command starts, which a run against --target (a running stack) cannot set
+STACK_FLAGS = ("policies", "prefix_caching", "workers", "token_budget", "max_running",
+               "kv_capacity", "block_size", "cost_model")  # fmt: skip
+STACK_ONLY = {n: NOT_OPENAI[n] for n in STACK_FLAGS}
 
 
 def check_backend_flags(args: argparse.Namespace) -> None:
@@ -154,6 +158,20 @@ def check_backend_flags(args: argparse.Namespace) -> None:
                 else "it is for --backend openai (give --backend openai, or leave it out)"
             )
         )
+    if not openai and not args.target:
+        for name in ("status_target", "admin_key_file"):
+            if getattr(args, name, None):
+                raise BenchError(f"--{name.replace('_', '-')} is for a run against --target "
+                                 "(the stacks this command starts are asked directly)")  # fmt: skip
+    if not openai and args.target:
+        given = [n for n, default in STACK_ONLY.items() if getattr(args, n, default) != default]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise BenchError(
+                f"{flag} does not apply with --target: the running stack is measured with the "
+                "settings it has (change them live with `llmserve set`, or leave --target out "
+                "to start stacks with these flags)"
+            )
 
 
 def check_poll_and_timeout(args: argparse.Namespace, workload: Workload) -> None:
