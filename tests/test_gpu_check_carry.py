@@ -14,6 +14,7 @@ import grpc
 import pytest
 from google.protobuf import runtime_version
 
+from llmserve.bench import gpu_carry
 from llmserve.bench.gpu_carry import STUBS, bootstrap, build_carry, portable_source
 
 
@@ -88,3 +89,13 @@ def test_bootstrap_installs_the_carried_stubs_into_a_tree_without_them(
         str(tmp_path), str(carry / "site"), "/elsewhere"
     ]  # fmt: skip
     assert bootstrap(carry, root=tmp_path).startswith("the tree's own")
+
+
+def test_help_prints_usage_and_builds_nothing(tmp_path: Path, monkeypatch, capsys) -> None:
+    """`--help` is an answer, not a folder named `--help` (it had built one in the cwd)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        gpu_carry.main(["--help"])
+    assert stop.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []

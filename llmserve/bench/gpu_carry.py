@@ -13,6 +13,7 @@ when the tree has none. This module imports nothing outside the standard library
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import importlib.util
 import json
@@ -179,8 +180,16 @@ def bootstrap(carry: Path = CARRY, root: Path = ROOT) -> str:
     )
 
 
-def main() -> int:
-    dest = Path(sys.argv[1]) if len(sys.argv) > 1 else CARRY
+def main(argv: list[str] | None = None) -> int:
+
+    parser = argparse.ArgumentParser(
+        prog="python -m llmserve.bench.gpu_carry",
+        description="Build the folder a GPU check carries to a bare machine (docs/gpu.md).",
+    )
+    parser.add_argument(
+        "dest", nargs="?", type=Path, default=CARRY, help=f"where to build it (default {CARRY})"
+    )
+    dest = parser.parse_args(argv).dest
     manifest = build_carry(dest.resolve())
     tree = tree_bytes()
     total = tree + manifest["bytes"]
