@@ -26,18 +26,35 @@ PROTECTED_SERVICE = "llmserve.v1.Gateway"
 API_KEY_REFUSAL = "missing or wrong API key: send `authorization: Bearer KEY`"
 
 
+KEYS_DISAGREE = (
+    "two different API keys were sent (`authorization` and `x-api-key`, or one of them twice): "
+    "send one key"
+)
+_NO_KEY = "\x00"  # what a call whose keys disagree presents: no key of any table (printable only)
+
+
 def key_from_metadata(metadata: Metadata) -> str:
     """The call's API key ("" when it sends none). Only the two key headers are read: other
-    entries may be `-bin` ones holding any bytes (tracing's), never decoded here."""
+    entries may be `-bin` ones holding any bytes (tracing's), never decoded here. Keys that
+    disagree (a bearer token and a different `x-api-key`) are no key: which one named the
+    tenant would depend on the headers' order."""
+    sent = set()
     for name, value in metadata or ():
         if name not in ("x-api-key", "authorization"):
             continue
         text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
         if name == "x-api-key":
-            return text
-        if text.lower().startswith("bearer "):
-            return text[7:].strip()
-    return ""
+            sent.add(text)
+        elif text.lower().startswith("bearer "):
+            sent.add(text[7:].strip())
+    if len(sent) > 1:
+        return _NO_KEY
+    return sent.pop() if sent else ""
+
+
+def key_refusal(metadata: Metadata) -> str:
+    """Why a call's key was refused: keys that disagree, or a key missing or wrong."""
+    return KEYS_DISAGREE if key_from_metadata(metadata) == _NO_KEY else API_KEY_REFUSAL
 
 
 class ApiKeyInterceptor(TokenInterceptor):
@@ -56,7 +73,7 @@ class ApiKeyInterceptor(TokenInterceptor):
     def refusal_of(self, metadata: Metadata) -> Refusal | None:
         if self.keys().entry(self.token_of(metadata)) is not None:
             return None
-        return grpc.StatusCode.UNAUTHENTICATED, self.refusal
+        return grpc.StatusCode.UNAUTHENTICATED, key_refusal(metadata)
 
 
 def tenant_of(api_key: str) -> bytes:

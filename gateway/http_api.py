@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.api_keys import KeyEntry
-from gateway.auth import API_KEY_REFUSAL, key_from_metadata
+from gateway.auth import key_from_metadata, key_refusal
 from gateway.choices import merged
 from gateway.core import Delta, Finish, GatewayCore
 from gateway.generation_errors import GenerationError
@@ -357,9 +357,10 @@ class HttpApi:
     def _authorize(self, request: Request) -> KeyEntry:
         """The entry of the key sent as `Authorization: Bearer KEY` (or `x-api-key: KEY`), as
         on gRPC; 401 when it is none of the keys in force."""
-        entry = self.core.keys().entry(key_from_metadata(tuple(request.headers.items())))
+        headers = tuple(request.headers.items())
+        entry = self.core.keys().entry(key_from_metadata(headers))
         if entry is None:
-            raise ApiError(grpc.StatusCode.UNAUTHENTICATED, API_KEY_REFUSAL)
+            raise ApiError(grpc.StatusCode.UNAUTHENTICATED, key_refusal(headers))
         return entry
 
     async def _body(self, request: Request) -> bytes:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from gateway.auth import PROTECTED_SERVICE, ApiKeyInterceptor, key_from_metadata
+from gateway.auth import KEYS_DISAGREE, PROTECTED_SERVICE, ApiKeyInterceptor, key_from_metadata
 from llmcommon.auth import (
     INTERNAL_REFUSAL,
     INTERNAL_TOKEN_HEADER,
@@ -122,11 +122,27 @@ def test_binary_metadata_of_any_bytes_is_passed_over_not_decoded() -> None:
     assert call(ApiKeyInterceptor("k"), GENERATE, traced) == "served"
 
 
-def test_the_first_header_that_carries_a_key_is_the_one_checked() -> None:
-    both = (("x-other", "a"), ("x-api-key", "first"), ("authorization", "Bearer second"))
-    assert key_from_metadata(both) == "first"
-    both = (("authorization", "Bearer first"), ("x-api-key", "second"))
-    assert key_from_metadata(both) == "first"
+def test_the_same_key_in_both_headers_is_that_key() -> None:
+    both = (("x-other", "a"), ("x-api-key", KEY), ("authorization", f"Bearer {KEY}"))
+    assert key_from_metadata(both) == KEY
+    assert call(ApiKeyInterceptor(KEY), GENERATE, both) == "served"
+    other_scheme = (("authorization", "Basic zzz"), ("x-api-key", KEY))  # carries no key
+    assert call(ApiKeyInterceptor(KEY), GENERATE, other_scheme) == "served"
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        (("authorization", f"Bearer {KEY}"), ("x-api-key", "other")),
+        (("x-api-key", "other"), ("authorization", f"Bearer {KEY}")),
+        (("x-api-key", KEY), ("x-api-key", "other")),
+    ],
+)
+def test_keys_that_disagree_are_refused_whichever_comes_first(metadata) -> None:
+    """Which key named the tenant would otherwise hang on the headers' order (it had been the
+    first): both orders are refused, saying why, even when one of the keys is right."""
+    answer = call(ApiKeyInterceptor(KEY), GENERATE, metadata)
+    assert answer == f"UNAUTHENTICATED: {KEYS_DISAGREE}"
 
 
 @pytest.mark.parametrize("kind", list(HANDLERS))

@@ -270,6 +270,16 @@ def test_a_missing_or_wrong_key_is_401_and_health_stays_open(stack, sdk, key) ->
         sdk.with_options(api_key=key or "none").models.list()
 
 
+def test_two_different_keys_are_401_saying_so_and_one_key_twice_is_served(stack) -> None:
+    """The right key beside a different `x-api-key` is refused: which of them named the tenant
+    would hang on the headers' order."""
+    status, reply = call(stack, "GET", "/v1/models", key=KEY, headers={"x-api-key": "other"})
+    assert status == 401, reply
+    assert_openai_error(reply, "authentication_error", "unauthenticated")
+    assert "two different API keys" in reply["error"]["message"]
+    assert call(stack, "GET", "/v1/models", key=KEY, headers={"x-api-key": KEY})[0] == 200
+
+
 def test_an_unknown_model_or_route_is_404(stack, sdk) -> None:
     status, reply = call(stack, "POST", "/v1/completions", {"model": "gpt-4o", "prompt": "hi"})
     assert status == 404
