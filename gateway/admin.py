@@ -48,6 +48,12 @@ class GatewayAdmin(scheduler_pb2_grpc.AdminServicer):
     async def SetSettings(self, request, context):
         if self.router is None:
             return await forward(self.stub.SetSettings, request, context)
+        names = [c.name.replace("-", "_") for c in request.changes]
+        twice = next(
+            (c.name for c in request.changes if names.count(c.name.replace("-", "_")) > 1), None
+        )
+        if twice is not None:  # as the cells refuse theirs (scheduler_svc/live_settings.py)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{twice}: given twice")
         ours = {c.name: c.value for c in request.changes if c.name in LIVE}
         try:
             routing = with_changes(self.router.settings, ours)

@@ -19,7 +19,7 @@ from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.core import Scheduler
 from scheduler_svc.explain import Explanation, copy_of, explain_copy
 from scheduler_svc.kv_rows import add_row
-from scheduler_svc.live_settings import SettingError, apply, changed, current
+from scheduler_svc.live_settings import SettingError, apply, changed, changes_of, current
 from scheduler_svc.order_view import OrderView, Standing, order_view
 
 log = logging.getLogger("scheduler")
@@ -37,7 +37,7 @@ class AdminService(scheduler_pb2_grpc.AdminServicer):
     async def SetSettings(self, request, context):
         old = self.core.config
         try:
-            new = apply(old, {c.name: c.value for c in request.changes})
+            new = apply(old, changes_of((c.name, c.value) for c in request.changes))
             self.core.reconfigure(new)
         except (SettingError, ValueError) as err:  # nothing has changed
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

@@ -38,15 +38,29 @@ def current(config: CoreConfig) -> dict[str, str]:
     return {name: shown(getattr(config, name)) for name in NAMES}
 
 
-def parse_pairs(pairs: Iterable[str]) -> dict[str, str]:
-    """`key=value` texts (as the CLI takes them) as a mapping; the last of a key wins."""
+def changes_of(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """(name, text) pairs as a mapping; a name given twice (`token_budget` and `token-budget`
+    are one name) is a SettingError: which value was meant is not the server's to guess."""
     out: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for key, text in pairs:
+        name = key.replace("-", "_")
+        if name in seen:
+            raise SettingError(key, f"given twice ({seen[name]} and {key}={text}): give it once")
+        seen[name] = f"{key}={text}"
+        out[key] = text
+    return out
+
+
+def parse_pairs(pairs: Iterable[str]) -> dict[str, str]:
+    """`key=value` texts (as the CLI takes them) as a mapping; a key given twice is refused."""
+    split = []
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
             raise SettingError(pair or "?", "expected key=value")
-        out[key.strip()] = value.strip()
-    return out
+        split.append((key.strip(), value.strip()))
+    return changes_of(split)
 
 
 def apply(config: CoreConfig, changes: dict[str, str]) -> CoreConfig:

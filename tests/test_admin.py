@@ -94,6 +94,22 @@ def test_a_bad_value_is_invalid_argument_naming_it_and_nothing_changes(admin) ->
     assert admin.get_settings() == before
 
 
+def test_a_setting_sent_twice_over_grpc_is_refused_and_nothing_changes(stack, admin) -> None:
+    before = admin.get_settings()
+    changes = [("token_budget", "64"), ("policy", "paged"), ("token_budget", "128")]
+    request = scheduler_pb2.SetSettingsRequest(
+        changes=[{"name": n, "value": v} for n, v in changes]
+    )
+    with grpc.insecure_channel(stack.settings.gateway, options=CHANNEL_OPTIONS) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            scheduler_pb2_grpc.AdminStub(channel).SetSettings(
+                request, metadata=admin_metadata(KEY), timeout=10
+            )
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "token_budget: given twice" in err.value.details()
+    assert admin.get_settings() == before
+
+
 def test_the_cli_sets_gets_and_explains(stack, admin, tmp_path, capsys) -> None:
     (tmp_path / "key").write_text(KEY)
     flags = ["--target", stack.settings.gateway, "--admin-key-file", str(tmp_path / "key")]

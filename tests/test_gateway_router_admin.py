@@ -73,6 +73,21 @@ def test_a_bad_router_setting_changes_nothing_anywhere():
     assert router.settings.policy is RoutePolicy.CACHE_AWARE and first.sent == []
 
 
+def test_a_router_setting_given_twice_changes_nothing_anywhere():
+    first = FakeAdmin()
+    router = Router(["a", "b"])
+    request = scheduler_pb2.SetSettingsRequest(
+        changes=[
+            {"name": "router", "value": "round-robin"},
+            {"name": "token_budget", "value": "512"},
+            {"name": "router", "value": "least-loaded"},
+        ]
+    )
+    with pytest.raises(grpc.RpcError, match="router: given twice"):
+        asyncio.run(GatewayAdmin(first, router).SetSettings(request, Context()))
+    assert router.settings.policy is RoutePolicy.CACHE_AWARE and first.sent == []
+
+
 class DownAdmin:
     """A cell whose scheduler is down: every call UNAVAILABLE."""
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from scheduler_svc.config import BatchMode, CoreConfig, KvPolicy
-from scheduler_svc.live_settings import NAMES, SettingError, apply, changed, current, parse_pairs
+from scheduler_svc.live_settings import (
+    NAMES,
+    SettingError,
+    apply,
+    changed,
+    changes_of,
+    current,
+    parse_pairs,
+)
 
 
 def test_every_core_setting_is_live() -> None:
@@ -74,6 +82,20 @@ def test_fields_a_rule_binds_together_are_checked_together(low, high) -> None:
 def test_a_pair_without_equals_is_refused() -> None:
     with pytest.raises(SettingError, match="key=value"):
         parse_pairs(["policy"])
+
+
+@pytest.mark.parametrize(
+    "pairs",
+    [["token_budget=8", "token_budget=16"], ["token_budget=8", "token-budget=8"]],
+    ids=["two values", "one name spelt two ways"],
+)
+def test_a_setting_given_twice_is_refused_naming_it(pairs) -> None:
+    """All or nothing: which of two values was meant is not the server's to guess (the last
+    had won)."""
+    with pytest.raises(SettingError, match="token.budget: given twice"):
+        parse_pairs(pairs)
+    with pytest.raises(SettingError, match="given twice"):
+        changes_of(pair.split("=") for pair in pairs)
 
 
 def test_current_lists_every_setting_as_set_takes_it_back() -> None:
