@@ -137,13 +137,18 @@ class SamplingParams:
         return limited
 
     def vocab_problem(self, vocab_size: int) -> str | None:
-        """A token id (of logit_bias or stop_token_ids) outside the vocabulary, or None."""
-        ids = [*self.logit_bias, *self.stop_token_ids]
-        if ids and max(ids) >= vocab_size:
-            return (
-                f"token id {max(ids)} in logit_bias or stop_token_ids is outside the vocabulary "
-                f"of {vocab_size} tokens"
-            )
+        """A token id (of logit_bias or stop_token_ids) outside the vocabulary, named with its
+        field, or None."""
+        for name, ids in (
+            ("logit_bias", self.logit_bias),
+            ("stop_token_ids", self.stop_token_ids),
+        ):
+            outside = [i for i in ids if i >= vocab_size]
+            if outside:
+                return (
+                    f"token id {max(outside)} in {name} is outside the vocabulary of "
+                    f"{vocab_size} tokens (0 to {vocab_size - 1})"
+                )
         return None
 
     def checked(self) -> SamplingParams:

@@ -318,9 +318,12 @@ def test_a_work_item_samples_greedily_by_default() -> None:
 def test_a_token_id_outside_the_vocabulary_is_named_with_it() -> None:
     assert SamplingParams(logit_bias={9: 1.0}, stop_token_ids=(3,)).vocab_problem(10) is None
     assert SamplingParams(stop_token_ids=(3, 10)).vocab_problem(10) == (
-        "token id 10 in logit_bias or stop_token_ids is outside the vocabulary of 10 tokens"
+        "token id 10 in stop_token_ids is outside the vocabulary of 10 tokens (0 to 9)"
     )
-    assert SamplingParams(logit_bias={12: 1.0}).vocab_problem(10) is not None
+    both = SamplingParams(logit_bias={12: 1.0, 5: 1.0}, stop_token_ids=(11,))
+    assert both.vocab_problem(10) == (
+        "token id 12 in logit_bias is outside the vocabulary of 10 tokens (0 to 9)"
+    )
     assert SamplingParams().vocab_problem(1) is None
 
 
