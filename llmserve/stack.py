@@ -61,7 +61,12 @@ class StackSettings(CoreConfig):
     metrics_base_port: int = setting(
         0, "Prometheus /metrics ports: gateway +0, scheduler +1, workers +2..; 0 = off"
     )
-    http_port: int = setting(0, help_of(GW, "http_port"))
+    http_port: int = setting(
+        0,
+        "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health, /tokenize, /detokenize; vLLM serves it on 8000), on 127.0.0.1 "
+        "with the same API keys and limits as gRPC; 0 = off",
+    )
     threads: int = setting(0, "torch threads per worker; 0 = all cores split among the workers")
     small_step_threads: int = setting(
         -1,
@@ -81,7 +86,12 @@ class StackSettings(CoreConfig):
     discover: str = setting("", "more worker entries for the scheduler, e.g. dns:NAME:PORT")
     discovery_interval: float = setting(5.0, help_of(SC, "discovery_interval"))
     internal_token_file: str = setting("", help_of(SC, "internal_token_file"))
-    api_keys_file: str = setting("", help_of(GW, "api_keys_file"))
+    api_keys_file: str = setting(
+        "",
+        help_of(GW, "api_keys_file").replace(
+            "Not with --api-key-file", "Without it, $LLMSERVE_API_KEY is the one key if set"
+        ),
+    )
     slo_classes: str = setting("", help_of(GW, "slo_classes"))
     admin_key_file: str = setting("", help_of(SC, "admin_key_file"))
     scheduler_flags: str = setting("", 'more flags for the scheduler, e.g. "--hang-floor 2"')

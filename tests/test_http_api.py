@@ -292,6 +292,13 @@ def test_an_unknown_model_or_route_is_404(stack, sdk) -> None:
         assert_openai_error(reply, "invalid_request_error", "not_found")
 
 
+def test_another_method_on_a_known_route_is_405_in_openai_shape(stack) -> None:
+    for method, path in [("GET", "/v1/chat/completions"), ("POST", "/v1/models")]:
+        status, reply = call(stack, method, path, {} if method == "POST" else None)
+        assert status == 405, (path, reply)
+        assert_openai_error(reply, "invalid_request_error", "unimplemented")
+
+
 def test_tokenize_and_detokenize_round_trip(stack) -> None:
     text = "Hello world, 日本語 🙂"
     status, tokens = call(stack, "POST", "/tokenize", {"prompt": text})
