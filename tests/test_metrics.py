@@ -418,6 +418,8 @@ def test_the_status_code_label_is_the_codes_name(code, name) -> None:
         (Context(grpc.StatusCode.NOT_FOUND), RuntimeError(), "NOT_FOUND"),
         (Context(grpc.StatusCode.OK), RuntimeError(), "UNKNOWN"),
         (Context(None, remaining=0.0), asyncio.CancelledError(), "DEADLINE_EXCEEDED"),
+        # the client's own deadline cancels the call just before the gateway's copy passes
+        (Context(None, remaining=0.004), asyncio.CancelledError(), "DEADLINE_EXCEEDED"),
         (Context(None, remaining=0.5), asyncio.CancelledError(), "CANCELLED"),
         (Context(None, remaining=None), GeneratorExit(), "CANCELLED"),
         (Context(None), ValueError(), "UNKNOWN"),
