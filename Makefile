@@ -84,10 +84,12 @@ CORE_BASELINE     ?= 47d2b63
 PROMETHEUS_PORT   ?= 9090
 # the gateway's OpenAI-compatible HTTP API, on vLLM's port (0 = off)
 HTTP_PORT         ?= 8000
+# any other `llmserve up` flags: make up UP_FLAGS="--gateway-port 60051 --log-dir /tmp/llmserve"
+UP_FLAGS          ?=
 
 up: setup
 	$(BIN)/llmserve up --metrics-base-port $(METRICS_BASE_PORT) --prometheus-port $(PROMETHEUS_PORT) \
-	    --http-port $(HTTP_PORT)
+	    --http-port $(HTTP_PORT) $(UP_FLAGS)
 
 lint: setup
 	$(BIN)/ruff check .
