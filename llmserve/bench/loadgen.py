@@ -194,7 +194,6 @@ class LoadGenerator:
             request_id=f"bench-{spec.index}",
         )
         record.sent_s = call.now()
-        last: float | None = None
         grpc_call = stub.Generate(request, timeout=self.timeout_s)  # from the sending
         try:
             async for message in grpc_call:
@@ -215,13 +214,7 @@ class LoadGenerator:
                     n = min(n, spec.output_tokens - record.completion_tokens)
                 if not n:
                     continue
-                if last is None:
-                    record.first_token_s = now
-                else:
-                    record.token_gaps.append(now - last)
-                record.token_gaps.extend([0.0] * (n - 1))  # tokens that came in one message
-                last = now
-                record.completion_tokens += n
+                record.took(n, now)
                 if spec.limit > spec.output_tokens <= record.completion_tokens:
                     record.finish = "client_stop"  # the workload's length: stop reading here
                     grpc_call.cancel()

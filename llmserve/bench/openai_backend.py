@@ -139,7 +139,6 @@ class OpenAILoadGenerator(LoadGenerator):
     async def _read(self, stream: Any, call: Call) -> None:
         spec, record, answer = call.spec, call.record, call.answer
         chat = not isinstance(call.sent, str)
-        last: float | None = None
         seen = chunks = 0  # chunks, and those with text (answer or reasoning)
         reported: int | None = None  # the usage's completion tokens, the latest
         usage = None
@@ -161,14 +160,7 @@ class OpenAILoadGenerator(LoadGenerator):
             reported = reported if so_far is None else so_far
             if spec.limit > spec.output_tokens:  # a run's tokens past the length go unread
                 n = min(n, spec.output_tokens - record.completion_tokens)
-            if n:
-                if last is None:
-                    record.first_token_s = now
-                else:
-                    record.token_gaps.append(now - last)
-                record.token_gaps.extend([0.0] * (n - 1))  # tokens that came in one chunk
-                last = now
-                record.completion_tokens += n
+            record.took(n, now)
             if spec.limit > spec.output_tokens <= record.completion_tokens:
                 record.finish = "client_stop"  # the workload's length: stop reading
                 record.tokens_basis = "chunks" if so_far is None else "usage"

@@ -28,6 +28,20 @@ class RequestRecord:
     # server's `usage`, or its chunks with text counted one token each (no usable usage)
     tokens_basis: str = "token ids"
     usage_note: str = ""  # why a usage the server sent was not taken
+    last_token_s: float | None = None  # when the latest tokens came (not in the CSV)
+
+    def took(self, n: int, now: float) -> None:
+        """`n` tokens came together at `now` (one message or chunk): the first sets the TTFT,
+        the gap since the tokens before goes to the first of them, the rest come 0 s apart."""
+        if not n:
+            return
+        if self.last_token_s is None:
+            self.first_token_s = now
+        else:
+            self.token_gaps.append(now - self.last_token_s)
+        self.token_gaps.extend([0.0] * (n - 1))
+        self.last_token_s = now
+        self.completion_tokens += n
 
     @property
     def ok(self) -> bool:
