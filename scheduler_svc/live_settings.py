@@ -71,6 +71,8 @@ def apply(config: CoreConfig, changes: dict[str, str]) -> CoreConfig:
         name = key.replace("-", "_")
         if name not in NAMES:
             raise SettingError(key, f"not a live setting (one of {', '.join(NAMES)})")
+        if name in values:  # a mapping may still name one setting in both spellings
+            raise SettingError(key, "given twice: give it once")
         try:
             values[name] = parse_field(CoreConfig, name, text)
         except ValueError as err:

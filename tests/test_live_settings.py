@@ -96,6 +96,10 @@ def test_a_setting_given_twice_is_refused_naming_it(pairs) -> None:
         parse_pairs(pairs)
     with pytest.raises(SettingError, match="given twice"):
         changes_of(pair.split("=") for pair in pairs)
+    mapping = dict(pair.split("=") for pair in pairs)
+    if len(mapping) == 2:  # both spellings: a library caller's mapping can hold them
+        with pytest.raises(SettingError, match="given twice"):
+            apply(CoreConfig(), mapping)
 
 
 def test_current_lists_every_setting_as_set_takes_it_back() -> None:
