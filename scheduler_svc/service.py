@@ -32,7 +32,7 @@ from scheduler_svc.step_model import StepModels, prior_of
 from scheduler_svc.step_times import StepTimes
 from scheduler_svc.submit_checks import InvalidSubmission, submission_of
 from scheduler_svc.supervision import Supervisor, TokenMismatch
-from scheduler_svc.worker_client import WorkerClient
+from scheduler_svc.worker_client import BadWorker, WorkerClient
 from scheduler_svc.worker_loop import WorkerLoop
 
 log = logging.getLogger("scheduler")
@@ -106,6 +106,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             return scheduler_pb2.RegisterReply(joined=gone and not self.core.workers[known[0]].gone)
         try:
             added = await self.workers.add_address(address)
+        except BadWorker as bad:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, bad.details())
         except TokenMismatch:
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,

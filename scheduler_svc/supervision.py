@@ -20,7 +20,7 @@ from scheduler_svc.core import Scheduler
 from scheduler_svc.run_clock import RunClock
 from scheduler_svc.sequence import SeqStatus
 from scheduler_svc.settings import SchedulerSettings
-from scheduler_svc.worker_client import WorkerClient
+from scheduler_svc.worker_client import BadWorker, WorkerClient
 from scheduler_svc.worker_loop import WorkerLoop
 
 log = logging.getLogger("scheduler")
@@ -182,7 +182,7 @@ class Supervisor:
                     continue
                 for info in infos:
                     ip = info[4][0]
-                    with contextlib.suppress(TokenMismatch):  # logged; it stays out
+                    with contextlib.suppress(TokenMismatch, BadWorker):  # logged; it stays out
                         await self.add_address(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
             await asyncio.sleep(self.settings.discovery_interval)
 
@@ -204,6 +204,9 @@ class Supervisor:
             if err.code() is grpc.StatusCode.UNAUTHENTICATED:
                 log.error("worker %s refuses this scheduler's internal token", address)
                 raise TokenMismatch(address) from None
+            if isinstance(err, BadWorker):
+                log.error("%s", err.details())
+                raise
             log.debug("worker %s does not answer: %s", address, err.code().name)
             return False
         if any(c.target == address for c in self.clients):  # joined while we described it

@@ -17,6 +17,30 @@ class WorkerLost(Exception):
     """The worker's step stream broke, ended, or its answer did not come in time."""
 
 
+class BadWorker(grpc.aio.AioRpcError):
+    """A worker that answered Describe with a pool no request can use (a block size of 0 had
+    stopped the scheduler at the first Submit): handled where a worker that does not answer
+    is, and named as such (FAILED_PRECONDITION with the fault)."""
+
+    def __init__(self, target: str, problem: str) -> None:
+        details = f"the worker at {target} describes {problem}: it stays out"
+        empty = grpc.aio.Metadata()
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION, empty, empty, details)
+
+
+def info_problem(info: worker_pb2.WorkerInfo) -> str:
+    """What makes a worker's description unusable ("" if nothing)."""
+    for field in ("block_size", "num_blocks", "max_context", "vocab_size"):
+        if getattr(info, field) < 1:
+            return f"{field} {getattr(info, field)} (it must be at least 1)"
+    if info.capacity_positions != info.num_blocks * info.block_size:
+        return (
+            f"capacity_positions {info.capacity_positions}, not num_blocks {info.num_blocks} x "
+            f"block_size {info.block_size}"
+        )
+    return ""
+
+
 class WorkerClient:
     def __init__(self, target: str, static: bool = True, token: str = "") -> None:
         self.target = target
@@ -42,10 +66,15 @@ class WorkerClient:
             return None
 
     async def describe(self, timeout: float = 5.0) -> worker_pb2.WorkerInfo:
-        self.info = await self.stub.Describe(
+        """The worker's description; BadWorker (an AioRpcError) if no request could use it."""
+        info = await self.stub.Describe(
             worker_pb2.DescribeRequest(), timeout=timeout, metadata=self.metadata
         )
-        return self.info
+        problem = info_problem(info)
+        if problem:
+            raise BadWorker(self.target, problem)
+        self.info = info
+        return info
 
     def spec(self) -> WorkerSpec:
         assert self.info is not None

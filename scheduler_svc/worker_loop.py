@@ -231,14 +231,17 @@ class WorkerLoop:
                 f"{len(emitted)} draft results for {len(step.drafts)} drafts (a worker that "
                 f"does not verify drafts? speculative decoding needs one that does)"
             )
-        elif not result.error and step.drafts:
-            result.error = draft_answer_problem(step, tokens, emitted)
+        elif not result.error:  # a worker's answer is checked, never trusted to crash us
+            result.error = answer_problem(step, tokens, emitted)
         # whose logprobs the tokens carry: read before `complete` moves or finishes requests
         owners = (
             StepLogprobs.owners(step, tokens, emitted)
             if result.logprobs and not result.error
             else []
         )
+        if owners and len(owners) != len(result.logprobs):
+            result.error = f"{len(result.logprobs)} logprobs for {len(owners)} sampled tokens"
+            owners = []
         if result.error:
             log.error(
                 "worker %s failed a step of %d requests: %s", name, step.num_requests, result.error
@@ -269,9 +272,16 @@ class WorkerLoop:
         return events
 
 
-def draft_answer_problem(step, tokens: list[int], emitted: list[int]) -> str:
-    """What is wrong with a worker's answer to a step with drafts ("" if nothing): each draft
-    emits 1 to len(draft) + 1 tokens, and the tokens are the plain ones plus those."""
+def answer_problem(step, tokens: list[int], emitted: list[int]) -> str:
+    """What is wrong with a worker's answer to a step ("" if nothing): a token for every
+    sample; with drafts, each draft emits 1 to len(draft) + 1 tokens, and the tokens are the
+    plain ones plus those. A malformed answer fails its step's requests like a step the model
+    failed: the scheduler and the other workers' requests carry on (it had stopped the
+    scheduler, every request of every worker lost)."""
+    if not step.drafts:
+        if len(tokens) != step.num_sampled:
+            return f"{len(tokens)} tokens for {step.num_sampled} samples"
+        return ""
     for n, draft in zip(emitted, step.drafts, strict=True):
         if not 1 <= n <= len(draft.token_ids) + 1:
             return f"a draft of {len(draft.token_ids)} tokens emitted {n}"
