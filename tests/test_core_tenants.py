@@ -183,6 +183,31 @@ def test_a_tenant_beside_anothers_burst_is_admitted_at_once_under_fair():
     assert len(outputs["chat"]) == 4 and all(len(outputs[f"batch{i}"]) == 40 for i in range(12))
 
 
+def test_a_tenant_arriving_beside_a_burst_that_never_waited_banks_no_service():
+    """`a`'s requests were all admitted at once, so `a` stopped waiting at counter 0 and ran
+    on. `b` arriving later is lifted to `a`'s counter *now* (the paper's rule): from then on the
+    two share the service about equally. Lifted to `a`'s counter as it stopped waiting, `b` had
+    banked all of `a`'s service since and took 0.76 of the next 100 steps' service (0.95 when
+    it came 40 steps later)."""
+    spec = WorkerSpec("w0", num_blocks=4096, block_size=4, max_context=1024)
+    core = core_of("fair", spec, max_running=8, token_budget=64, decode_steps=1)
+    for i in range(8):
+        core.add(seq(f"a{i}", 8, 150, ignore_eos=True, tenancy=Tenancy(tenant="a")))
+    for _ in range(100):
+        step(core)
+    assert core.waiting.counters["a"] > 1000 and not core.waiting  # nobody waits
+    for i in range(40):
+        core.add(seq(f"b{i}", 8, 60, ignore_eos=True, tenancy=Tenancy(tenant="b")))
+    assert core.waiting.counters["b"] == core.waiting.counters["a"]
+    total: Counter = Counter()
+    for n in range(100):
+        if n % 4 == 0:  # a keeps sending
+            core.add(seq(f"a{8 + n}", 8, 60, ignore_eos=True, tenancy=Tenancy(tenant="a")))
+        for got in served_per_step(core, 1):
+            total.update(got)
+    assert 0.4 <= total["b"] / (total["a"] + total["b"]) <= 0.6, total
+
+
 def test_under_fcfs_the_same_chat_waits_behind_the_burst():
     core = core_of("fcfs", max_running=4)
     backlog(core, "batch", 12, prompt=8, out=40)

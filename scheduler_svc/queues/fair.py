@@ -43,7 +43,7 @@ class FairRequestQueue(RequestQueue):
         self._queued: Counter[str] = Counter()  # waiting requests by tenant
         self._members: set[Sequence] = set()
         self._arrivals = ArrivalIndex()
-        self._last_left = 0.0  # the counter of the last tenant to stop waiting
+        self._last_left = ""  # the last tenant to stop waiting (its counter grows as it runs)
         self._joins = itertools.count(1)
         self._joined: dict[str, int] = {}  # minus when each tenant last started waiting
         # the head's deque, until a tenant joins or leaves a level or the counters change (the
@@ -55,9 +55,7 @@ class FairRequestQueue(RequestQueue):
         tenant = seq.tenancy.tenant
         self.learn(seq)
         if not self._queued[tenant]:
-            waiting = [self.counters[t] for t, n in self._queued.items() if n]
-            floor = min(waiting) if waiting else self._last_left
-            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), self._floor())
             self._joined[tenant] = -next(self._joins)  # lifted to a tie, it goes first
         self._queued[tenant] += 1
         self._members.add(seq)
@@ -81,7 +79,16 @@ class FairRequestQueue(RequestQueue):
         self._queued[tenant] -= 1
         if not self._queued[tenant]:
             del self._queued[tenant]
-            self._last_left = self.counters[tenant]
+            self._last_left = tenant
+
+    def _floor(self) -> float:
+        """What a tenant that starts waiting is lifted to: the smallest counter of those
+        waiting; when nobody waits, the counter *now* of the last tenant to stop waiting, as the
+        paper's algorithm reads it: that tenant's requests have run since, and a snapshot taken
+        when it stopped waiting let a newcomer bank all that service (a tenant arriving beside
+        another's long-running burst then took most of the service until it had caught up)."""
+        waiting = [self.counters[t] for t, n in self._queued.items() if n]
+        return min(waiting) if waiting else self.counters.get(self._last_left, 0.0)
 
     def add(self, seq: Sequence) -> None:
         self._join(seq).append(seq)
@@ -184,9 +191,7 @@ class FairRequestQueue(RequestQueue):
         mine = (self.counters[me], self._joined[me])  # it waits: both are known
         if self._queued[tenant]:
             return mine < (self.counters[tenant], self._joined[tenant])
-        waiting = [self.counters[t] for t, n in self._queued.items() if n]
-        floor = min(waiting) if waiting else self._last_left
-        return mine[0] < max(self.counters.get(tenant, 0.0), floor)
+        return mine[0] < max(self.counters.get(tenant, 0.0), self._floor())
 
     def victim_order(self) -> tuple:
         """The tenants as their counters rank them (a victim must be outranked by the head):
