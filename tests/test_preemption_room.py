@@ -5,6 +5,8 @@ room, so no victim is preempted in vain and no more are preempted than the head 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from llmcommon.tenancy import Tenancy
 from scheduler_svc.config import CoreConfig, WorkerSpec
 from scheduler_svc.core import Scheduler
@@ -133,3 +135,26 @@ def test_the_heads_cached_blocks_a_victim_frees_are_taken_by_the_head_itself() -
     assert core._victims(ws, too_long) == []
     _step(core)
     assert core.preemptions == 0
+
+
+def test_a_running_prompt_chunk_that_takes_the_room_first_leaves_the_victim_running() -> None:
+    """M (above the head) still has 9 prompt tokens to compute: in this step its chunk takes
+    the 2 free blocks before the head is admitted. The 2 free and L's 1 would have made the 3
+    blocks the head needs, but less M's 2 they make 1: L was preempted in vain, recomputed the
+    step after, and the head waited all the same (tenants sweep; 7 such preemptions in 151
+    random priority/fair workloads, 3 after: those left wait on the running limit)."""
+    spec = WorkerSpec("w0", num_blocks=7, block_size=4, max_context=4096)
+    config = CoreConfig(queue_policy="priority", token_budget=16, decode_steps=1)
+    core = Scheduler(replace(config, prefix_caching=False), [spec])
+    core.add(_seq("L", [5, 6], 10, priority=1))
+    _step(core)
+    core.add(_seq("M", list(range(100, 124)), 1, priority=-1))  # chunks of 15, then 9
+    _step(core)
+    ws = core.workers[0]
+    assert ws.kv.num_free == 2 and core.seqs["M"].num_computed == 15
+    core.add(_seq("H", list(range(300, 312)), 2, priority=0))  # 3 blocks
+    _step(core)
+    assert core.preemptions == 0 and core.seqs["L"].status.value == "running"
+    assert core.head_reason is not None and core.head_reason.value == "kv_capacity"
+    _step(core)  # M has finished: its blocks are free, and the head gets them
+    assert core.seqs["H"].status.value == "running" and core.preemptions == 0

@@ -286,20 +286,32 @@ class Admission(CoreState):
         dropped: dict[int, int] = {}  # block -> references the victims so far hold
         rest, victims, freed = list(ws.running), [], 0
 
-        holds, prefilling = kv.held, ws.prefilling
+        holds, prefilling, size = kv.held, ws.prefilling, spec.block_size
+        full, outranks, own = self._full_budget(), self.waiting.outranks, need * size
+
+        def taken() -> int:
+            """The blocks the requests that stay take in this step, planned after this and
+            before admission as the planner does (in running order, within the token budget):
+            a decode's next token, a prompt chunk's positions (the head's own tokens left out
+            of the chunk of a request it outranks)."""
+            budget, blocks = full, 0
+            for s in rest:
+                if s.num_planned >= s.max_planned or s.drafting or budget == 0:
+                    continue
+                if s not in prefilling:
+                    budget -= 1
+                    blocks += s.num_computed >= holds(s)
+                    continue
+                n = self._chunk(s, max(0, budget - own) if outranks(head, s) else budget)
+                budget -= n
+                blocks += max(0, blocks_for(s.num_computed + n, size) - holds(s) // size)
+            return blocks
 
         def room() -> int:
             """Free blocks once the victims leave, less those the hit takes and those the
-            decodes that stay take in this step (planned after this, before admission)."""
-            growing = sum(
-                1
-                for s in rest
-                if s.num_computed >= holds(s)
-                and s.num_planned < s.max_planned
-                and not s.drafting
-                and s not in prefilling
-            )
-            return kv.num_free + freed - sum(refs[b] == dropped.get(b, 0) for b in hit) - growing
+            requests that stay take in this step."""
+            hit_held = sum(refs[b] == dropped.get(b, 0) for b in hit)
+            return kv.num_free + freed - hit_held - taken()
 
         while len(rest) >= limit or room() < need:
             victim = self.waiting.victim(head, rest, limit)
