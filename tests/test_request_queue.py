@@ -43,6 +43,26 @@ def test_a_preempted_request_goes_back_in_front_of_everyone():
     assert queue.oldest_arrival() == 1.0
 
 
+def test_one_admitted_out_of_arrival_order_back_in_front_is_not_the_oldest():
+    """After a live switch to fcfs from an ordering that admitted `run` before `old`, `run`
+    preempted goes in front of `old`: the head, but not the oldest (the oldest-wait gauge had
+    shown `run`'s wait; tenants sweep F4)."""
+    queue = create_request_queue("fcfs")
+    old, run, new = seq("old", 1.0), seq("run", 2.0), seq("new", 3.0)
+    queue.add(old)
+    queue.add(new)
+    queue.prepend(run)
+    assert queue.peek() is run and queue.oldest() is old and queue.oldest_arrival() == 1.0
+    queue.remove(old)
+    assert queue.oldest() is run
+    for s in (run, new):
+        queue.remove(s)
+    assert queue.oldest() is None
+    queue.add(new)
+    queue.prepend(old)  # the usual case again: the head is the oldest
+    assert queue.oldest() is old and not queue._unordered
+
+
 def test_remove_takes_one_out_and_keeps_the_order_of_the_rest():
     queue = create_request_queue()
     a, b, c = seq("a"), seq("b"), seq("c")

@@ -19,6 +19,10 @@ class FCFSRequestQueue(RequestQueue):
     def __init__(self, clock: Clock = time.monotonic) -> None:
         super().__init__(clock)
         self._queue: deque[Sequence] = deque()
+        # a request put back in front that arrived after the head (it was admitted out of
+        # arrival order, under another ordering before a live switch): until the queue
+        # empties, the oldest is looked for, not taken to be the head
+        self._unordered = False
 
     def add(self, seq: Sequence) -> None:
         self._queue.append(seq)
@@ -30,6 +34,8 @@ class FCFSRequestQueue(RequestQueue):
         return self._queue.popleft()
 
     def prepend(self, seq: Sequence) -> None:
+        if self._queue and seq.arrival > self._queue[0].arrival:
+            self._unordered = True
         self._queue.appendleft(seq)
 
     def remove(self, seq: Sequence) -> None:
@@ -46,5 +52,11 @@ class FCFSRequestQueue(RequestQueue):
 
     def oldest(self) -> Sequence | None:
         """The head: it arrived first (a preempted request, back in front, arrived before
-        everyone admitted after it)."""
-        return self._queue[0] if self._queue else None
+        everyone admitted after it), unless one admitted out of arrival order came back."""
+        queue = self._queue
+        if not queue:
+            self._unordered = False
+            return None
+        if self._unordered:
+            return min(queue, key=lambda s: s.arrival)
+        return queue[0]
