@@ -232,7 +232,8 @@ class WorkerLoop:
                 f"does not verify drafts? speculative decoding needs one that does)"
             )
         elif not result.error:  # a worker's answer is checked, never trusted to crash us
-            result.error = answer_problem(step, tokens, emitted)
+            vocab = client.info.vocab_size if client.info is not None else 0
+            result.error = answer_problem(step, tokens, emitted, vocab)
         # whose logprobs the tokens carry: read before `complete` moves or finishes requests
         owners = (
             StepLogprobs.owners(step, tokens, emitted)
@@ -272,12 +273,15 @@ class WorkerLoop:
         return events
 
 
-def answer_problem(step, tokens: list[int], emitted: list[int]) -> str:
+def answer_problem(step, tokens: list[int], emitted: list[int], vocab: int = 0) -> str:
     """What is wrong with a worker's answer to a step ("" if nothing): a token for every
-    sample; with drafts, each draft emits 1 to len(draft) + 1 tokens, and the tokens are the
-    plain ones plus those. A malformed answer fails its step's requests like a step the model
-    failed: the scheduler and the other workers' requests carry on (it had stopped the
-    scheduler, every request of every worker lost)."""
+    sample, each within the worker's vocabulary (`vocab`, 0 = not known); with drafts, each
+    draft emits 1 to len(draft) + 1 tokens, and the tokens are the plain ones plus those. A
+    malformed answer fails its step's requests like a step the model failed: the scheduler
+    and the other workers' requests carry on (it had stopped the scheduler, every request of
+    every worker lost; a token outside the vocabulary had gone to the client as nothing)."""
+    if vocab and tokens and max(tokens) >= vocab:
+        return f"token id {max(tokens)} is outside the worker's vocabulary of {vocab} tokens"
     if not step.drafts:
         if len(tokens) != step.num_sampled:
             return f"{len(tokens)} tokens for {step.num_sampled} samples"
