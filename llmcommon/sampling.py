@@ -263,6 +263,17 @@ def _bool(name: str) -> Callable[[Any], str | None]:
     return lambda value: None if isinstance(value, bool) else f"{name} must be true or false"
 
 
+GRAMMAR_KINDS = {1: "JSON_SCHEMA", 2: "REGEX", 3: "CHOICE", 4: "LARK"}  # common.proto's
+
+
+def _grammar(value: Grammar | None) -> str | None:
+    """A grammar's kind must be one the workers compile (a kind of 0 or 99 had been accepted
+    at the scheduler's door and failed at the worker, as an error of the request's run)."""
+    if value is None or value.kind in GRAMMAR_KINDS:
+        return None
+    return f"grammar kind {value.kind} is not one of {', '.join(GRAMMAR_KINDS.values())}"
+
+
 CHECKS: dict[str, Callable[[Any], str | None]] = {
     "max_tokens": _max_tokens,
     "temperature": _as_sent(TEMPERATURE),
@@ -279,5 +290,5 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "min_tokens": _min_tokens,
     "logit_bias": _logit_bias,
     "logprobs": _logprobs,
-    "grammar": lambda value: None,  # compiled (and refused) by the gateway and the worker
+    "grammar": _grammar,  # its kind here; its spec is compiled (and refused) by the gateway
 }  # one per field of SamplingParams (a test checks)

@@ -130,3 +130,16 @@ def test_a_refusal_names_the_field_the_range_and_what_it_means() -> None:
     assert PRESENCE_PENALTY.problem(2.0) is None
     assert PRESENCE_PENALTY.problem(3) == "presence_penalty is 3; it must be in [-2, 2]"
     assert not TOP_P.contains(True) and not TOP_P.contains("0.5")
+
+
+@pytest.mark.parametrize("kind", [0, 5, 99])
+def test_a_grammar_kind_no_worker_compiles_is_refused_at_the_schedulers_door(kind) -> None:
+    """A direct Submit (a peer, not the gateway) with grammar kind 0 or 99 had been taken and
+    failed at the worker as the request's run (internal-services sweep M4)."""
+    sampling = common_pb2.SamplingParams(max_tokens=4)
+    sampling.grammar.kind = kind  # type: ignore[assignment]
+    sampling.grammar.spec = "[a-z]+"
+    problem = submit_problem([1, 2], [], sampling, 100)
+    assert problem == f"grammar kind {kind} is not one of JSON_SCHEMA, REGEX, CHOICE, LARK"
+    sampling.grammar.kind = common_pb2.Grammar.REGEX
+    assert submit_problem([1, 2], [], sampling, 100) is None
