@@ -133,3 +133,18 @@ def test_the_core_fails_only_the_requests_the_worker_could_not_run() -> None:
     core.schedule(0)  # b leaves and frees its KV at the next step
     check_invariants(core)
     assert core.workers[0].kv.pool.allocated("b") == 0
+
+
+def test_a_request_planned_twice_in_one_step_fails_alone() -> None:
+    """decodes [0, 0, 1] had returned 3 tokens for 2 requests, request 0 moved two positions
+    over KV never written (internal-services sweep M1); a chunk and a decode of one request
+    alike."""
+    s = session()
+    s.run(merge(start(0, [0], [5, 6]), start(1, [1], [7, 8]), start(2, [2], [4])))
+    result, _, _ = s.run(worker_pb2.Step(step=2, decodes=[0, 0, 1]))
+    assert set(result.failed) == {0} and "planned twice" in result.failed[0]
+    assert len(result.tokens) == 1 and 0 not in s.items
+    chunk_and_decode = worker_pb2.Step(step=3, decodes=[2])
+    chunk_and_decode.chunks.add(handle=2, token_ids=[9], start_position=1, sample=True)
+    result, _, _ = s.run(chunk_and_decode)
+    assert set(result.failed) == {2} and not result.tokens

@@ -182,9 +182,12 @@ class Session:
                 self.writer[block] = grant.handle
             item.block_table.extend(grant.blocks)
         handles, batch = [], []
+        seen: set[int] = set()  # a request runs once a step: a second chunk or decode fails it
+        twice = "planned twice in one step (a chunk or decode already)"
         for chunk in step.chunks:
             item = items.get(chunk.handle)
-            why = self.chunk_problem(item, chunk)
+            why = twice if chunk.handle in seen else self.chunk_problem(item, chunk)
+            seen.add(chunk.handle)
             if why:
                 failed.setdefault(chunk.handle, why)
                 continue
@@ -193,7 +196,8 @@ class Session:
             batch.append(item)
         for handle in step.decodes:
             item = items.get(handle)
-            why = self.decode_problem(handle, item)
+            why = twice if handle in seen else self.decode_problem(handle, item)
+            seen.add(handle)
             if why:
                 failed.setdefault(handle, why)
                 continue
