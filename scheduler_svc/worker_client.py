@@ -28,11 +28,16 @@ class BadWorker(grpc.aio.AioRpcError):
         super().__init__(grpc.StatusCode.FAILED_PRECONDITION, empty, empty, details)
 
 
+MAX_BLOCKS = 1 << 25  # the scheduler keeps a table entry a block: 10 M took it a second
+
+
 def info_problem(info: worker_pb2.WorkerInfo) -> str:
     """What makes a worker's description unusable ("" if nothing)."""
     for field in ("block_size", "num_blocks", "max_context", "vocab_size"):
         if getattr(info, field) < 1:
             return f"{field} {getattr(info, field)} (it must be at least 1)"
+    if info.num_blocks > MAX_BLOCKS:  # up to 2^32 - 1 had frozen the scheduler while it joined
+        return f"num_blocks {info.num_blocks} (at most {MAX_BLOCKS}: raise the block size)"
     if info.capacity_positions != info.num_blocks * info.block_size:
         return (
             f"capacity_positions {info.capacity_positions}, not num_blocks {info.num_blocks} x "

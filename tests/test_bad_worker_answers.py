@@ -93,6 +93,10 @@ def info(**fields) -> worker_pb2.WorkerInfo:
         ({"max_context": 0}, "max_context 0"),
         ({"vocab_size": 0}, "vocab_size 0"),
         ({"capacity_positions": 5}, "capacity_positions 5, not num_blocks 64 x block_size 16"),
+        (
+            {"num_blocks": 2**32 - 1, "block_size": 1, "capacity_positions": 2**32 - 1},
+            "num_blocks 4294967295 (at most 33554432",
+        ),
     ],
 )
 def test_a_description_no_request_can_use_is_named(fields, problem) -> None:
