@@ -212,6 +212,17 @@ class Supervisor:
         if any(c.target == address for c in self.clients):  # joined while we described it
             await client.close()
             return False
+        assert client.info is not None
+        vocabs = {c.info.vocab_size for c in self.clients if c.info is not None}
+        if vocabs and client.info.vocab_size not in vocabs:  # another model: it had made every
+            await client.close()  # client's request look out of the vocabulary
+            bad = BadWorker(
+                address,
+                f"vocab_size {client.info.vocab_size} where the stack's workers have "
+                f"{', '.join(map(str, sorted(vocabs)))} (another model?)",
+            )
+            log.error("%s", bad.details())
+            raise bad
         log.info("worker %s joined: %s", address, str(client.info).replace("\n", " "))
         self.join(client)
         return True
