@@ -166,6 +166,24 @@ def test_a_prompt_one_short_of_the_context_gets_one_token() -> None:
     assert r.finish is Finish.LENGTH and len(r.output_ids) == 1
 
 
+@pytest.mark.parametrize("resumed", [5, 6, 10])
+def test_a_resubmission_whose_resumed_tokens_fill_the_context_is_refused_for_good(resumed):
+    """Prompt 10 + resumed tokens reaching the context of 16 leave nothing to generate: a
+    refusal at the door (it had been taken, then failed "no worker can hold this request;
+    retry", a condition no retry changes; internal-services sweep M5). One short of it (5),
+    the request is taken and gets its one token."""
+    core = Recording(CoreConfig(), [WorkerSpec("w", 64, 4, 16)])
+    r = seq("r", 10, 20)
+    r.output_ids = [5] * resumed
+    if resumed == 5:
+        core.add(r)
+        step(core)
+        assert r.finish is Finish.LENGTH and len(r.output_ids) == 6
+        return
+    with pytest.raises(Refused, match=f"{resumed} resumed tokens leave no room to generate"):
+        core.add(r)
+
+
 # ---- the reason a stall is counted under ----------------------------------------------------
 
 

@@ -59,10 +59,17 @@ class Scheduler(Membership, Admission, Planning, Drafts, Runs, Failures):
         specs += [ws.spec for ws in self.returning_workers()]  # it may wait for one of these
         if not specs:
             self._refuse(RefusalReason.NO_WORKER, RefusalReason.NO_WORKER.description)
-        fits = [s for s in specs if prompt < s.max_context]
+        computed = prompt + len(seq.output_ids)  # a resubmission's resumed tokens too
+        fits = [s for s in specs if computed < s.max_context]
         if not fits:
             context = max(s.max_context for s in specs)
-            self._refuse(RefusalReason.CONTEXT, context_problem(prompt, context) or "")
+            if not seq.output_ids:
+                self._refuse(RefusalReason.CONTEXT, context_problem(prompt, context) or "")
+            self._refuse(  # it had been taken, then failed "no worker can hold it; retry"
+                RefusalReason.CONTEXT,
+                f"prompt of {prompt} tokens and {len(seq.output_ids)} resumed tokens leave no "
+                f"room to generate within the model's context of {context} tokens",
+            )
         if not any(seq.max_length(s.max_context) <= s.capacity for s in fits):
             need = min(seq.max_length(s.max_context) for s in fits)
             capacity = max(s.capacity for s in fits)
