@@ -1,6 +1,6 @@
 """One model setting for the whole stack, with real processes: a gateway takes its tokenizer
-from the model the workers serve, refuses to start when told another model, and reports
-NOT_SERVING (refusing requests with the reason) while a worker serves another vocabulary."""
+from the model the workers serve, refuses to start when told another model, and keeps out a
+worker that serves another vocabulary (the scheduler refuses it when it registers)."""
 
 from __future__ import annotations
 
@@ -93,27 +93,21 @@ def serving_or_not(target: str) -> bool:
         return False
 
 
-def test_a_worker_of_another_vocabulary_stops_the_gateway_serving_until_it_leaves(stack, tmp_path):
+def test_a_worker_of_another_vocabulary_stays_out_and_the_stack_serves_on(stack, tmp_path):
     """A random Qwen2 with a 400-token vocabulary in a directory named `tiny`: the same name as
-    the stack's model, another vocabulary."""
+    the stack's model, another vocabulary. The scheduler refuses it when it registers, naming
+    why, and the worker says so; the gateway serves on with the stack's worker. (It had
+    joined, and the gateway then refused every request until it left.)"""
     directory = qwen2_style(tmp_path / "tiny")
     shape = dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     save_hf_model("qwen2", {**shape, "vocab_size": 400}, directory)
     gateway = stack.settings.gateway
     name = stack.join_worker(1, free_port(), "--model", str(directory), "--kv-capacity", "256")
-    says = "this gateway's tokenizer has 49152 tokens but the workers' model 'tiny' has 400"
-    wait_for(lambda: not serving(gateway), 30, "the gateway NOT_SERVING", period=0.5)
-    with pytest.raises(grpc.RpcError) as refused:
-        completion_tokens(gateway)
-    assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
-    assert says in refused.value.details()
-
-    ended = subprocess.run(gateway_command(stack), capture_output=True, text=True, timeout=120)
-    assert ended.returncode != 0 and says in ended.stderr.strip().splitlines()[-1]
-
+    says = "describes vocab_size 400 where the stack's workers have 49152 (another model?)"
+    worker_log = stack.log(name)
+    wait_for(lambda: says in worker_log.read_text(), 30, "the worker told it stays out")
+    assert says in stack.log("scheduler").read_text()
+    assert serving(gateway) and completion_tokens(gateway) == 3
+    assert [w.name for w in client.status(stack.settings.scheduler).workers] == ["worker0"]
     stack.procs[name].send_signal(signal.SIGTERM)
     assert stack.procs[name].wait(60) == 0
-    wait_for(lambda: serving(gateway), 30, "the gateway SERVING again", period=0.5)
-    listed = lambda: [w.name for w in client.status(stack.settings.scheduler).workers]  # noqa: E731
-    wait_for(lambda: listed() == ["worker0"], 30, "worker1 unlisted")
-    assert completion_tokens(gateway) == 3

@@ -148,6 +148,9 @@ def make_runner(settings: WorkerSettings):
     return runner
 
 
+REFUSED_TOKEN, REFUSED_WORKER = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION
+
+
 async def register(settings: WorkerSettings, token: str, log, period: float = 2.0) -> None:
     """Announce this worker to the scheduler, again and again: a restarted scheduler (or one
     that started later) learns of it within `period` seconds."""
@@ -164,9 +167,11 @@ async def register(settings: WorkerSettings, token: str, log, period: float = 2.
                     )
             except grpc.aio.AioRpcError as err:
                 log.debug("scheduler %s: %s", settings.scheduler, err.code().name)
-                if err.code() is grpc.StatusCode.UNAUTHENTICATED and not refused:
+                # its token, or what this worker describes (another model's vocabulary, ...)
+                said_no = err.code() in (REFUSED_TOKEN, REFUSED_WORKER)
+                if said_no and not refused:
                     log.error("the scheduler at %s refused: %s", settings.scheduler, err.details())
-                refused = err.code() is grpc.StatusCode.UNAUTHENTICATED
+                refused = said_no
             await asyncio.sleep(period)
 
 
