@@ -58,6 +58,7 @@ class Supervisor:
         self.absent = list(absent or [])  # in --workers, not answering yet: see join_absent
         self.eos_ids: frozenset[int] = frozenset()
         self.started = False
+        self.refused_addresses: set[str] = set()  # workers that described what no one can use
 
     def join(self, client: WorkerClient) -> int:
         """A described worker joins the stack and gets admissions from its first step."""
@@ -205,7 +206,7 @@ class Supervisor:
                 log.error("worker %s refuses this scheduler's internal token", address)
                 raise TokenMismatch(address) from None
             if isinstance(err, BadWorker):
-                log.error("%s", err.details())
+                self._refused(address, err)
                 raise
             log.debug("worker %s does not answer: %s", address, err.code().name)
             return False
@@ -221,11 +222,17 @@ class Supervisor:
                 f"vocab_size {client.info.vocab_size} where the stack's workers have "
                 f"{', '.join(map(str, sorted(vocabs)))} (another model?)",
             )
-            log.error("%s", bad.details())
+            self._refused(address, bad)
             raise bad
         log.info("worker %s joined: %s", address, str(client.info).replace("\n", " "))
         self.join(client)
         return True
+
+    def _refused(self, address: str, bad: BadWorker) -> None:
+        """Logged once an address as an error (the worker registers again every 2 s)."""
+        level = logging.DEBUG if address in self.refused_addresses else logging.ERROR
+        self.refused_addresses.add(address)
+        log.log(level, "%s", bad.details())
 
     async def try_restore(self, index: int) -> None:
         ws, client = self.core.workers[index], self.clients[index]
