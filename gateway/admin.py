@@ -20,6 +20,7 @@ from llmcommon.admin_auth import (
     AdminKeyInterceptor,
     admin_key_of,
 )
+from llmcommon.flags import given_twice
 from llmcommon.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 TIMEOUT_S = 30.0  # an explanation plans the core a few dozen times
@@ -48,10 +49,7 @@ class GatewayAdmin(scheduler_pb2_grpc.AdminServicer):
     async def SetSettings(self, request, context):
         if self.router is None:
             return await forward(self.stub.SetSettings, request, context)
-        names = [c.name.replace("-", "_") for c in request.changes]
-        twice = next(
-            (c.name for c in request.changes if names.count(c.name.replace("-", "_")) > 1), None
-        )
+        twice = given_twice(c.name for c in request.changes)
         if twice is not None:  # as the cells refuse theirs (scheduler_svc/live_settings.py)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{twice}: given twice")
         ours = {c.name: c.value for c in request.changes if c.name in LIVE}

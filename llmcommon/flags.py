@@ -16,6 +16,18 @@ T = TypeVar("T")
 TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
+def given_twice(names: typing.Iterable[str]) -> str | None:
+    """The first name given again (`token_budget` and `token-budget` are one name), or None:
+    a live change names each setting once (the scheduler's and the gateway's `set`)."""
+    seen: set[str] = set()
+    for name in names:
+        key = name.replace("-", "_")
+        if key in seen:
+            return name
+        seen.add(key)
+    return None
+
+
 def setting(default: Any, help: str = "") -> Any:
     """A settings field with its documentation: the flag's help text (and `llmserve up`'s)."""
     return dataclasses.field(default=default, metadata={"help": help})

@@ -11,7 +11,7 @@ import enum
 from collections.abc import Iterable
 from typing import Any
 
-from llmcommon.flags import parse_field
+from llmcommon.flags import given_twice, parse_field
 from scheduler_svc.config import BatchMode, CoreConfig
 from scheduler_svc.sequence import Sequence
 
@@ -41,15 +41,14 @@ def current(config: CoreConfig) -> dict[str, str]:
 def changes_of(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
     """(name, text) pairs as a mapping; a name given twice (`token_budget` and `token-budget`
     are one name) is a SettingError: which value was meant is not the server's to guess."""
-    out: dict[str, str] = {}
-    seen: dict[str, str] = {}
-    for key, text in pairs:
-        name = key.replace("-", "_")
-        if name in seen:
-            raise SettingError(key, f"given twice ({seen[name]} and {key}={text}): give it once")
-        seen[name] = f"{key}={text}"
-        out[key] = text
-    return out
+    pairs = list(pairs)
+    twice = given_twice(key for key, _ in pairs)
+    if twice is not None:
+        sent = " and ".join(
+            f"{k}={t}" for k, t in pairs if k.replace("-", "_") == twice.replace("-", "_")
+        )
+        raise SettingError(twice, f"given twice ({sent}): give it once")
+    return dict(pairs)
 
 
 def parse_pairs(pairs: Iterable[str]) -> dict[str, str]:

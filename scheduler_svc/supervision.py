@@ -140,6 +140,7 @@ class Supervisor:
             return
         self.absent.remove(client)
         problem = self.settings.capacity_problem(client.info.capacity_positions)
+        problem = problem or self.vocab_problem(client)
         if problem or any(c.target == client.target for c in self.clients):
             log.error("worker %s %s: it stays out", client.target, problem or "joined already")
             await client.close()
@@ -213,20 +214,25 @@ class Supervisor:
         if any(c.target == address for c in self.clients):  # joined while we described it
             await client.close()
             return False
-        assert client.info is not None
-        vocabs = {c.info.vocab_size for c in self.clients if c.info is not None}
-        if vocabs and client.info.vocab_size not in vocabs:  # another model: it had made every
-            await client.close()  # client's request look out of the vocabulary
-            bad = BadWorker(
-                address,
-                f"vocab_size {client.info.vocab_size} where the stack's workers have "
-                f"{', '.join(map(str, sorted(vocabs)))} (another model?)",
-            )
+        problem = self.vocab_problem(client)
+        if problem:  # another model: it had made every client's request look out of vocabulary
+            await client.close()
+            bad = BadWorker(address, problem)
             self._refused(address, bad)
             raise bad
         log.info("worker %s joined: %s", address, str(client.info).replace("\n", " "))
         self.join(client)
         return True
+
+    def vocab_problem(self, client: WorkerClient) -> str:
+        """A described worker whose vocabulary is not the stack's workers' ("" if it is)."""
+        assert client.info is not None
+        vocabs = {c.info.vocab_size for c in self.clients if c.info is not None}
+        if not vocabs or client.info.vocab_size in vocabs:
+            return ""
+        have = ", ".join(map(str, sorted(vocabs)))
+        mine = client.info.vocab_size
+        return f"vocab_size {mine} where the stack's workers have {have} (another model?)"
 
     def _refused(self, address: str, bad: BadWorker) -> None:
         """Logged once an address as an error (the worker registers again every 2 s)."""
