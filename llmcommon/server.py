@@ -21,6 +21,7 @@ from llmcommon.auth import TokenInterceptor, token_interceptors
 from llmcommon.flags import add_flags, from_args
 from llmcommon.health import SERVING, HealthServicer, check_health
 from llmcommon.metrics_http import MetricsSettings, ServesMetrics, metrics_host, start_metrics
+from llmcommon.unreadable import ReadableRequests
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # On SIGTERM, in-flight calls get this long to finish (--drain-timeout): enough for a request of
@@ -117,8 +118,11 @@ class Server:
         token: str = "",
         extra_options: tuple[tuple[str, int], ...] = (),  # more grpc server arguments
     ) -> None:
+        interceptors = list(interceptors or [])
+        if not any(isinstance(i, ReadableRequests) for i in interceptors):
+            interceptors.insert(0, ReadableRequests())  # an undecodable request: INVALID_ARGUMENT
         if token:  # outermost: nothing else sees an unauthenticated call
-            interceptors = [TokenInterceptor(service_names, token), *(interceptors or [])]
+            interceptors = [TokenInterceptor(service_names, token), *interceptors]
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -128,7 +132,7 @@ class Server:
             *KEEPALIVE_OPTIONS,
             *extra_options,
         ]
-        self.server = grpc.aio.server(options=options, interceptors=interceptors or None)
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names

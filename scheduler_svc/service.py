@@ -152,6 +152,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         try:
             while (message := await session.next_message()) is not None:
                 yield message
+            if session.unreadable:  # what had queued went down; its requests are cancelled
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, session.unreadable)
         finally:
             for task in tasks:
                 task.cancel()

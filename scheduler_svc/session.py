@@ -6,14 +6,18 @@ token outside the model (docs/benchmarks.md, "The stack's cost per token")."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 import grpc
 
+from llmcommon.unreadable import unreadable_message
 from llmcommon.v1 import common_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
     from scheduler_svc.service import SchedulerService
+
+log = logging.getLogger("scheduler")
 
 
 class Rejected(Exception):
@@ -44,6 +48,7 @@ class Session:
         self.ready = asyncio.Event()
         self.sinks: dict[str, _Sink] = {}  # its requests in flight
         self.reading = True  # until the gateway closes its side
+        self.unreadable = ""  # why a message from the gateway could not be read: the session ends
 
     def add(self, rid: str, event: scheduler_pb2.TokenEvent) -> None:
         self.pending.append(scheduler_pb2.RequestEvent(request_id=rid, event=event))
@@ -88,6 +93,9 @@ class Session:
                     self.submit(request.submit)
                 elif request.HasField("cancel"):
                     self.cancel(request.cancel.request_id)
+        except Exception as err:  # noqa: BLE001 - an undecodable message: said, not swallowed
+            self.unreadable = unreadable_message(err)
+            log.error("a session's stream: %s; its requests are cancelled", self.unreadable)
         finally:
             self.reading = False
             self.ready.set()
@@ -101,6 +109,8 @@ class Session:
         scheduler is stopping (it refuses new ones; ending the stream lets it exit once the
         requests in flight are done, not at the end of its drain timeout)."""
         stopping = self.service.stopping
+        if self.unreadable:
+            return True
         return not self.sinks and (not self.reading or (stopping is not None and stopping.is_set()))
 
     async def next_message(self) -> scheduler_pb2.SessionEvents | None:

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from llmcommon.unreadable import unreadable_message
 from llmcommon.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.grammar import GrammarCache, TokenTable, model_tokenizer
 from worker_svc.kernel_plan import describe_fields
@@ -105,11 +106,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                         log.exception("metrics hook failed")
             loop.call_soon_threadsafe(results.put_nowait, result)
 
+        unreadable: list[str] = []  # why the stream's next message could not be read
+
         async def read() -> None:
             try:
                 async for step in request_iterator:
                     self.last_call = time.monotonic()
                     self.executor.submit(run, step)
+            except Exception as err:  # noqa: BLE001 - an undecodable message: said, not swallowed
+                unreadable.append(unreadable_message(err))
+                log.error("step stream from %s: %s", driver, unreadable[0])
             finally:
                 self.executor.submit(lambda: loop.call_soon_threadsafe(results.put_nowait, END))
 
@@ -118,6 +124,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         try:
             while (result := await results.get()) is not END:
                 yield result
+            if unreadable:  # the steps before it were answered; the stream ends in error
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, unreadable[0])
         finally:
             reader.cancel()
             if self.driver is driver:

@@ -1,0 +1,126 @@
+"""A message that does not parse, sent to any service as a buggy peer would, is answered
+INVALID_ARGUMENT saying so: not UNKNOWN with a traceback in the server's log (gRPC's own answer
+to an undecodable request), and a stream is not ended OK as if the peer had closed it. A session
+cut that way cancels its requests (their KV freed); the stack serves on.
+
+Real processes (the simulated model): a worker alone, for its step stream; a stack, for the
+scheduler's and the gateway's calls."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from llmcommon.server import CHANNEL_OPTIONS
+from llmcommon.v1 import common_pb2, scheduler_pb2, worker_pb2
+from llmserve import client
+from tests.stack_checks import wait_for
+from tests.stacks import running_stack, tiny_settings
+from tests.test_step_stream_owner import one_step, worker  # noqa: F401 - the worker fixture
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hang_guard")]
+
+GARBAGE = b"\xff\xff\xff\xff"  # a field number 0 with a broken varint: no message parses it
+NOT_READ = "Error parsing message"  # protobuf's words, in the answer (the gateway adds a hint)
+
+
+def raw_stream(target: str, method: str, messages: list[bytes], pause_s: float = 0.2):
+    """The answers of a stream-stream call sent `messages` as they are (raw bytes), a pause
+    between them, and the call's final code and details."""
+
+    def send():
+        for message in messages:
+            yield message
+            time.sleep(pause_s)
+        time.sleep(5)  # the stream stays open: only the server can end it in time
+
+    with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        call = channel.stream_stream(method)(send(), timeout=30)
+        answers = []
+        try:
+            answers.extend(call)
+        except grpc.RpcError as err:
+            return answers, err.code(), err.details()
+        return answers, call.code(), call.details()
+
+
+def raw_call(target: str, method: str, streaming: bool) -> tuple[grpc.StatusCode, str]:
+    with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        make = channel.unary_stream if streaming else channel.unary_unary
+        try:
+            answer = make(method)(GARBAGE, timeout=10)
+            if streaming:
+                list(answer)
+        except grpc.RpcError as err:
+            return err.code(), err.details()
+    return grpc.StatusCode.OK, ""
+
+
+def test_an_undecodable_step_ends_the_worker_stream_in_error_after_the_steps_before_it(
+    worker,  # noqa: F811
+) -> None:
+    good = worker_pb2.Step(step=1).SerializeToString()
+    answers, code, details = raw_stream(worker, "/llmserve.v1.Worker/Steps", [good, GARBAGE])
+    assert [worker_pb2.StepResult.FromString(a).step for a in answers] == [1]
+    assert code is grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert NOT_READ in details and "llmserve.v1.Step" in details
+    assert one_step(worker).step == 7  # the worker takes a new stream: the old one is over
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    where = tmp_path_factory.mktemp("unreadable")
+    settings = tiny_settings(model="sim", sim_step_ms=20.0, kv_capacity=4096)
+    with running_stack(settings, where) as s:
+        yield s
+
+
+@pytest.mark.parametrize(
+    ("where", "method", "streaming"),
+    [
+        ("scheduler", "/llmserve.v1.Scheduler/Submit", True),
+        ("scheduler", "/llmserve.v1.Scheduler/Cancel", False),
+        ("scheduler", "/llmserve.v1.Scheduler/Status", False),
+        ("scheduler", "/llmserve.v1.Scheduler/Register", False),
+        ("gateway", "/llmserve.v1.Gateway/Generate", True),
+        ("gateway", "/llmserve.v1.Gateway/GenerateUnary", False),
+        ("gateway", "/llmserve.v1.Gateway/Status", False),
+        ("gateway", "/grpc.health.v1.Health/Check", False),
+    ],
+)
+def test_an_undecodable_request_is_invalid_argument_without_a_traceback(
+    stack, where, method, streaming
+) -> None:
+    code, details = raw_call(getattr(stack.settings, where), method, streaming)
+    assert code is grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert NOT_READ in details
+    assert "Traceback" not in stack.log(where).read_text()
+
+
+def test_an_undecodable_session_message_ends_the_session_and_cancels_its_requests(stack) -> None:
+    submit = scheduler_pb2.SessionRequest(
+        submit=scheduler_pb2.SubmitRequest(
+            request_id="cut-session-1",
+            prompt_token_ids=[5, 6, 7],
+            sampling=common_pb2.SamplingParams(max_tokens=1000, ignore_eos=True),
+        )
+    )
+    answers, code, details = raw_stream(
+        stack.settings.scheduler,
+        "/llmserve.v1.Scheduler/Session",
+        [submit.SerializeToString(), GARBAGE],
+        pause_s=1.0,  # the request is accepted (and running) before the garbage comes
+    )
+    events = [e for a in answers for e in scheduler_pb2.SessionEvents.FromString(a).events]
+    assert any(e.request_id == "cut-session-1" and e.accepted for e in events), events
+    assert code is grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert NOT_READ in details and "SessionRequest" in details
+    wait_for(lambda: client.status(stack.settings.scheduler).running == 0, 30, "KV freed")
+    reply = client.status(stack.settings.scheduler)
+    assert reply.waiting == 0
+    assert all(w.running == 0 and w.free == w.capacity for w in reply.workers), reply.workers
+    assert "its requests are cancelled" in stack.log("scheduler").read_text()
+    with client.Client(stack.settings.gateway, timeout=60) as c:  # the stack serves on
+        assert c.generate("hello", max_tokens=4, ignore_eos=True).usage["completion_tokens"] == 4
