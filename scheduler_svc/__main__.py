@@ -14,7 +14,7 @@ from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.settings import ENV_PREFIX, SchedulerSettings
-from scheduler_svc.worker_client import WorkerClient
+from scheduler_svc.worker_client import WorkerClient, join_problem
 
 SERVICES = ("Scheduler", "Admin")
 JOIN_GRACE_S = 3.0  # once a listed worker answers, the others get this long to answer too
@@ -73,7 +73,12 @@ async def connect(
             raise SystemExit(f"worker {client.target} did not answer: {problem}")
         if why:
             await asyncio.sleep(0.2)
-    return [c for c in clients if c not in why], list(why)
+    answered = [c for c in clients if c not in why]
+    for i, client in enumerate(answered):  # a name listed twice, or another model among them
+        problem = join_problem(client.info, [(c.target, c.info, True) for c in answered[:i]])
+        if problem:
+            raise SystemExit(f"worker {client.target} describes {problem}")
+    return answered, list(why)
 
 
 async def serve(settings: SchedulerSettings) -> None:

@@ -30,7 +30,7 @@ from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.step import Step
 from scheduler_svc.step_model import StepModels, prior_of
 from scheduler_svc.step_times import StepTimes
-from scheduler_svc.submit_checks import InvalidSubmission, submission_of
+from scheduler_svc.submit_checks import MAX_ID_CHARS, InvalidSubmission, submission_of
 from scheduler_svc.supervision import Supervisor, TokenMismatch
 from scheduler_svc.worker_client import BadWorker, WorkerClient
 from scheduler_svc.worker_loop import WorkerLoop
@@ -98,6 +98,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         address = request.address.strip()
         if not address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "register needs an address")
+        if len(address) > MAX_ID_CHARS:  # it is echoed in errors: not 100 kB of it
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the address has {len(address)} characters; at most {MAX_ID_CHARS}",
+            )
         known = [i for i, c in enumerate(self.workers.clients) if c.target == address]
         if known:  # a departed worker is back; a failed one is the watcher's (try_restore)
             gone = self.core.workers[known[0]].gone

@@ -40,6 +40,9 @@ class Submission:
         return self.sampling.max_tokens or 0  # set: submission_of checks it
 
 
+MAX_ID_CHARS = 256  # a request id (the gateway's are 32), and a worker's address at Register
+
+
 def submission_of(request: scheduler_pb2.SubmitRequest, vocab_size: int) -> Submission:
     """The request converted once and checked; raises InvalidSubmission. `vocab_size` 0 = not
     known (no worker said). A request without an id gets a new one."""
@@ -57,6 +60,10 @@ def submission_of(request: scheduler_pb2.SubmitRequest, vocab_size: int) -> Subm
     problem = _tenancy_problem(tenancy)
     if problem:
         raise InvalidSubmission(problem)
+    if len(request.request_id) > MAX_ID_CHARS:  # it is echoed in errors: not 100 kB of it
+        raise InvalidSubmission(
+            f"request_id has {len(request.request_id)} characters; at most {MAX_ID_CHARS}"
+        )
     rid = request.request_id or uuid.uuid4().hex
     return Submission(rid, prompt, resumed, sampling, request.cache_salt, tenancy)
 

@@ -20,7 +20,7 @@ from scheduler_svc.core import Scheduler
 from scheduler_svc.run_clock import RunClock
 from scheduler_svc.sequence import SeqStatus
 from scheduler_svc.settings import SchedulerSettings
-from scheduler_svc.worker_client import BadWorker, WorkerClient
+from scheduler_svc.worker_client import BadWorker, WorkerClient, join_problem
 from scheduler_svc.worker_loop import WorkerLoop
 
 log = logging.getLogger("scheduler")
@@ -140,7 +140,8 @@ class Supervisor:
             return
         self.absent.remove(client)
         problem = self.settings.capacity_problem(client.info.capacity_positions)
-        problem = problem or self.vocab_problem(client)
+        if not problem and (joining := self.join_problem(client)):
+            problem = f"describes {joining}"
         if problem or any(c.target == client.target for c in self.clients):
             log.error("worker %s %s: it stays out", client.target, problem or "joined already")
             await client.close()
@@ -214,8 +215,8 @@ class Supervisor:
         if any(c.target == address for c in self.clients):  # joined while we described it
             await client.close()
             return False
-        problem = self.vocab_problem(client)
-        if problem:  # another model: it had made every client's request look out of vocabulary
+        problem = self.join_problem(client)
+        if problem:
             await client.close()
             bad = BadWorker(address, problem)
             self._refused(address, bad)
@@ -224,15 +225,12 @@ class Supervisor:
         self.join(client)
         return True
 
-    def vocab_problem(self, client: WorkerClient) -> str:
-        """A described worker whose vocabulary is not the stack's workers' ("" if it is)."""
+    def join_problem(self, client: WorkerClient) -> str:
+        """Why a described worker cannot join beside the others (join_problem; "" if it can)."""
         assert client.info is not None
-        vocabs = {c.info.vocab_size for c in self.clients if c.info is not None}
-        if not vocabs or client.info.vocab_size in vocabs:
-            return ""
-        have = ", ".join(map(str, sorted(vocabs)))
-        mine = client.info.vocab_size
-        return f"vocab_size {mine} where the stack's workers have {have} (another model?)"
+        pairs = zip(self.clients, self.core.workers, strict=True)
+        joined = [(c.target, c.info, not w.gone) for c, w in pairs if c.info is not None]
+        return join_problem(client.info, joined)
 
     def _refused(self, address: str, bad: BadWorker) -> None:
         """Logged once an address as an error (the worker registers again every 2 s)."""

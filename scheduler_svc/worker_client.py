@@ -46,6 +46,24 @@ def info_problem(info: worker_pb2.WorkerInfo) -> str:
     return ""
 
 
+Joined = tuple[str, worker_pb2.WorkerInfo, bool]  # a worker's address, description, and live
+
+
+def join_problem(info: worker_pb2.WorkerInfo, joined: list[Joined]) -> str:
+    """Why a worker described as `info` cannot join beside `joined` ("" if it can): it is the
+    process of a live one reached at another address (its stream would be refused, a phantom
+    worker in the meantime), or it has another vocabulary than theirs (another model: it had made
+    every client's request look out of vocabulary)."""
+    for target, other, live in joined:
+        if live and info.instance and other.instance == info.instance:
+            return f"the same instance as the worker at {target} (one process at two addresses)"
+    vocabs = {other.vocab_size for _, other, _ in joined}
+    if not vocabs or info.vocab_size in vocabs:
+        return ""
+    have = ", ".join(map(str, sorted(vocabs)))
+    return f"vocab_size {info.vocab_size} where the stack's workers have {have} (another model?)"
+
+
 class WorkerClient:
     def __init__(self, target: str, static: bool = True, token: str = "") -> None:
         self.target = target

@@ -106,6 +106,20 @@ def test_duplicate_request_id_is_refused() -> None:
         core.add(seq("x", 3, 3))
 
 
+def test_a_cancelled_running_id_is_refused_saying_it_frees_at_the_next_step() -> None:
+    """Its KV (and id) are freed at its worker's next step; until then a resubmission is told
+    so, not that the id is in flight."""
+    core = Recording(CoreConfig(), [WorkerSpec("w", 16, 4, 100)])
+    core.add(seq("x", 3, 5))
+    step(core)
+    core.abort("x")
+    with pytest.raises(Refused, match="'x' has ended; its KV is freed at its worker's next step"):
+        core.add(seq("x", 3, 5))
+    step(core)
+    core.add(seq("x", 3, 5))  # the id is free again
+    assert core.seqs["x"].output_ids == []
+
+
 def test_requests_go_to_the_worker_with_the_most_free_kv() -> None:
     core = Recording(CoreConfig(), [WorkerSpec("w0", 40, 1, 4096), WorkerSpec("w1", 40, 1, 4096)])
     core.add(seq("a", 20, 5))

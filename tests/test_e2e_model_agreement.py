@@ -111,3 +111,29 @@ def test_a_worker_of_another_vocabulary_stays_out_and_the_stack_serves_on(stack,
     assert [w.name for w in client.status(stack.settings.scheduler).workers] == ["worker0"]
     stack.procs[name].send_signal(signal.SIGTERM)
     assert stack.procs[name].wait(60) == 0
+
+
+def test_a_scheduler_listing_workers_of_two_vocabularies_stops_in_one_line(stack, tmp_path):
+    """At the start too (--workers): the second worker's vocabulary is not the first's, and
+    the scheduler says so and stops (it had served both, and every prompt looked out of one's
+    vocabulary or the other's)."""
+    directory = qwen2_style(tmp_path / "tiny")
+    shape = dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    save_hf_model("qwen2", {**shape, "vocab_size": 400}, directory)
+    port = free_port()
+    name = stack.join_worker(
+        2, port, "--model", str(directory), "--kv-capacity", "256", register=False
+    )
+    workers = f"{stack.settings.worker_address(0)},127.0.0.1:{port}"
+    command = [sys.executable, "-m", "scheduler_svc", "--port", str(free_port()),
+               "--workers", workers]  # fmt: skip
+    try:
+        ended = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    finally:
+        stack.procs[name].send_signal(signal.SIGTERM)
+        assert stack.procs[name].wait(60) == 0
+    assert ended.returncode != 0 and "Traceback" not in ended.stderr
+    assert ended.stderr.strip().splitlines()[-1] == (
+        f"worker 127.0.0.1:{port} describes vocab_size 400 where the stack's workers have "
+        "49152 (another model?)"
+    )

@@ -1,7 +1,8 @@
 """A message that does not parse, sent to any service as a buggy peer would, is answered
 INVALID_ARGUMENT saying so: not UNKNOWN with a traceback in the server's log (gRPC's own answer
 to an undecodable request), and a stream is not ended OK as if the peer had closed it. A session
-cut that way cancels its requests (their KV freed); the stack serves on.
+cut that way cancels its requests (their KV freed); the stack serves on. A name sent too long to
+echo in an error (a request id, an address) is refused saying its length.
 
 Real processes (the simulated model): a worker alone, for its step stream; a stack, for the
 scheduler's and the gateway's calls."""
@@ -14,7 +15,7 @@ import grpc
 import pytest
 
 from llmcommon.server import CHANNEL_OPTIONS
-from llmcommon.v1 import common_pb2, scheduler_pb2, worker_pb2
+from llmcommon.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from llmserve import client
 from tests.stack_checks import wait_for
 from tests.stacks import running_stack, tiny_settings
@@ -124,3 +125,36 @@ def test_an_undecodable_session_message_ends_the_session_and_cancels_its_request
     assert "its requests are cancelled" in stack.log("scheduler").read_text()
     with client.Client(stack.settings.gateway, timeout=60) as c:  # the stack serves on
         assert c.generate("hello", max_tokens=4, ignore_eos=True).usage["completion_tokens"] == 4
+
+
+# An error names what was sent; a name of 100 kB had made the answer's details exceed gRPC's
+# metadata limit, and the client saw RESOURCE_EXHAUSTED ("received metadata size exceeds hard
+# limit") instead of the status meant. Such names are refused at the door, saying their length.
+LONG = "x" * 100_000
+
+
+def test_a_register_of_a_100_kb_address_is_refused_saying_its_length(stack) -> None:
+    with grpc.insecure_channel(stack.settings.scheduler, options=CHANNEL_OPTIONS) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Register(scheduler_pb2.RegisterRequest(address=LONG), timeout=10)
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == "the address has 100000 characters; at most 256"
+
+
+def test_a_submission_of_a_100_kb_request_id_is_refused_saying_its_length(stack) -> None:
+    submit = scheduler_pb2.SubmitRequest(
+        request_id=LONG,
+        prompt_token_ids=[5, 6, 7],
+        sampling=common_pb2.SamplingParams(max_tokens=2),
+    )
+    with grpc.insecure_channel(stack.settings.scheduler, options=CHANNEL_OPTIONS) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Submit(submit, timeout=10))
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details() == "request_id has 100000 characters; at most 256"
+        events = stub.Session(iter([scheduler_pb2.SessionRequest(submit=submit)]), timeout=10)
+        (answer,) = [e for message in events for e in message.events]
+    assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and not answer.accepted
+    assert answer.details == "request_id has 100000 characters; at most 256"

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -44,6 +45,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.end_stream = lambda: None  # ends the current step stream (when the worker stops)
         self.driver: str | None = None  # the peer whose step stream drives this worker now
         self.shown = threading.Lock()  # the metrics hook vs a stream's end
+        self.instance = uuid.uuid4().hex  # this process, whatever address it is reached at
 
     async def drain(self) -> None:
         """On SIGTERM (health already NOT_SERVING, so the scheduler sends nothing new): keep
@@ -72,6 +74,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             vocab_size=cfg.vocab_size,
             eos_token_ids=list(cfg.eos_token_ids),
             device=str(getattr(self.runner, "device", "cpu")),
+            instance=self.instance,
             **describe_fields(self.runner),  # the kernels picked for this host (kernel_plan)
         )
 

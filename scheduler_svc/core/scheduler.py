@@ -34,10 +34,12 @@ class Scheduler(Membership, Admission, Planning, Drafts, Runs, Failures):
     worker w, `complete(step, tokens)` after it, `snapshot()` for what it holds."""
 
     def add(self, seq: Sequence) -> None:
-        if seq.request_id in self.seqs:
-            self._refuse(
-                RefusalReason.DUPLICATE, f"request id {seq.request_id!r} is already in flight"
-            )
+        held = self.seqs.get(seq.request_id)
+        if held is not None:
+            why = "is already in flight"
+            if held.is_finished:  # ended (a cancel), its worker not told yet
+                why = "has ended; its KV is freed at its worker's next step, and the id with it"
+            self._refuse(RefusalReason.DUPLICATE, f"request id {seq.request_id!r} {why}")
         if not seq.prompt_ids or seq.max_tokens < 1:  # (the service's door refuses these)
             raise ValueError(
                 f"request {seq.request_id!r}: a prompt of at least one token and max_tokens of "

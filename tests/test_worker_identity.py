@@ -1,0 +1,78 @@
+"""One worker process is one worker, whatever address it is reached at: the scheduler knows
+it by the instance id its description carries (random at the worker's start). Reached at a
+second spelling (localhost:p beside 127.0.0.1:p, a name beside its IP), it is refused with the
+address it is driven at, instead of joining as a phantom second worker whose step stream the
+worker refuses (requests placed on it moved again; a registering worker churned every 2 s).
+
+Real processes, the simulated model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from llmcommon.server import CHANNEL_OPTIONS
+from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from llmserve import client
+from llmserve.ports import free_port
+from tests.stacks import running_stack, tiny_settings
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hang_guard")]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    settings = tiny_settings(model="sim", sim_step_ms=5.0, kv_capacity=4096)
+    with running_stack(settings, tmp_path_factory.mktemp("identity")) as s:
+        yield s
+
+
+def other_spelling(address: str) -> str:
+    assert address.startswith("127.0.0.1:")
+    return "localhost:" + address.split(":")[1]
+
+
+def instance(target: str) -> str:
+    with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        return stub.Describe(worker_pb2.DescribeRequest(), timeout=10).instance
+
+
+def test_a_worker_describes_one_instance_at_every_address(stack) -> None:
+    address = stack.settings.worker_address(0)
+    first = instance(address)
+    assert len(first) == 32 and instance(other_spelling(address)) == first
+
+
+def test_a_worker_registered_at_another_spelling_is_refused_naming_its_address(stack) -> None:
+    address = stack.settings.worker_address(0)
+    with grpc.insecure_channel(stack.settings.scheduler, options=CHANNEL_OPTIONS) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Register(
+                scheduler_pb2.RegisterRequest(address=other_spelling(address)), timeout=10
+            )
+    assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert refused.value.details() == (
+        f"the worker at {other_spelling(address)} describes the same instance as the worker at "
+        f"{address} (one process at two addresses): it stays out"
+    )
+    assert [w.address for w in client.status(stack.settings.scheduler).workers] == [address]
+    with client.Client(stack.settings.gateway, timeout=60) as c:
+        assert c.generate("hello", max_tokens=3, ignore_eos=True).usage["completion_tokens"] == 3
+
+
+def test_a_scheduler_listing_one_worker_twice_stops_in_one_line(stack) -> None:
+    address = stack.settings.worker_address(0)
+    workers = f"{address},{other_spelling(address)}"
+    command = [sys.executable, "-m", "scheduler_svc", "--port", str(free_port()),
+               "--workers", workers]  # fmt: skip
+    ended = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert ended.returncode != 0 and "Traceback" not in ended.stderr
+    assert ended.stderr.strip().splitlines()[-1] == (
+        f"worker {other_spelling(address)} describes the same instance as the worker at "
+        f"{address} (one process at two addresses)"
+    )
