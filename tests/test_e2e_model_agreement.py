@@ -137,3 +137,42 @@ def test_a_scheduler_listing_workers_of_two_vocabularies_stops_in_one_line(stack
         f"worker 127.0.0.1:{port} describes vocab_size 400 where the stack's workers have "
         "49152 (another model?)"
     )
+
+
+def test_a_gateway_whose_scheduler_comes_back_with_another_vocabulary_stops_serving(tmp_path):
+    """The live check (gateway/__main__.py follow_workers): the scheduler restarts over a
+    worker of another vocabulary (a model of the same name); the gateway turns NOT_SERVING and
+    refuses requests naming why, and serves again once the stack's model is back."""
+    directory = qwen2_style(tmp_path / "tiny")
+    shape = dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    save_hf_model("qwen2", {**shape, "vocab_size": 400}, directory)
+    settings = tiny_settings(kv_capacity=512, block_size=16)
+    with running_stack(settings, tmp_path / "logs") as stack:
+        port = free_port()
+        other = stack.join_worker(
+            1, port, "--model", str(directory), "--kv-capacity", "256", register=False
+        )
+        stack.procs["scheduler"].terminate()
+        assert stack.procs["scheduler"].wait(60) == 0
+        command = [sys.executable, "-m", "scheduler_svc", "--port", str(settings.scheduler_port),
+                   "--workers", f"127.0.0.1:{port}"]  # fmt: skip
+        with open(tmp_path / "other_scheduler.log", "w") as log:
+            replacement = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: not serving_or_not(settings.gateway), 60, "gateway NOT_SERVING")
+            with pytest.raises(grpc.RpcError) as refused:
+                completion_tokens(settings.gateway)
+            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert refused.value.details() == (
+                "this gateway's tokenizer has 49152 tokens but the workers' model 'tiny' has "
+                "400: give the gateway the workers' --model"
+            )
+            assert "NOT_SERVING" in stack.log("gateway").read_text()
+        finally:
+            replacement.terminate()
+            replacement.wait(60)
+        stack.restart("scheduler")
+        wait_for(lambda: serving_or_not(settings.gateway), 60, "gateway SERVING again")
+        assert completion_tokens(settings.gateway) == 3
+        stack.procs[other].send_signal(signal.SIGTERM)
+        assert stack.procs[other].wait(60) == 0
