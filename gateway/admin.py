@@ -20,6 +20,7 @@ from llmcommon.admin_auth import (
     AdminKeyInterceptor,
     admin_key_of,
 )
+from llmcommon.errors import bounded
 from llmcommon.flags import given_twice
 from llmcommon.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -51,12 +52,12 @@ class GatewayAdmin(scheduler_pb2_grpc.AdminServicer):
             return await forward(self.stub.SetSettings, request, context)
         twice = given_twice(c.name for c in request.changes)
         if twice is not None:  # as the cells refuse theirs (scheduler_svc/live_settings.py)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{twice}: given twice")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(f"{twice}: given twice"))
         ours = {c.name: c.value for c in request.changes if c.name in LIVE}
         try:
             routing = with_changes(self.router.settings, ours)
         except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(err)))
         rest = scheduler_pb2.SetSettingsRequest(
             changes=[c for c in request.changes if c.name not in LIVE]
         )

@@ -19,6 +19,7 @@ from gateway.generation_errors import GenerationError
 from gateway.usage import Tally
 from llmcommon.admin_auth import admin_key, admin_key_of
 from llmcommon.auth import internal_token, internal_token_of
+from llmcommon.errors import bounded
 from llmcommon.protocol import CELL_KEY, ROUTE_KEY, SESSION_KEY
 from llmcommon.sampling_wire import params_of
 from llmcommon.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
@@ -205,4 +206,4 @@ def _refuse(context, code: grpc.StatusCode, message: str) -> None:
     keeps on the call's state: a reference cycle through every frame of the handler, which kept
     a refused request (a 0.8 MB chat parses into 100k messages) until a full garbage collection."""
     context.set_code(code)
-    context.set_details(message)
+    context.set_details(bounded(message))

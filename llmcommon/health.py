@@ -13,6 +13,8 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmcommon.errors import bounded
+
 Status = health_pb2.HealthCheckResponse.ServingStatus
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -37,7 +39,8 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
     async def Check(self, request, context):
         status = self.statuses.get(request.service)
         if status is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+            why = bounded(f"unknown service {request.service!r}")
+            await context.abort(grpc.StatusCode.NOT_FOUND, why)
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request, context):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import grpc
 
 from llmcommon.admin_auth import FORWARDED_FOR, admin_key_of, admin_refusal, key_id
+from llmcommon.errors import bounded
 from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.core import Scheduler
 from scheduler_svc.explain import Explanation, copy_of, explain_copy
@@ -40,7 +41,7 @@ class AdminService(scheduler_pb2_grpc.AdminServicer):
             new = apply(old, changes_of((c.name, c.value) for c in request.changes))
             self.core.reconfigure(new)
         except (SettingError, ValueError) as err:  # nothing has changed
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(err)))
         diff = changed(old, new)
         if diff:
             log.warning(

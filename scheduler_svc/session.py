@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from llmcommon.errors import bounded
 from llmcommon.unreadable import unreadable_message
 from llmcommon.v1 import common_pb2, scheduler_pb2
 
@@ -24,6 +25,7 @@ class Rejected(Exception):
     """A submission the scheduler does not queue: the status its Submit call ends with."""
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        details = bounded(details)
         super().__init__(details)
         self.code, self.details = code, details
 

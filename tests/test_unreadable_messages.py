@@ -2,7 +2,9 @@
 INVALID_ARGUMENT saying so: not UNKNOWN with a traceback in the server's log (gRPC's own answer
 to an undecodable request), and a stream is not ended OK as if the peer had closed it. A session
 cut that way cancels its requests (their KV freed); the stack serves on. A name sent too long to
-echo in an error (a request id, an address) is refused saying its length.
+echo in an error (a request id, an address) is refused saying its length; a long value another
+refusal names is cut short in its middle (gRPC's metadata limit would have turned the answer into
+RESOURCE_EXHAUSTED).
 
 Real processes (the simulated model): a worker alone, for its step stream; a stack, for the
 scheduler's and the gateway's calls."""
@@ -13,9 +15,19 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmcommon.admin_auth import admin_metadata
+from llmcommon.errors import MAX_DETAILS_CHARS
 from llmcommon.server import CHANNEL_OPTIONS
-from llmcommon.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from llmcommon.v1 import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+)
 from llmserve import client
 from tests.stack_checks import wait_for
 from tests.stacks import running_stack, tiny_settings
@@ -24,6 +36,7 @@ from tests.test_step_stream_owner import one_step, worker  # noqa: F401 - the wo
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hang_guard")]
 
 GARBAGE = b"\xff\xff\xff\xff"  # a field number 0 with a broken varint: no message parses it
+ADMIN_KEY = "admin-secret-unreadable"
 NOT_READ = "Error parsing message"  # protobuf's words, in the answer (the gateway adds a hint)
 
 
@@ -73,7 +86,10 @@ def test_an_undecodable_step_ends_the_worker_stream_in_error_after_the_steps_bef
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     where = tmp_path_factory.mktemp("unreadable")
-    settings = tiny_settings(model="sim", sim_step_ms=20.0, kv_capacity=4096)
+    (where / "admin.key").write_text(ADMIN_KEY + "\n")
+    settings = tiny_settings(
+        model="sim", sim_step_ms=20.0, kv_capacity=4096, admin_key_file=str(where / "admin.key")
+    )
     with running_stack(settings, where) as s:
         yield s
 
@@ -158,3 +174,41 @@ def test_a_submission_of_a_100_kb_request_id_is_refused_saying_its_length(stack)
         (answer,) = [e for message in events for e in message.events]
     assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and not answer.accepted
     assert answer.details == "request_id has 100000 characters; at most 256"
+
+
+def cut_short(details: str) -> bool:
+    return len(details) <= MAX_DETAILS_CHARS and "characters cut" in details
+
+
+@pytest.mark.parametrize("field", ["slo_class", "role"])
+def test_a_100_kb_field_the_gateway_names_in_its_refusal_is_cut_short(stack, field) -> None:
+    if field == "role":
+        chat = gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role=LONG, content="hi")])
+        request = gateway_pb2.GenerateRequest(chat=chat)
+    else:
+        request = gateway_pb2.GenerateRequest(prompt="hi", slo_class=LONG)
+    with grpc.insecure_channel(stack.settings.gateway, options=CHANNEL_OPTIONS) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            list(gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=10))
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+    assert cut_short(refused.value.details()), refused.value.details()[:300]
+
+
+@pytest.mark.parametrize("where", ["gateway", "scheduler"])
+def test_a_100_kb_setting_name_or_health_service_is_refused_cut_short(stack, where) -> None:
+    change = scheduler_pb2.Setting(name=LONG, value="1")
+    with grpc.insecure_channel(getattr(stack.settings, where), options=CHANNEL_OPTIONS) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            scheduler_pb2_grpc.AdminStub(channel).SetSettings(
+                scheduler_pb2.SetSettingsRequest(changes=[change]),
+                metadata=admin_metadata(ADMIN_KEY),
+                timeout=10,
+            )
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert cut_short(refused.value.details()), refused.value.details()[:300]
+        with pytest.raises(grpc.RpcError) as unknown:
+            health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=LONG), timeout=10
+            )
+    assert unknown.value.code() is grpc.StatusCode.NOT_FOUND
+    assert cut_short(unknown.value.details()), unknown.value.details()[:300]
