@@ -40,12 +40,14 @@ def ngram(k: int, n_min: int, n_max: int):
 
 
 def oracle(k: int):
-    """The answer's next tokens as far as they occur earlier in the context (up to k)."""
+    """The answer's next tokens as far as they occur earlier in the context (up to k), an
+    occurrence starting in the context and possibly running on into the stretch itself."""
 
     def propose(context: list[int], answer: list[int], done: int) -> list[int]:
         best = 0
         for j in range(1, min(k, len(answer) - done) + 1):
-            if not occurs(context, answer[done : done + j]):
+            stretch = answer[done : done + j]
+            if not occurs(context + stretch[:-1], stretch):
                 break
             best = j
         return answer[done : done + best]

@@ -15,7 +15,8 @@ End to end, the answers' own time to first token stays (speculation does not tou
 The replay and the proposers are the scheduler's own (scheduler_svc/speculation/potential.py,
 which --speculation-potential runs on live traffic): prompt lookup as the scheduler runs it at
 the given settings, and an **oracle**: at each step, the longest stretch of the answer's next
-tokens that occurs anywhere earlier in the prompt or the answer. No proposer that copies earlier
+tokens that occurs anywhere earlier in the prompt or the answer (an occurrence may run on into
+the stretch, as a repeating period does). No proposer that copies earlier
 text drafts more than the oracle, so its row is the ceiling for ngram and suffix on fresh
 prompts (a suffix index over other requests' answers only adds where requests repeat).
 

@@ -5,9 +5,10 @@ matching prefix plus one token), against two proposers:
 - `ngram`: prompt lookup at the server's settings (`--num-speculative-tokens`,
   `--prompt-lookup-min/max`), as `--speculative ngram` would draft;
 - `oracle`: the longest stretch of the output's next tokens (up to the same K) that occurs
-  anywhere earlier in the request's prompt and output. No proposer that copies earlier text
-  drafts more: its tokens per step bound prompt lookup's, and the suffix index's on text that
-  does not repeat other requests'.
+  anywhere earlier in the request's prompt and output, an occurrence that may run on into the
+  stretch itself (a repeating period). No proposer that copies earlier text drafts more: its
+  tokens per step bound prompt lookup's, and the suffix index's on text that does not repeat
+  other requests'.
 
 Tokens per step (output tokens / steps) is what a step would emit; the share of tokens that came
 from drafts is what the drafts would save. Each step is also priced by the step-time model of the
@@ -113,17 +114,21 @@ def lookup(k: int, n_min: int, n_max: int) -> Propose:
 
 
 def oracle(k: int) -> Propose:
-    """The longest stretch of the next tokens (up to k) found earlier: drafted and all kept."""
+    """The longest stretch of the next tokens (up to k) found earlier: drafted and all kept.
+    An occurrence starts in the context and may run on into the stretch itself: a copy of a
+    repeating period, which prompt lookup drafts whole (ngram.propose_packed), so that the
+    oracle bounds it (it had not: K=16 with lookup 1..8 drafted more on periodic text)."""
 
     def propose(packed: bytes, done: int, room: int) -> tuple[int, int]:
         end = done * WIDTH  # the context: the first `done` tokens
         best, at = 0, 0  # the longest found so far, and where its occurrence starts (bytes)
         for j in range(1, min(k, room) + 1):
             needle = packed[end : end + j * WIDTH]
-            if at + j * WIDTH <= end and packed[at : at + j * WIDTH] == needle and best:
-                best = j  # the same occurrence goes on
+            if best and packed[at : at + j * WIDTH] == needle:
+                best = j  # the same occurrence goes on (it starts before `end`)
                 continue
-            found = _aligned_find(packed, needle, at, end)
+            # starts before `end`: ends at most j - 1 tokens into the stretch
+            found = _aligned_find(packed, needle, at, end + (j - 1) * WIDTH)
             if found < 0:
                 break
             best, at = j, found
