@@ -92,6 +92,8 @@ CORE_TESTS = (
     "tests/test_worker_return.py",
     # the room a head's victims leave (shared blocks, its cache hit, the decodes' growth)
     "tests/test_preemption_room.py",
+    # the queues group's survivors after the room's counting grew (taken(), the orderings)
+    "tests/test_victims_pins.py",
 )
 QUEUES = tuple(
     f"scheduler_svc/queues/{name}.py" for name in "base fcfs priority fair deadline".split()
