@@ -80,11 +80,12 @@ def apply(config: CoreConfig, changes: dict[str, str]) -> CoreConfig:
         return dataclasses.replace(config, **values)
     except ValueError as err:
         together = str(err)
-    for name, value in values.items():  # the first field whose own change is refused ...
-        try:
+    for name, value in values.items():  # the first field whose own change is refused as
+        try:  # the changes together are (its value, not the others' old ones, at fault) ...
             dataclasses.replace(config, **{name: value})
         except ValueError as err:
-            raise SettingError(name, str(err)) from None
+            if str(err) == together:
+                raise SettingError(name, together) from None
     raise SettingError(", ".join(values), together)  # ... else a rule across them
 
 

@@ -79,6 +79,18 @@ def test_fields_a_rule_binds_together_are_checked_together(low, high) -> None:
         apply(CoreConfig(), {"prompt_lookup_min": high, "prompt_lookup_max": low})
 
 
+def test_fields_refused_together_are_named_with_the_values_asked() -> None:
+    """min 3 and max 2 from 5 and 5: the pair is refused with the values asked, naming both
+    (it had named max alone, with the old min: "prompt_lookup_min 5 and prompt_lookup_max 2")."""
+    with pytest.raises(SettingError) as err:
+        apply(CoreConfig(), {"prompt_lookup_min": "3", "prompt_lookup_max": "2"})
+    assert err.value.name == "prompt_lookup_min, prompt_lookup_max"
+    assert "prompt_lookup_min 3 and prompt_lookup_max 2: need 1 <= min <= max" in str(err.value)
+    with pytest.raises(SettingError) as alone:  # a field at fault on its own is named alone
+        apply(CoreConfig(), {"prompt_lookup_min": "3", "token_budget": "-1"})
+    assert alone.value.name == "token_budget"
+
+
 def test_a_pair_without_equals_is_refused() -> None:
     with pytest.raises(SettingError, match="key=value"):
         parse_pairs(["policy"])
