@@ -10,6 +10,7 @@ import enum
 import math
 import os
 import typing
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -45,16 +46,18 @@ def add_flags(
     parser: argparse.ArgumentParser,
     cls: type,
     helps: dict[str, str] | None = None,
-    env_prefix: str = "",
+    env_prefix: str | Callable[[str], str] = "",
 ):
     """One flag per field of `cls`; `helps` adds to or replaces the fields' own help; with
-    `env_prefix`, $PREFIX_FIELD_NAME sets a field's default (a flag still wins)."""
+    `env_prefix`, $PREFIX_FIELD_NAME sets a field's default (a flag still wins). A function
+    gives each field's prefix ("" = none)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         default = f.default
-        env = env_name(env_prefix, f.name) if env_prefix else ""
+        prefix = env_prefix(f.name) if callable(env_prefix) else env_prefix
+        env = env_name(prefix, f.name) if prefix else ""
         if env and env in os.environ:
             try:
                 default = _parse(kind, os.environ[env])

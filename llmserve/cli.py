@@ -20,7 +20,7 @@ from llmcommon.flags import add_flags, from_args
 from llmserve import client
 from llmserve.bench.errors import BenchError
 from llmserve.prometheus import DASHBOARD, Prometheus, start_for_stack
-from llmserve.stack import Stack, StackError, StackSettings
+from llmserve.stack import Stack, StackError, StackSettings, variable_prefix
 from llmserve.status_text import format_status
 from scheduler_svc.live_settings import NAMES, SettingError, parse_pairs
 
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start scheduler + workers + gateway on loopback")
-    add_flags(up, StackSettings)
+    add_flags(up, StackSettings, env_prefix=variable_prefix)  # the services' own variables
     up.add_argument(
         "--log-dir", default="results/logs", help="each service's log file (default: results/logs)"
     )

@@ -11,20 +11,47 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
 from gateway.served_model import PACKAGED
+from gateway.settings import ENV_PREFIX as GW_ENV
 from gateway.settings import GatewaySettings
 from llmcommon.flags import help_of, setting, to_flags
 from llmcommon.server import PARENT_PID_VAR, wait_healthy
 from scheduler_svc.config import CoreConfig
+from scheduler_svc.settings import ENV_PREFIX as SC_ENV
 from scheduler_svc.settings import SchedulerSettings
 from worker_svc.cpu_features import host_features
+from worker_svc.settings import ENV_PREFIX as WK_ENV
 from worker_svc.settings import WorkerSettings
 
 GW, SC, WK = GatewaySettings, SchedulerSettings, WorkerSettings
+# The settings of `up` that it passes on to one kind of service as that service's flag, beside
+# the core's (the scheduler's): each reads the service's own variable for its default, since the
+# flag `up` passes would override the variable in the service (LLMSERVE_SCHEDULER_SPECULATIVE
+# had been ignored under `up`). Those only `up` has, or that mean something else there
+# (--workers, --cells: counts, not addresses), read none.
+PASSED_TO = {
+    SC_ENV: ("cost_model", "discovery_interval", "overlap", "stream_interval_ms"),
+    WK_ENV: (
+        "block_size", "device", "dtype", "int4_activations", "kv_cache_dtype", "kv_capacity",
+        "model", "quantization", "sim_step_ms", "small_step_threads", "threads",
+    ),
+    GW_ENV: (
+        "api_keys_file", "default_max_tokens", "http_port", "max_queued_requests",
+        "max_queued_tokens", "router", "slo_classes",
+    ),
+}  # fmt: skip
+CORE_FIELDS = frozenset(f.name for f in fields(CoreConfig))
+
+
+def variable_prefix(name: str) -> str:
+    """The prefix of the variable that sets `up`'s default for setting `name` ("" = none)."""
+    if name in CORE_FIELDS:
+        return SC_ENV
+    return next((prefix for prefix, names in PASSED_TO.items() if name in names), "")
 
 
 @dataclass(frozen=True, slots=True)

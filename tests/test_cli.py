@@ -163,3 +163,43 @@ def test_chat_request_puts_the_system_message_first() -> None:
     ]
     assert request.sampling.max_tokens == 3
     assert client.chat_request("raw text").prompt == "raw text"
+
+
+def _up_commands(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """What `llmserve up ARGV` would start: the scheduler's, worker 0's and the gateway's
+    command lines."""
+    from llmcommon.flags import from_args
+    from llmserve.stack import Stack, StackSettings
+
+    stack = Stack(from_args(StackSettings, build_parser().parse_args(["up", *argv])), ROOT)
+    return stack.scheduler_command(0), stack.worker_command(0, 1), stack.gateway_command()
+
+
+def _value(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+def test_up_passes_on_the_services_own_variables(monkeypatch) -> None:
+    """`up` passes every setting as a flag, which wins over a variable in the service: so each
+    setting of `up` reads the variable of the service it goes to (a speculation sweep found
+    $LLMSERVE_SCHEDULER_SPECULATIVE=ngram ignored under `up`). A flag of `up` still wins, and
+    `up`'s own --workers (a count) reads no scheduler variable (addresses there)."""
+    monkeypatch.setenv("LLMSERVE_SCHEDULER_SPECULATIVE", "ngram")
+    monkeypatch.setenv("LLMSERVE_SCHEDULER_OVERLAP", "false")
+    monkeypatch.setenv("LLMSERVE_WORKER_DTYPE", "fp32")
+    monkeypatch.setenv("LLMSERVE_GATEWAY_DEFAULT_MAX_TOKENS", "77")
+    monkeypatch.setenv("LLMSERVE_SCHEDULER_WORKERS", "127.0.0.1:1,127.0.0.1:2")
+    scheduler, worker, gateway = _up_commands(["--model", "sim"])
+    assert _value(scheduler, "--speculative") == "ngram" and "--no-overlap" in scheduler
+    assert _value(worker, "--dtype") == "fp32"
+    assert _value(gateway, "--default-max-tokens") == "77"
+    assert _value(scheduler, "--workers") == "127.0.0.1:50061"  # one worker, up's own port
+    scheduler, _, _ = _up_commands(["--model", "sim", "--speculative", "suffix"])
+    assert _value(scheduler, "--speculative") == "suffix"
+
+
+def test_a_bad_variable_stops_up_in_one_line_naming_it() -> None:
+    env = {**os.environ, "LLMSERVE_SCHEDULER_TOKEN_BUDGET": "lots"}
+    done = run_cli("up", "--model", "sim", env=env)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "$LLMSERVE_SCHEDULER_TOKEN_BUDGET" in done.stderr.strip().splitlines()[-1]
