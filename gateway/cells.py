@@ -67,10 +67,13 @@ class Cells:
     ) -> None:
         """`channel_of(address)`: the gRPC channel to a scheduler (with the internal token).
         A cell silent for `hung_after` seconds (its connection open) is hung: routed around,
-        and `on_hung(address)` moves the requests it holds."""
+        and `on_hung(address)` moves the requests it holds. A cell whose scheduler answers with
+        no live worker (`workerless`) is routed around while another cell has one, and, with
+        none running at all, has its requests moved the same way."""
         self.spec, self.channel_of, self.sessions = spec, channel_of, sessions
         self.hung_after = hung_after
         self.on_hung: Callable[[str], None] | None = None
+        self.workerless: set[str] = set()  # answering, no live worker: taken only as a last resort
         self.cells: dict[str, Cell] = {}
         self.router = Router([], settings)
         for address in cell_addresses(spec):
@@ -133,6 +136,8 @@ class Cells:
         prompt = len(submit.prompt_token_ids) + len(submit.resume_token_ids)
         output = max(1, submit.sampling.max_tokens - len(submit.resume_token_ids))
         route = self.router.route(keys, prompt, output, session, exclude)
+        if route is None:  # every cell with a live worker is down: one whose may come back
+            route = self._last_resort(keys, prompt, output, session, exclude)
         if route is None:
             return None
         cell = self.cells[route.cell]
@@ -140,6 +145,18 @@ class Cells:
         if cell.session is not None:
             return cell.session.submit(submit, timeout), route
         return cell.stub.Submit(submit, timeout=timeout), route
+
+    def _last_resort(self, keys, prompt, output, session, exclude) -> Route | None:
+        """A route among the workerless cells (their schedulers wait for a worker to come
+        back, as a single scheduler's requests do), when no other cell is live."""
+        spare = [a for a in self.workerless - exclude if a in self.cells]
+        for address in spare:
+            self.router.set_alive(address, True)
+        try:
+            return self.router.route(keys, prompt, output, session, exclude) if spare else None
+        finally:
+            for address in spare:
+                self.router.set_alive(address, False)
 
     def lost(self, route: Route) -> None:
         """The cell of `route` broke a request's stream: routed around until it answers."""
@@ -158,7 +175,7 @@ class Cells:
         out = scheduler_pb2.CellStatus(
             address=cell.address, up=up, load=self.router.load(cell.address), routed=cell.routed
         )
-        if up:
+        if up or cell.address in self.workerless:
             try:
                 reply = await cell.stub.Status(
                     scheduler_pb2.StatusRequest(), timeout=CHECK_TIMEOUT_S
@@ -215,6 +232,8 @@ class Cells:
                     self.on_hung(cell.address)
             return
         cell.silence.observe(False)  # type: ignore[union-attr]
+        if self._without_workers(cell.address, status):
+            return
         if not self.router.alive(cell.address):
             log.info(
                 "cell %s answers again: it takes traffic (its cache taken as empty)", cell.address
@@ -223,6 +242,27 @@ class Cells:
             self.router.set_alive(cell.address, True)
         # the prompt tokens waiting there: beyond this gateway's own, other gateways' requests
         self.router.report_load(cell.address, float(status.waiting_tokens))
+
+    def _without_workers(self, address: str, status: scheduler_pb2.StatusReply) -> bool:
+        """The cell answers: True if it has no live worker now (routed around; with none
+        running at all and another cell live, its requests move there: a worker gone past the
+        scheduler's return wait had failed them, UNAVAILABLE, while other cells served)."""
+        takes = any(w.healthy and not w.draining for w in status.workers)
+        if takes:
+            if address in self.workerless:
+                self.workerless.discard(address)
+                log.info("cell %s has a live worker again: it takes traffic", address)
+                self.router.restarted(address)  # (the workers' caches went with them)
+                self.router.set_alive(address, True)
+            return False
+        if address not in self.workerless:
+            self.workerless.add(address)
+            log.warning("cell %s has no live worker: routed around", address)
+            self.router.set_alive(address, False)
+        others = self.router.alive_mask & ~(1 << self.router.slots[address])
+        if others and not any(w.healthy for w in status.workers) and self.on_hung is not None:
+            self.on_hung(address)
+        return True
 
     def _resolve(self) -> None:
         if not any(c.isalpha() for c in self.spec.replace("localhost", "")):
@@ -233,6 +273,7 @@ class Cells:
             self._join(address)
         for address in set(self.cells) - now:
             log.info("cell %s left", address)
+            self.workerless.discard(address)
             self.router.set_alive(address, False)
 
     def _join(self, address: str) -> None:

@@ -18,7 +18,7 @@ from llmserve.ports import free_port
 from tests.stack_checks import generate, greedy_request, wait_for
 from tests.stacks import running_stack
 from tests.streams import Streams
-from tests.test_cells_stack import two_cells
+from tests.test_cells_stack import routed, two_cells
 from tests.test_faults import baseline, kill9
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hang_guard")]
@@ -100,3 +100,29 @@ def test_a_gateway_whose_first_cell_is_down_serves_reports_and_starts(tmp_path) 
         finally:
             other.terminate()
             other.wait(30)
+
+
+def test_a_cell_whose_worker_dies_is_routed_around_and_its_streams_move(tmp_path) -> None:
+    """Round-robin over two cells of one worker each, 6 streams; kill -9 cell 1's worker and
+    leave it down. Its streams move to cell 0 and end whole and exact; new requests go to cell
+    0; the cell takes traffic again once its worker is back. (They had waited in cell 1 for the
+    worker to come back, then failed UNAVAILABLE "no live worker can hold this request" while
+    cell 0 served, and new requests kept going to cell 1 to fail the same way. Here the
+    scheduler waits 600 s for a worker: only a move ends them.)"""
+    settings = two_cells(router="round-robin", scheduler_flags="--worker-return-timeout 600")
+    n, max_tokens = 6, 300
+    with running_stack(settings, tmp_path) as stack:
+        gw = settings.gateway
+        expected = baseline(gw, n, max_tokens)
+        streams = Streams(gw, [greedy_request(i, max_tokens) for i in range(n)])
+        wait_for(lambda: streams.all_have(3), 60, "every stream has tokens")
+        kill9(stack, "worker1")
+        outcomes = streams.join(120)
+        assert [o.code for o in outcomes] == [None] * n, {o.details for o in outcomes}
+        assert [o.tokens for o in outcomes] == expected
+        assert cells_up(gw) == [True, False]
+        cell0 = settings.cell_scheduler(0)
+        assert {routed(gw, greedy_request(i, 4))[0] for i in range(4)} == {cell0}
+        stack.restart("worker1")
+        wait_for(lambda: cells_up(gw) == [True, True], 60, "cell 1 takes traffic again")
+        assert len({routed(gw, greedy_request(i, 4))[0] for i in range(4)}) == 2
