@@ -13,7 +13,7 @@ import grpc
 from gateway.api_keys import KeysFileError
 from gateway.key_table import KeyTable
 from gateway.routing import Router
-from gateway.routing.settings import LIVE, live_values, with_changes
+from gateway.routing.settings import LIVE, live_name, live_values, with_changes
 from llmcommon.admin_auth import (
     ADMIN_KEY_HEADER,
     FORWARDED_FOR,
@@ -53,13 +53,13 @@ class GatewayAdmin(scheduler_pb2_grpc.AdminServicer):
         twice = given_twice(c.name for c in request.changes)
         if twice is not None:  # as the cells refuse theirs (scheduler_svc/live_settings.py)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(f"{twice}: given twice"))
-        ours = {c.name: c.value for c in request.changes if c.name in LIVE}
+        ours = {live_name(c.name): c.value for c in request.changes if live_name(c.name) in LIVE}
         try:
             routing = with_changes(self.router.settings, ours)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(err)))
         rest = scheduler_pb2.SetSettingsRequest(
-            changes=[c for c in request.changes if c.name not in LIVE]
+            changes=[c for c in request.changes if live_name(c.name) not in LIVE]
         )
         if rest.changes:
             reply = await self._every_cell(rest, context)
@@ -101,13 +101,22 @@ class GatewayAdmin(scheduler_pb2_grpc.AdminServicer):
                 answer = await ask(stub.SetSettings, request, context)
             except grpc.aio.AioRpcError as err:
                 if err.code() not in DOWN:
-                    await context.abort(err.code(), err.details() or "")
+                    await context.abort(err.code(), with_router_names(err.details() or ""))
                 down.append(err.details() or err.code().name)
                 continue
             reply = reply or answer
         if reply is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"no cell answers: {down[0]}")
         return reply
+
+
+UNKNOWN_NAME = "not a live setting (one of "  # the cells' refusal of a name (live_settings.py)
+
+
+def with_router_names(details: str) -> str:
+    """A cell's refusal of a name it does not know, its list of live settings completed with
+    the router's (the gateway's own): the list had read as if they could not be changed."""
+    return details.replace(UNKNOWN_NAME, UNKNOWN_NAME + ", ".join(LIVE) + ", ", 1)
 
 
 def _settings(values: dict[str, str]) -> list[scheduler_pb2.Setting]:

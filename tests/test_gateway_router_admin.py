@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from gateway.admin import GatewayAdmin
-from gateway.routing import RoutePolicy, Router
+from gateway.routing import RoutePolicy, Router, RouterSettings
 from llmcommon.v1 import scheduler_pb2
 
 
@@ -119,3 +119,57 @@ def test_with_every_cell_down_set_is_unavailable():
     with pytest.raises(grpc.RpcError) as err:
         set_settings(GatewayAdmin(DownAdmin(), router, [DownAdmin()]), token_budget="512")
     assert err.value.args[0] is grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_router_setting_takes_the_dash_spelling_as_the_cells_settings_do():
+    first = FakeAdmin()
+    router = Router(["a", "b"])
+    request = scheduler_pb2.SetSettingsRequest(
+        changes=[{"name": "router-load-weight", "value": "2"}]
+    )
+    reply = asyncio.run(GatewayAdmin(first, router).SetSettings(request, Context()))
+    assert router.settings.load_weight == 2.0 and first.sent == []
+    assert [(c.name, c.new_value) for c in reply.changed] == [("router_load_weight", "2.0")]
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("router_load_weight", "nan"),
+        ("router_load_weight", "inf"),
+        ("router_recent_half_life_s", "1e400"),
+        ("router_balance_abs_threshold", "inf"),
+        ("router_cache_threshold", "nan"),
+        ("router_index_blocks", "99999999999999"),
+    ],
+)
+def test_a_router_value_not_finite_or_past_its_bound_is_refused_changing_nothing(name, value):
+    """(All were taken: load_weight nan shown as 1.0 -> nan; inf made cache-aware route by
+    load alone from then on: the cells sweep.)"""
+    first = FakeAdmin()
+    router = Router(["a", "b"])
+    with pytest.raises(grpc.RpcError) as refused:
+        set_settings(GatewayAdmin(first, router), **{name: value, "token_budget": "512"})
+    code, details = refused.value.args
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and name in details, details
+    assert router.settings == RouterSettings() and first.sent == []
+
+
+class RefusingAdmin(FakeAdmin):
+    """A cell that does not know a name, refusing it as a scheduler does."""
+
+    async def SetSettings(self, request, **_):
+        details = "colour: not a live setting (one of token_budget, policy)"
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+        )
+
+
+def test_an_unknown_name_is_refused_listing_the_routers_settings_too():
+    router = Router(["a", "b"])
+    with pytest.raises(grpc.RpcError) as refused:
+        set_settings(GatewayAdmin(RefusingAdmin(), router), colour="blue")
+    code, details = refused.value.args
+    assert code is grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith("colour: not a live setting (one of router, router_cache_threshold")
+    assert details.endswith("router_recent_half_life_s, token_budget, policy)")

@@ -3,6 +3,7 @@ an operator changes it live."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -14,6 +15,13 @@ class RoutePolicy(Enum):
     LEAST_LOADED = "least-loaded"
     ROUND_ROBIN = "round-robin"
     SESSION = "session"  # a conversation id (or the user) sticks to one cell
+
+
+FLOATS = (
+    "cache_threshold", "balance_abs_threshold", "balance_rel_threshold", "load_weight",
+    "recent_half_life_s",
+)  # fmt: skip
+MAX_INDEX_BLOCKS = 1 << 22  # per cell: 4 M keys, some 400 MB of the gateway's memory at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +59,15 @@ class RouterSettings:
     max_prompt_blocks: int = setting(1024, "at most this many leading blocks of a prompt keyed")
 
     def __post_init__(self) -> None:
+        for name in FLOATS:
+            value = getattr(self, name)
+            if not math.isfinite(value):  # nan passed every comparison; inf, an absurd bound
+                raise ValueError(f"{name} must be a finite number, got {value}")
+        if self.index_blocks > MAX_INDEX_BLOCKS:
+            raise ValueError(
+                f"index_blocks must be at most {MAX_INDEX_BLOCKS} (a dict entry a block key a "
+                f"cell), got {self.index_blocks}"
+            )
         if not isinstance(self.policy, RoutePolicy):
             raise ValueError(f"policy must be a RoutePolicy, got {self.policy!r}")
         if not 0.0 <= self.cache_threshold <= 1.0:
@@ -85,6 +102,11 @@ LIVE = {
 }
 
 
+def live_name(name: str) -> str:
+    """A live setting's name as LIVE spells it (`router-load-weight` = `router_load_weight`)."""
+    return name.replace("-", "_")
+
+
 def live_values(settings: RouterSettings) -> dict[str, str]:
     """Each live setting's value, as its flag takes it."""
     out = {}
@@ -99,7 +121,7 @@ def with_changes(settings: RouterSettings, changes: dict[str, str]) -> RouterSet
     and nothing changed."""
     given = {}
     for name, text in changes.items():
-        field = LIVE[name]
+        field = LIVE[live_name(name)]
         kind = type(getattr(settings, field))
         try:
             given[field] = parse_policy(text) if field == "policy" else kind(text)
