@@ -37,6 +37,7 @@ class Cell:
     session: SchedulerSession | None
     routed: dict[str, int] = field(default_factory=dict)  # reason -> routes
     silence: SilenceBound | None = None  # how long it has answered no health check
+    instance: str = ""  # its scheduler's, from its last Status
 
 
 def cell_addresses(text: str) -> list[str]:
@@ -74,6 +75,7 @@ class Cells:
         self.hung_after = hung_after
         self.on_hung: Callable[[str], None] | None = None
         self.workerless: set[str] = set()  # answering, no live worker: taken only as a last resort
+        self.aliases: set[str] = set()  # another cell's scheduler at another address: never taken
         self.cells: dict[str, Cell] = {}
         self.router = Router([], settings)
         for address in cell_addresses(spec):
@@ -232,7 +234,7 @@ class Cells:
                     self.on_hung(cell.address)
             return
         cell.silence.observe(False)  # type: ignore[union-attr]
-        if self._without_workers(cell.address, status):
+        if self._alias(cell, status.instance) or self._without_workers(cell.address, status):
             return
         if not self.router.alive(cell.address):
             log.info(
@@ -242,6 +244,28 @@ class Cells:
             self.router.set_alive(cell.address, True)
         # the prompt tokens waiting there: beyond this gateway's own, other gateways' requests
         self.router.report_load(cell.address, float(status.waiting_tokens))
+
+    def _alias(self, cell: Cell, instance: str) -> bool:
+        """True if `cell` is a scheduler another cell already reaches (another spelling of its
+        address, a name beside its IP): routed around for good, so that the router does not
+        split one scheduler's load and cache over two cells."""
+        cell.instance = instance
+        twin = next(
+            (c for c in self.cells.values() if c is not cell and instance and c.instance == instance
+             and c.address not in self.aliases),
+            None,
+        )  # fmt: skip
+        if twin is None:
+            if cell.address in self.aliases:  # (its address now reaches another scheduler)
+                self.aliases.discard(cell.address)
+                log.info("cell %s is a scheduler of its own now", cell.address)
+            return False
+        if cell.address not in self.aliases:
+            self.aliases.add(cell.address)
+            log.warning("cell %s is the scheduler of cell %s (one scheduler at two addresses): "
+                        "routed around", cell.address, twin.address)  # fmt: skip
+        self.router.set_alive(cell.address, False)
+        return True
 
     def _without_workers(self, address: str, status: scheduler_pb2.StatusReply) -> bool:
         """The cell answers: True if it has no live worker now (routed around; with none

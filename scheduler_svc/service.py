@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import uuid
 from collections.abc import Iterable
 from dataclasses import replace
 
@@ -63,6 +64,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         admin_key: str = "",
     ) -> None:
         self.settings = settings
+        self.instance = uuid.uuid4().hex  # this process, whatever address it is reached at
         self.loops: list[WorkerLoop | None] = []
         self.step_models = StepModels(prior_of(settings.cost_model))  # one per worker
         self.core = Scheduler(settings.core(), predict=self.step_models.predict)
@@ -260,6 +262,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 step_seconds=r.step_seconds, plain_seconds=r.plain_seconds,
             )  # fmt: skip
         reply.spec_potential_skipped = self.core.potential.skipped
+        reply.instance = self.instance
         by_name = {c.spec().name: c for c in clients if c.info is not None}
         for kv in snap.workers:
             client = by_name.get(kv.name)

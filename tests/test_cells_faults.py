@@ -19,7 +19,7 @@ from tests.stack_checks import generate, greedy_request, wait_for
 from tests.stacks import running_stack
 from tests.streams import Streams
 from tests.test_cells_stack import routed, two_cells
-from tests.test_faults import baseline, kill9
+from tests.test_faults import baseline, held_settings, kill9
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hang_guard")]
 
@@ -126,3 +126,35 @@ def test_a_cell_whose_worker_dies_is_routed_around_and_its_streams_move(tmp_path
         stack.restart("worker1")
         wait_for(lambda: cells_up(gw) == [True, True], 60, "cell 1 takes traffic again")
         assert len({routed(gw, greedy_request(i, 4))[0] for i in range(4)}) == 2
+
+
+def test_one_scheduler_listed_under_two_names_is_one_cell(tmp_path) -> None:
+    """--cells 127.0.0.1:p,localhost:p: the second address reaches the first's scheduler (its
+    Status's instance), so it is routed around for good and every request goes to one cell.
+    (It had been a second cell, up, splitting one scheduler's load and cache in the router.)"""
+    settings = held_settings(kv_capacity=4096)
+    with running_stack(settings, tmp_path):
+        port = free_port()
+        first = settings.scheduler
+        second = "localhost:" + first.split(":")[1]
+        log = (tmp_path / "gateway2.log").open("w")
+        other = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "--port", str(port), "--cells", f"{first},{second}",
+             "--router", "round-robin"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            target = f"127.0.0.1:{port}"
+            wait_for(lambda: _cells_up(target) == [True, False], 60, "the alias routed around")
+            assert {routed(target, greedy_request(i, 4))[0] for i in range(4)} == {first}
+            assert "one scheduler at two addresses" in (tmp_path / "gateway2.log").read_text()
+        finally:
+            other.terminate()
+            other.wait(30)
+
+
+def _cells_up(target: str) -> list[bool] | None:
+    try:
+        return cells_up(target)
+    except Exception:  # not listening yet
+        return None
