@@ -23,23 +23,12 @@ from scheduler_svc.config import (
     WorkerSpec,
 )
 from scheduler_svc.core import Scheduler
-from scheduler_svc.invariants import check_invariants
 from scheduler_svc.request_queue import FairRequestQueue, FCFSRequestQueue
 from scheduler_svc.sequence import SeqStatus, Sequence
 from tests import spec_sim
+from tests.test_preemption_room import _seq, _step
 
 PREFIX = list(range(100, 116))  # 4 full blocks of 4
-
-
-def _step(core: Scheduler) -> None:
-    for step in core.schedule_all():
-        tokens = [7 for w in step.chunks if w.sample] + [7] * len(step.decodes) * step.repeat
-        core.complete(step, tokens)
-    check_invariants(core)
-
-
-def _seq(rid: str, prompt: list[int], max_tokens: int, priority: int) -> Sequence:
-    return Sequence(rid, prompt, max_tokens, ignore_eos=True, tenancy=Tenancy(priority=priority))
 
 
 def _core(num_blocks: int, token_budget: int = 64, **config) -> Scheduler:
