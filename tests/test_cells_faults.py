@@ -17,9 +17,8 @@ from llmserve import client
 from llmserve.ports import free_port
 from tests.stack_checks import generate, greedy_request, wait_for
 from tests.stacks import running_stack
-from tests.streams import Streams
 from tests.test_cells_stack import routed, two_cells
-from tests.test_faults import baseline, held_settings, kill9
+from tests.test_faults import held_settings, kill9, streaming
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hang_guard")]
 
@@ -46,9 +45,7 @@ def test_with_every_cell_down_held_streams_wait_for_one_to_come_back(tmp_path, m
     n, max_tokens = 6, 300
     with running_stack(settings, tmp_path) as stack:
         gw = settings.gateway
-        expected = baseline(gw, n, max_tokens)
-        streams = Streams(gw, [greedy_request(i, max_tokens) for i in range(n)])
-        wait_for(lambda: streams.all_have(3), 60, "every stream has tokens")
+        streams, expected = streaming(gw, n, max_tokens)
         kill9(stack, "scheduler")
         kill9(stack, "scheduler1")
         wait_for(lambda: cells_up(gw) == [False, False], 15, "both cells shown down")
@@ -113,9 +110,7 @@ def test_a_cell_whose_worker_dies_is_routed_around_and_its_streams_move(tmp_path
     n, max_tokens = 6, 300
     with running_stack(settings, tmp_path) as stack:
         gw = settings.gateway
-        expected = baseline(gw, n, max_tokens)
-        streams = Streams(gw, [greedy_request(i, max_tokens) for i in range(n)])
-        wait_for(lambda: streams.all_have(3), 60, "every stream has tokens")
+        streams, expected = streaming(gw, n, max_tokens)
         kill9(stack, "worker1")
         outcomes = streams.join(120)
         assert [o.code for o in outcomes] == [None] * n, {o.details for o in outcomes}

@@ -19,8 +19,7 @@ from llmserve.client import status_dict
 from llmserve.status_text import format_status
 from tests.stack_checks import greedy_request, wait_for
 from tests.stacks import free_run, running_stack
-from tests.streams import Streams
-from tests.test_faults import baseline, held_settings, kill9
+from tests.test_faults import baseline, held_settings, kill9, streaming
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hang_guard")]
 
@@ -69,9 +68,7 @@ def test_a_killed_cells_streams_complete_in_the_other_identical(tmp_path) -> Non
     n, max_tokens = 12, 200
     with running_stack(settings, tmp_path) as stack:
         gw = settings.gateway
-        expected = baseline(gw, n, max_tokens)
-        streams = Streams(gw, [greedy_request(i, max_tokens) for i in range(n)])
-        wait_for(lambda: streams.all_have(3), 60, "every stream has tokens")
+        streams, expected = streaming(gw, n, max_tokens)
         kill9(stack, "scheduler1")
         outcomes = streams.join(120)
         assert [o.code for o in outcomes] == [None] * n, {o.details for o in outcomes}
@@ -134,9 +131,7 @@ def test_a_hung_cells_streams_move_to_the_other_and_complete_identical(tmp_path)
     n, max_tokens = 12, 900  # 9 s or more a stream: they outlast the hang's detection
     with running_stack(settings, tmp_path) as stack:
         gw = settings.gateway
-        expected = baseline(gw, n, max_tokens)
-        streams = Streams(gw, [greedy_request(i, max_tokens) for i in range(n)])
-        wait_for(lambda: streams.all_have(3), 60, "every stream has tokens")
+        streams, expected = streaming(gw, n, max_tokens)
         hung = stack.procs["scheduler1"]
         hung.send_signal(signal.SIGSTOP)
         try:

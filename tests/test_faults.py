@@ -54,6 +54,15 @@ def baseline(target: str, n: int, max_tokens: int) -> list[list[int]]:
     return [o.tokens for o in outcomes]
 
 
+def streaming(target: str, n: int, max_tokens: int) -> tuple[Streams, list[list[int]]]:
+    """An undisturbed run's tokens (`baseline`), then the same n greedy streams started again
+    and each past its first tokens: (the streams, what each should come to)."""
+    expected = baseline(target, n, max_tokens)
+    streams = Streams(target, [greedy_request(i, max_tokens) for i in range(n)])
+    wait_for(lambda: streams.all_have(3), 60, "every stream has tokens")
+    return streams, expected
+
+
 def kill9(stack, name: str) -> None:
     """SIGKILL one process and reap it (its sockets close a little before it can be reaped)."""
     stack.procs[name].kill()
@@ -120,9 +129,7 @@ def test_the_single_worker_killed_and_restarted_loses_no_stream(tmp_path) -> Non
     n, max_tokens = 3, 300
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler
-        expected = baseline(gw, n, max_tokens)
-        streams = Streams(gw, [greedy_request(i, max_tokens) for i in range(n)])
-        wait_for(lambda: streams.all_have(3), 60, "every stream has tokens")
+        streams, expected = streaming(gw, n, max_tokens)
         kill9(stack, "worker0")
         wait_for(lambda: not worker_healthy(sched, 0), BOUND, "worker0 shown failed")
         late = Streams(gw, [greedy_request(n, max_tokens)])  # queued meanwhile, not refused
@@ -188,9 +195,7 @@ def test_scheduler_kill_and_restart_loses_no_request_the_gateway_holds(tmp_path)
     n, max_tokens = 3, 300
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler
-        expected = baseline(gw, n, max_tokens)
-        streams = Streams(gw, [greedy_request(i, max_tokens) for i in range(n)])
-        wait_for(lambda: streams.all_have(3), 60, "every stream has tokens")
+        streams, expected = streaming(gw, n, max_tokens)
         kill9(stack, "scheduler")
         with pytest.raises(grpc.RpcError) as err:  # down: refused, not hung
             generate(gw, greedy_request(1, 4), timeout=BOUND)

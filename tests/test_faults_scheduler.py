@@ -14,7 +14,7 @@ from llmserve import client
 from tests.stack_checks import greedy_request, stop_cleanly, wait_for, wait_idle
 from tests.stacks import running_stack
 from tests.streams import Streams
-from tests.test_faults import BOUND, baseline, held_settings, kill9, worker_running
+from tests.test_faults import BOUND, baseline, held_settings, kill9, streaming, worker_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hang_guard")]
 
@@ -34,9 +34,7 @@ def test_a_stopped_scheduler_fails_no_worker_and_every_stream_completes(tmp_path
     n, max_tokens = 20, 200
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler
-        expected = baseline(gw, n, max_tokens)
-        streams = Streams(gw, [greedy_request(i, max_tokens) for i in range(n)])
-        wait_for(lambda: streams.all_have(3), 60, "every stream has tokens")
+        streams, expected = streaming(gw, n, max_tokens)
         wait_for(lambda: worker_running(sched, 0) and worker_running(sched, 1), 10, "both run")
         scheduler = stack.procs["scheduler"]
         scheduler.send_signal(signal.SIGSTOP)
@@ -62,9 +60,7 @@ def test_a_restarted_scheduler_serves_with_the_workers_that_answer(tmp_path) -> 
     n, max_tokens = 4, 200
     with running_stack(settings, tmp_path) as stack:
         gw, sched = settings.gateway, settings.scheduler
-        expected = baseline(gw, n, max_tokens)
-        streams = Streams(gw, [greedy_request(i, max_tokens) for i in range(n)])
-        wait_for(lambda: streams.all_have(3), 60, "every stream has tokens")
+        streams, expected = streaming(gw, n, max_tokens)
         kill9(stack, "worker1")
         kill9(stack, "scheduler")
         killed = time.monotonic()
