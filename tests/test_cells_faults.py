@@ -5,6 +5,7 @@ at start depends on the first cell it lists."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -153,3 +154,25 @@ def _cells_up(target: str) -> list[bool] | None:
         return cells_up(target)
     except Exception:  # not listening yet
         return None
+
+
+def test_a_cell_whose_worker_drains_finishes_its_streams_there_and_takes_no_new_one(
+    tmp_path,
+) -> None:
+    """SIGTERM cell 1's worker under 6 streams (round-robin): it drains, so its cell has no
+    live worker and is routed around, but its streams are not moved: the draining worker
+    finishes them, whole and exact, and new requests go to cell 0 meanwhile."""
+    settings = two_cells(router="round-robin")
+    n, max_tokens = 6, 300
+    with running_stack(settings, tmp_path) as stack:
+        gw = settings.gateway
+        streams, expected = streaming(gw, n, max_tokens)
+        stack.procs["worker1"].send_signal(signal.SIGTERM)
+        wait_for(lambda: cells_up(gw) == [True, False], 30, "cell 1 routed around")
+        cell0 = settings.cell_scheduler(0)
+        assert {routed(gw, greedy_request(i, 4))[0] for i in range(4)} == {cell0}
+        outcomes = streams.join(120)
+        assert [o.code for o in outcomes] == [None] * n, {o.details for o in outcomes}
+        assert [o.tokens for o in outcomes] == expected
+        assert "resubmitting" not in stack.log("gateway").read_text()
+        assert stack.procs["worker1"].wait(60) == 0
