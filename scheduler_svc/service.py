@@ -263,11 +263,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             )  # fmt: skip
         reply.spec_potential_skipped = self.core.potential.skipped
         reply.instance = self.instance
-        by_name = {c.spec().name: c for c in clients if c.info is not None}
-        for kv in snap.workers:
-            client = by_name.get(kv.name)
+        # the snapshot's rows are the workers not gone, in order (two may share a name)
+        listed = [c for c, ws in zip(clients, self.core.workers, strict=True) if not ws.gone]
+        for kv, client in zip(snap.workers, listed, strict=True):
             out = add_row(reply.workers, kv)  # every figure, stalls too
-            if client is not None:
+            if client.info is not None:
                 out.address = client.target
                 out.forward_seconds = client.forward_seconds
                 out.idle_seconds = client.idle_seconds

@@ -225,11 +225,14 @@ class Supervisor:
         self.join(client)
         return True
 
-    def join_problem(self, client: WorkerClient) -> str:
-        """Why a described worker cannot join beside the others (join_problem; "" if it can)."""
+    def join_problem(self, client: WorkerClient, but: int | None = None) -> str:
+        """Why a described worker cannot join (or, as entry `but`, come back) beside the others
+        (join_problem; "" if it can)."""
         assert client.info is not None
-        pairs = zip(self.clients, self.core.workers, strict=True)
-        joined = [(c.target, c.info, not w.gone) for c, w in pairs if c.info is not None]
+        pairs = enumerate(zip(self.clients, self.core.workers, strict=True))
+        joined = [
+            (c.target, c.info, not w.gone) for i, (c, w) in pairs if c.info is not None and i != but
+        ]
         return join_problem(client.info, joined)
 
     def _refused(self, address: str, bad: BadWorker) -> None:
@@ -250,6 +253,10 @@ class Supervisor:
             return
         if await client.serving() is not True:
             return  # answering, but not (yet, or any more) taking work
+        problem = self.join_problem(client, but=index)
+        if problem:  # e.g. it came back, and joined, at another spelling of its address
+            self._refused(client.target, BadWorker(client.target, problem))
+            return
         log.info("worker %s is back", ws.spec.name)
         self.core.restore_worker(index, client.spec())
         client.unreachable_since = client.silent_since = None

@@ -18,6 +18,7 @@ from llmcommon.server import CHANNEL_OPTIONS
 from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from llmserve import client
 from llmserve.ports import free_port
+from tests.stack_checks import wait_for
 from tests.stacks import running_stack, tiny_settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hang_guard")]
@@ -76,3 +77,37 @@ def test_a_scheduler_listing_one_worker_twice_stops_in_one_line(stack) -> None:
         f"worker {other_spelling(address)} describes the same instance as the worker at "
         f"{address} (one process at two addresses)"
     )
+
+
+def test_a_listed_worker_back_under_another_spelling_is_not_restored_beside_it(tmp_path) -> None:
+    """worker0 (listed in --workers as 127.0.0.1:p) is killed and started again registering as
+    localhost:p: it joins under that address while its listed entry is down; when the listed
+    entry answers again it is the same instance, and stays out. (It had been restored beside
+    the registered one: a phantom whose stream the worker refused, "failed / is back" four
+    times a second: the regression sweep.)"""
+    settings = tiny_settings(model="sim", sim_step_ms=5.0, kv_capacity=4096)
+    with running_stack(settings, tmp_path) as stack:
+        address = settings.worker_address(0)
+        stack.procs["worker0"].kill()
+        stack.procs["worker0"].wait(10)
+        sched = settings.scheduler
+        wait_for(lambda: not client.status(sched).workers[0].healthy, 30, "worker0 failed")
+        command = stack.worker_command(0, settings.worker_base_port, "--scheduler", sched,
+                                       "--advertise", other_spelling(address))  # fmt: skip
+        with open(tmp_path / "worker0b.log", "w") as log:
+            again = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            says = f"describes the same instance as the worker at {other_spelling(address)}"
+            wait_for(lambda: says in stack.log("scheduler").read_text(), 60, "the entry kept out")
+            rows = client.status(sched).workers
+            assert [(w.address, w.healthy) for w in rows] == [
+                (address, False),
+                (other_spelling(address), True),
+            ]
+            with client.Client(settings.gateway, timeout=60) as c:
+                usage = c.generate("hello", max_tokens=3, ignore_eos=True).usage
+            assert usage["completion_tokens"] == 3
+            assert "is back" not in stack.log("scheduler").read_text()
+        finally:
+            again.terminate()
+            again.wait(30)
