@@ -44,12 +44,14 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request, context):
+        """Each change of the service's status (yielded, not written with context.write: so an
+        undecodable request is INVALID_ARGUMENT here too, llmcommon/unreadable.py)."""
         last = None
         while True:
             changed = self._changed  # taken before reading, so no change is missed
             status = self.statuses.get(request.service, SERVICE_UNKNOWN)
             if status != last:
-                await context.write(health_pb2.HealthCheckResponse(status=status))
+                yield health_pb2.HealthCheckResponse(status=status)
                 last = status
             if self.closing:
                 return

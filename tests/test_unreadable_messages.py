@@ -105,6 +105,8 @@ def stack(tmp_path_factory):
         ("gateway", "/llmserve.v1.Gateway/GenerateUnary", False),
         ("gateway", "/llmserve.v1.Gateway/Status", False),
         ("gateway", "/grpc.health.v1.Health/Check", False),
+        ("gateway", "/grpc.health.v1.Health/Watch", True),
+        ("scheduler", "/grpc.health.v1.Health/Watch", True),
     ],
 )
 def test_an_undecodable_request_is_invalid_argument_without_a_traceback(
