@@ -16,7 +16,7 @@ from typing import NoReturn
 import grpc
 
 from llmcommon.admin_auth import admin_key
-from llmcommon.flags import add_flags, from_args
+from llmcommon.flags import add_flags, env_name, from_args
 from llmserve import client
 from llmserve.bench.errors import BenchError
 from llmserve.prometheus import DASHBOARD, Prometheus, start_for_stack
@@ -35,7 +35,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         settings = from_args(StackSettings, args)
     except ValueError as err:  # the settings' own checks, as a bad flag: one line, exit 2
-        print(f"llmserve up: error: {err} (see llmserve up --help)", file=sys.stderr)
+        print(f"llmserve up: error: {err}{from_variable(str(err))} (see llmserve up --help)",
+              file=sys.stderr)  # fmt: skip
         return 2
     stack = Stack(settings, Path(args.log_dir))
     cells = f"{settings.cells} cells of " if settings.cells > 1 else ""
@@ -198,6 +199,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from llmserve.demo import run_demo
 
     return run_demo(Path(args.log_dir))
+
+
+def from_variable(message: str, argv: list[str] | None = None) -> str:
+    """ " (from $VARIABLE)" when a refused setting of `up` (the first word of the message)
+    came from a service's variable rather than a flag ("" otherwise)."""
+    name = message.split(" ", 1)[0].removeprefix("--").replace("-", "_")
+    prefix = variable_prefix(name)
+    flag = "--" + name.replace("_", "-")
+    given = any(a == flag or a.startswith(flag + "=") for a in (argv or sys.argv[1:]))
+    if not prefix or given or env_name(prefix, name) not in os.environ:
+        return ""
+    return f" (from ${env_name(prefix, name)})"
 
 
 def build_parser() -> argparse.ArgumentParser:

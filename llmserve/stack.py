@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
+from gateway.routing.settings import parse_policy
 from gateway.served_model import PACKAGED
 from gateway.settings import ENV_PREFIX as GW_ENV
 from gateway.settings import GatewaySettings
@@ -128,6 +129,7 @@ class StackSettings(CoreConfig):
         for name in ("cells", "workers"):  # 0 would start a stack with nothing to serve
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        parse_policy(self.router)  # the gateway's check, before anything starts
 
     @property
     def gateway(self) -> str:

@@ -198,8 +198,18 @@ def test_up_passes_on_the_services_own_variables(monkeypatch) -> None:
     assert _value(scheduler, "--speculative") == "suffix"
 
 
-def test_a_bad_variable_stops_up_in_one_line_naming_it() -> None:
-    env = {**os.environ, "LLMSERVE_SCHEDULER_TOKEN_BUDGET": "lots"}
-    done = run_cli("up", "--model", "sim", env=env)
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("LLMSERVE_SCHEDULER_TOKEN_BUDGET", "lots"),  # not a number
+        ("LLMSERVE_SCHEDULER_MAX_RUNNING", "-3"),  # a number the setting refuses
+        ("LLMSERVE_GATEWAY_ROUTER", "bogus"),  # the gateway's check, before anything starts
+    ],
+)
+def test_a_bad_variable_stops_up_in_one_line_naming_it(variable, value) -> None:
+    """(A refused number had not named the variable, and a bad router had stopped `up` only
+    once the gateway refused it, after the workers and the scheduler had started.)"""
+    done = run_cli("up", "--model", "sim", env={**os.environ, variable: value})
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "$LLMSERVE_SCHEDULER_TOKEN_BUDGET" in done.stderr.strip().splitlines()[-1]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"${variable}" in lines[0], done.stderr
