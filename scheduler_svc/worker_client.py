@@ -52,11 +52,16 @@ Joined = tuple[str, worker_pb2.WorkerInfo, bool]  # a worker's address, descript
 def join_problem(info: worker_pb2.WorkerInfo, joined: list[Joined]) -> str:
     """Why a worker described as `info` cannot join beside `joined` ("" if it can): it is the
     process of a live one reached at another address (its stream would be refused, a phantom
-    worker in the meantime), or it has another vocabulary than theirs (another model: it had made
-    every client's request look out of vocabulary)."""
+    worker in the meantime), it serves another model (the gateway, which tokenizes for one,
+    refuses every request while the workers disagree), or it has another vocabulary than theirs
+    (it had made every client's request look out of vocabulary)."""
     for target, other, live in joined:
         if live and info.instance and other.instance == info.instance:
             return f"the same instance as the worker at {target} (one process at two addresses)"
+    models = {other.model for _, other, _ in joined}
+    if models and info.model not in models:  # the gateway would refuse every request
+        have = ", ".join(map(repr, sorted(models)))
+        return f"model {info.model!r} where the stack's workers serve {have}"
     vocabs = {other.vocab_size for _, other, _ in joined}
     if not vocabs or info.vocab_size in vocabs:
         return ""

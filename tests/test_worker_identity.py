@@ -8,13 +8,14 @@ Real processes, the simulated model."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 
 import grpc
 import pytest
 
-from llmcommon.server import CHANNEL_OPTIONS
+from llmcommon.server import CHANNEL_OPTIONS, wait_healthy
 from llmcommon.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from llmserve import client
 from llmserve.ports import free_port
@@ -111,3 +112,27 @@ def test_a_listed_worker_back_under_another_spelling_is_not_restored_beside_it(t
         finally:
             again.terminate()
             again.wait(30)
+
+
+def test_a_scheduler_listing_workers_of_two_models_stops_in_one_line(stack, tmp_path) -> None:
+    """sim and tiny share a vocabulary, but the gateway tokenizes for one model and refuses
+    every request while the workers name two: the scheduler stops at the start, naming both
+    (it had served them side by side: the regression sweep)."""
+    port = free_port()
+    command = [sys.executable, "-m", "worker_svc", "--model", "tiny", "--dtype", "fp32",
+               "--port", str(port), "--kv-capacity", "4096", "--threads", "1"]  # fmt: skip
+    with open(tmp_path / "tiny_worker.log", "w") as log:
+        tiny = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        asyncio.run(wait_healthy(f"127.0.0.1:{port}", 120))
+        workers = f"{stack.settings.worker_address(0)},127.0.0.1:{port}"
+        command = [sys.executable, "-m", "scheduler_svc", "--port", str(free_port()),
+                   "--workers", workers]  # fmt: skip
+        ended = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    finally:
+        tiny.terminate()
+        tiny.wait(30)
+    assert ended.returncode != 0 and "Traceback" not in ended.stderr
+    assert ended.stderr.strip().splitlines()[-1] == (
+        f"worker 127.0.0.1:{port} describes model 'tiny' where the stack's workers serve 'sim'"
+    )
