@@ -13,7 +13,7 @@ import grpc
 from gateway.api_keys import KeysFileError
 from gateway.key_table import KeyTable
 from gateway.routing import Router
-from gateway.routing.settings import LIVE, live_name, live_values, with_changes
+from gateway.routing.settings import LIVE, live_values, with_changes
 from llmcommon.admin_auth import (
     ADMIN_KEY_HEADER,
     FORWARDED_FOR,
@@ -21,7 +21,7 @@ from llmcommon.admin_auth import (
     admin_key_of,
 )
 from llmcommon.errors import bounded
-from llmcommon.flags import given_twice
+from llmcommon.flags import field_name, given_twice
 from llmcommon.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 TIMEOUT_S = 30.0  # an explanation plans the core a few dozen times
@@ -53,13 +53,13 @@ class GatewayAdmin(scheduler_pb2_grpc.AdminServicer):
         twice = given_twice(c.name for c in request.changes)
         if twice is not None:  # as the cells refuse theirs (scheduler_svc/live_settings.py)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(f"{twice}: given twice"))
-        ours = {live_name(c.name): c.value for c in request.changes if live_name(c.name) in LIVE}
+        ours = {field_name(c.name): c.value for c in request.changes if field_name(c.name) in LIVE}
         try:
             routing = with_changes(self.router.settings, ours)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(err)))
         rest = scheduler_pb2.SetSettingsRequest(
-            changes=[c for c in request.changes if live_name(c.name) not in LIVE]
+            changes=[c for c in request.changes if field_name(c.name) not in LIVE]
         )
         if rest.changes:
             reply = await self._every_cell(rest, context)

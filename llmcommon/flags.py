@@ -17,12 +17,17 @@ T = TypeVar("T")
 TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
+def field_name(name: str) -> str:
+    """A setting's field, however a flag or a live change spells it (`token-budget`)."""
+    return name.replace("-", "_")
+
+
 def given_twice(names: typing.Iterable[str]) -> str | None:
     """The first name given again (`token_budget` and `token-budget` are one name), or None:
     a live change names each setting once (the scheduler's and the gateway's `set`)."""
     seen: set[str] = set()
     for name in names:
-        key = name.replace("-", "_")
+        key = field_name(name)
         if key in seen:
             return name
         seen.add(key)

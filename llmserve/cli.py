@@ -16,7 +16,7 @@ from typing import NoReturn
 import grpc
 
 from llmcommon.admin_auth import admin_key
-from llmcommon.flags import add_flags, env_name, from_args
+from llmcommon.flags import add_flags, env_name, field_name, from_args
 from llmserve import client
 from llmserve.bench.errors import BenchError
 from llmserve.prometheus import DASHBOARD, Prometheus, start_for_stack
@@ -204,7 +204,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def from_variable(message: str, argv: list[str] | None = None) -> str:
     """ " (from $VARIABLE)" when a refused setting of `up` (the first word of the message)
     came from a service's variable rather than a flag ("" otherwise)."""
-    name = message.split(" ", 1)[0].removeprefix("--").replace("-", "_")
+    name = field_name(message.split(" ", 1)[0].removeprefix("--"))
     prefix = variable_prefix(name)
     flag = "--" + name.replace("_", "-")
     given = any(a == flag or a.startswith(flag + "=") for a in (argv or sys.argv[1:]))

@@ -11,7 +11,7 @@ import enum
 from collections.abc import Iterable
 from typing import Any
 
-from llmcommon.flags import given_twice, parse_field
+from llmcommon.flags import field_name, given_twice, parse_field
 from scheduler_svc.config import BatchMode, CoreConfig
 from scheduler_svc.sequence import Sequence
 
@@ -44,9 +44,7 @@ def changes_of(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
     pairs = list(pairs)
     twice = given_twice(key for key, _ in pairs)
     if twice is not None:
-        sent = " and ".join(
-            f"{k}={t}" for k, t in pairs if k.replace("-", "_") == twice.replace("-", "_")
-        )
+        sent = " and ".join(f"{k}={t}" for k, t in pairs if field_name(k) == field_name(twice))
         raise SettingError(twice, f"given twice ({sent}): give it once")
     return dict(pairs)
 
@@ -67,7 +65,7 @@ def apply(config: CoreConfig, changes: dict[str, str]) -> CoreConfig:
     and `config` itself is never touched (it is frozen; the caller keeps it on error)."""
     values: dict[str, Any] = {}
     for key, text in changes.items():
-        name = key.replace("-", "_")
+        name = field_name(key)
         if name not in NAMES:
             raise SettingError(key, f"not a live setting (one of {', '.join(NAMES)})")
         if name in values:  # a mapping may still name one setting in both spellings

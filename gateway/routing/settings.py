@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from llmcommon.flags import setting
+from llmcommon.flags import field_name, setting
 
 
 class RoutePolicy(Enum):
@@ -102,11 +102,6 @@ LIVE = {
 }
 
 
-def live_name(name: str) -> str:
-    """A live setting's name as LIVE spells it (`router-load-weight` = `router_load_weight`)."""
-    return name.replace("-", "_")
-
-
 def live_values(settings: RouterSettings) -> dict[str, str]:
     """Each live setting's value, as its flag takes it."""
     out = {}
@@ -121,7 +116,7 @@ def with_changes(settings: RouterSettings, changes: dict[str, str]) -> RouterSet
     and nothing changed."""
     given = {}
     for name, text in changes.items():
-        field = LIVE[live_name(name)]
+        field = LIVE[field_name(name)]
         kind = type(getattr(settings, field))
         try:
             given[field] = parse_policy(text) if field == "policy" else kind(text)
